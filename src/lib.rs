@@ -1,0 +1,19 @@
+//! Kubernetes controllers that reconcile across a dynamic fleet of clusters, built on kube-rs.
+//!
+//! `multicluster-runtime` brings the model of Go's `sigs.k8s.io/multicluster-runtime` to
+//! kube-rs: providers discover clusters and engage or disengage them at run time, and the
+//! same reconciler code runs against one cluster or a whole fleet. See the README for what is
+//! done and what is planned.
+//!
+//! # Features
+//!
+//! - `testenv`: [`testenv`], real `etcd` + `kube-apiserver` control planes on loopback for
+//!   tests of multi-cluster controllers (this crate's and yours).
+#![forbid(unsafe_code)]
+// Nothing a user or a server can influence may panic the library; tests may unwrap.
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(feature = "testenv")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testenv")))]
+pub mod testenv;
