@@ -47,12 +47,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams};
+use kube::client::ConfigExt as _;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::wait::{await_condition, conditions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 pub use assets::{ASSETS_ENV, Assets, CACHE_ENV, KUBEBUILDER_ASSETS_ENV, KUBERNETES_VERSION};
 use pki::{CertAndKey, ClusterPki, MAX_GROUPS};
@@ -1018,23 +1019,23 @@ async fn wait_apiserver_ready(
     config: &kube::Config,
     timeout: Duration,
 ) -> Result<(), Error> {
-    let mut probe_config = config.clone();
-    // Each probe is cheap and repeated; the client's own retries would only delay the answer.
-    probe_config.default_retry = false;
-    probe_config.connect_timeout = Some(Duration::from_secs(2));
-    let client = kube::Client::try_from(probe_config).map_err(|source| Error::Kube {
-        cluster: cluster.to_string(),
-        action: "build the readiness probe client".into(),
-        source,
-    })?;
+    let port = config.cluster_url.port_u16().unwrap_or(443);
+    let mut tls = config
+        .rustls_client_config()
+        .map_err(|source| Error::Kube {
+            cluster: cluster.to_string(),
+            action: "build the readiness probe's TLS configuration".into(),
+            source,
+        })?;
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tls = Arc::new(tls);
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(status) = apiserver.try_exited() {
             return Err(exited(cluster, apiserver, status));
         }
-        if let Ok(Ok(true)) =
-            tokio::time::timeout(Duration::from_secs(5), apiserver_ready(&client)).await
-        {
+        let probe = apiserver_ready(tls.clone(), port);
+        if let Ok(Ok(true)) = tokio::time::timeout(Duration::from_secs(5), probe).await {
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -1043,6 +1044,62 @@ async fn wait_apiserver_ready(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// `/readyz` answers 200 and the `default` namespace exists. The namespace is created by a
+/// loop inside the apiserver that `/readyz` does not cover, so without the second check a
+/// test's first write to `default` can race it (envtest waits for it too).
+///
+/// The probe speaks plain HTTP/1.1 over TLS instead of going through `kube::Client`, whose
+/// tracing layer logs every 5xx (normal while the apiserver starts) at ERROR level.
+async fn apiserver_ready(
+    tls: Arc<tokio_rustls::rustls::ClientConfig>,
+    port: u16,
+) -> std::io::Result<bool> {
+    for path in ["/readyz", "/api/v1/namespaces/default"] {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let name = ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+        let stream = tokio_rustls::TlsConnector::from(tls.clone())
+            .connect(name, tcp)
+            .await?;
+        if http_get_status(stream, path).await? != 200 {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Sends `GET path` over `stream` and returns the response's status code.
+async fn http_get_status<S>(mut stream: S, path: &str) -> std::io::Result<u16>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    stream.flush().await?;
+    // The status line is all we need; it fits in the first read of any real response.
+    let mut head = [0u8; 64];
+    let mut len = 0;
+    while len < head.len() {
+        let n = stream.read(&mut head[len..]).await?;
+        if n == 0 {
+            break;
+        }
+        len += n;
+        if head[..len].contains(&b'\n') {
+            break;
+        }
+    }
+    let line = String::from_utf8_lossy(&head[..len]);
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("bad status line {line:?}"),
+            )
+        })
 }
 
 async fn wait_etcd_ready(
@@ -1068,28 +1125,10 @@ async fn wait_etcd_ready(
     }
 }
 
-/// `/readyz` answers 200 and the `default` namespace exists. The namespace is created by a
-/// controller inside the apiserver that is not part of `/readyz`, so without this check a test's
-/// first write to `default` can race it (envtest waits for it too).
-async fn apiserver_ready(client: &kube::Client) -> Result<bool, kube::Error> {
-    let Ok(readyz) = http::Request::get("/readyz").body(Vec::new()) else {
-        return Ok(false);
-    };
-    client.request_text(readyz).await?;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    Ok(namespaces.get_opt("default").await?.is_some())
-}
-
-/// One plain-HTTP `GET /health` against etcd's client port.
+/// `GET /health` on etcd's plain-HTTP client port answers 200.
 async fn etcd_healthy(port: u16) -> std::io::Result<bool> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    stream
-        .write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    let text = String::from_utf8_lossy(&response);
-    Ok(text.starts_with("HTTP/1.1 200") && text.contains(r#""health":"true""#))
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    Ok(http_get_status(stream, "/health").await? == 200)
 }
 
 fn exited(cluster: &str, process: &ManagedProcess, status: std::process::ExitStatus) -> Error {
