@@ -357,6 +357,24 @@ async fn an_apiserver_that_fails_to_start_reports_its_log() {
 }
 
 #[tokio::test]
+async fn a_process_not_ready_in_time_is_stopped_and_reported_with_its_log() {
+    let err = TestEnv::builder()
+        .ready_timeout(Duration::from_millis(1))
+        .start()
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    let Error::NotReady { log, timeout, .. } = &err else {
+        panic!("expected NotReady, got {msg}")
+    };
+    assert_eq!(*timeout, Duration::from_millis(1));
+    assert!(
+        msg.contains(&log.display().to_string()),
+        "the error names the log file: {msg}"
+    );
+}
+
+#[tokio::test]
 async fn missing_binaries_are_reported_with_the_way_to_get_them() {
     let empty = tempfile::tempdir().unwrap();
     let err = Assets::in_dir(empty.path()).unwrap_err();
