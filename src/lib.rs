@@ -14,6 +14,15 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod action;
+mod cluster_id;
+mod queue;
+mod request;
+
+pub use action::Action;
+pub use cluster_id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
+pub use request::{ParseRequestError, Request};
+
 #[cfg(feature = "testenv")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testenv")))]
 pub mod testenv;
