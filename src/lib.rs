@@ -15,12 +15,27 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod action;
+mod builder;
+mod cluster;
 mod cluster_id;
+mod context;
+pub mod controller;
+mod fleet;
+mod manager;
+mod provider;
+pub mod providers;
 mod queue;
 mod request;
 
 pub use action::Action;
+pub use builder::{Builder, Watchable};
+pub use cluster::{Cluster, WeakCluster};
 pub use cluster_id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
+pub use context::Context;
+pub use controller::ReconcileReason;
+pub use fleet::{EngageError, Engaged, Fleet};
+pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
+pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};
 
 #[cfg(feature = "testenv")]

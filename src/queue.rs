@@ -10,11 +10,12 @@ use std::collections::{HashMap, HashSet, VecDeque, hash_map::Entry};
 
 use crate::{ClusterId, Request};
 
-/// Ready requests grouped by cluster, served round-robin.
+/// Ready requests grouped by cluster, served round-robin. Each request carries a payload
+/// `R` (why it was queued); for a request pushed twice the first payload is kept.
 #[derive(Debug)]
-pub(crate) struct FairQueue<C: ClusterId> {
+pub(crate) struct FairQueue<C: ClusterId, R = ()> {
     /// Per cluster, its ready requests in arrival order. Never holds an empty deque.
-    queues: HashMap<C, VecDeque<Request<C>>>,
+    queues: HashMap<C, VecDeque<(Request<C>, R)>>,
     /// Clusters with ready requests, in the order they are served next; each exactly once,
     /// and exactly the keys of `queues`.
     rotation: VecDeque<C>,
@@ -24,27 +25,27 @@ pub(crate) struct FairQueue<C: ClusterId> {
     in_flight: HashSet<Request<C>>,
     /// In-flight requests that were pushed again; they are queued once they are done, so the
     /// change that caused the push is not lost, and never run twice at once.
-    dirty: HashSet<Request<C>>,
+    dirty: HashMap<Request<C>, R>,
 }
 
-impl<C: ClusterId> Default for FairQueue<C> {
+impl<C: ClusterId, R> Default for FairQueue<C, R> {
     fn default() -> Self {
         Self {
             queues: HashMap::new(),
             rotation: VecDeque::new(),
             queued: HashSet::new(),
             in_flight: HashSet::new(),
-            dirty: HashSet::new(),
+            dirty: HashMap::new(),
         }
     }
 }
 
-impl<C: ClusterId> FairQueue<C> {
+impl<C: ClusterId, R> FairQueue<C, R> {
     /// Adds a request that is due. A request already queued is not added twice; one in
     /// flight is queued again when it is done.
-    pub(crate) fn push(&mut self, req: Request<C>) {
+    pub(crate) fn push(&mut self, req: Request<C>, payload: R) {
         if self.in_flight.contains(&req) {
-            self.dirty.insert(req);
+            self.dirty.entry(req).or_insert(payload);
             return;
         }
         if self.queued.contains(&req) {
@@ -52,23 +53,23 @@ impl<C: ClusterId> FairQueue<C> {
         }
         self.queued.insert(req.clone());
         match self.queues.entry(req.cluster.clone()) {
-            Entry::Occupied(mut q) => q.get_mut().push_back(req),
+            Entry::Occupied(mut q) => q.get_mut().push_back((req, payload)),
             Entry::Vacant(v) => {
                 self.rotation.push_back(req.cluster.clone());
-                v.insert(VecDeque::from([req]));
+                v.insert(VecDeque::from([(req, payload)]));
             }
         }
     }
 
     /// Takes the next request: the oldest of the cluster whose turn it is. It counts as in
     /// flight until [`FairQueue::done`].
-    pub(crate) fn pop(&mut self) -> Option<Request<C>> {
+    pub(crate) fn pop(&mut self) -> Option<(Request<C>, R)> {
         let cluster = self.rotation.pop_front()?;
         let Entry::Occupied(mut entry) = self.queues.entry(cluster) else {
             debug_assert!(false, "a cluster in the rotation has a queue");
             return None;
         };
-        let req = entry.get_mut().pop_front()?;
+        let (req, payload) = entry.get_mut().pop_front()?;
         if entry.get().is_empty() {
             entry.remove();
         } else {
@@ -76,14 +77,14 @@ impl<C: ClusterId> FairQueue<C> {
         }
         self.queued.remove(&req);
         self.in_flight.insert(req.clone());
-        Some(req)
+        Some((req, payload))
     }
 
     /// Marks an in-flight request finished; if it was pushed meanwhile it is queued again.
     pub(crate) fn done(&mut self, req: &Request<C>) {
         self.in_flight.remove(req);
-        if let Some(req) = self.dirty.take(req) {
-            self.push(req);
+        if let Some((req, payload)) = self.dirty.remove_entry(req) {
+            self.push(req, payload);
         }
     }
 
@@ -91,15 +92,16 @@ impl<C: ClusterId> FairQueue<C> {
     /// on their own; their pending re-runs are dropped too.
     pub(crate) fn remove_cluster(&mut self, cluster: &C) {
         if let Some(q) = self.queues.remove(cluster) {
-            for req in q {
+            for (req, _) in q {
                 self.queued.remove(&req);
             }
             self.rotation.retain(|c| c != cluster);
         }
-        self.dirty.retain(|r| &r.cluster != cluster);
+        self.dirty.retain(|r, _| &r.cluster != cluster);
     }
 
     /// Requests waiting (not in flight).
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.queued.len()
     }
@@ -111,6 +113,7 @@ impl<C: ClusterId> FairQueue<C> {
     }
 
     /// How many requests are in flight.
+    #[cfg(test)]
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.len()
     }
@@ -121,6 +124,12 @@ mod tests {
     use super::*;
     use crate::ClusterName;
 
+    impl FairQueue<ClusterName> {
+        fn push_(&mut self, r: Request<ClusterName>) {
+            self.push(r, ());
+        }
+    }
+
     fn req(cluster: &str, name: &str) -> Request<ClusterName> {
         Request::new(ClusterName::from(cluster), Some("ns"), name)
     }
@@ -129,26 +138,26 @@ mod tests {
     fn a_quiet_cluster_is_served_within_one_rotation_of_a_flooded_one() {
         let mut q = FairQueue::default();
         for i in 0..10_000 {
-            q.push(req("noisy", &format!("o{i}")));
+            q.push_(req("noisy", &format!("o{i}")));
         }
-        q.pop();
-        q.push(req("quiet", "only"));
+        q.pop().map(|(r, ())| r);
+        q.push_(req("quiet", "only"));
         // quiet joins the rotation behind noisy: one noisy request, then quiet, not after
         // the 9,999 others.
-        assert_eq!(q.pop().unwrap().cluster, "noisy");
-        assert_eq!(q.pop().unwrap(), req("quiet", "only"));
-        assert_eq!(q.pop().unwrap().cluster, "noisy");
+        assert_eq!(q.pop().map(|(r, ())| r).unwrap().cluster, "noisy");
+        assert_eq!(q.pop().map(|(r, ())| r).unwrap(), req("quiet", "only"));
+        assert_eq!(q.pop().map(|(r, ())| r).unwrap().cluster, "noisy");
     }
 
     #[test]
     fn clusters_take_turns() {
         let mut q = FairQueue::default();
         for i in 0..3 {
-            q.push(req("a", &format!("{i}")));
+            q.push_(req("a", &format!("{i}")));
         }
-        q.push(req("b", "0"));
-        q.push(req("c", "0"));
-        let order: Vec<String> = std::iter::from_fn(|| q.pop())
+        q.push_(req("b", "0"));
+        q.push_(req("c", "0"));
+        let order: Vec<String> = std::iter::from_fn(|| q.pop().map(|(r, ())| r))
             .map(|r| format!("{}{}", r.cluster, r.name))
             .collect();
         assert_eq!(order, ["a0", "b0", "c0", "a1", "a2"]);
@@ -157,39 +166,42 @@ mod tests {
     #[test]
     fn duplicates_are_queued_once() {
         let mut q = FairQueue::default();
-        q.push(req("a", "x"));
-        q.push(req("a", "x"));
+        q.push_(req("a", "x"));
+        q.push_(req("a", "x"));
         assert_eq!(q.len(), 1);
-        q.pop();
-        assert!(q.pop().is_none());
+        q.pop().map(|(r, ())| r);
+        assert!(q.pop().map(|(r, ())| r).is_none());
     }
 
     #[test]
     fn a_request_pushed_while_in_flight_runs_again_after_it_is_done_not_before() {
         let mut q = FairQueue::default();
-        q.push(req("a", "x"));
-        let r = q.pop().unwrap();
-        q.push(req("a", "x"));
-        assert!(q.pop().is_none(), "must not run twice at once");
+        q.push_(req("a", "x"));
+        let r = q.pop().map(|(r, ())| r).unwrap();
+        q.push_(req("a", "x"));
+        assert!(
+            q.pop().map(|(r, ())| r).is_none(),
+            "must not run twice at once"
+        );
         q.done(&r);
-        assert_eq!(q.pop().unwrap(), r);
+        assert_eq!(q.pop().map(|(r, ())| r).unwrap(), r);
         assert!(q.is_in_flight(&r));
         q.done(&r);
-        assert!(q.pop().is_none(), "one push, one re-run");
+        assert!(q.pop().map(|(r, ())| r).is_none(), "one push, one re-run");
     }
 
     #[test]
     fn removing_a_cluster_drops_its_queue_and_pending_reruns() {
         let mut q = FairQueue::default();
-        q.push(req("a", "x"));
-        q.push(req("a", "y"));
-        q.push(req("b", "z"));
-        let x = q.pop().unwrap();
-        q.push(x.clone());
+        q.push_(req("a", "x"));
+        q.push_(req("a", "y"));
+        q.push_(req("b", "z"));
+        let x = q.pop().map(|(r, ())| r).unwrap();
+        q.push_(x.clone());
         q.remove_cluster(&ClusterName::from("a"));
         q.done(&x);
-        assert_eq!(q.pop().unwrap(), req("b", "z"));
-        assert!(q.pop().is_none());
+        assert_eq!(q.pop().map(|(r, ())| r).unwrap(), req("b", "z"));
+        assert!(q.pop().map(|(r, ())| r).is_none());
         assert_eq!(q.len(), 0);
     }
 }

@@ -1,0 +1,417 @@
+//! [`Cluster`]: a cheap handle to one engaged cluster, with its client and its shared caches.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use futures::{Stream, StreamExt};
+use kube::{Api, Client, Resource};
+use kube_runtime::reflector::{ObjectRef, Store, store::Writer};
+use kube_runtime::watcher::{self, Event};
+use kube_runtime::{WatchStreamExt, watcher::watcher};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::ClusterId;
+
+/// A cheap, clonable handle to one cluster: its id, its [`Client`] and the caches shared by
+/// every controller that watches it.
+///
+/// A provider creates it with [`Cluster::new`] and engages it with the manager's
+/// [`Fleet`](crate::Fleet); the handle stays valid after the cluster is disengaged, but its
+/// watches stop and [`Cluster::is_engaged`] turns false.
+pub struct Cluster<C: ClusterId> {
+    inner: Arc<Inner<C>>,
+}
+
+struct Inner<C: ClusterId> {
+    id: C,
+    client: Client,
+    config: Option<kube::Config>,
+    /// Cancelled when the cluster is disengaged (or replaced); stops its watches.
+    token: CancellationToken,
+    /// One shared watch per (resource type, watcher configuration): `Arc<SharedWatch<K>>`.
+    watches: Mutex<HashMap<(TypeId, String), Arc<dyn Any + Send + Sync>>>,
+}
+
+impl<C: ClusterId> Drop for Inner<C> {
+    fn drop(&mut self) {
+        // Nothing can use the watches any more; stop them.
+        self.token.cancel();
+    }
+}
+
+impl<C: ClusterId> Clone for Cluster<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for Cluster<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cluster")
+            .field("id", &self.inner.id)
+            .field("engaged", &self.is_engaged())
+            .finish()
+    }
+}
+
+impl<C: ClusterId> Cluster<C> {
+    /// A cluster reached through `client`.
+    pub fn new(id: C, client: Client) -> Self {
+        Self::build(id, client, None)
+    }
+
+    /// A cluster built from `config`, which is kept: re-engaging the same id with a config
+    /// that differs in endpoint or credentials replaces the cluster, an equal one is a no-op.
+    pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
+        let client = Client::try_from(config.clone())?;
+        Ok(Self::build(id, client, Some(config)))
+    }
+
+    fn build(id: C, client: Client, config: Option<kube::Config>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                id,
+                client,
+                config,
+                token: CancellationToken::new(),
+                watches: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The cluster's id.
+    pub fn id(&self) -> &C {
+        &self.inner.id
+    }
+
+    /// A client for the cluster (a cheap clone).
+    pub fn client(&self) -> Client {
+        self.inner.client.clone()
+    }
+
+    /// The configuration the cluster was built from, if it was built with
+    /// [`Cluster::from_config`].
+    pub fn config(&self) -> Option<&kube::Config> {
+        self.inner.config.as_ref()
+    }
+
+    /// Whether the cluster is still engaged.
+    pub fn is_engaged(&self) -> bool {
+        !self.inner.token.is_cancelled()
+    }
+
+    /// Completes when the cluster is disengaged (or replaced by a changed cluster of the same
+    /// id). Reconcilers can select on it to abandon work for a cluster that is gone.
+    pub async fn disengaged(&self) {
+        self.inner.token.cancelled().await
+    }
+
+    /// A handle that does not keep the cluster alive.
+    pub fn downgrade(&self) -> WeakCluster<C> {
+        WeakCluster {
+            inner: Arc::downgrade(&self.inner),
+        }
+    }
+
+    /// Whether `self` and `other` are the same instance (not merely the same id).
+    pub fn same_instance(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Whether `other` reaches the cluster differently: another endpoint or other
+    /// credentials. Clusters without a kept config compare by instance.
+    pub(crate) fn differs_from(&self, other: &Self) -> bool {
+        if self.same_instance(other) {
+            return false;
+        }
+        match (&self.inner.config, &other.inner.config) {
+            (Some(a), Some(b)) => !same_endpoint_and_credentials(a, b),
+            _ => true,
+        }
+    }
+
+    /// The token cancelled when the cluster is disengaged.
+    pub(crate) fn token(&self) -> CancellationToken {
+        self.inner.token.clone()
+    }
+
+    /// The store of an existing shared watch, without starting one.
+    pub(crate) fn existing_store<K>(&self, config: &watcher::Config) -> Option<Store<K>>
+    where
+        K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    {
+        let key = (TypeId::of::<K>(), format!("{config:?}"));
+        let watches = self.inner.watches.lock().unwrap_or_else(|e| e.into_inner());
+        let watch = watches
+            .get(&key)?
+            .clone()
+            .downcast::<SharedWatch<K>>()
+            .ok()?;
+        Some(watch.store.clone())
+    }
+
+    pub(crate) fn disengage(&self) {
+        self.inner.token.cancel();
+    }
+
+    /// The reflector store of `K` objects matching `config`, started on first use and shared
+    /// by every controller of this process that asks for the same type and configuration.
+    pub fn store<K>(&self, config: &watcher::Config) -> Store<K>
+    where
+        K: Resource<DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + fmt::Debug
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.watch::<K>(config).store.clone()
+    }
+
+    /// The shared watch of `K` objects matching `config`; started on first use.
+    pub(crate) fn watch<K>(&self, config: &watcher::Config) -> Arc<SharedWatch<K>>
+    where
+        K: Resource<DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + fmt::Debug
+            + Send
+            + Sync
+            + 'static,
+    {
+        let key = (TypeId::of::<K>(), format!("{config:?}"));
+        let mut watches = self.inner.watches.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = watches.get(&key).cloned() {
+            if let Ok(watch) = existing.downcast::<SharedWatch<K>>() {
+                return watch;
+            }
+        }
+        let writer = Writer::<K>::default();
+        let watch = Arc::new(SharedWatch {
+            store: writer.as_reader(),
+            subscribers: Mutex::new(Vec::new()),
+        });
+        let api = Api::<K>::all(self.client());
+        let task = run_watch(
+            api,
+            config.clone(),
+            writer,
+            Arc::downgrade(&watch),
+            self.inner.token.clone(),
+            self.inner.id.to_string(),
+        );
+        tokio::spawn(task);
+        watches.insert(key, watch.clone());
+        watch
+    }
+}
+
+/// A non-owning [`Cluster`] handle; see [`Cluster::downgrade`].
+pub struct WeakCluster<C: ClusterId> {
+    inner: std::sync::Weak<Inner<C>>,
+}
+
+impl<C: ClusterId> Clone for WeakCluster<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for WeakCluster<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WeakCluster")
+    }
+}
+
+impl<C: ClusterId> WeakCluster<C> {
+    /// The cluster, if anything still holds it.
+    pub fn upgrade(&self) -> Option<Cluster<C>> {
+        self.inner.upgrade().map(|inner| Cluster { inner })
+    }
+}
+
+/// Compares what decides where and as whom requests go: the endpoint, the CA, the TLS
+/// name and the user's credentials. Timeouts and the like do not matter.
+fn same_endpoint_and_credentials(a: &kube::Config, b: &kube::Config) -> bool {
+    let auth = |c: &kube::Config| serde_json_auth(&c.auth_info);
+    a.cluster_url == b.cluster_url
+        && a.root_cert == b.root_cert
+        && a.tls_server_name == b.tls_server_name
+        && a.accept_invalid_certs == b.accept_invalid_certs
+        && a.proxy_url == b.proxy_url
+        && auth(a) == auth(b)
+}
+
+/// The credentials of an `AuthInfo`, secrets included, as comparable text. `AuthInfo`
+/// implements neither `PartialEq` nor exposes its secrets through `Debug`.
+fn serde_json_auth(auth: &kube::config::AuthInfo) -> String {
+    use secrecy::ExposeSecret;
+    format!(
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
+        auth.username,
+        auth.password
+            .as_ref()
+            .map(|p| p.expose_secret().to_string()),
+        auth.token.as_ref().map(|t| t.expose_secret().to_string()),
+        auth.token_file,
+        auth.client_certificate,
+        auth.client_certificate_data,
+        auth.client_key,
+        auth.client_key_data
+            .as_ref()
+            .map(|k| k.expose_secret().to_string()),
+        auth.exec.as_ref().map(|e| (&e.command, &e.args)),
+        auth.impersonate,
+    )
+}
+
+/// A change seen by a shared watch.
+#[derive(Debug)]
+pub(crate) struct Change<K> {
+    /// The object as stored (or, for a deletion, as last seen).
+    pub(crate) object: Arc<K>,
+    /// Whether it was deleted.
+    pub(crate) deleted: bool,
+    /// Whether it comes from the first complete listing (or a replay of the store to a late
+    /// subscriber) rather than from a later change.
+    pub(crate) initial: bool,
+}
+
+impl<K> Clone for Change<K> {
+    fn clone(&self) -> Self {
+        Self {
+            object: self.object.clone(),
+            deleted: self.deleted,
+            initial: self.initial,
+        }
+    }
+}
+
+/// One watch of one resource type in one cluster, feeding a reflector store and any number
+/// of subscribers (one per controller relation).
+pub(crate) struct SharedWatch<K: Resource + Clone + 'static>
+where
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    pub(crate) store: Store<K>,
+    subscribers: Mutex<Vec<mpsc::UnboundedSender<Change<K>>>>,
+}
+
+impl<K> SharedWatch<K>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    /// A stream of changes from now on, starting with every object already in the store
+    /// (marked initial), so a subscriber that comes late misses nothing.
+    pub(crate) fn subscribe(&self) -> impl Stream<Item = Change<K>> + Send + 'static
+    where
+        K: Send + Sync,
+    {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut subscribers = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        // Under the lock the watch task cannot notify in between: no change is lost or
+        // delivered before the replay.
+        for object in self.store.state() {
+            let _ = tx.send(Change {
+                object,
+                deleted: false,
+                initial: true,
+            });
+        }
+        subscribers.push(tx);
+        tokio_stream_from(rx)
+    }
+
+    fn notify(&self, change: Change<K>) {
+        let mut subscribers = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        subscribers.retain(|tx| tx.send(change.clone()).is_ok());
+    }
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: mpsc::UnboundedReceiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// Drives one shared watch until the cluster is disengaged or nobody holds the watch.
+async fn run_watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    mut writer: Writer<K>,
+    shared: std::sync::Weak<SharedWatch<K>>,
+    token: CancellationToken,
+    cluster: String,
+) where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+{
+    let kind = K::kind(&());
+    let store = writer.as_reader();
+    let mut events = std::pin::pin!(watcher(api, config).default_backoff());
+    // Objects of a listing in progress: the store swaps them in only at InitDone, so their
+    // notifications wait until then (a reconcile must find the object in the store).
+    let mut listing: Vec<ObjectRef<K>> = Vec::new();
+    let mut first_listing = true;
+    loop {
+        let event = tokio::select! {
+            () = token.cancelled() => break,
+            event = events.next() => event,
+        };
+        let Some(shared) = shared.upgrade() else {
+            break;
+        };
+        match event {
+            None => break,
+            Some(Err(error)) => {
+                // The watcher retries with backoff; an unreachable, restarting or forbidding
+                // cluster is reported here and does not affect the others.
+                tracing::warn!(%cluster, %kind, %error, "watch failed; retrying");
+            }
+            Some(Ok(event)) => {
+                writer.apply_watcher_event(&event);
+                match event {
+                    Event::Apply(obj) => {
+                        if let Some(object) = store.get(&ObjectRef::from_obj(&obj)) {
+                            shared.notify(Change {
+                                object,
+                                deleted: false,
+                                initial: false,
+                            });
+                        }
+                    }
+                    Event::Delete(obj) => {
+                        shared.notify(Change {
+                            object: Arc::new(obj),
+                            deleted: true,
+                            initial: false,
+                        });
+                    }
+                    Event::Init => listing.clear(),
+                    Event::InitApply(obj) => listing.push(ObjectRef::from_obj(&obj)),
+                    Event::InitDone => {
+                        for obj_ref in listing.drain(..) {
+                            if let Some(object) = store.get(&obj_ref) {
+                                shared.notify(Change {
+                                    object,
+                                    deleted: false,
+                                    initial: first_listing,
+                                });
+                            }
+                        }
+                        first_listing = false;
+                    }
+                }
+            }
+        }
+    }
+    tracing::debug!(%cluster, %kind, "watch stopped");
+}

@@ -1,0 +1,371 @@
+//! The fleet controller: per-cluster watches merged into one deduplicating, delaying, fair
+//! queue per controller, and the loop that runs reconciles from it.
+//!
+//! Path of an event: a cluster's shared watch ([`crate::cluster`]) notifies each relation's
+//! subscription; the relation maps the object to [`Request`]s tagged with a cluster id; the
+//! loop below sends them through kube-runtime's `debounced_scheduler` (delays, requeues,
+//! deduplication) into the [`FairQueue`] (one in flight per request, round-robin across
+//! clusters), from which at most `concurrency` reconciles run at once.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{self, BoxStream, FuturesUnordered, SelectAll};
+use futures::{FutureExt, Stream, StreamExt};
+use kube::Resource;
+use kube_runtime::reflector::{ObjectRef, Store};
+use kube_runtime::scheduler::{ScheduleRequest, debounced_scheduler};
+use kube_runtime::watcher;
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::cluster::Change;
+use crate::fleet::FleetEvent;
+use crate::queue::FairQueue;
+use crate::{Action, Cluster, ClusterId, Context, Fleet, Request};
+
+/// Why a reconcile was queued (the first reason wins while it waits).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReconcileReason {
+    /// The object itself changed (or was listed).
+    ObjectChanged,
+    /// A related object (owned or watched) of this kind changed.
+    RelatedObjectChanged(Arc<str>),
+    /// The previous reconcile asked to be requeued.
+    Requeue,
+    /// The previous reconcile failed and the error policy asked for a retry.
+    ErrorPolicy,
+}
+
+impl fmt::Display for ReconcileReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ObjectChanged => f.write_str("object changed"),
+            Self::RelatedObjectChanged(kind) => write!(f, "related {kind} changed"),
+            Self::Requeue => f.write_str("requeue"),
+            Self::ErrorPolicy => f.write_str("error policy requeue"),
+        }
+    }
+}
+
+/// A request and why it was made.
+pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
+
+/// A scheduler message: equal (and hashed) by request only, so the scheduler deduplicates
+/// requests whatever their reasons.
+#[derive(Clone, Debug)]
+struct Queued<C: ClusterId>(Request<C>, ReconcileReason);
+
+impl<C: ClusterId> PartialEq for Queued<C> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+impl<C: ClusterId> Eq for Queued<C> {}
+impl<C: ClusterId> std::hash::Hash for Queued<C> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state)
+    }
+}
+
+/// A relation of the primary kind `K` to other objects (owned, watched), type-erased.
+pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
+    /// Requests this relation makes for `cluster` (fleet mode). `baseline` is the cluster
+    /// this one replaces, whose caches tell which listed objects did not change.
+    fn triggers(
+        &self,
+        cluster: &Cluster<C>,
+        baseline: Option<&Cluster<C>>,
+    ) -> BoxStream<'static, Trigger<C>>;
+
+    /// Adds the relation to a kube-runtime `Controller` (single-cluster mode).
+    fn attach(
+        &self,
+        controller: kube_runtime::Controller<K>,
+        cluster: &Cluster<C>,
+    ) -> kube_runtime::Controller<K>
+    where
+        K: Resource<DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + fmt::Debug
+            + Send
+            + Sync
+            + 'static;
+}
+
+/// Whether `change` is an initial listing of an object the replaced cluster's cache already
+/// held at the same version (so its change was already seen there).
+pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
+    change: &Change<K>,
+    baseline: Option<&Store<K>>,
+) -> bool {
+    let (true, Some(store)) = (change.initial, baseline) else {
+        return false;
+    };
+    let meta = change.object.meta();
+    store
+        .get(&ObjectRef::from_obj(&*change.object))
+        .is_some_and(|old| {
+            let old = old.meta();
+            old.uid == meta.uid && old.resource_version == meta.resource_version
+        })
+}
+
+/// The controller's settings, fixed when it starts.
+pub(crate) struct Spec<K, C: ClusterId> {
+    pub(crate) name: Arc<str>,
+    pub(crate) watcher_config: watcher::Config,
+    pub(crate) relations: Vec<Arc<dyn Relation<C, K>>>,
+    pub(crate) predicate: Option<Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>>,
+    pub(crate) engage_local: bool,
+    pub(crate) engage_fleet: bool,
+    pub(crate) cluster_filter: Option<Arc<dyn Fn(&Cluster<C>) -> bool + Send + Sync>>,
+    pub(crate) concurrency: usize,
+    pub(crate) debounce: Duration,
+}
+
+/// Where the controller runs.
+pub(crate) struct Env<C: ClusterId> {
+    pub(crate) fleet: Fleet<C>,
+    pub(crate) local: Option<Cluster<C>>,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) graceful: Duration,
+}
+
+/// One engaged cluster as the controller holds it.
+struct Engagement<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+    cluster: Cluster<C>,
+    store: Store<K>,
+}
+
+/// Reconciles in flight; each yields its request, what it asked for next, and why.
+type Running<C> =
+    FuturesUnordered<Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason)> + Send>>>;
+
+/// Runs a fleet controller until shutdown.
+pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
+    spec: Spec<K, C>,
+    env: Env<C>,
+    reconcile: F,
+    error_policy: P,
+    state: Arc<S>,
+) where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    let reconcile = Arc::new(reconcile);
+    let error_policy = Arc::new(error_policy);
+    let name = spec.name.clone();
+    let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
+    let mut engaged: HashMap<C, Engagement<K, C>> = HashMap::new();
+    let mut triggers: SelectAll<BoxStream<'static, Trigger<C>>> = SelectAll::new();
+    let (schedule_tx, schedule_rx) = mpsc::unbounded_channel::<ScheduleRequest<Queued<C>>>();
+    let mut scheduler = Box::pin(debounced_scheduler(
+        receiver_stream(schedule_rx),
+        spec.debounce,
+    ));
+    let mut queue: FairQueue<C, ReconcileReason> = FairQueue::default();
+    let mut running: Running<C> = FuturesUnordered::new();
+
+    if spec.engage_local
+        && let Some(local) = &env.local
+    {
+        engage(&spec, &mut engaged, &mut triggers, local.clone(), None);
+    }
+
+    loop {
+        tokio::select! {
+            () = env.shutdown.cancelled() => break,
+            Some(event) = recv_opt(&mut fleet_rx) => match event {
+                FleetEvent::Engaged(cluster) => engage(&spec, &mut engaged, &mut triggers, cluster, None),
+                FleetEvent::Replaced { old, new } => {
+                    // Queued requests stay: the id is the same and so are its objects.
+                    engaged.remove(old.id());
+                    engage(&spec, &mut engaged, &mut triggers, new, Some(old));
+                }
+                FleetEvent::Disengaged(cluster) => {
+                    if engaged.remove(cluster.id()).is_some() {
+                        queue.remove_cluster(cluster.id());
+                        tracing::debug!(controller = %name, cluster = %cluster.id(), "cluster disengaged; its queue was dropped");
+                    }
+                }
+            },
+            Some((req, reason)) = triggers.next(), if !triggers.is_empty() => {
+                let _ = schedule_tx.send(ScheduleRequest { message: Queued(req, reason), run_at: Instant::now() });
+            }
+            Some(Queued(req, reason)) = scheduler.next() => queue.push(req, reason),
+            Some((req, action, reason)) = running.next(), if !running.is_empty() => {
+                queue.done(&req);
+                if let Some(delay) = action.requeue_after() && engaged.contains_key(&req.cluster) {
+                    let run_at = Instant::now() + delay;
+                    let _ = schedule_tx.send(ScheduleRequest { message: Queued(req, reason), run_at });
+                }
+            }
+        }
+        while spec.concurrency == 0 || running.len() < spec.concurrency {
+            let Some((req, reason)) = queue.pop() else {
+                break;
+            };
+            let Some(engagement) = engaged.get(&req.cluster) else {
+                // Requeued or mapped for a cluster that is gone (or never engaged here):
+                // dropped once, never requeued.
+                tracing::debug!(controller = %name, request = %req, "dropping a request for a cluster that is not engaged");
+                queue.done(&req);
+                continue;
+            };
+            let Some(object) = engagement.store.get(&req.object_ref()) else {
+                tracing::debug!(controller = %name, request = %req, "object not in the cache (deleted); skipping");
+                queue.done(&req);
+                continue;
+            };
+            let ctx = Context::new(
+                req.clone(),
+                engagement.cluster.clone(),
+                state.clone(),
+                env.fleet.clone(),
+                env.local.clone(),
+            );
+            let span = tracing::info_span!(
+                "reconcile",
+                controller = %name,
+                cluster = %req.cluster,
+                object = %ObjectKey(&req),
+                reason = %reason,
+            );
+            let reconcile = reconcile.clone();
+            let error_policy = error_policy.clone();
+            running.push(
+                async move {
+                    match reconcile(object.clone(), ctx.clone()).await {
+                        Ok(action) => (req, action, ReconcileReason::Requeue),
+                        Err(error) => {
+                            tracing::warn!(cluster = %req.cluster, %error, "reconcile failed");
+                            let action = error_policy(object, &error, &ctx);
+                            (req, action, ReconcileReason::ErrorPolicy)
+                        }
+                    }
+                }
+                .instrument(span)
+                .boxed(),
+            );
+        }
+    }
+
+    // Graceful shutdown: take no new work; let reconciles in flight finish, within bounds.
+    tracing::debug!(controller = %name, in_flight = running.len(), "controller shutting down");
+    let drain = async { while running.next().await.is_some() {} };
+    if tokio::time::timeout(env.graceful, drain).await.is_err() {
+        tracing::warn!(controller = %name, "reconciles still running after the graceful timeout were abandoned");
+    }
+}
+
+/// `namespace/name` or `name`.
+struct ObjectKey<'a, C: ClusterId>(&'a Request<C>);
+
+impl<C: ClusterId> fmt::Display for ObjectKey<'_, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0.namespace {
+            Some(ns) => write!(f, "{ns}/{}", self.0.name),
+            None => f.write_str(&self.0.name),
+        }
+    }
+}
+
+/// Starts following `cluster`: its primary watch and every relation's.
+fn engage<K, C>(
+    spec: &Spec<K, C>,
+    engaged: &mut HashMap<C, Engagement<K, C>>,
+    triggers: &mut SelectAll<BoxStream<'static, Trigger<C>>>,
+    cluster: Cluster<C>,
+    baseline: Option<Cluster<C>>,
+) where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    C: ClusterId,
+{
+    if let Some(filter) = &spec.cluster_filter
+        && !filter(&cluster)
+    {
+        tracing::debug!(controller = %spec.name, cluster = %cluster.id(), "cluster filtered out");
+        return;
+    }
+    let watch = cluster.watch::<K>(&spec.watcher_config);
+    let store = watch.store.clone();
+    let old_store = baseline
+        .as_ref()
+        .and_then(|b| b.existing_store::<K>(&spec.watcher_config));
+    let id = cluster.id().clone();
+    let predicate = spec.predicate.clone();
+    let mut last_hash: HashMap<ObjectRef<K>, u64> = HashMap::new();
+    let primary = watch.subscribe().filter_map(move |change: Change<K>| {
+        let keep = if change.deleted {
+            last_hash.remove(&ObjectRef::from_obj(&*change.object));
+            false
+        } else if seen_before(&change, old_store.as_ref()) {
+            false
+        } else if let Some(predicate) = &predicate {
+            match predicate(&change.object) {
+                Some(hash) => {
+                    last_hash.insert(ObjectRef::from_obj(&*change.object), hash) != Some(hash)
+                }
+                None => true,
+            }
+        } else {
+            true
+        };
+        let trigger = keep.then(|| {
+            (
+                Request::from_obj(id.clone(), &*change.object),
+                ReconcileReason::ObjectChanged,
+            )
+        });
+        std::future::ready(trigger)
+    });
+    // Requests wait for the first complete listing: a reconcile must find its object in the
+    // store.
+    let ready_store = store.clone();
+    let gated = stream::once(async move {
+        // An error means the watch is gone; `primary` then ends at once too.
+        let _ = ready_store.wait_until_ready().await;
+        primary
+    })
+    .flatten();
+    let stop = cluster.token();
+    triggers.push(gated.take_until(stop.clone().cancelled_owned()).boxed());
+    for relation in &spec.relations {
+        let stop = stop.clone();
+        triggers.push(
+            relation
+                .triggers(&cluster, baseline.as_ref())
+                .take_until(stop.cancelled_owned())
+                .boxed(),
+        );
+    }
+    engaged.insert(cluster.id().clone(), Engagement { cluster, store });
+}
+
+async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+pub(crate) fn receiver_stream<T: Send + 'static>(
+    mut rx: mpsc::UnboundedReceiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    stream::poll_fn(move |cx| rx.poll_recv(cx))
+}

@@ -1,0 +1,198 @@
+//! [`Fleet`]: the set of engaged clusters, which providers change and controllers follow.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::mpsc;
+
+use crate::{Cluster, ClusterId};
+
+/// The clusters currently engaged, shared by a manager, its provider and its controllers.
+///
+/// Providers call [`Fleet::engage`] and [`Fleet::disengage`]; every controller is told about
+/// each change, including controllers that start after clusters were engaged (they first
+/// receive every cluster already engaged; Go's multicluster-runtime misses those).
+pub struct Fleet<C: ClusterId> {
+    inner: Arc<Mutex<State<C>>>,
+}
+
+struct State<C: ClusterId> {
+    clusters: BTreeMap<C, Cluster<C>>,
+    subscribers: Vec<mpsc::UnboundedSender<FleetEvent<C>>>,
+}
+
+/// A change of the fleet, as a controller sees it.
+#[derive(Debug)]
+pub(crate) enum FleetEvent<C: ClusterId> {
+    /// A cluster joined.
+    Engaged(Cluster<C>),
+    /// A cluster was engaged again with another endpoint or credentials: `old` is
+    /// disengaged, `new` takes its place under the same id.
+    Replaced { old: Cluster<C>, new: Cluster<C> },
+    /// A cluster left.
+    Disengaged(Cluster<C>),
+}
+
+impl<C: ClusterId> Clone for FleetEvent<C> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Engaged(c) => Self::Engaged(c.clone()),
+            Self::Replaced { old, new } => Self::Replaced {
+                old: old.clone(),
+                new: new.clone(),
+            },
+            Self::Disengaged(c) => Self::Disengaged(c.clone()),
+        }
+    }
+}
+
+/// What [`Fleet::engage`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Engaged {
+    /// The id was not engaged; the cluster joined.
+    New,
+    /// The id was engaged with another endpoint or other credentials; the old cluster was
+    /// disengaged and this one took its place.
+    Replaced,
+    /// The id was already engaged with this cluster (or an equal configuration); nothing
+    /// changed and the given cluster was dropped.
+    Unchanged,
+}
+
+/// [`Fleet::engage`] was given a cluster that had already been disengaged.
+#[derive(Debug, thiserror::Error)]
+#[error("cluster {0} was disengaged before; build a new Cluster to engage it again")]
+pub struct EngageError(pub String);
+
+impl<C: ClusterId> Clone for Fleet<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> Default for Fleet<C> {
+    fn default() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(State {
+                clusters: BTreeMap::new(),
+                subscribers: Vec::new(),
+            })),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for Fleet<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.state().clusters.keys()).finish()
+    }
+}
+
+impl<C: ClusterId> Fleet<C> {
+    /// An empty fleet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State<C>> {
+        // The state stays consistent if a holder panicked: every mutation is one step.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Engages `cluster` under its id. An id engaged with the same instance, or with a
+    /// configuration of the same endpoint and credentials, is left as it is; an id engaged
+    /// with a different cluster is replaced (the old one is disengaged: its watches stop and
+    /// new ones start, with queued requests kept).
+    pub fn engage(&self, cluster: Cluster<C>) -> Result<Engaged, EngageError> {
+        if !cluster.is_engaged() {
+            return Err(EngageError(cluster.id().to_string()));
+        }
+        let mut state = self.state();
+        let outcome = match state.clusters.get(cluster.id()) {
+            Some(old) if !old.differs_from(&cluster) => return Ok(Engaged::Unchanged),
+            Some(old) => {
+                let old = old.clone();
+                old.disengage();
+                state.broadcast(FleetEvent::Replaced {
+                    old,
+                    new: cluster.clone(),
+                });
+                Engaged::Replaced
+            }
+            None => {
+                state.broadcast(FleetEvent::Engaged(cluster.clone()));
+                Engaged::New
+            }
+        };
+        tracing::info!(cluster = %cluster.id(), ?outcome, "cluster engaged");
+        state.clusters.insert(cluster.id().clone(), cluster);
+        Ok(outcome)
+    }
+
+    /// Disengages the cluster with this id: its watches stop, controllers drop its queued
+    /// requests, and reconciles in flight see [`Cluster::disengaged`] complete. Returns
+    /// whether it was engaged.
+    pub fn disengage(&self, id: &C) -> bool {
+        let mut state = self.state();
+        let Some(cluster) = state.clusters.remove(id) else {
+            return false;
+        };
+        cluster.disengage();
+        state.broadcast(FleetEvent::Disengaged(cluster));
+        tracing::info!(cluster = %id, "cluster disengaged");
+        true
+    }
+
+    /// The engaged cluster with this id.
+    pub fn get(&self, id: &C) -> Option<Cluster<C>> {
+        self.state().clusters.get(id).cloned()
+    }
+
+    /// Every engaged cluster, ordered by id.
+    pub fn clusters(&self) -> Vec<Cluster<C>> {
+        self.state().clusters.values().cloned().collect()
+    }
+
+    /// The ids of every engaged cluster, in order.
+    pub fn ids(&self) -> Vec<C> {
+        self.state().clusters.keys().cloned().collect()
+    }
+
+    /// How many clusters are engaged.
+    pub fn len(&self) -> usize {
+        self.state().clusters.len()
+    }
+
+    /// Whether no cluster is engaged.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Disengages every cluster.
+    pub fn clear(&self) {
+        for id in self.ids() {
+            self.disengage(&id);
+        }
+    }
+
+    /// Changes from now on, starting with an [`FleetEvent::Engaged`] for every cluster
+    /// already engaged.
+    pub(crate) fn subscribe(&self) -> mpsc::UnboundedReceiver<FleetEvent<C>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut state = self.state();
+        for cluster in state.clusters.values() {
+            let _ = tx.send(FleetEvent::Engaged(cluster.clone()));
+        }
+        state.subscribers.push(tx);
+        rx
+    }
+}
+
+impl<C: ClusterId> State<C> {
+    fn broadcast(&mut self, event: FleetEvent<C>) {
+        self.subscribers.retain(|tx| tx.send(event.clone()).is_ok());
+    }
+}

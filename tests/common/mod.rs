@@ -1,0 +1,153 @@
+//! Shared fixtures: the zoo / jungle / island scenario and a reconciler that feeds animals.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use multicluster_runtime::{Action, ClusterId, Context};
+
+pub const NAMESPACES: [&str; 3] = ["zoo", "jungle", "island"];
+
+pub fn config_map(ns: &str, name: &str, kind: &str) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            labels: Some(BTreeMap::from([("type".to_string(), kind.to_string())])),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// Creates the three namespaces, each with an animal, a human and a thing.
+pub async fn fixture(client: &kube::Client) {
+    for ns in NAMESPACES {
+        let namespace = Namespace {
+            metadata: ObjectMeta {
+                name: Some(ns.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .unwrap();
+        let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+        for (name, kind) in [
+            ("elephant", "animal"),
+            ("keeper", "human"),
+            ("rock", "thing"),
+        ] {
+            cms.create(&PostParams::default(), &config_map(ns, name, kind))
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// What the reconciler saw: every request, as text.
+#[derive(Default)]
+pub struct Seen {
+    pub requests: Mutex<Vec<String>>,
+}
+
+impl Seen {
+    pub fn count(&self, request: &str) -> usize {
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| *r == request)
+            .count()
+    }
+    pub fn total(&self) -> usize {
+        self.requests.lock().unwrap().len()
+    }
+    pub fn clusters(&self) -> std::collections::BTreeSet<String> {
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|r| {
+                r.strip_prefix("cluster://")?
+                    .split('/')
+                    .next()
+                    .map(String::from)
+            })
+            .collect()
+    }
+}
+
+/// The uniform reconciler: feeds animals (`data.stomach=food`) in whatever cluster it runs.
+pub async fn feed_animals<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Seen>,
+) -> Result<Action, kube::Error> {
+    ctx.state()
+        .requests
+        .lock()
+        .unwrap()
+        .push(ctx.request().to_string());
+    let is_animal = cm
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("type"))
+        .is_some_and(|t| t == "animal");
+    let fed = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.get("stomach"))
+        .is_some_and(|s| s == "food");
+    if is_animal && !fed {
+        let api: Api<ConfigMap> = Api::namespaced(
+            ctx.client(),
+            cm.metadata.namespace.as_deref().unwrap_or("default"),
+        );
+        let patch = serde_json::json!({ "data": { "stomach": "food" } });
+        api.patch(
+            &ctx.request().name,
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    }
+    Ok(Action::await_change())
+}
+
+pub fn retry_soon<C: ClusterId, S>(
+    _: Arc<ConfigMap>,
+    _: &kube::Error,
+    _: &Context<C, S>,
+) -> Action {
+    Action::requeue(Duration::from_millis(200))
+}
+
+/// Polls `check` every 100 ms until it returns true or `secs` pass.
+pub async fn eventually(secs: u64, what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether the named ConfigMap has been fed.
+pub async fn is_fed(client: &kube::Client, ns: &str, name: &str) -> bool {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    match api.get_opt(name).await {
+        Ok(Some(cm)) => cm.data.and_then(|d| d.get("stomach").cloned()).as_deref() == Some("food"),
+        _ => false,
+    }
+}

@@ -1,0 +1,187 @@
+//! The runtime against real control planes: uniform reconcilers over a fleet, clusters coming
+//! and going, single-cluster mode.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, PostParams};
+use kube_runtime::watcher;
+use multicluster_runtime::providers::{Clusters, SingleProvider};
+use multicluster_runtime::testenv::TestEnv;
+use multicluster_runtime::{Builder, Cluster, ClusterName, Manager, Provider};
+
+fn name(s: &str) -> ClusterName {
+    ClusterName::from(s)
+}
+
+/// Runs the manager in the background; it stops when the returned manager is shut down.
+fn spawn_manager<P: Provider>(manager: &Arc<Manager<P>>) -> tokio::task::JoinHandle<()> {
+    let manager = manager.clone();
+    tokio::spawn(async move { manager.run().await.unwrap() })
+}
+
+fn uniform_controller<P: Provider>(manager: &Manager<P>, seen: &Arc<Seen>) {
+    Builder::<_, ConfigMap>::new(manager, watcher::Config::default()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+}
+
+#[tokio::test]
+async fn a_uniform_reconciler_feeds_the_animals_of_every_cluster() {
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let clusters = Clusters::new();
+    for c in env.clusters() {
+        fixture(&c.client().unwrap()).await;
+        clusters
+            .add(Cluster::new(name(c.name()), c.client().unwrap()))
+            .unwrap();
+    }
+    let manager = Arc::new(Manager::new(clusters));
+    let seen = Arc::new(Seen::default());
+    uniform_controller(&manager, &seen);
+    let run = spawn_manager(&manager);
+
+    for c in env.clusters() {
+        let client = c.client().unwrap();
+        for ns in NAMESPACES {
+            eventually(30, &format!("{}/{ns}/elephant fed", c.name()), async || {
+                is_fed(&client, ns, "elephant").await
+            })
+            .await;
+            assert!(!is_fed(&client, ns, "keeper").await, "humans are not fed");
+        }
+    }
+    assert_eq!(
+        seen.clusters(),
+        ["cluster-0", "cluster-1", "cluster-2"]
+            .map(String::from)
+            .into()
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn clusters_added_at_run_time_are_reconciled_and_removed_ones_are_let_go() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (c0, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    fixture(&c0.client().unwrap()).await;
+    fixture(&c1.client().unwrap()).await;
+    let clusters = Clusters::new();
+    let first = Cluster::new(name("cluster-0"), c0.client().unwrap());
+    let weak_first = first.downgrade();
+    clusters.add(first).unwrap();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let seen = Arc::new(Seen::default());
+    uniform_controller(&manager, &seen);
+    let run = spawn_manager(&manager);
+
+    let client0 = c0.client().unwrap();
+    eventually(30, "cluster-0 fed", async || {
+        is_fed(&client0, "zoo", "elephant").await
+    })
+    .await;
+    assert_eq!(seen.count("cluster://cluster-1/zoo/elephant"), 0);
+
+    clusters
+        .add(Cluster::new(name("cluster-1"), c1.client().unwrap()))
+        .unwrap();
+    let client1 = c1.client().unwrap();
+    eventually(30, "cluster-1 fed after it was added", async || {
+        is_fed(&client1, "zoo", "elephant").await
+    })
+    .await;
+
+    assert!(clusters.remove(&name("cluster-0")));
+    // Nothing keeps the removed cluster alive: watches, stores and queues were let go.
+    eventually(10, "cluster-0's handle freed", async || {
+        weak_first.upgrade().is_none()
+    })
+    .await;
+    Api::<ConfigMap>::namespaced(client0.clone(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    Api::<ConfigMap>::namespaced(client1.clone(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    eventually(30, "the lion of cluster-1 fed", async || {
+        is_fed(&client1, "zoo", "lion").await
+    })
+    .await;
+    assert!(
+        !is_fed(&client0, "zoo", "lion").await,
+        "a removed cluster is not reconciled"
+    );
+    assert_eq!(seen.count("cluster://cluster-0/zoo/lion"), 0);
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_controller_added_after_clusters_were_engaged_reconciles_them() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let clusters = Clusters::new();
+    for c in env.clusters() {
+        fixture(&c.client().unwrap()).await;
+        clusters
+            .add(Cluster::new(name(c.name()), c.client().unwrap()))
+            .unwrap();
+    }
+    let manager = Arc::new(Manager::new(clusters));
+    let run = spawn_manager(&manager);
+    eventually(10, "both clusters engaged", async || {
+        manager.fleet().len() == 2
+    })
+    .await;
+
+    let seen = Arc::new(Seen::default());
+    uniform_controller(&manager, &seen);
+    for c in env.clusters() {
+        let client = c.client().unwrap();
+        eventually(30, &format!("{} fed", c.name()), async || {
+            is_fed(&client, "island", "elephant").await
+        })
+        .await;
+    }
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn the_same_reconciler_runs_in_single_cluster_mode() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let client = c.client().unwrap();
+    fixture(&client).await;
+    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let seen = Arc::new(Seen::default());
+    // `feed_animals` is the function the fleet tests use, here with C = SingleCluster.
+    uniform_controller(&manager, &seen);
+    let run = spawn_manager(&manager);
+    for ns in NAMESPACES {
+        eventually(30, &format!("{ns}/elephant fed"), async || {
+            is_fed(&client, ns, "elephant").await
+        })
+        .await;
+    }
+    // Reconciled for the listing and again for its own patch; printed with the empty id.
+    assert!(
+        seen.count("cluster:///zoo/elephant") >= 1,
+        "{:?}",
+        seen.requests.lock().unwrap()
+    );
+    manager.shutdown();
+    tokio::time::timeout(Duration::from_secs(40), run)
+        .await
+        .unwrap()
+        .unwrap();
+}
