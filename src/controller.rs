@@ -15,20 +15,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{self, BoxStream, FuturesUnordered, SelectAll};
-use futures::{FutureExt, Stream, StreamExt};
+use futures::{FutureExt, StreamExt};
 use kube::Resource;
 use kube_runtime::reflector::{ObjectRef, Store};
-use kube_runtime::scheduler::{ScheduleRequest, debounced_scheduler};
 use kube_runtime::watcher;
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::cluster::Change;
 use crate::fleet::FleetEvent;
-use crate::queue::FairQueue;
+use crate::queue::FleetQueue;
 use crate::{Action, Cluster, ClusterId, Context, Fleet, Request};
 
 /// Why a reconcile was queued (the first reason wins while it waits).
@@ -58,23 +56,6 @@ impl fmt::Display for ReconcileReason {
 
 /// A request and why it was made.
 pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
-
-/// A scheduler message: equal (and hashed) by request only, so the scheduler deduplicates
-/// requests whatever their reasons.
-#[derive(Clone, Debug)]
-struct Queued<C: ClusterId>(Request<C>, ReconcileReason);
-
-impl<C: ClusterId> PartialEq for Queued<C> {
-    fn eq(&self, other: &Self) -> bool {
-        self.0 == other.0
-    }
-}
-impl<C: ClusterId> Eq for Queued<C> {}
-impl<C: ClusterId> std::hash::Hash for Queued<C> {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.0.hash(state)
-    }
-}
 
 /// A relation of the primary kind `K` to other objects (owned, watched), type-erased.
 pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
@@ -173,95 +154,53 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut engaged: HashMap<C, Engagement<K, C>> = HashMap::new();
     let mut triggers: SelectAll<BoxStream<'static, Trigger<C>>> = SelectAll::new();
-    let (schedule_tx, schedule_rx) = mpsc::unbounded_channel::<ScheduleRequest<Queued<C>>>();
-    let mut scheduler = Box::pin(debounced_scheduler(
-        receiver_stream(schedule_rx),
-        spec.debounce,
-    ));
-    let mut queue: FairQueue<C, ReconcileReason> = FairQueue::default();
+    let mut queue = FleetQueue::new(spec.concurrency, spec.debounce);
     let mut running: Running<C> = FuturesUnordered::new();
 
     if spec.engage_local
         && let Some(local) = &env.local
     {
-        engage(&spec, &mut engaged, &mut triggers, local.clone(), None);
+        engage(
+            &spec,
+            &mut engaged,
+            &mut queue,
+            &mut triggers,
+            local.clone(),
+            None,
+        );
     }
 
     loop {
         tokio::select! {
             () = env.shutdown.cancelled() => break,
             Some(event) = recv_opt(&mut fleet_rx) => match event {
-                FleetEvent::Engaged(cluster) => engage(&spec, &mut engaged, &mut triggers, cluster, None),
+                FleetEvent::Engaged(cluster) => engage(&spec, &mut engaged, &mut queue, &mut triggers, cluster, None),
                 FleetEvent::Replaced { old, new } => {
                     // Queued requests stay: the id is the same and so are its objects.
                     engaged.remove(old.id());
-                    engage(&spec, &mut engaged, &mut triggers, new, Some(old));
+                    engage(&spec, &mut engaged, &mut queue, &mut triggers, new, Some(old));
                 }
                 FleetEvent::Disengaged(cluster) => {
                     if engaged.remove(cluster.id()).is_some() {
-                        queue.remove_cluster(cluster.id());
+                        queue.disengage(cluster.id());
                         tracing::debug!(controller = %name, cluster = %cluster.id(), "cluster disengaged; its queue was dropped");
                     }
                 }
             },
-            Some((req, reason)) = triggers.next(), if !triggers.is_empty() => {
-                let _ = schedule_tx.send(ScheduleRequest { message: Queued(req, reason), run_at: Instant::now() });
+            Some((req, reason)) = triggers.next(), if !triggers.is_empty() => queue.trigger(req, reason),
+            Some((req, action, reason)) = running.next(), if !running.is_empty() => queue.finish(req, action, reason),
+            (req, reason) = queue.next() => {
+                let Some(engagement) = engaged.get(&req.cluster) else {
+                    queue.finish(req, Action::await_change(), reason);
+                    continue;
+                };
+                let Some(object) = engagement.store.get(&req.object_ref()) else {
+                    tracing::debug!(controller = %name, request = %req, "object not in the cache (deleted); skipping");
+                    queue.finish(req, Action::await_change(), reason);
+                    continue;
+                };
+                running.push(start(&name, req, reason, object, engagement, &env, &state, &reconcile, &error_policy));
             }
-            Some(Queued(req, reason)) = scheduler.next() => queue.push(req, reason),
-            Some((req, action, reason)) = running.next(), if !running.is_empty() => {
-                queue.done(&req);
-                if let Some(delay) = action.requeue_after() && engaged.contains_key(&req.cluster) {
-                    let run_at = Instant::now() + delay;
-                    let _ = schedule_tx.send(ScheduleRequest { message: Queued(req, reason), run_at });
-                }
-            }
-        }
-        while spec.concurrency == 0 || running.len() < spec.concurrency {
-            let Some((req, reason)) = queue.pop() else {
-                break;
-            };
-            let Some(engagement) = engaged.get(&req.cluster) else {
-                // Requeued or mapped for a cluster that is gone (or never engaged here):
-                // dropped once, never requeued.
-                tracing::debug!(controller = %name, request = %req, "dropping a request for a cluster that is not engaged");
-                queue.done(&req);
-                continue;
-            };
-            let Some(object) = engagement.store.get(&req.object_ref()) else {
-                tracing::debug!(controller = %name, request = %req, "object not in the cache (deleted); skipping");
-                queue.done(&req);
-                continue;
-            };
-            let ctx = Context::new(
-                req.clone(),
-                engagement.cluster.clone(),
-                state.clone(),
-                env.fleet.clone(),
-                env.local.clone(),
-            );
-            let span = tracing::info_span!(
-                "reconcile",
-                controller = %name,
-                cluster = %req.cluster,
-                object = %ObjectKey(&req),
-                reason = %reason,
-            );
-            let reconcile = reconcile.clone();
-            let error_policy = error_policy.clone();
-            running.push(
-                async move {
-                    match reconcile(object.clone(), ctx.clone()).await {
-                        Ok(action) => (req, action, ReconcileReason::Requeue),
-                        Err(error) => {
-                            tracing::warn!(cluster = %req.cluster, %error, "reconcile failed");
-                            let action = error_policy(object, &error, &ctx);
-                            (req, action, ReconcileReason::ErrorPolicy)
-                        }
-                    }
-                }
-                .instrument(span)
-                .boxed(),
-            );
         }
     }
 
@@ -271,6 +210,58 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
     if tokio::time::timeout(env.graceful, drain).await.is_err() {
         tracing::warn!(controller = %name, "reconciles still running after the graceful timeout were abandoned");
     }
+}
+
+/// The reconcile of `req` as a future yielding what to do next.
+#[allow(clippy::too_many_arguments)]
+fn start<K, C, S, F, Fut, E, P>(
+    name: &Arc<str>,
+    req: Request<C>,
+    reason: ReconcileReason,
+    object: Arc<K>,
+    engagement: &Engagement<K, C>,
+    env: &Env<C>,
+    state: &Arc<S>,
+    reconcile: &Arc<F>,
+    error_policy: &Arc<P>,
+) -> Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason)> + Send>>
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    let ctx = Context::new(
+        req.clone(),
+        engagement.cluster.clone(),
+        state.clone(),
+        env.fleet.clone(),
+        env.local.clone(),
+    );
+    let span = tracing::info_span!(
+        "reconcile",
+        controller = %name,
+        cluster = %req.cluster,
+        object = %ObjectKey(&req),
+        reason = %reason,
+    );
+    let reconcile = reconcile.clone();
+    let error_policy = error_policy.clone();
+    async move {
+        match reconcile(object.clone(), ctx.clone()).await {
+            Ok(action) => (req, action, ReconcileReason::Requeue),
+            Err(error) => {
+                tracing::warn!(cluster = %req.cluster, %error, "reconcile failed");
+                let action = error_policy(object, &error, &ctx);
+                (req, action, ReconcileReason::ErrorPolicy)
+            }
+        }
+    }
+    .instrument(span)
+    .boxed()
 }
 
 /// `namespace/name` or `name`.
@@ -289,6 +280,7 @@ impl<C: ClusterId> fmt::Display for ObjectKey<'_, C> {
 fn engage<K, C>(
     spec: &Spec<K, C>,
     engaged: &mut HashMap<C, Engagement<K, C>>,
+    queue: &mut FleetQueue<C>,
     triggers: &mut SelectAll<BoxStream<'static, Trigger<C>>>,
     cluster: Cluster<C>,
     baseline: Option<Cluster<C>>,
@@ -354,6 +346,7 @@ fn engage<K, C>(
                 .boxed(),
         );
     }
+    queue.engage(cluster.id().clone());
     engaged.insert(cluster.id().clone(), Engagement { cluster, store });
 }
 
@@ -362,10 +355,4 @@ async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
     }
-}
-
-pub(crate) fn receiver_stream<T: Send + 'static>(
-    mut rx: mpsc::UnboundedReceiver<T>,
-) -> impl Stream<Item = T> + Send + 'static {
-    stream::poll_fn(move |cx| rx.poll_recv(cx))
 }

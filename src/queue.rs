@@ -7,8 +7,18 @@
 //! all of them; here a request waits at most one turn of the rotation per other busy cluster.
 
 use std::collections::{HashMap, HashSet, VecDeque, hash_map::Entry};
+use std::future::Future;
+use std::hash::{Hash, Hasher};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-use crate::{ClusterId, Request};
+use futures::Stream;
+use kube_runtime::scheduler::{ScheduleRequest, Scheduler, debounced_scheduler};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::{Action, ClusterId, ReconcileReason, Request};
 
 /// Ready requests grouped by cluster, served round-robin. Each request carries a payload
 /// `R` (why it was queued); for a request pushed twice the first payload is kept.
@@ -101,6 +111,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     }
 
     /// Requests waiting (not in flight).
+
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.queued.len()
@@ -113,9 +124,139 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     }
 
     /// How many requests are in flight.
-    #[cfg(test)]
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+}
+
+/// A scheduler message: equal (and hashed) by request only, so that kube-runtime's scheduler
+/// deduplicates requests whatever their reasons.
+#[derive(Clone, Debug)]
+struct Queued<C: ClusterId>(Request<C>, ReconcileReason);
+
+impl<C: ClusterId> PartialEq for Queued<C> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+impl<C: ClusterId> Eq for Queued<C> {}
+impl<C: ClusterId> Hash for Queued<C> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.hash(state)
+    }
+}
+
+type Requests<C> = Pin<Box<dyn Stream<Item = ScheduleRequest<Queued<C>>> + Send>>;
+
+/// The whole queue of one fleet controller, without any Kubernetes in it: kube-runtime's
+/// debounced scheduler (delays, requeues, deduplication) in front of a [`FairQueue`] (one in
+/// flight per request, clusters served in turn), a concurrency limit, and the set of engaged
+/// clusters (requests for any other cluster are dropped when they come due, once).
+pub(crate) struct FleetQueue<C: ClusterId> {
+    schedule_tx: mpsc::UnboundedSender<ScheduleRequest<Queued<C>>>,
+    scheduler: Pin<Box<Scheduler<Queued<C>, Requests<C>>>>,
+    ready: FairQueue<C, ReconcileReason>,
+    engaged: HashSet<C>,
+    /// 0 for no limit.
+    concurrency: usize,
+}
+
+impl<C: ClusterId> FleetQueue<C> {
+    /// An empty queue running at most `concurrency` requests at once (0: no limit), waiting
+    /// `debounce` for further triggers of a request before it comes due.
+    pub(crate) fn new(concurrency: usize, debounce: Duration) -> Self {
+        let (schedule_tx, mut rx) = mpsc::unbounded_channel();
+        let requests: Requests<C> = Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+        Self {
+            schedule_tx,
+            scheduler: Box::pin(debounced_scheduler(requests, debounce)),
+            ready: FairQueue::default(),
+            engaged: HashSet::new(),
+            concurrency,
+        }
+    }
+
+    /// Starts accepting requests for `cluster`.
+    pub(crate) fn engage(&mut self, cluster: C) {
+        self.engaged.insert(cluster);
+    }
+
+    /// Stops serving `cluster`: what is ready for it is dropped now, what is scheduled for
+    /// later is dropped when it comes due, and reconciles in flight are not requeued.
+    pub(crate) fn disengage(&mut self, cluster: &C) {
+        self.engaged.remove(cluster);
+        self.ready.remove_cluster(cluster);
+    }
+
+    /// Whether `cluster` is engaged.
+    #[cfg(test)]
+    pub(crate) fn is_engaged(&self, cluster: &C) -> bool {
+        self.engaged.contains(cluster)
+    }
+
+    /// Asks for `req` to be reconciled now (after the debounce).
+    pub(crate) fn trigger(&self, req: Request<C>, reason: ReconcileReason) {
+        self.schedule(req, reason, Instant::now());
+    }
+
+    fn schedule(&self, req: Request<C>, reason: ReconcileReason, run_at: Instant) {
+        // The receiver lives in `self.scheduler`, so the send cannot fail.
+        let _ = self.schedule_tx.send(ScheduleRequest {
+            message: Queued(req, reason),
+            run_at,
+        });
+    }
+
+    /// Marks `req`, handed out by [`FleetQueue::poll_next`], finished; schedules it again
+    /// after the action's delay if its cluster is still engaged.
+    pub(crate) fn finish(&mut self, req: Request<C>, action: Action, reason: ReconcileReason) {
+        self.ready.done(&req);
+        if let Some(delay) = action.requeue_after()
+            && self.engaged.contains(&req.cluster)
+        {
+            self.schedule(req, reason, Instant::now() + delay);
+        }
+    }
+
+    /// The next request to reconcile, if one is due and a concurrency slot is free. It
+    /// counts as in flight until [`FleetQueue::finish`].
+    pub(crate) fn poll_next(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<(Request<C>, ReconcileReason)> {
+        // Move everything due into the fair queue first, so clusters take turns among all
+        // that is due rather than in the order their delays ran out.
+        while let Poll::Ready(Some(Queued(req, reason))) = self.scheduler.as_mut().poll_next(cx) {
+            if self.engaged.contains(&req.cluster) {
+                self.ready.push(req, reason);
+            } else {
+                tracing::debug!(request = %req, "dropping a request for a cluster that is not engaged");
+            }
+        }
+        if self.concurrency != 0 && self.ready.in_flight() >= self.concurrency {
+            // Woken again by whoever finishes a request (it polls us after `finish`).
+            return Poll::Pending;
+        }
+        match self.ready.pop() {
+            Some(next) => Poll::Ready(next),
+            None => Poll::Pending,
+        }
+    }
+
+    /// [`FleetQueue::poll_next`] as a future.
+    ///
+    /// It runs outside tokio's cooperative budget: the scheduler's timer charges that budget
+    /// per item, so within it a poll would move only about 128 due requests into the fair
+    /// queue, and a request that came due after a backlog of thousands would wait for the
+    /// whole backlog to be moved, one batch per reconcile, before its cluster got a turn.
+    pub(crate) fn next(&mut self) -> impl Future<Output = (Request<C>, ReconcileReason)> + '_ {
+        tokio::task::unconstrained(futures::future::poll_fn(move |cx| self.poll_next(cx)))
+    }
+
+    /// How many requests are in flight.
+    #[cfg(test)]
+    pub(crate) fn in_flight(&self) -> usize {
+        self.ready.in_flight()
     }
 }
 
@@ -203,5 +344,124 @@ mod tests {
         assert_eq!(q.pop().map(|(r, ())| r).unwrap(), req("b", "z"));
         assert!(q.pop().map(|(r, ())| r).is_none());
         assert_eq!(q.len(), 0);
+    }
+
+    mod fleet_queue {
+        use super::*;
+        use crate::ReconcileReason::{ObjectChanged, Requeue};
+        use std::time::Duration;
+
+        fn name(s: &str) -> ClusterName {
+            ClusterName::from(s)
+        }
+
+        fn queue(concurrency: usize, clusters: &[&str]) -> FleetQueue<ClusterName> {
+            let mut q = FleetQueue::new(concurrency, Duration::ZERO);
+            for c in clusters {
+                q.engage(name(c));
+            }
+            q
+        }
+
+        /// `next()` within `secs` of paused time, or None.
+        async fn next_within(
+            q: &mut FleetQueue<ClusterName>,
+            secs: u64,
+        ) -> Option<Request<ClusterName>> {
+            tokio::time::timeout(Duration::from_secs(secs), q.next())
+                .await
+                .ok()
+                .map(|(r, _)| r)
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_cluster_with_10000_pending_requests_delays_another_by_at_most_one_slot() {
+            let mut q = queue(1, &["noisy", "quiet"]);
+            for i in 0..10_000 {
+                q.trigger(req("noisy", &format!("o{i}")), ObjectChanged);
+            }
+            let (first, why) = q.next().await;
+            assert_eq!(first.cluster, "noisy");
+            // The quiet cluster's only request arrives while the noisy backlog is due.
+            q.trigger(req("quiet", "only"), ObjectChanged);
+            q.finish(first, Action::await_change(), why);
+            let mut slots_before_quiet = 0;
+            loop {
+                let (r, why) = q.next().await;
+                // Each reconcile takes 10 ms of (paused) time.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                q.finish(r.clone(), Action::await_change(), why);
+                if r.cluster == "quiet" {
+                    break;
+                }
+                slots_before_quiet += 1;
+            }
+            assert!(
+                slots_before_quiet <= 1,
+                "quiet waited {slots_before_quiet} reconcile slots"
+            );
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_requeue_comes_due_after_its_delay_and_not_before() {
+            let mut q = queue(0, &["a"]);
+            q.trigger(req("a", "x"), ObjectChanged);
+            let (r, _) = q.next().await;
+            q.finish(r, Action::requeue(Duration::from_secs(30)), Requeue);
+            assert_eq!(next_within(&mut q, 29).await, None);
+            assert_eq!(next_within(&mut q, 2).await, Some(req("a", "x")));
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn the_concurrency_limit_holds_requests_until_a_slot_frees() {
+            let mut q = queue(2, &["a", "b"]);
+            for n in ["1", "2", "3"] {
+                q.trigger(req("a", n), ObjectChanged);
+            }
+            let (r1, w1) = q.next().await;
+            let _r2 = q.next().await;
+            assert_eq!(q.in_flight(), 2);
+            assert_eq!(next_within(&mut q, 60).await, None, "a third may not start");
+            q.finish(r1, Action::await_change(), w1);
+            assert!(next_within(&mut q, 1).await.is_some());
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_request_never_runs_twice_at_once_and_a_change_during_a_run_is_not_lost() {
+            let mut q = queue(0, &["a"]);
+            q.trigger(req("a", "x"), ObjectChanged);
+            let (r, why) = q.next().await;
+            q.trigger(req("a", "x"), ObjectChanged);
+            assert_eq!(next_within(&mut q, 60).await, None);
+            q.finish(r, Action::await_change(), why);
+            assert_eq!(next_within(&mut q, 1).await, Some(req("a", "x")));
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn requests_for_a_disengaged_cluster_are_dropped_once_and_never_requeued() {
+            let mut q = queue(0, &["a", "b"]);
+            q.trigger(req("a", "ready"), ObjectChanged);
+            q.trigger(req("a", "running"), ObjectChanged);
+            let (running, why) = q.next().await;
+            // A requeue scheduled for later, then the cluster goes away.
+            q.finish(
+                running.clone(),
+                Action::requeue(Duration::from_secs(5)),
+                why.clone(),
+            );
+            let (running, why) = (q.next().await.0, why);
+            q.disengage(&name("a"));
+            assert!(!q.is_engaged(&name("a")));
+            // The reconcile in flight finishes and asks for a requeue: refused.
+            q.finish(running, Action::requeue(Duration::from_secs(1)), why);
+            q.trigger(req("a", "late"), ObjectChanged);
+            q.trigger(req("b", "other"), ObjectChanged);
+            assert_eq!(next_within(&mut q, 60).await, Some(req("b", "other")));
+            assert_eq!(
+                next_within(&mut q, 600).await,
+                None,
+                "nothing of cluster a comes back"
+            );
+        }
     }
 }
