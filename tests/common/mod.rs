@@ -23,6 +23,11 @@ pub fn config_map(ns: &str, name: &str, kind: &str) -> ConfigMap {
     }
 }
 
+/// The fixture's ConfigMaps (not the apiserver's own ones in kube-system).
+pub fn fixture_objects() -> kube_runtime::watcher::Config {
+    kube_runtime::watcher::Config::default().labels("type")
+}
+
 /// Creates the three namespaces, each with an animal, a human and a thing.
 pub async fn fixture(client: &kube::Client) {
     for ns in NAMESPACES {
@@ -150,4 +155,22 @@ pub async fn is_fed(client: &kube::Client, ns: &str, name: &str) -> bool {
         Ok(Some(cm)) => cm.data.and_then(|d| d.get("stomach").cloned()).as_deref() == Some("food"),
         _ => false,
     }
+}
+
+/// A reconciler that only records what it was asked to reconcile.
+pub async fn record<C: ClusterId>(
+    _: Arc<ConfigMap>,
+    ctx: Context<C, Seen>,
+) -> Result<Action, kube::Error> {
+    ctx.state()
+        .requests
+        .lock()
+        .unwrap()
+        .push(ctx.request().to_string());
+    Ok(Action::await_change())
+}
+
+/// Settles for `ms` milliseconds (for asserting that nothing more happens).
+pub async fn settle(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
 }

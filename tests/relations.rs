@@ -1,0 +1,330 @@
+//! Relations, re-engagement, requeues and shutdown against real control planes.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube_runtime::watcher;
+use multicluster_runtime::providers::Clusters;
+use multicluster_runtime::testenv::TestEnv;
+use multicluster_runtime::{
+    Action, Builder, Cluster, ClusterName, Context, Engaged, Manager, Request,
+};
+
+fn name(s: &str) -> ClusterName {
+    ClusterName::from(s)
+}
+
+fn spawn(manager: &Arc<Manager<Clusters>>) -> tokio::task::JoinHandle<()> {
+    let manager = manager.clone();
+    tokio::spawn(async move { manager.run().await.unwrap() })
+}
+
+fn secret(ns: &str, name: &str, owner: Option<OwnerReference>) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            owner_references: owner.map(|o| vec![o]),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_change_to_an_owned_object_reconciles_its_owner() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let client = c.client().unwrap();
+    fixture(&client).await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("c0"), client.clone()))
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .owns::<Secret>(watcher::Config::default())
+        .start(record, retry_soon, seen.clone());
+    let run = spawn(&manager);
+
+    let owner = "cluster://c0/zoo/elephant";
+    eventually(30, "initial reconcile", async || seen.count(owner) == 1).await;
+    let parent = Api::<ConfigMap>::namespaced(client.clone(), "zoo")
+        .get("elephant")
+        .await
+        .unwrap();
+    let owner_ref = OwnerReference {
+        api_version: "v1".into(),
+        kind: "ConfigMap".into(),
+        name: "elephant".into(),
+        uid: parent.metadata.uid.unwrap(),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), "zoo")
+        .create(
+            &PostParams::default(),
+            &secret("zoo", "tusk", Some(owner_ref)),
+        )
+        .await
+        .unwrap();
+    eventually(30, "owner reconciled for its child", async || {
+        seen.count(owner) == 2
+    })
+    .await;
+    // A secret without an owner reconciles nothing.
+    Api::<Secret>::namespaced(client, "zoo")
+        .create(&PostParams::default(), &secret("zoo", "loose", None))
+        .await
+        .unwrap();
+    settle(1500).await;
+    assert_eq!(seen.count(owner), 2);
+    assert_eq!(
+        seen.total(),
+        9 + 1,
+        "nine initial reconciles and one for the child"
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_mapper_can_enqueue_requests_for_another_cluster() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let clusters = Clusters::new();
+    for c in env.clusters() {
+        fixture(&c.client().unwrap()).await;
+        clusters
+            .add(Cluster::new(name(c.name()), c.client().unwrap()))
+            .unwrap();
+    }
+    let manager = Arc::new(Manager::new(clusters));
+    let seen = Arc::new(Seen::default());
+    // Secrets in cluster-0 ask for the ConfigMap of the same name in cluster-1.
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .watches::<Secret, _>(
+            watcher::Config::default(),
+            |cluster: &ClusterName, s: &Secret| {
+                (cluster == "cluster-0").then(|| {
+                    Request::new(
+                        name("cluster-1"),
+                        s.metadata.namespace.clone(),
+                        s.metadata.name.clone().unwrap_or_default(),
+                    )
+                })
+            },
+        )
+        .start(record, retry_soon, seen.clone());
+    let run = spawn(&manager);
+
+    let target = "cluster://cluster-1/jungle/elephant";
+    eventually(30, "initial reconciles", async || seen.total() == 18).await;
+    assert_eq!(seen.count(target), 1);
+    let c0 = env.cluster(0).unwrap().client().unwrap();
+    Api::<Secret>::namespaced(c0, "jungle")
+        .create(&PostParams::default(), &secret("jungle", "elephant", None))
+        .await
+        .unwrap();
+    eventually(30, "the other cluster's object reconciled", async || {
+        seen.count(target) == 2
+    })
+    .await;
+    settle(1000).await;
+    assert_eq!(
+        seen.count("cluster://cluster-0/jungle/elephant"),
+        1,
+        "the watched cluster's own object is untouched"
+    );
+    assert_eq!(seen.total(), 19);
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_cluster_reengaged_with_new_credentials_is_not_reconciled_twice() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    fixture(&c.client().unwrap()).await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("c0"), c.config()).unwrap())
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        record,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn(&manager);
+    eventually(30, "initial reconciles", async || seen.total() == 9).await;
+
+    // The same config again changes nothing; new credentials replace the cluster.
+    assert_eq!(
+        clusters
+            .add(Cluster::from_config(name("c0"), c.config()).unwrap())
+            .unwrap(),
+        Engaged::Unchanged
+    );
+    let rotated = c.add_user("rotated-admin", &["system:masters"]).unwrap();
+    let replacement = Cluster::from_config(name("c0"), rotated.config()).unwrap();
+    assert_eq!(
+        clusters.add(replacement.clone()).unwrap(),
+        Engaged::Replaced
+    );
+    eventually(10, "the new cluster's cache listed", async || {
+        replacement.store::<ConfigMap>(&fixture_objects()).len() == 9
+    })
+    .await;
+    settle(1500).await;
+    assert_eq!(
+        seen.total(),
+        9,
+        "unchanged objects are not reconciled again after the switch"
+    );
+
+    let cms: Api<ConfigMap> = Api::namespaced(c.client().unwrap(), "island");
+    let patch = serde_json::json!({ "data": { "changed": "yes" } });
+    cms.patch("rock", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    eventually(30, "the change reconciled", async || {
+        seen.count("cluster://c0/island/rock") == 2
+    })
+    .await;
+    settle(1500).await;
+    assert_eq!(
+        seen.count("cluster://c0/island/rock"),
+        2,
+        "one change, one reconcile"
+    );
+    assert_eq!(seen.total(), 10);
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+/// Counts calls per object; fails the first two of `elephant`, then requeues it three times.
+#[derive(Default)]
+struct Flaky {
+    calls: Mutex<HashMap<String, usize>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("not yet")]
+struct NotYet;
+
+async fn flaky(cm: Arc<ConfigMap>, ctx: Context<ClusterName, Flaky>) -> Result<Action, NotYet> {
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    let n = {
+        let mut calls = ctx.state().calls.lock().unwrap();
+        let n = calls.entry(name.clone()).or_default();
+        *n += 1;
+        *n
+    };
+    match (name.as_str(), n) {
+        ("elephant", 1 | 2) => Err(NotYet),
+        ("elephant", 3..=5) => Ok(Action::requeue(Duration::from_millis(300))),
+        _ => Ok(Action::await_change()),
+    }
+}
+
+#[tokio::test]
+async fn errors_are_retried_by_the_error_policy_and_requeues_come_back() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let client = c.client().unwrap();
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    cms.create(
+        &PostParams::default(),
+        &config_map("default", "elephant", "animal"),
+    )
+    .await
+    .unwrap();
+    let clusters = Clusters::new();
+    clusters.add(Cluster::new(name("c0"), client)).unwrap();
+    let manager = Arc::new(Manager::new(clusters));
+    let state = Arc::new(Flaky::default());
+    let policy_calls = Arc::new(AtomicUsize::new(0));
+    let policy = {
+        let policy_calls = policy_calls.clone();
+        move |_: Arc<ConfigMap>, _: &NotYet, _: &Context<ClusterName, Flaky>| {
+            policy_calls.fetch_add(1, Ordering::SeqCst);
+            Action::requeue(Duration::from_millis(100))
+        }
+    };
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(flaky, policy, state.clone());
+    let run = spawn(&manager);
+    let calls = || {
+        state
+            .calls
+            .lock()
+            .unwrap()
+            .get("elephant")
+            .copied()
+            .unwrap_or(0)
+    };
+    eventually(30, "two failures and three requeues", async || calls() == 6).await;
+    settle(1500).await;
+    assert_eq!(calls(), 6, "after await_change nothing more");
+    assert_eq!(policy_calls.load(Ordering::SeqCst), 2);
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[derive(Default)]
+struct Slow {
+    started: AtomicUsize,
+    finished: AtomicUsize,
+}
+
+async fn slow(_: Arc<ConfigMap>, ctx: Context<ClusterName, Slow>) -> Result<Action, kube::Error> {
+    ctx.state().started.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ctx.state().finished.fetch_add(1, Ordering::SeqCst);
+    Ok(Action::await_change())
+}
+
+#[tokio::test]
+async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let client = c.client().unwrap();
+    fixture(&client).await;
+    let clusters = Clusters::new();
+    clusters.add(Cluster::new(name("c0"), client)).unwrap();
+    let manager = Arc::new(Manager::new(clusters));
+    let state = Arc::new(Slow::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .concurrency(2)
+        .start(
+            slow,
+            |_, _: &kube::Error, _: &Context<ClusterName, Slow>| Action::await_change(),
+            state.clone(),
+        );
+    let run = spawn(&manager);
+    eventually(30, "reconciles started", async || {
+        state.started.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+    assert_eq!(
+        state.finished.load(Ordering::SeqCst),
+        2,
+        "in-flight reconciles ran to the end"
+    );
+    settle(2500).await;
+    assert_eq!(
+        state.started.load(Ordering::SeqCst),
+        2,
+        "nothing new started after shutdown (9 were due)"
+    );
+}
