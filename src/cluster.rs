@@ -188,10 +188,10 @@ impl<C: ClusterId> Cluster<C> {
     {
         let key = (TypeId::of::<K>(), format!("{config:?}"));
         let mut watches = self.inner.watches.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(existing) = watches.get(&key).cloned() {
-            if let Ok(watch) = existing.downcast::<SharedWatch<K>>() {
-                return watch;
-            }
+        if let Some(existing) = watches.get(&key).cloned()
+            && let Ok(watch) = existing.downcast::<SharedWatch<K>>()
+        {
+            return watch;
         }
         let writer = Writer::<K>::default();
         let watch = Arc::new(SharedWatch {

@@ -160,7 +160,7 @@ mod tests {
     #[test]
     fn cluster_names_round_trip_through_text_and_clone_cheaply() {
         let a = ClusterName::from("ns/name+ctx#1");
-        assert_eq!(ClusterName::parse(&a.to_string()).unwrap(), a);
+        assert_eq!(ClusterName::parse(a.as_str()).unwrap(), a);
         let b = a.clone();
         assert!(
             std::ptr::eq(a.as_str(), b.as_str()),

@@ -101,15 +101,22 @@ pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
         })
 }
 
+/// A predicate's hash of an object (see `kube_runtime::Predicate`).
+pub(crate) type PredicateFn<K> = Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>;
+/// Which clusters a controller engages.
+pub(crate) type ClusterFilter<C> = Arc<dyn Fn(&Cluster<C>) -> bool + Send + Sync>;
+/// A reconcile in flight; it yields its request, what it asked for next, and why.
+type Reconciling<C> = Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason)> + Send>>;
+
 /// The controller's settings, fixed when it starts.
 pub(crate) struct Spec<K, C: ClusterId> {
     pub(crate) name: Arc<str>,
     pub(crate) watcher_config: watcher::Config,
     pub(crate) relations: Vec<Arc<dyn Relation<C, K>>>,
-    pub(crate) predicate: Option<Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>>,
+    pub(crate) predicate: Option<PredicateFn<K>>,
     pub(crate) engage_local: bool,
     pub(crate) engage_fleet: bool,
-    pub(crate) cluster_filter: Option<Arc<dyn Fn(&Cluster<C>) -> bool + Send + Sync>>,
+    pub(crate) cluster_filter: Option<ClusterFilter<C>>,
     pub(crate) concurrency: usize,
     pub(crate) debounce: Duration,
 }
@@ -224,7 +231,7 @@ fn start<K, C, S, F, Fut, E, P>(
     state: &Arc<S>,
     reconcile: &Arc<F>,
     error_policy: &Arc<P>,
-) -> Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason)> + Send>>
+) -> Reconciling<C>
 where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
     C: ClusterId,

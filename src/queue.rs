@@ -111,7 +111,6 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     }
 
     /// Requests waiting (not in flight).
-
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.queued.len()
