@@ -21,7 +21,7 @@ use crate::{Action, Cluster, ClusterId, Context, Manager, Provider, Request};
 /// With a provider that has a single cluster ([`SingleProvider`](crate::providers::SingleProvider))
 /// the controller *is* a kube-runtime `Controller`: relations, predicate, concurrency and
 /// debounce map onto it one to one, and the reconciler is called directly from its runner.
-/// With a fleet provider it runs the fleet queue of [`crate::controller`] instead. The
+/// With a fleet provider it runs the fleet queue (see `docs/architecture.md`) instead. The
 /// reconciler and error policy are the same functions in both cases.
 ///
 /// Defaults: engage every provider cluster, not the local one; no predicate; unbounded

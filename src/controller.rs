@@ -1,10 +1,10 @@
 //! The fleet controller: per-cluster watches merged into one deduplicating, delaying, fair
 //! queue per controller, and the loop that runs reconciles from it.
 //!
-//! Path of an event: a cluster's shared watch ([`crate::cluster`]) notifies each relation's
+//! Path of an event: a cluster's shared watch (`crate::cluster`) notifies each relation's
 //! subscription; the relation maps the object to [`Request`]s tagged with a cluster id; the
 //! loop below sends them through kube-runtime's `debounced_scheduler` (delays, requeues,
-//! deduplication) into the [`FairQueue`] (one in flight per request, round-robin across
+//! deduplication) into the `FairQueue` (one in flight per request, round-robin across
 //! clusters), from which at most `concurrency` reconciles run at once.
 
 use std::collections::HashMap;

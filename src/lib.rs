@@ -19,7 +19,7 @@ mod builder;
 mod cluster;
 mod cluster_id;
 mod context;
-pub mod controller;
+mod controller;
 mod fleet;
 mod manager;
 mod provider;
@@ -41,3 +41,13 @@ pub use request::{ParseRequestError, Request};
 #[cfg(feature = "testenv")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testenv")))]
 pub mod testenv;
+
+/// The README's code samples, compiled as doctests so the README stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
+/// The code samples of `docs/testenv.md`, compiled as doctests.
+#[cfg(all(doctest, feature = "testenv"))]
+#[doc = include_str!("../docs/testenv.md")]
+struct TestenvDocDoctests;

@@ -1,0 +1,370 @@
+//! Runtime benchmarks against real control planes; figures go to `BENCHMARKS.md`.
+//!
+//! ```sh
+//! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
+//! cargo bench --features testenv --bench runtime -- callgrind    # zero cost of single-cluster mode
+//! cargo bench --features testenv --bench runtime -- throughput   # fleet vs single vs kube-runtime
+//! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
+//! ```
+//!
+//! Workload for `callgrind` and `throughput`: 5,000 ConfigMaps in one testenv cluster, created
+//! before the controller starts; a run ends when all 5,000 were reconciled once. The same
+//! reconcile body (count, stop at 5,000) runs through a hand-written kube-runtime
+//! `Controller` (`kube`), `Builder<SingleProvider>` (`single`) and `Builder<Clusters>` with the
+//! one cluster (`fleet`). Each run is a child process on a current-thread runtime, so
+//! callgrind counts only the controller, not the control plane or the set-up.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube_runtime::{Controller, watcher};
+use multicluster_runtime::providers::{Clusters, SingleProvider};
+use multicluster_runtime::testenv::TestEnv;
+use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
+
+const OBJECTS: usize = 5_000;
+const LABEL: &str = "bench=runtime";
+
+fn arg_after(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn rss_kib(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(mode) = arg_after(&args, "--child") {
+        let kubeconfig = arg_after(&args, "--kubeconfig").expect("--kubeconfig");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(child(&mode, &kubeconfig));
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let all = !args
+        .iter()
+        .any(|a| ["callgrind", "throughput", "scale"].contains(&a.as_str()));
+    rt.block_on(async {
+        if all || args.iter().any(|a| a == "callgrind") || args.iter().any(|a| a == "throughput") {
+            let env = TestEnv::start().await.expect("testenv");
+            let cluster = env.cluster(0).expect("cluster");
+            populate(cluster.client().expect("client")).await;
+            let kubeconfig = cluster.kubeconfig_path().display().to_string();
+            if all || args.iter().any(|a| a == "throughput") {
+                throughput(&kubeconfig);
+            }
+            if all || args.iter().any(|a| a == "callgrind") {
+                callgrind(&kubeconfig);
+            }
+        }
+        if all || args.iter().any(|a| a == "scale") {
+            let clusters = arg_after(&args, "--clusters")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(1000);
+            scale(clusters).await;
+        }
+    });
+}
+
+async fn populate(client: kube::Client) {
+    let api: Api<ConfigMap> = Api::namespaced(client, "default");
+    let started = Instant::now();
+    let mut creates = futures::stream::iter(0..OBJECTS)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let cm = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(format!("cm-{i:05}")),
+                        labels: Some(BTreeMap::from([(
+                            "bench".to_string(),
+                            "runtime".to_string(),
+                        )])),
+                        ..Default::default()
+                    },
+                    data: Some(BTreeMap::from([("i".to_string(), i.to_string())])),
+                    ..Default::default()
+                };
+                api.create(&PostParams::default(), &cm)
+                    .await
+                    .expect("create")
+            }
+        })
+        .buffer_unordered(32);
+    while creates.next().await.is_some() {}
+    println!("created {OBJECTS} ConfigMaps in {:.1?}", started.elapsed());
+}
+
+fn run_child(mode: &str, kubeconfig: &str, under_callgrind: bool) -> (Duration, Option<u64>) {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = if under_callgrind {
+        let mut c = Command::new("valgrind");
+        c.args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
+            .arg(&exe);
+        c
+    } else {
+        Command::new(&exe)
+    };
+    cmd.args(["--child", mode, "--kubeconfig", kubeconfig]);
+    let started = Instant::now();
+    let out = cmd.output().expect("spawn child");
+    let elapsed = started.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "child {mode} failed:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains(&format!("reconciled {OBJECTS}")),
+        "child {mode}: {stdout}"
+    );
+    // valgrind reports "==pid== Collected : <instructions>".
+    let instructions = stderr
+        .lines()
+        .find_map(|l| l.split("Collected :").nth(1))
+        .and_then(|n| n.trim().replace(',', "").parse().ok());
+    (elapsed, instructions)
+}
+
+fn throughput(kubeconfig: &str) {
+    println!(
+        "\n== throughput: {OBJECTS} reconciles on one cluster, 3 runs each, wall time of the child process"
+    );
+    let mut medians = HashMap::new();
+    for mode in ["kube", "single", "fleet"] {
+        let mut times: Vec<Duration> = (0..3)
+            .map(|_| run_child(mode, kubeconfig, false).0)
+            .collect();
+        times.sort();
+        let median = times[1];
+        medians.insert(mode, median);
+        println!(
+            "{mode:<7} median {:.3}s ({:.0} reconciles/s)  runs {:?}",
+            median.as_secs_f64(),
+            OBJECTS as f64 / median.as_secs_f64(),
+            times
+                .iter()
+                .map(|t| format!("{:.3}", t.as_secs_f64()))
+                .collect::<Vec<_>>()
+        );
+    }
+    let ratio = medians["single"].as_secs_f64() / medians["fleet"].as_secs_f64();
+    println!("fleet throughput / single throughput = {ratio:.3}");
+}
+
+fn callgrind(kubeconfig: &str) {
+    println!("\n== callgrind: instructions of the whole controller process, {OBJECTS} reconciles");
+    let mut counts = HashMap::new();
+    for mode in ["kube", "single", "kube", "single"] {
+        let (_, instructions) = run_child(mode, kubeconfig, true);
+        let instructions = instructions.expect("valgrind printed no instruction count");
+        println!("{mode:<7} {instructions} instructions");
+        counts
+            .entry(mode)
+            .or_insert_with(Vec::new)
+            .push(instructions);
+    }
+    let min = |m: &str| *counts[m].iter().min().expect("runs");
+    let (kube, single) = (min("kube"), min("single"));
+    println!(
+        "single / kube = {:.4}; difference {} instructions per reconcile",
+        single as f64 / kube as f64,
+        (single as i64 - kube as i64) / OBJECTS as i64
+    );
+}
+
+/// Counts reconciles and ends the process at `OBJECTS`.
+#[derive(Default)]
+struct Counter(AtomicUsize);
+
+impl Counter {
+    fn hit(&self) {
+        if self.0.fetch_add(1, Ordering::Relaxed) + 1 == OBJECTS {
+            println!("reconciled {OBJECTS}");
+            std::process::exit(0);
+        }
+    }
+}
+
+async fn count<C: ClusterId>(
+    _: Arc<ConfigMap>,
+    ctx: Context<C, Counter>,
+) -> Result<Action, kube::Error> {
+    ctx.state().hit();
+    Ok(Action::await_change())
+}
+
+fn never<C: ClusterId>(_: Arc<ConfigMap>, _: &kube::Error, _: &Context<C, Counter>) -> Action {
+    Action::await_change()
+}
+
+async fn child(mode: &str, kubeconfig: &str) {
+    let kc = Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .expect("config");
+    let client = kube::Client::try_from(config).expect("client");
+    let wc = watcher::Config::default().labels(LABEL);
+    match mode {
+        "kube" => {
+            Controller::new(Api::<ConfigMap>::all(client), wc)
+                .run(
+                    |_, counter: Arc<Counter>| async move {
+                        counter.hit();
+                        Ok::<_, kube::Error>(kube_runtime::controller::Action::await_change())
+                    },
+                    |_, _, _| kube_runtime::controller::Action::await_change(),
+                    Arc::new(Counter::default()),
+                )
+                .for_each(|_| std::future::ready(()))
+                .await
+        }
+        "single" => {
+            let manager = Manager::new(SingleProvider::new(client));
+            Builder::<_, ConfigMap>::new(&manager, wc)
+                .run(count, never, Arc::new(Counter::default()))
+                .await
+        }
+        "fleet" => {
+            let clusters = Clusters::new();
+            clusters
+                .add(Cluster::new(ClusterName::from("only"), client))
+                .expect("add");
+            let manager = Manager::new(clusters);
+            let controller = Builder::<_, ConfigMap>::new(&manager, wc).run(
+                count,
+                never,
+                Arc::new(Counter::default()),
+            );
+            let _ = tokio::join!(manager.run(), controller);
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+/// First-reconcile times per cluster.
+#[derive(Default)]
+struct FirstSeen {
+    at: Mutex<HashMap<ClusterName, Instant>>,
+    notify: tokio::sync::Notify,
+}
+
+async fn note(
+    _: Arc<ConfigMap>,
+    ctx: Context<ClusterName, FirstSeen>,
+) -> Result<Action, kube::Error> {
+    let state = ctx.state();
+    if let Ok(mut at) = state.at.lock() {
+        at.entry(ctx.cluster_id().clone())
+            .or_insert_with(Instant::now);
+    }
+    state.notify.notify_waiters();
+    Ok(Action::await_change())
+}
+
+async fn scale(n: usize) {
+    println!("\n== scale: {n} clusters engaged one after another, all names of one apiserver");
+    let env = TestEnv::start().await.expect("testenv");
+    let tc = env.cluster(0).expect("cluster");
+    let api: Api<ConfigMap> = Api::namespaced(tc.client().expect("client"), "default");
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("scale".into()),
+            labels: Some(BTreeMap::from([("bench".to_string(), "scale".to_string())])),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &cm)
+        .await
+        .expect("create");
+
+    let clusters = Clusters::new();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let seen = Arc::new(FirstSeen::default());
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("bench=scale")).start(
+        note,
+        |_, _: &kube::Error, _: &Context<ClusterName, FirstSeen>| Action::await_change(),
+        seen.clone(),
+    );
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await })
+    };
+
+    let engage = |name: String| {
+        let seen = seen.clone();
+        let clusters = clusters.clone();
+        let config = tc.config();
+        async move {
+            let id = ClusterName::from(name);
+            let started = Instant::now();
+            let cluster = Cluster::from_config(id.clone(), config).expect("cluster");
+            clusters.add(cluster).expect("engage");
+            loop {
+                let notified = seen.notify.notified();
+                if let Some(at) = seen.at.lock().ok().and_then(|m| m.get(&id).copied()) {
+                    return at - started;
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+            }
+        }
+    };
+    // One-time costs (TLS provider, first watch) are not per cluster.
+    engage("warm-up".to_string()).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let base = rss_kib("self");
+    let mut latencies = Vec::with_capacity(n);
+    let started = Instant::now();
+    for i in 0..n {
+        latencies.push(engage(format!("c-{i:04}")).await);
+    }
+    let engage_all = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = rss_kib("self");
+    assert_eq!(manager.fleet().len(), n + 1);
+    latencies.sort();
+    let pct = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+    println!(
+        "engage-to-first-reconcile: p50 {:.1?} p95 {:.1?} p99 {:.1?} max {:.1?} (all {n} engaged in {:.1?})",
+        pct(0.50),
+        pct(0.95),
+        pct(0.99),
+        latencies[latencies.len() - 1],
+        engage_all
+    );
+    println!(
+        "RSS: {} MiB before, {} MiB with {n} more idle clusters; {} KiB per cluster (each caching 1 ConfigMap, with its own client and TLS connection)",
+        base / 1024,
+        after / 1024,
+        (after.saturating_sub(base)) / n as u64
+    );
+    println!(
+        "apiserver RSS: {} MiB",
+        tc.apiserver_pid()
+            .map(|p| rss_kib(&p.to_string()))
+            .unwrap_or(0)
+            / 1024
+    );
+    manager.shutdown();
+    let _ = run.await;
+}
