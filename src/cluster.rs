@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::ClusterId;
+use crate::index::{FieldIndexes, Indexer};
 
 /// A cheap, clonable handle to one cluster: its id, its [`Client`] and the caches shared by
 /// every controller that watches it.
@@ -32,8 +33,51 @@ struct Inner<C: ClusterId> {
     config: Option<kube::Config>,
     /// Cancelled when the cluster is disengaged (or replaced); stops its watches.
     token: CancellationToken,
-    /// One shared watch per (resource type, watcher configuration): `Arc<SharedWatch<K>>`.
-    watches: Mutex<HashMap<(TypeId, String), Arc<dyn Any + Send + Sync>>>,
+    /// One shared watch per (resource type, watcher configuration): `SharedWatch<K>`.
+    watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedWatch>>>,
+    /// Field indexes registered for this cluster; every watch of their kind maintains them.
+    indexers: Mutex<Vec<Indexer>>,
+}
+
+/// A [`SharedWatch`] of any kind.
+trait ErasedWatch: Send + Sync {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    fn add_indexer(&self, indexer: &Indexer);
+}
+
+impl<K> ErasedWatch for SharedWatch<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+{
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+
+    fn add_indexer(&self, indexer: &Indexer) {
+        if let Some(extract) = indexer.extract::<K>() {
+            let objects = self.store.state();
+            lock(&self.indexes).add(indexer.name.clone(), extract, objects.iter().map(|o| &**o));
+        }
+    }
+}
+
+/// Locks, recovering from poisoning: every critical section here leaves its data consistent.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The cluster has no field index of that name for that kind.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cluster {cluster}: no field index {index:?} for {kind}; register it with Fleet::index_field or Manager::index_field"
+)]
+pub struct UnknownIndex {
+    /// The cluster asked.
+    pub cluster: String,
+    /// The kind asked for.
+    pub kind: String,
+    /// The index asked for.
+    pub index: String,
 }
 
 impl<C: ClusterId> Drop for Inner<C> {
@@ -81,6 +125,7 @@ impl<C: ClusterId> Cluster<C> {
                 config,
                 token: CancellationToken::new(),
                 watches: Mutex::new(HashMap::new()),
+                indexers: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -147,13 +192,70 @@ impl<C: ClusterId> Cluster<C> {
         K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
     {
         let key = (TypeId::of::<K>(), format!("{config:?}"));
-        let watches = self.inner.watches.lock().unwrap_or_else(|e| e.into_inner());
+        let watches = lock(&self.inner.watches);
         let watch = watches
             .get(&key)?
             .clone()
+            .as_any()
             .downcast::<SharedWatch<K>>()
             .ok()?;
         Some(watch.store.clone())
+    }
+
+    /// Registers a field index on this cluster's `K` caches (existing and future ones).
+    /// An index of the same kind and name is registered once; later registrations are
+    /// ignored.
+    pub(crate) fn add_indexer(&self, indexer: &Indexer) {
+        {
+            let mut indexers = lock(&self.inner.indexers);
+            if indexers.iter().any(|i| i.same_as(indexer)) {
+                return;
+            }
+            indexers.push(indexer.clone());
+        }
+        for ((kind, _), watch) in lock(&self.inner.watches).iter() {
+            if *kind == indexer.kind() {
+                watch.add_indexer(indexer);
+            }
+        }
+    }
+
+    /// The cached `K` objects (of the watch for `config`, started on first use) that the
+    /// field index `index` files under `value`.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{Cluster, ClusterName};
+    /// # use k8s_openapi::api::core::v1::ConfigMap;
+    /// # use kube::runtime::watcher;
+    /// # fn f(cluster: Cluster<ClusterName>) -> Result<(), multicluster_runtime::UnknownIndex> {
+    /// // After `manager.index_field::<ConfigMap>("type", ...)`:
+    /// let animals = cluster.indexed::<ConfigMap>(&watcher::Config::default(), "type", "animal")?;
+    /// # Ok(()) }
+    /// ```
+    pub fn indexed<K>(
+        &self,
+        config: &watcher::Config,
+        index: &str,
+        value: &str,
+    ) -> Result<Vec<Arc<K>>, UnknownIndex>
+    where
+        K: Resource<DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + fmt::Debug
+            + Send
+            + Sync
+            + 'static,
+    {
+        let watch = self.watch::<K>(config);
+        let refs = lock(&watch.indexes)
+            .lookup(index, value)
+            .ok_or_else(|| UnknownIndex {
+                cluster: self.inner.id.to_string(),
+                kind: K::kind(&()).into_owned(),
+                index: index.to_string(),
+            })?;
+        Ok(refs.iter().filter_map(|r| watch.store.get(r)).collect())
     }
 
     pub(crate) fn disengage(&self) {
@@ -187,9 +289,9 @@ impl<C: ClusterId> Cluster<C> {
             + 'static,
     {
         let key = (TypeId::of::<K>(), format!("{config:?}"));
-        let mut watches = self.inner.watches.lock().unwrap_or_else(|e| e.into_inner());
+        let mut watches = lock(&self.inner.watches);
         if let Some(existing) = watches.get(&key).cloned()
-            && let Ok(watch) = existing.downcast::<SharedWatch<K>>()
+            && let Ok(watch) = existing.as_any().downcast::<SharedWatch<K>>()
         {
             return watch;
         }
@@ -197,7 +299,12 @@ impl<C: ClusterId> Cluster<C> {
         let watch = Arc::new(SharedWatch {
             store: writer.as_reader(),
             subscribers: Mutex::new(Vec::new()),
+            indexes: Mutex::new(FieldIndexes::default()),
+            ready: tokio::sync::watch::Sender::new(false),
         });
+        for indexer in lock(&self.inner.indexers).iter() {
+            watch.add_indexer(indexer);
+        }
         let api = Api::<K>::all(self.client());
         let task = run_watch(
             api,
@@ -298,12 +405,15 @@ impl<K> Clone for Change<K> {
 
 /// One watch of one resource type in one cluster, feeding a reflector store and any number
 /// of subscribers (one per controller relation).
-pub(crate) struct SharedWatch<K: Resource + Clone + 'static>
-where
-    K::DynamicType: std::hash::Hash + Eq + Clone,
-{
+pub(crate) struct SharedWatch<K: Resource<DynamicType = ()> + Clone + 'static> {
     pub(crate) store: Store<K>,
     subscribers: Mutex<Vec<mpsc::UnboundedSender<Change<K>>>>,
+    /// Field indexes over `store`, updated with it.
+    indexes: Mutex<FieldIndexes<K>>,
+    /// True once the first listing is in the store. `Store::wait_until_ready` cannot serve
+    /// here: its one-shot channel keeps only the last waiter's waker, so with several
+    /// controllers (tasks) waiting on one shared store all but one would wait forever.
+    ready: tokio::sync::watch::Sender<bool>,
 }
 
 impl<K> SharedWatch<K>
@@ -329,6 +439,28 @@ where
         }
         subscribers.push(tx);
         tokio_stream_from(rx)
+    }
+
+    /// Completes once the first listing is in the store (false if the watch is gone first).
+    pub(crate) fn ready(&self) -> impl std::future::Future<Output = bool> + Send + 'static {
+        let mut rx = self.ready.subscribe();
+        async move { rx.wait_for(|ready| *ready).await.is_ok() }
+    }
+
+    fn update_indexes(&self, event: &Event<K>, store: &Store<K>) {
+        let mut indexes = lock(&self.indexes);
+        if indexes.is_empty() {
+            return;
+        }
+        match event {
+            Event::Apply(obj) => indexes.apply(obj),
+            Event::Delete(obj) => indexes.delete(obj),
+            Event::InitDone => {
+                let objects = store.state();
+                indexes.rebuild(objects.iter().map(|o| &**o));
+            }
+            Event::Init | Event::InitApply(_) => {}
+        }
     }
 
     fn notify(&self, change: Change<K>) {
@@ -378,6 +510,7 @@ async fn run_watch<K>(
             }
             Some(Ok(event)) => {
                 writer.apply_watcher_event(&event);
+                shared.update_indexes(&event, &store);
                 match event {
                     Event::Apply(obj) => {
                         if let Some(object) = store.get(&ObjectRef::from_obj(&obj)) {
@@ -408,6 +541,7 @@ async fn run_watch<K>(
                             }
                         }
                         first_listing = false;
+                        shared.ready.send_replace(true);
                     }
                 }
             }

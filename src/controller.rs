@@ -335,10 +335,10 @@ fn engage<K, C>(
     });
     // Requests wait for the first complete listing: a reconcile must find its object in the
     // store.
-    let ready_store = store.clone();
+    let ready = watch.ready();
     let gated = stream::once(async move {
-        // An error means the watch is gone; `primary` then ends at once too.
-        let _ = ready_store.wait_until_ready().await;
+        // If the watch goes away first, `primary` ends at once too.
+        ready.await;
         primary
     })
     .flatten();

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::mpsc;
 
-use crate::{Cluster, ClusterId};
+use crate::index::Indexer;
+use crate::{Cluster, ClusterId, Watchable};
 
 /// The clusters currently engaged, shared by a manager, its provider and its controllers.
 ///
@@ -20,6 +21,8 @@ pub struct Fleet<C: ClusterId> {
 struct State<C: ClusterId> {
     clusters: BTreeMap<C, Cluster<C>>,
     subscribers: Vec<mpsc::UnboundedSender<FleetEvent<C>>>,
+    /// Field indexes every cluster gets, including clusters engaged later.
+    indexers: Vec<Indexer>,
 }
 
 /// A change of the fleet, as a controller sees it.
@@ -80,6 +83,7 @@ impl<C: ClusterId> Default for Fleet<C> {
             inner: Arc::new(Mutex::new(State {
                 clusters: BTreeMap::new(),
                 subscribers: Vec::new(),
+                indexers: Vec::new(),
             })),
         }
     }
@@ -111,10 +115,18 @@ impl<C: ClusterId> Fleet<C> {
             return Err(EngageError(cluster.id().to_string()));
         }
         let mut state = self.state();
-        let outcome = match state.clusters.get(cluster.id()) {
-            Some(old) if !old.differs_from(&cluster) => return Ok(Engaged::Unchanged),
+        let previous = state.clusters.get(cluster.id()).cloned();
+        if let Some(old) = &previous
+            && !old.differs_from(&cluster)
+        {
+            return Ok(Engaged::Unchanged);
+        }
+        // Indexes first, so no controller sees the cluster without them.
+        for indexer in &state.indexers {
+            cluster.add_indexer(indexer);
+        }
+        let outcome = match previous {
             Some(old) => {
-                let old = old.clone();
                 old.disengage();
                 state.broadcast(FleetEvent::Replaced {
                     old,
@@ -169,6 +181,35 @@ impl<C: ClusterId> Fleet<C> {
     /// Whether no cluster is engaged.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Registers a field index on `K` objects for every engaged cluster and every cluster
+    /// engaged later: `extract` gives the values an object is filed under, and
+    /// [`Cluster::indexed`] finds the cached objects filed under a value. An index of the
+    /// same kind and name is registered once.
+    ///
+    /// ```
+    /// # use multicluster_runtime::{ClusterName, Fleet};
+    /// use k8s_openapi::api::core::v1::ConfigMap;
+    /// let fleet = Fleet::<ClusterName>::new();
+    /// fleet.index_field::<ConfigMap>("type", |cm| {
+    ///     cm.metadata.labels.iter().flatten().filter(|(k, _)| *k == "type").map(|(_, v)| v.clone()).collect()
+    /// });
+    /// ```
+    pub fn index_field<K: Watchable>(
+        &self,
+        name: &str,
+        extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
+    ) {
+        let indexer = Indexer::new::<K>(name, extract);
+        let mut state = self.state();
+        if state.indexers.iter().any(|i| i.same_as(&indexer)) {
+            return;
+        }
+        for cluster in state.clusters.values() {
+            cluster.add_indexer(&indexer);
+        }
+        state.indexers.push(indexer);
     }
 
     /// Disengages every cluster.

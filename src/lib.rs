@@ -21,6 +21,7 @@ mod cluster_id;
 mod context;
 mod controller;
 mod fleet;
+mod index;
 mod manager;
 mod provider;
 pub mod providers;
@@ -29,7 +30,7 @@ mod request;
 
 pub use action::Action;
 pub use builder::{Builder, Watchable};
-pub use cluster::{Cluster, WeakCluster};
+pub use cluster::{Cluster, UnknownIndex, WeakCluster};
 pub use cluster_id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub use context::Context;
 pub use controller::ReconcileReason;

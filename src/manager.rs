@@ -113,6 +113,23 @@ impl<P: Provider> Manager<P> {
         self.local.as_ref()
     }
 
+    /// Registers a field index on `K` objects in every cluster, present and future, and in
+    /// the local cluster; see [`Fleet::index_field`].
+    pub fn index_field<K: crate::Watchable>(
+        &self,
+        name: &str,
+        extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
+    ) {
+        let extract = Arc::new(extract);
+        if let Some(local) = &self.local {
+            let extract = extract.clone();
+            local.add_indexer(&crate::index::Indexer::new::<K>(name, move |k: &K| {
+                extract(k)
+            }));
+        }
+        self.fleet.index_field::<K>(name, move |k: &K| extract(k));
+    }
+
     /// The token that stops the manager and its controllers when cancelled.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()

@@ -185,3 +185,174 @@ async fn the_same_reconciler_runs_in_single_cluster_mode() {
         .unwrap()
         .unwrap();
 }
+
+fn label_type(cm: &ConfigMap) -> Vec<String> {
+    cm.metadata
+        .labels
+        .iter()
+        .flatten()
+        .filter(|(k, _)| *k == "type")
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_field_index_registered_once_serves_clusters_engaged_before_and_after() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    for c in env.clusters() {
+        fixture(&c.client().unwrap()).await;
+    }
+    let (c0, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("cluster-0"), c0.client().unwrap()))
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    manager.index_field::<ConfigMap>("type", label_type);
+    let run = spawn_manager(&manager);
+    eventually(10, "cluster-0 engaged", async || manager.fleet().len() == 1).await;
+
+    let animals = |id: &str| {
+        manager
+            .cluster(&name(id))
+            .map(|c| {
+                c.indexed::<ConfigMap>(&fixture_objects(), "type", "animal")
+                    .unwrap()
+                    .len()
+            })
+            .unwrap_or(0)
+    };
+    eventually(30, "3 animals indexed in cluster-0", async || {
+        animals("cluster-0") == 3
+    })
+    .await;
+
+    clusters
+        .add(Cluster::new(name("cluster-1"), c1.client().unwrap()))
+        .unwrap();
+    eventually(30, "3 animals indexed in the later cluster-1", async || {
+        animals("cluster-1") == 3
+    })
+    .await;
+    Api::<ConfigMap>::namespaced(c1.client().unwrap(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    eventually(30, "the new animal indexed", async || {
+        animals("cluster-1") == 4
+    })
+    .await;
+
+    // Registering the same index again changes nothing.
+    manager.index_field::<ConfigMap>("type", label_type);
+    assert_eq!(animals("cluster-1"), 4);
+    let cluster1 = manager.cluster(&name("cluster-1")).unwrap();
+    let humans = cluster1
+        .indexed::<ConfigMap>(&fixture_objects(), "type", "human")
+        .unwrap();
+    assert_eq!(humans.len(), 3);
+    let err = cluster1
+        .indexed::<ConfigMap>(&fixture_objects(), "colour", "red")
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("cluster-1") && err.to_string().contains("colour"),
+        "{err}"
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn local_provider_and_filtered_clusters_and_predicates_decide_what_is_reconciled() {
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    for c in env.clusters() {
+        fixture(&c.client().unwrap()).await;
+    }
+    let clusters = Clusters::new();
+    for c in env.clusters().iter().take(2) {
+        clusters
+            .add(Cluster::new(name(c.name()), c.client().unwrap()))
+            .unwrap();
+    }
+    let local = env.cluster(2).unwrap();
+    let manager = Arc::new(
+        Manager::new(clusters).with_local(Cluster::new(name("host"), local.client().unwrap())),
+    );
+    let only_local = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .engage_local(true)
+        .engage_provider(false)
+        .start(record, retry_soon, only_local.clone());
+    let only_cluster1 = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .cluster_filter(|c| c.id() == "cluster-1")
+        .start(record, retry_soon, only_cluster1.clone());
+    let label_changes = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .with_predicate(kube_runtime::predicates::labels)
+        .start(record, retry_soon, label_changes.clone());
+    let run = spawn_manager(&manager);
+
+    eventually(30, "local reconciles", async || only_local.total() >= 9).await;
+    eventually(30, "cluster-1 reconciles", async || {
+        only_cluster1.total() >= 9
+    })
+    .await;
+    eventually(30, "provider clusters reconciled", async || {
+        label_changes.total() >= 18
+    })
+    .await;
+    settle(500).await;
+    assert_eq!(
+        only_local.total(),
+        9,
+        "{:?}",
+        only_local.requests.lock().unwrap()
+    );
+    assert_eq!(
+        only_cluster1.total(),
+        9,
+        "{:?}",
+        only_cluster1.requests.lock().unwrap()
+    );
+    assert_eq!(
+        label_changes.total(),
+        18,
+        "{:?}",
+        label_changes.requests.lock().unwrap()
+    );
+    assert_eq!(only_local.clusters(), ["host".to_string()].into());
+    assert_eq!(only_cluster1.clusters(), ["cluster-1".to_string()].into());
+
+    let cms: Api<ConfigMap> = Api::namespaced(env.cluster(0).unwrap().client().unwrap(), "zoo");
+    let data = serde_json::json!({ "data": { "note": "same labels" } });
+    cms.patch(
+        "rock",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&data),
+    )
+    .await
+    .unwrap();
+    let labels = serde_json::json!({ "metadata": { "labels": { "extra": "yes" } } });
+    cms.patch(
+        "keeper",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&labels),
+    )
+    .await
+    .unwrap();
+    eventually(30, "the label change reconciled", async || {
+        label_changes.count("cluster://cluster-0/zoo/keeper") == 2
+    })
+    .await;
+    settle(1000).await;
+    assert_eq!(
+        label_changes.count("cluster://cluster-0/zoo/rock"),
+        1,
+        "a data-only change is filtered out"
+    );
+    assert_eq!(only_local.total(), 9);
+    manager.shutdown();
+    run.await.unwrap();
+}
