@@ -1,5 +1,6 @@
 //! [`Builder`]: configures a controller for a primary kind and runs it on a manager.
 
+use std::convert::Infallible;
 use std::fmt::Debug;
 use std::future::Future;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use futures::StreamExt;
 use futures::future::Either;
 use futures::stream::{self, BoxStream};
 use kube::{Api, Resource};
+use kube_runtime::controller::trigger_with;
 use kube_runtime::reflector::ObjectRef;
 use kube_runtime::{Predicate, WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
@@ -301,25 +303,28 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
         let old = baseline.and_then(|b| b.existing_store::<Child>(&self.watcher_config));
         let id = cluster.id().clone();
         let kind: Arc<str> = Arc::from(Child::kind(&()).as_ref());
-        watch
-            .subscribe()
-            .flat_map(move |change| {
-                let owners: Vec<Trigger<C>> = if seen_before(&change, old.as_ref()) {
-                    Vec::new()
-                } else {
-                    let meta = change.object.meta();
-                    let ns = meta.namespace.as_deref();
-                    meta.owner_references
-                        .iter()
-                        .flatten()
-                        .filter_map(|owner| ObjectRef::<K>::from_owner_ref(ns, owner, ()))
-                        .map(|r| {
-                            let req = Request::from_object_ref(id.clone(), r);
-                            (req, ReconcileReason::RelatedObjectChanged(kind.clone()))
-                        })
-                        .collect()
-                };
-                stream::iter(owners)
+        let changes = watch.subscribe().filter_map(move |change| {
+            let fresh = !seen_before(&change, old.as_ref());
+            std::future::ready(fresh.then(|| Ok::<_, Infallible>(change.object)))
+        });
+        // kube-runtime's trigger primitive with its owner-reference mapping; the cluster id
+        // goes on afterwards.
+        let owners = move |child: Arc<Child>| {
+            let meta = child.meta();
+            let ns = meta.namespace.as_deref();
+            meta.owner_references
+                .iter()
+                .flatten()
+                .filter_map(|owner| ObjectRef::<K>::from_owner_ref(ns, owner, ()))
+                .collect::<Vec<_>>()
+        };
+        trigger_with(changes, owners)
+            .filter_map(move |request| {
+                let trigger = request.ok().map(|r| {
+                    let req = Request::from_object_ref(id.clone(), r.obj_ref);
+                    (req, ReconcileReason::RelatedObjectChanged(kind.clone()))
+                });
+                std::future::ready(trigger)
             })
             .boxed()
     }

@@ -8,6 +8,7 @@
 //! clusters), from which at most `concurrency` reconciles run at once.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -17,6 +18,7 @@ use std::time::Duration;
 use futures::stream::{self, BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
 use kube::Resource;
+use kube_runtime::controller::trigger_self;
 use kube_runtime::reflector::{ObjectRef, Store};
 use kube_runtime::watcher;
 use serde::de::DeserializeOwned;
@@ -309,7 +311,7 @@ fn engage<K, C>(
     let id = cluster.id().clone();
     let predicate = spec.predicate.clone();
     let mut last_hash: HashMap<ObjectRef<K>, u64> = HashMap::new();
-    let primary = watch.subscribe().filter_map(move |change: Change<K>| {
+    let changed = watch.subscribe().filter_map(move |change: Change<K>| {
         let keep = if change.deleted {
             last_hash.remove(&ObjectRef::from_obj(&*change.object));
             false
@@ -325,13 +327,16 @@ fn engage<K, C>(
         } else {
             true
         };
-        let trigger = keep.then(|| {
+        std::future::ready(keep.then(|| Ok::<_, Infallible>(change.object)))
+    });
+    // kube-runtime's own trigger, then the cluster id on top (moving the key's strings).
+    let primary = trigger_self::<K, _>(changed, ()).filter_map(move |request| {
+        std::future::ready(request.ok().map(|r| {
             (
-                Request::from_obj(id.clone(), &*change.object),
+                Request::from_object_ref(id.clone(), r.obj_ref),
                 ReconcileReason::ObjectChanged,
             )
-        });
-        std::future::ready(trigger)
+        }))
     });
     // Requests wait for the first complete listing: a reconcile must find its object in the
     // store.

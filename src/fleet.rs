@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::index::Indexer;
 use crate::{Cluster, ClusterId, Watchable};
@@ -144,6 +145,43 @@ impl<C: ClusterId> Fleet<C> {
         Ok(outcome)
     }
 
+    /// Engages `cluster` for as long as `token` is not cancelled: cancelling it disengages
+    /// the cluster (if it is still the one engaged under its id). This is the shape of Go's
+    /// `Engage(ctx, ...)`, where the context's end is the removal signal.
+    pub fn engage_until(
+        &self,
+        cluster: Cluster<C>,
+        token: CancellationToken,
+    ) -> Result<Engaged, EngageError> {
+        let outcome = self.engage(cluster.clone())?;
+        let engaged = match outcome {
+            Engaged::Unchanged => self.get(cluster.id()).unwrap_or(cluster),
+            _ => cluster,
+        };
+        let fleet = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            tokio::select! {
+                () = token.cancelled() => {
+                    if let Some(inner) = fleet.upgrade() {
+                        Fleet { inner }.disengage_instance(&engaged);
+                    }
+                }
+                () = engaged.disengaged() => {}
+            }
+        });
+        Ok(outcome)
+    }
+
+    /// Disengages `cluster` if it is the instance engaged under its id.
+    fn disengage_instance(&self, cluster: &Cluster<C>) -> bool {
+        let is_current = self
+            .state()
+            .clusters
+            .get(cluster.id())
+            .is_some_and(|c| c.same_instance(cluster));
+        is_current && self.disengage(cluster.id())
+    }
+
     /// Disengages the cluster with this id: its watches stop, controllers drop its queued
     /// requests, and reconciles in flight see [`Cluster::disengaged`] complete. Returns
     /// whether it was engaged.
@@ -235,5 +273,94 @@ impl<C: ClusterId> Fleet<C> {
 impl<C: ClusterId> State<C> {
     fn broadcast(&mut self, event: FleetEvent<C>) {
         self.subscribers.retain(|tx| tx.send(event.clone()).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ClusterName;
+
+    /// A cluster at `url`; nothing connects to it unless something watches.
+    fn cluster(name: &str, url: &str) -> Cluster<ClusterName> {
+        Cluster::from_config(
+            ClusterName::from(name),
+            kube::Config::new(url.parse().unwrap()),
+        )
+        .unwrap()
+    }
+
+    fn kinds(rx: &mut mpsc::UnboundedReceiver<FleetEvent<ClusterName>>) -> Vec<String> {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|e| match e {
+                FleetEvent::Engaged(c) => format!("+{}", c.id()),
+                FleetEvent::Replaced { new, .. } => format!("~{}", new.id()),
+                FleetEvent::Disengaged(c) => format!("-{}", c.id()),
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn engagement_outcomes_follow_endpoint_and_credentials() {
+        let fleet = Fleet::new();
+        let a = cluster("a", "https://127.0.0.1:1");
+        assert_eq!(fleet.engage(a.clone()).unwrap(), Engaged::New);
+        assert_eq!(
+            fleet.engage(a.clone()).unwrap(),
+            Engaged::Unchanged,
+            "same instance"
+        );
+        assert_eq!(
+            fleet.engage(cluster("a", "https://127.0.0.1:1")).unwrap(),
+            Engaged::Unchanged,
+            "same config"
+        );
+        let moved = cluster("a", "https://127.0.0.1:2");
+        assert_eq!(fleet.engage(moved.clone()).unwrap(), Engaged::Replaced);
+        assert!(!a.is_engaged(), "the replaced cluster is disengaged");
+        assert!(
+            fleet
+                .get(&ClusterName::from("a"))
+                .unwrap()
+                .same_instance(&moved)
+        );
+        assert!(
+            fleet.engage(a).is_err(),
+            "a disengaged cluster cannot come back"
+        );
+    }
+
+    #[tokio::test]
+    async fn late_subscribers_first_hear_of_every_engaged_cluster() {
+        let fleet = Fleet::new();
+        fleet.engage(cluster("a", "https://127.0.0.1:1")).unwrap();
+        fleet.engage(cluster("b", "https://127.0.0.1:2")).unwrap();
+        let mut rx = fleet.subscribe();
+        fleet.engage(cluster("b", "https://127.0.0.1:3")).unwrap();
+        assert!(fleet.disengage(&ClusterName::from("a")));
+        assert!(!fleet.disengage(&ClusterName::from("a")));
+        assert_eq!(kinds(&mut rx), ["+a", "+b", "~b", "-a"]);
+    }
+
+    #[tokio::test]
+    async fn cancelling_the_engagement_token_disengages_only_that_instance() {
+        let fleet = Fleet::new();
+        let token = CancellationToken::new();
+        let first = cluster("a", "https://127.0.0.1:1");
+        fleet.engage_until(first.clone(), token.clone()).unwrap();
+        // Replaced by another instance: the old token no longer speaks for the id.
+        let second = cluster("a", "https://127.0.0.1:2");
+        let second_token = CancellationToken::new();
+        fleet
+            .engage_until(second.clone(), second_token.clone())
+            .unwrap();
+        token.cancel();
+        tokio::task::yield_now().await;
+        assert!(second.is_engaged() && fleet.len() == 1);
+        second_token.cancel();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(fleet.is_empty() && !second.is_engaged());
     }
 }
