@@ -15,7 +15,9 @@ use kube_runtime::reflector::ObjectRef;
 use kube_runtime::{Predicate, WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
-use crate::controller::{Env, ReconcileReason, Relation, Spec, Trigger, run_fleet, seen_before};
+use crate::controller::{
+    Baseline, Env, ReconcileReason, Relation, Spec, Trigger, run_fleet, seen_before,
+};
 use crate::{Action, Cluster, ClusterId, Context, Manager, Provider, Request};
 
 /// Configures and runs a controller for the primary kind `K` on a [`Manager`].
@@ -204,6 +206,7 @@ impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
             self.state.clone(),
             self.env.fleet.clone(),
             self.env.local.clone(),
+            self.env.shutdown.clone(),
         )
     }
 }
@@ -228,6 +231,13 @@ async fn run_single<K, C, S, F, Fut, E, EP>(
     use kube_runtime::Controller;
     use kube_runtime::controller::{Action as KubeAction, Error as KubeError};
 
+    if let Some(filter) = &spec.cluster_filter
+        && !filter(&cluster)
+    {
+        tracing::info!(controller = %spec.name, "the only cluster is filtered out; nothing to reconcile");
+        env.shutdown.cancelled().await;
+        return;
+    }
     let api = Api::<K>::all(cluster.client());
     let mut controller = match spec.predicate {
         None => Controller::new(api, spec.watcher_config.clone()),
@@ -300,11 +310,12 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
         baseline: Option<&Cluster<C>>,
     ) -> BoxStream<'static, Trigger<C>> {
         let watch = cluster.watch::<Child>(&self.watcher_config);
-        let old = baseline.and_then(|b| b.existing_store::<Child>(&self.watcher_config));
+        let mut old =
+            Baseline::of(baseline.and_then(|b| b.existing_store::<Child>(&self.watcher_config)));
         let id = cluster.id().clone();
         let kind: Arc<str> = Arc::from(Child::kind(&()).as_ref());
         let changes = watch.subscribe().filter_map(move |change| {
-            let fresh = !seen_before(&change, old.as_ref());
+            let fresh = !seen_before(&change, &mut old);
             std::future::ready(fresh.then(|| Ok::<_, Infallible>(change.object)))
         });
         // kube-runtime's trigger primitive with its owner-reference mapping; the cluster id
@@ -356,14 +367,15 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         baseline: Option<&Cluster<C>>,
     ) -> BoxStream<'static, Trigger<C>> {
         let watch = cluster.watch::<Other>(&self.watcher_config);
-        let old = baseline.and_then(|b| b.existing_store::<Other>(&self.watcher_config));
+        let mut old =
+            Baseline::of(baseline.and_then(|b| b.existing_store::<Other>(&self.watcher_config)));
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
         let kind: Arc<str> = Arc::from(Other::kind(&()).as_ref());
         watch
             .subscribe()
             .flat_map(move |change| {
-                let requests = if seen_before(&change, old.as_ref()) {
+                let requests = if seen_before(&change, &mut old) {
                     Vec::new()
                 } else {
                     mapper(&id, &change.object)

@@ -55,8 +55,11 @@ where
 
     fn add_indexer(&self, indexer: &Indexer) {
         if let Some(extract) = indexer.extract::<K>() {
+            // Lock before the snapshot: the watch task updates indexes under this lock after
+            // applying each event, so no event can fall between snapshot and registration.
+            let mut indexes = lock(&self.indexes);
             let objects = self.store.state();
-            lock(&self.indexes).add(indexer.name.clone(), extract, objects.iter().map(|o| &**o));
+            indexes.add(indexer.name.clone(), extract, objects.iter().map(|o| &**o));
         }
     }
 }
@@ -69,7 +72,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The cluster has no field index of that name for that kind.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "cluster {cluster}: no field index {index:?} for {kind}; register it with Fleet::index_field or Manager::index_field"
+    "cluster {cluster}: no field index {index:?} for {kind}; register it with Manager::index_field (or Fleet::index_field for provider clusters)"
 )]
 pub struct UnknownIndex {
     /// The cluster asked.
@@ -179,11 +182,6 @@ impl<C: ClusterId> Cluster<C> {
             (Some(a), Some(b)) => !same_endpoint_and_credentials(a, b),
             _ => true,
         }
-    }
-
-    /// The token cancelled when the cluster is disengaged.
-    pub(crate) fn token(&self) -> CancellationToken {
-        self.inner.token.clone()
     }
 
     /// The store of an existing shared watch, without starting one.
@@ -301,6 +299,7 @@ impl<C: ClusterId> Cluster<C> {
             subscribers: Mutex::new(Vec::new()),
             indexes: Mutex::new(FieldIndexes::default()),
             ready: tokio::sync::watch::Sender::new(false),
+            token: self.inner.token.clone(),
         });
         for indexer in lock(&self.inner.indexers).iter() {
             watch.add_indexer(indexer);
@@ -347,38 +346,21 @@ impl<C: ClusterId> WeakCluster<C> {
 }
 
 /// Compares what decides where and as whom requests go: the endpoint, the CA, the TLS
-/// name and the user's credentials. Timeouts and the like do not matter.
+/// name, proxy, extra headers and the user's credentials (everything in `AuthInfo`, secrets
+/// included: exec plugins, auth providers, impersonation). Timeouts and the like do not
+/// matter.
 fn same_endpoint_and_credentials(a: &kube::Config, b: &kube::Config) -> bool {
-    let auth = |c: &kube::Config| serde_json_auth(&c.auth_info);
+    // `AuthInfo` has no `PartialEq`; its serde form is complete (it writes secrets out).
+    let auth = |c: &kube::Config| serde_json::to_value(&c.auth_info).ok();
     a.cluster_url == b.cluster_url
         && a.root_cert == b.root_cert
+        && a.root_cert_file == b.root_cert_file
         && a.tls_server_name == b.tls_server_name
         && a.accept_invalid_certs == b.accept_invalid_certs
         && a.proxy_url == b.proxy_url
+        && a.headers == b.headers
+        && auth(a).is_some()
         && auth(a) == auth(b)
-}
-
-/// The credentials of an `AuthInfo`, secrets included, as comparable text. `AuthInfo`
-/// implements neither `PartialEq` nor exposes its secrets through `Debug`.
-fn serde_json_auth(auth: &kube::config::AuthInfo) -> String {
-    use secrecy::ExposeSecret;
-    format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
-        auth.username,
-        auth.password
-            .as_ref()
-            .map(|p| p.expose_secret().to_string()),
-        auth.token.as_ref().map(|t| t.expose_secret().to_string()),
-        auth.token_file,
-        auth.client_certificate,
-        auth.client_certificate_data,
-        auth.client_key,
-        auth.client_key_data
-            .as_ref()
-            .map(|k| k.expose_secret().to_string()),
-        auth.exec.as_ref().map(|e| (&e.command, &e.args)),
-        auth.impersonate,
-    )
 }
 
 /// A change seen by a shared watch.
@@ -414,6 +396,8 @@ pub(crate) struct SharedWatch<K: Resource<DynamicType = ()> + Clone + 'static> {
     /// here: its one-shot channel keeps only the last waiter's waker, so with several
     /// controllers (tasks) waiting on one shared store all but one would wait forever.
     ready: tokio::sync::watch::Sender<bool>,
+    /// The cluster's engagement token.
+    token: CancellationToken,
 }
 
 impl<K> SharedWatch<K>
@@ -441,10 +425,22 @@ where
         tokio_stream_from(rx)
     }
 
-    /// Completes once the first listing is in the store (false if the watch is gone first).
+    /// Completes once the first listing is in the store, or (false) when the cluster is
+    /// disengaged first.
     pub(crate) fn ready(&self) -> impl std::future::Future<Output = bool> + Send + 'static {
         let mut rx = self.ready.subscribe();
-        async move { rx.wait_for(|ready| *ready).await.is_ok() }
+        let token = self.token.clone();
+        async move {
+            tokio::select! {
+                ready = rx.wait_for(|ready| *ready) => ready.is_ok(),
+                () = token.cancelled() => false,
+            }
+        }
+    }
+
+    /// Whether the first listing is in the store.
+    pub(crate) fn is_ready(&self) -> bool {
+        *self.ready.borrow()
     }
 
     fn update_indexes(&self, event: &Event<K>, store: &Store<K>) {
@@ -546,6 +542,11 @@ async fn run_watch<K>(
                 }
             }
         }
+    }
+    // Closing the subscriptions lets each subscriber drain what was already sent and then
+    // see its stream end.
+    if let Some(shared) = shared.upgrade() {
+        lock(&shared.subscribers).clear();
     }
     tracing::debug!(%cluster, %kind, "watch stopped");
 }

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use kube::Client;
+use tokio_util::sync::CancellationToken;
 
 use crate::{Cluster, ClusterId, Fleet, Request};
 
@@ -31,6 +32,7 @@ pub struct Context<C: ClusterId, S> {
     state: Arc<S>,
     fleet: Fleet<C>,
     local: Option<Cluster<C>>,
+    shutdown: CancellationToken,
 }
 
 impl<C: ClusterId, S> Clone for Context<C, S> {
@@ -41,6 +43,7 @@ impl<C: ClusterId, S> Clone for Context<C, S> {
             state: self.state.clone(),
             fleet: self.fleet.clone(),
             local: self.local.clone(),
+            shutdown: self.shutdown.clone(),
         }
     }
 }
@@ -60,6 +63,7 @@ impl<C: ClusterId, S> Context<C, S> {
         state: Arc<S>,
         fleet: Fleet<C>,
         local: Option<Cluster<C>>,
+        shutdown: CancellationToken,
     ) -> Self {
         Self {
             request,
@@ -67,6 +71,7 @@ impl<C: ClusterId, S> Context<C, S> {
             state,
             fleet,
             local,
+            shutdown,
         }
     }
 
@@ -120,9 +125,17 @@ impl<C: ClusterId, S> Context<C, S> {
         self.local.as_ref()
     }
 
-    /// Whether the cluster was disengaged since this reconcile started; a reconciler can
-    /// stop early. See also [`Cluster::disengaged`].
+    /// Whether the reconcile should stop early: its cluster was disengaged, or the manager
+    /// is shutting down.
     pub fn is_cancelled(&self) -> bool {
-        !self.cluster.is_engaged()
+        !self.cluster.is_engaged() || self.shutdown.is_cancelled()
+    }
+
+    /// Completes when [`Context::is_cancelled`] turns true; select on it to abandon work.
+    pub async fn cancelled(&self) {
+        tokio::select! {
+            () = self.cluster.disengaged() => {}
+            () = self.shutdown.cancelled() => {}
+        }
     }
 }

@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::cluster::Change;
+use crate::cluster::{Change, SharedWatch};
 use crate::fleet::FleetEvent;
 use crate::queue::FleetQueue;
 use crate::{Action, Cluster, ClusterId, Context, Fleet, Request};
@@ -85,22 +85,49 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
             + 'static;
 }
 
-/// Whether `change` is an initial listing of an object the replaced cluster's cache already
-/// held at the same version (so its change was already seen there).
+/// What a replaced cluster's cache held: each object's uid and resourceVersion, without the
+/// objects themselves.
+pub(crate) struct Baseline<K: Resource<DynamicType = ()>> {
+    versions: HashMap<ObjectRef<K>, (Option<String>, Option<String>)>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone> Baseline<K> {
+    /// The versions in `store`, if there is one and it holds anything.
+    pub(crate) fn of(store: Option<Store<K>>) -> Option<Self> {
+        let versions: HashMap<_, _> = store?
+            .state()
+            .iter()
+            .map(|obj| {
+                let meta = obj.meta();
+                (
+                    ObjectRef::from_obj(&**obj),
+                    (meta.uid.clone(), meta.resource_version.clone()),
+                )
+            })
+            .collect();
+        (!versions.is_empty()).then_some(Self { versions })
+    }
+}
+
+/// Whether `change` is the first listing's version of an object the replaced cluster's cache
+/// already held at the same uid and resourceVersion, so its change was seen there. The
+/// baseline is needed only during that listing; it is dropped at the first later change.
 pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
     change: &Change<K>,
-    baseline: Option<&Store<K>>,
+    baseline: &mut Option<Baseline<K>>,
 ) -> bool {
-    let (true, Some(store)) = (change.initial, baseline) else {
+    if !change.initial {
+        *baseline = None;
+        return false;
+    }
+    let Some(baseline) = baseline else {
         return false;
     };
     let meta = change.object.meta();
-    store
+    baseline
+        .versions
         .get(&ObjectRef::from_obj(&*change.object))
-        .is_some_and(|old| {
-            let old = old.meta();
-            old.uid == meta.uid && old.resource_version == meta.resource_version
-        })
+        .is_some_and(|(uid, rv)| *uid == meta.uid && *rv == meta.resource_version)
 }
 
 /// A predicate's hash of an object (see `kube_runtime::Predicate`).
@@ -134,12 +161,32 @@ pub(crate) struct Env<C: ClusterId> {
 /// One engaged cluster as the controller holds it.
 struct Engagement<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
     cluster: Cluster<C>,
-    store: Store<K>,
+    watch: Arc<SharedWatch<K>>,
+    /// The cache of the cluster this one replaced, for lookups until this one's first
+    /// listing is in (so requeues and queued requests keep their objects meanwhile).
+    previous: Option<Store<K>>,
 }
 
-/// Reconciles in flight; each yields its request, what it asked for next, and why.
-type Running<C> =
-    FuturesUnordered<Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason)> + Send>>>;
+impl<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> Engagement<K, C> {
+    /// The object `req` is about: from this cluster's cache, or while it is still listing,
+    /// from the replaced cluster's. `Err(())` if it cannot be known yet.
+    fn lookup(&mut self, req: &Request<C>) -> Result<Option<Arc<K>>, ()> {
+        let key = req.object_ref();
+        if self.watch.is_ready() {
+            self.previous = None;
+            return Ok(self.watch.store.get(&key));
+        }
+        match &self.previous {
+            Some(previous) => Ok(previous.get(&key)),
+            None => Err(()),
+        }
+    }
+}
+
+/// How long a request waits when its cluster's cache is still listing.
+const NOT_LISTED_YET: Duration = Duration::from_millis(200);
+
+type Running<C> = FuturesUnordered<Reconciling<C>>;
 
 /// Runs a fleet controller until shutdown.
 pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
@@ -183,14 +230,23 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
         tokio::select! {
             () = env.shutdown.cancelled() => break,
             Some(event) = recv_opt(&mut fleet_rx) => match event {
-                FleetEvent::Engaged(cluster) => engage(&spec, &mut engaged, &mut queue, &mut triggers, cluster, None),
+                FleetEvent::Engaged(cluster) => {
+                    engage(&spec, &mut engaged, &mut queue, &mut triggers, cluster, None);
+                }
                 FleetEvent::Replaced { old, new } => {
                     // Queued requests stay: the id is the same and so are its objects.
-                    engaged.remove(old.id());
-                    engage(&spec, &mut engaged, &mut queue, &mut triggers, new, Some(old));
+                    if engaged.get(old.id()).is_some_and(|e| e.cluster.same_instance(&old)) {
+                        let id = old.id().clone();
+                        let previous = engaged.remove(&id).map(|e| e.watch.store.clone());
+                        if !engage(&spec, &mut engaged, &mut queue, &mut triggers, new, Some((old, previous))) {
+                            // The filter refuses the new cluster: as good as disengaged.
+                            queue.disengage(&id);
+                        }
+                    }
                 }
                 FleetEvent::Disengaged(cluster) => {
-                    if engaged.remove(cluster.id()).is_some() {
+                    if engaged.get(cluster.id()).is_some_and(|e| e.cluster.same_instance(&cluster)) {
+                        engaged.remove(cluster.id());
                         queue.disengage(cluster.id());
                         tracing::debug!(controller = %name, cluster = %cluster.id(), "cluster disengaged; its queue was dropped");
                     }
@@ -199,16 +255,21 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
             Some((req, reason)) = triggers.next(), if !triggers.is_empty() => queue.trigger(req, reason),
             Some((req, action, reason)) = running.next(), if !running.is_empty() => queue.finish(req, action, reason),
             (req, reason) = queue.next() => {
-                let Some(engagement) = engaged.get(&req.cluster) else {
+                let Some(engagement) = engaged.get_mut(&req.cluster) else {
                     queue.finish(req, Action::await_change(), reason);
                     continue;
                 };
-                let Some(object) = engagement.store.get(&req.object_ref()) else {
-                    tracing::debug!(controller = %name, request = %req, "object not in the cache (deleted); skipping");
-                    queue.finish(req, Action::await_change(), reason);
-                    continue;
-                };
-                running.push(start(&name, req, reason, object, engagement, &env, &state, &reconcile, &error_policy));
+                match engagement.lookup(&req) {
+                    Ok(Some(object)) => {
+                        let engagement = &*engagement;
+                        running.push(start(&name, req, reason, object, engagement, &env, &state, &reconcile, &error_policy));
+                    }
+                    Ok(None) => {
+                        tracing::debug!(controller = %name, request = %req, "object not in the cache (deleted); skipping");
+                        queue.finish(req, Action::await_change(), reason);
+                    }
+                    Err(()) => queue.finish(req, Action::requeue(NOT_LISTED_YET), reason),
+                }
             }
         }
     }
@@ -249,6 +310,7 @@ where
         state.clone(),
         env.fleet.clone(),
         env.local.clone(),
+        env.shutdown.clone(),
     );
     let span = tracing::info_span!(
         "reconcile",
@@ -285,15 +347,19 @@ impl<C: ClusterId> fmt::Display for ObjectKey<'_, C> {
     }
 }
 
-/// Starts following `cluster`: its primary watch and every relation's.
+/// Starts following `cluster`: its primary watch and every relation's. `replacing` is the
+/// cluster it takes the place of, with this controller's cache of it. Returns whether the
+/// cluster was engaged (the filter may refuse it, and an id already engaged, the local
+/// cluster's id coming from the provider too, is refused).
 fn engage<K, C>(
     spec: &Spec<K, C>,
     engaged: &mut HashMap<C, Engagement<K, C>>,
     queue: &mut FleetQueue<C>,
     triggers: &mut SelectAll<BoxStream<'static, Trigger<C>>>,
     cluster: Cluster<C>,
-    baseline: Option<Cluster<C>>,
-) where
+    replacing: Option<(Cluster<C>, Option<Store<K>>)>,
+) -> bool
+where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
     C: ClusterId,
 {
@@ -301,13 +367,20 @@ fn engage<K, C>(
         && !filter(&cluster)
     {
         tracing::debug!(controller = %spec.name, cluster = %cluster.id(), "cluster filtered out");
-        return;
+        return false;
     }
+    if engaged.contains_key(cluster.id()) {
+        tracing::error!(
+            controller = %spec.name,
+            cluster = %cluster.id(),
+            "two clusters with one id (the local cluster and a provider's?); the second is ignored"
+        );
+        return false;
+    }
+    let (old, previous) = replacing.unzip();
+    let previous = previous.flatten();
     let watch = cluster.watch::<K>(&spec.watcher_config);
-    let store = watch.store.clone();
-    let old_store = baseline
-        .as_ref()
-        .and_then(|b| b.existing_store::<K>(&spec.watcher_config));
+    let mut baseline = Baseline::of(previous.clone());
     let id = cluster.id().clone();
     let predicate = spec.predicate.clone();
     let mut last_hash: HashMap<ObjectRef<K>, u64> = HashMap::new();
@@ -315,7 +388,7 @@ fn engage<K, C>(
         let keep = if change.deleted {
             last_hash.remove(&ObjectRef::from_obj(&*change.object));
             false
-        } else if seen_before(&change, old_store.as_ref()) {
+        } else if seen_before(&change, &mut baseline) {
             false
         } else if let Some(predicate) = &predicate {
             match predicate(&change.object) {
@@ -339,27 +412,30 @@ fn engage<K, C>(
         }))
     });
     // Requests wait for the first complete listing: a reconcile must find its object in the
-    // store.
+    // store. The subscriptions end by themselves once the cluster's watches stop (they are
+    // drained first, so no change seen before a replacement is lost).
     let ready = watch.ready();
-    let gated = stream::once(async move {
-        // If the watch goes away first, `primary` ends at once too.
-        ready.await;
-        primary
-    })
-    .flatten();
-    let stop = cluster.token();
-    triggers.push(gated.take_until(stop.clone().cancelled_owned()).boxed());
+    triggers.push(
+        stream::once(async move {
+            ready.await;
+            primary
+        })
+        .flatten()
+        .boxed(),
+    );
     for relation in &spec.relations {
-        let stop = stop.clone();
-        triggers.push(
-            relation
-                .triggers(&cluster, baseline.as_ref())
-                .take_until(stop.cancelled_owned())
-                .boxed(),
-        );
+        triggers.push(relation.triggers(&cluster, old.as_ref()));
     }
     queue.engage(cluster.id().clone());
-    engaged.insert(cluster.id().clone(), Engagement { cluster, store });
+    engaged.insert(
+        cluster.id().clone(),
+        Engagement {
+            cluster,
+            watch,
+            previous,
+        },
+    );
+    true
 }
 
 async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {

@@ -174,26 +174,22 @@ impl<C: ClusterId> Fleet<C> {
 
     /// Disengages `cluster` if it is the instance engaged under its id.
     fn disengage_instance(&self, cluster: &Cluster<C>) -> bool {
-        let is_current = self
-            .state()
+        let mut state = self.state();
+        if !state
             .clusters
             .get(cluster.id())
-            .is_some_and(|c| c.same_instance(cluster));
-        is_current && self.disengage(cluster.id())
+            .is_some_and(|c| c.same_instance(cluster))
+        {
+            return false;
+        }
+        state.remove(cluster.id())
     }
 
     /// Disengages the cluster with this id: its watches stop, controllers drop its queued
     /// requests, and reconciles in flight see [`Cluster::disengaged`] complete. Returns
     /// whether it was engaged.
     pub fn disengage(&self, id: &C) -> bool {
-        let mut state = self.state();
-        let Some(cluster) = state.clusters.remove(id) else {
-            return false;
-        };
-        cluster.disengage();
-        state.broadcast(FleetEvent::Disengaged(cluster));
-        tracing::info!(cluster = %id, "cluster disengaged");
-        true
+        self.state().remove(id)
     }
 
     /// The engaged cluster with this id.
@@ -240,14 +236,20 @@ impl<C: ClusterId> Fleet<C> {
         extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
     ) {
         let indexer = Indexer::new::<K>(name, extract);
-        let mut state = self.state();
-        if state.indexers.iter().any(|i| i.same_as(&indexer)) {
-            return;
-        }
-        for cluster in state.clusters.values() {
+        let clusters = {
+            let mut state = self.state();
+            if state.indexers.iter().any(|i| i.same_as(&indexer)) {
+                return;
+            }
+            // Registered first: a cluster engaged from now on gets it in `engage`.
+            state.indexers.push(indexer.clone());
+            state.clusters.values().cloned().collect::<Vec<_>>()
+        };
+        // Filling the index runs the user's extractor over every cached object: not under
+        // the fleet's lock. A cluster that got it in `engage` too ignores the second call.
+        for cluster in clusters {
             cluster.add_indexer(&indexer);
         }
-        state.indexers.push(indexer);
     }
 
     /// Disengages every cluster.
@@ -271,6 +273,16 @@ impl<C: ClusterId> Fleet<C> {
 }
 
 impl<C: ClusterId> State<C> {
+    fn remove(&mut self, id: &C) -> bool {
+        let Some(cluster) = self.clusters.remove(id) else {
+            return false;
+        };
+        cluster.disengage();
+        self.broadcast(FleetEvent::Disengaged(cluster));
+        tracing::info!(cluster = %id, "cluster disengaged");
+        true
+    }
+
     fn broadcast(&mut self, event: FleetEvent<C>) {
         self.subscribers.retain(|tx| tx.send(event.clone()).is_ok());
     }

@@ -37,6 +37,9 @@ pub enum ManagerError {
     /// The provider returned an error.
     #[error("provider failed: {0}")]
     Provider(#[source] ProviderError),
+    /// A controller panicked; the manager shut down.
+    #[error("a controller panicked: {0}")]
+    ControllerPanicked(String),
     /// `run` was called twice.
     #[error("the manager is already running")]
     AlreadyRunning,
@@ -185,15 +188,27 @@ impl<P: Provider> Manager<P> {
                     }
                 }
                 Some(task) = tasks_rx.recv() => tasks.push(tokio::spawn(task)),
-                Some(_) = tasks.next(), if !tasks.is_empty() => {}
+                Some(joined) = tasks.next(), if !tasks.is_empty() => {
+                    if let Err(error) = joined && error.is_panic() {
+                        // A controller that died would leave its clusters unreconciled while
+                        // everything looks alive; stop instead, loudly.
+                        tracing::error!(%error, "a controller panicked; shutting down");
+                        result = Err(ManagerError::ControllerPanicked(error.to_string()));
+                        self.shutdown.cancel();
+                        break;
+                    }
+                }
             }
         }
         // Controllers see the same token and wind down on their own, each within the
         // graceful timeout; wait for them a little longer than that.
         let drain = async { while tasks.next().await.is_some() {} };
-        if tokio::time::timeout(self.graceful_timeout + Duration::from_secs(1), drain)
-            .await
-            .is_err()
+        if tokio::time::timeout(
+            self.graceful_timeout.saturating_add(Duration::from_secs(1)),
+            drain,
+        )
+        .await
+        .is_err()
         {
             tracing::warn!("controllers did not stop within the graceful timeout");
         }
@@ -205,5 +220,45 @@ impl<P: Provider> Manager<P> {
 impl<P: Provider> Drop for Manager<P> {
     fn drop(&mut self) {
         self.shutdown.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::providers::Clusters;
+
+    #[tokio::test]
+    async fn a_panicking_controller_stops_the_manager_with_an_error() {
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new());
+        manager.add(async { panic!("controller bug") });
+        let result = tokio::time::timeout(Duration::from_secs(10), manager.run())
+            .await
+            .unwrap();
+        assert!(
+            matches!(result, Err(ManagerError::ControllerPanicked(ref m)) if m.contains("controller bug")),
+            "{result:?}"
+        );
+        assert!(manager.shutdown_token().is_cancelled());
+    }
+
+    #[tokio::test]
+    async fn run_returns_after_shutdown_and_refuses_a_second_run() {
+        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        let run = tokio::spawn({
+            let manager = manager.clone();
+            async move { manager.run().await }
+        });
+        tokio::task::yield_now().await;
+        manager.shutdown();
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            manager.run().await,
+            Err(ManagerError::AlreadyRunning)
+        ));
     }
 }

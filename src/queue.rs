@@ -145,6 +145,9 @@ impl<C: ClusterId> Hash for Queued<C> {
     }
 }
 
+/// The longest requeue delay honoured.
+const MAX_DELAY: Duration = Duration::from_secs(180 * 24 * 3600);
+
 type Requests<C> = Pin<Box<dyn Stream<Item = ScheduleRequest<Queued<C>>> + Send>>;
 
 /// The whole queue of one fleet controller, without any Kubernetes in it: kube-runtime's
@@ -213,6 +216,9 @@ impl<C: ClusterId> FleetQueue<C> {
         if let Some(delay) = action.requeue_after()
             && self.engaged.contains(&req.cluster)
         {
+            // Any delay a user can ask for is accepted: beyond half a year (where tokio's
+            // delay queue would panic) it is capped, as kube-runtime's scheduler does.
+            let delay = delay.min(MAX_DELAY);
             self.schedule(req, reason, Instant::now() + delay);
         }
     }
@@ -461,6 +467,15 @@ mod tests {
                 None,
                 "nothing of cluster a comes back"
             );
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn an_absurd_requeue_delay_is_capped_not_a_panic() {
+            let mut q = queue(0, &["a"]);
+            q.trigger(req("a", "x"), ObjectChanged);
+            let (r, why) = q.next().await;
+            q.finish(r, Action::requeue(Duration::MAX), why);
+            assert_eq!(next_within(&mut q, 24 * 3600).await, None);
         }
     }
 }

@@ -328,3 +328,72 @@ async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
         "nothing new started after shutdown (9 were due)"
     );
 }
+
+async fn always_requeue(
+    cm: Arc<ConfigMap>,
+    ctx: Context<ClusterName, Flaky>,
+) -> Result<Action, NotYet> {
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    *ctx.state().calls.lock().unwrap().entry(name).or_default() += 1;
+    Ok(Action::requeue(Duration::from_millis(300)))
+}
+
+#[tokio::test]
+async fn a_requeue_chain_survives_the_replacement_of_its_cluster() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    Api::<ConfigMap>::namespaced(c.client().unwrap(), "default")
+        .create(
+            &PostParams::default(),
+            &config_map("default", "ticker", "thing"),
+        )
+        .await
+        .unwrap();
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("c0"), c.config()).unwrap())
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let state = Arc::new(Flaky::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        always_requeue,
+        |_, _: &NotYet, _: &Context<ClusterName, Flaky>| Action::await_change(),
+        state.clone(),
+    );
+    let run = spawn(&manager);
+    let calls = || {
+        state
+            .calls
+            .lock()
+            .unwrap()
+            .get("ticker")
+            .copied()
+            .unwrap_or(0)
+    };
+    eventually(30, "the chain runs", async || calls() >= 2).await;
+
+    // Credentials rotate while the apiserver is down: the new cluster cannot list for now,
+    // and the objects must come from the replaced cluster's cache meanwhile.
+    c.stop().await;
+    let rotated = c.add_user("rotated", &["system:masters"]).unwrap();
+    assert_eq!(
+        clusters
+            .add(Cluster::from_config(name("c0"), rotated.config()).unwrap())
+            .unwrap(),
+        Engaged::Replaced
+    );
+    let at_replacement = calls();
+    // Without a change to the object, only the requeue chain can bring it back.
+    eventually(30, "the chain goes on after the replacement", async || {
+        calls() >= at_replacement + 3
+    })
+    .await;
+    c.start().await.unwrap();
+    let after_restart = calls();
+    eventually(30, "and after the new cluster has listed", async || {
+        calls() >= after_restart + 3
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
