@@ -172,21 +172,32 @@ fn throughput(kubeconfig: &str) {
 }
 
 fn callgrind(kubeconfig: &str) {
-    println!("\n== callgrind: instructions of the whole controller process, {OBJECTS} reconciles");
-    let mut counts = HashMap::new();
-    for mode in ["kube", "single", "kube", "single"] {
-        let (_, instructions) = run_child(mode, kubeconfig, true);
-        let instructions = instructions.expect("valgrind printed no instruction count");
-        println!("{mode:<7} {instructions} instructions");
-        counts
-            .entry(mode)
-            .or_insert_with(Vec::new)
-            .push(instructions);
-    }
-    let min = |m: &str| *counts[m].iter().min().expect("runs");
-    let (kube, single) = (min("kube"), min("single"));
+    const RUNS: usize = 5;
     println!(
-        "single / kube = {:.4}; difference {} instructions per reconcile",
+        "\n== callgrind: instructions of the whole controller process, {OBJECTS} reconciles, {RUNS} runs each"
+    );
+    let mut counts: HashMap<&str, Vec<u64>> = HashMap::new();
+    for _ in 0..RUNS {
+        // Alternating, so drift on the machine affects both alike.
+        for mode in ["kube", "single"] {
+            let (_, instructions) = run_child(mode, kubeconfig, true);
+            counts
+                .entry(mode)
+                .or_default()
+                .push(instructions.expect("valgrind printed no instruction count"));
+        }
+    }
+    let median = |m: &str| {
+        let mut v = counts[m].clone();
+        v.sort();
+        v[v.len() / 2]
+    };
+    for mode in ["kube", "single"] {
+        println!("{mode:<7} median {} runs {:?}", median(mode), counts[mode]);
+    }
+    let (kube, single) = (median("kube"), median("single"));
+    println!(
+        "single / kube (medians) = {:.4}; difference {} instructions per reconcile",
         single as f64 / kube as f64,
         (single as i64 - kube as i64) / OBJECTS as i64
     );

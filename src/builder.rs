@@ -15,6 +15,7 @@ use kube_runtime::reflector::ObjectRef;
 use kube_runtime::{Predicate, WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
+use crate::context::Shared;
 use crate::controller::{
     Baseline, Env, ReconcileReason, Relation, Spec, Trigger, run_fleet, seen_before,
 };
@@ -192,22 +193,15 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
 /// and the request.
 struct Single<C: ClusterId, S, F, EP> {
     cluster: Cluster<C>,
-    state: Arc<S>,
-    env: Env<C>,
+    shared: Arc<Shared<C, S>>,
     reconcile: F,
     error_policy: EP,
 }
 
 impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
-    fn context<K: Resource>(&self, obj: &K) -> Context<C, S> {
-        Context::new(
-            Request::from_obj(self.cluster.id().clone(), obj),
-            self.cluster.clone(),
-            self.state.clone(),
-            self.env.fleet.clone(),
-            self.env.local.clone(),
-            self.env.shutdown.clone(),
-        )
+    /// Three reference counts; the request is built only if the reconciler asks for it.
+    fn context<K: Resource + Send + Sync + 'static>(&self, obj: &Arc<K>) -> Context<C, S> {
+        Context::for_object(obj.clone(), self.cluster.clone(), self.shared.clone())
     }
 }
 
@@ -259,10 +253,15 @@ async fn run_single<K, C, S, F, Fut, E, EP>(
         .debounce(spec.debounce);
     let shutdown = env.shutdown.clone();
     let name = spec.name.clone();
+    let shared = Arc::new(Shared {
+        state,
+        fleet: env.fleet,
+        local: env.local,
+        shutdown: env.shutdown,
+    });
     let single = Arc::new(Single {
         cluster,
-        state,
-        env,
+        shared,
         reconcile,
         error_policy,
     });
@@ -271,12 +270,12 @@ async fn run_single<K, C, S, F, Fut, E, EP>(
         .graceful_shutdown_on(shutdown.cancelled_owned())
         .run(
             |obj, single| {
-                let ctx = single.context(&*obj);
+                let ctx = single.context(&obj);
                 let fut = (single.reconcile)(obj, ctx);
                 async move { fut.await.map(KubeAction::from) }
             },
             |obj, error, single| {
-                let ctx = single.context(&*obj);
+                let ctx = single.context(&obj);
                 (single.error_policy)(obj, error, &ctx).into()
             },
             single,

@@ -1,9 +1,10 @@
 //! [`Context`]: what a reconciler gets besides the object.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use kube::Client;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
 use crate::{Cluster, ClusterId, Fleet, Request};
@@ -16,7 +17,7 @@ use crate::{Cluster, ClusterId, Fleet, Request};
 /// [`ClusterName`](crate::ClusterName) or your own id):
 ///
 /// ```
-/// use std::sync::Arc;
+/// use std::sync::{Arc, OnceLock};
 /// use k8s_openapi::api::core::v1::ConfigMap;
 /// use multicluster_runtime::{Action, ClusterId, Context};
 ///
@@ -27,23 +28,40 @@ use crate::{Cluster, ClusterId, Fleet, Request};
 /// }
 /// ```
 pub struct Context<C: ClusterId, S> {
-    request: Request<C>,
+    shared: Arc<Shared<C, S>>,
     cluster: Cluster<C>,
-    state: Arc<S>,
-    fleet: Fleet<C>,
-    local: Option<Cluster<C>>,
-    shutdown: CancellationToken,
+    /// Built on first use from `object` in single-cluster mode (where most reconcilers never
+    /// ask for it, and building it would cost two string copies per reconcile).
+    request: OnceLock<Request<C>>,
+    object: Option<Arc<dyn HasMeta>>,
+}
+
+/// What every reconcile of one controller shares; one reference count per reconcile.
+pub(crate) struct Shared<C: ClusterId, S> {
+    pub(crate) state: Arc<S>,
+    pub(crate) fleet: Fleet<C>,
+    pub(crate) local: Option<Cluster<C>>,
+    pub(crate) shutdown: CancellationToken,
+}
+
+/// Object metadata behind a type-erased pointer.
+trait HasMeta: Send + Sync {
+    fn object_meta(&self) -> &ObjectMeta;
+}
+
+impl<K: Resource + Send + Sync> HasMeta for K {
+    fn object_meta(&self) -> &ObjectMeta {
+        self.meta()
+    }
 }
 
 impl<C: ClusterId, S> Clone for Context<C, S> {
     fn clone(&self) -> Self {
         Self {
-            request: self.request.clone(),
+            shared: self.shared.clone(),
             cluster: self.cluster.clone(),
-            state: self.state.clone(),
-            fleet: self.fleet.clone(),
-            local: self.local.clone(),
-            shutdown: self.shutdown.clone(),
+            request: self.request.clone(),
+            object: self.object.clone(),
         }
     }
 }
@@ -51,38 +69,51 @@ impl<C: ClusterId, S> Clone for Context<C, S> {
 impl<C: ClusterId, S> fmt::Debug for Context<C, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Context")
-            .field("request", &self.request)
+            .field("request", self.request())
             .finish_non_exhaustive()
     }
 }
 
 impl<C: ClusterId, S> Context<C, S> {
-    pub(crate) fn new(
-        request: Request<C>,
+    /// A context for a request already known (fleet mode).
+    pub(crate) fn new(request: Request<C>, cluster: Cluster<C>, shared: Arc<Shared<C, S>>) -> Self {
+        Self {
+            shared,
+            cluster,
+            request: OnceLock::from(request),
+            object: None,
+        }
+    }
+
+    /// A context whose request is made from `object` when asked for (single-cluster mode).
+    pub(crate) fn for_object<K: Resource + Send + Sync + 'static>(
+        object: Arc<K>,
         cluster: Cluster<C>,
-        state: Arc<S>,
-        fleet: Fleet<C>,
-        local: Option<Cluster<C>>,
-        shutdown: CancellationToken,
+        shared: Arc<Shared<C, S>>,
     ) -> Self {
         Self {
-            request,
+            shared,
             cluster,
-            state,
-            fleet,
-            local,
-            shutdown,
+            request: OnceLock::new(),
+            object: Some(object),
         }
     }
 
     /// What is being reconciled: the cluster's id and the object's key.
     pub fn request(&self) -> &Request<C> {
-        &self.request
+        self.request.get_or_init(|| {
+            let meta = self.object.as_ref().map(|o| o.object_meta());
+            Request {
+                cluster: self.cluster.id().clone(),
+                namespace: meta.and_then(|m| m.namespace.clone()),
+                name: meta.and_then(|m| m.name.clone()).unwrap_or_default(),
+            }
+        })
     }
 
     /// The id of the cluster the object lives in.
     pub fn cluster_id(&self) -> &C {
-        &self.request.cluster
+        self.cluster.id()
     }
 
     /// The cluster the object lives in.
@@ -97,45 +128,45 @@ impl<C: ClusterId, S> Context<C, S> {
 
     /// The state given to the controller.
     pub fn state(&self) -> &S {
-        &self.state
+        &self.shared.state
     }
 
     /// The state given to the controller, as a shared pointer.
     pub fn state_arc(&self) -> Arc<S> {
-        self.state.clone()
+        self.shared.state.clone()
     }
 
     /// Another cluster of the fleet (or the manager's local cluster), by id.
     pub fn cluster_by_id(&self, id: &C) -> Option<Cluster<C>> {
-        if let Some(local) = &self.local
+        if let Some(local) = &self.shared.local
             && local.id() == id
         {
             return Some(local.clone());
         }
-        self.fleet.get(id)
+        self.shared.fleet.get(id)
     }
 
     /// The fleet: every engaged cluster.
     pub fn fleet(&self) -> &Fleet<C> {
-        &self.fleet
+        &self.shared.fleet
     }
 
     /// The manager's local (host) cluster, if it has one.
     pub fn local(&self) -> Option<&Cluster<C>> {
-        self.local.as_ref()
+        self.shared.local.as_ref()
     }
 
     /// Whether the reconcile should stop early: its cluster was disengaged, or the manager
     /// is shutting down.
     pub fn is_cancelled(&self) -> bool {
-        !self.cluster.is_engaged() || self.shutdown.is_cancelled()
+        !self.cluster.is_engaged() || self.shared.shutdown.is_cancelled()
     }
 
     /// Completes when [`Context::is_cancelled`] turns true; select on it to abandon work.
     pub async fn cancelled(&self) {
         tokio::select! {
             () = self.cluster.disengaged() => {}
-            () = self.shutdown.cancelled() => {}
+            () = self.shared.shutdown.cancelled() => {}
         }
     }
 }

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::cluster::{Change, SharedWatch};
+use crate::context::Shared;
 use crate::fleet::FleetEvent;
 use crate::queue::FleetQueue;
 use crate::{Action, Cluster, ClusterId, Context, Fleet, Request};
@@ -207,6 +208,12 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
     let reconcile = Arc::new(reconcile);
     let error_policy = Arc::new(error_policy);
     let name = spec.name.clone();
+    let shared = Arc::new(Shared {
+        state,
+        fleet: env.fleet.clone(),
+        local: env.local.clone(),
+        shutdown: env.shutdown.clone(),
+    });
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut engaged: HashMap<C, Engagement<K, C>> = HashMap::new();
     let mut triggers: SelectAll<BoxStream<'static, Trigger<C>>> = SelectAll::new();
@@ -262,7 +269,7 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
                 match engagement.lookup(&req) {
                     Ok(Some(object)) => {
                         let engagement = &*engagement;
-                        running.push(start(&name, req, reason, object, engagement, &env, &state, &reconcile, &error_policy));
+                        running.push(start(&name, req, reason, object, engagement, &shared, &reconcile, &error_policy));
                     }
                     Ok(None) => {
                         tracing::debug!(controller = %name, request = %req, "object not in the cache (deleted); skipping");
@@ -290,8 +297,7 @@ fn start<K, C, S, F, Fut, E, P>(
     reason: ReconcileReason,
     object: Arc<K>,
     engagement: &Engagement<K, C>,
-    env: &Env<C>,
-    state: &Arc<S>,
+    shared: &Arc<Shared<C, S>>,
     reconcile: &Arc<F>,
     error_policy: &Arc<P>,
 ) -> Reconciling<C>
@@ -304,14 +310,7 @@ where
     E: std::error::Error + Send + 'static,
     P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
 {
-    let ctx = Context::new(
-        req.clone(),
-        engagement.cluster.clone(),
-        state.clone(),
-        env.fleet.clone(),
-        env.local.clone(),
-        env.shutdown.clone(),
-    );
+    let ctx = Context::new(req.clone(), engagement.cluster.clone(), shared.clone());
     let span = tracing::info_span!(
         "reconcile",
         controller = %name,
