@@ -10,12 +10,11 @@ use kube::{Api, Client, Resource};
 use kube_runtime::reflector::{ObjectRef, Store, store::Writer};
 use kube_runtime::watcher::{self, Event};
 use kube_runtime::{WatchStreamExt, watcher::watcher};
-use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::ClusterId;
 use crate::index::{FieldIndexes, Indexer};
+use crate::{ClusterId, Watchable};
 
 /// A cheap, clonable handle to one cluster: its id, its [`Client`] and the caches shared by
 /// every controller that watches it.
@@ -237,13 +236,7 @@ impl<C: ClusterId> Cluster<C> {
         value: &str,
     ) -> Result<Vec<Arc<K>>, UnknownIndex>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + DeserializeOwned
-            + fmt::Debug
-            + Send
-            + Sync
-            + 'static,
+        K: Watchable,
     {
         let watch = self.watch::<K>(config);
         let refs = lock(&watch.indexes)
@@ -264,13 +257,7 @@ impl<C: ClusterId> Cluster<C> {
     /// by every controller of this process that asks for the same type and configuration.
     pub fn store<K>(&self, config: &watcher::Config) -> Store<K>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + DeserializeOwned
-            + fmt::Debug
-            + Send
-            + Sync
-            + 'static,
+        K: Watchable,
     {
         self.watch::<K>(config).store.clone()
     }
@@ -278,13 +265,7 @@ impl<C: ClusterId> Cluster<C> {
     /// The shared watch of `K` objects matching `config`; started on first use.
     pub(crate) fn watch<K>(&self, config: &watcher::Config) -> Arc<SharedWatch<K>>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + DeserializeOwned
-            + fmt::Debug
-            + Send
-            + Sync
-            + 'static,
+        K: Watchable,
     {
         let key = (TypeId::of::<K>(), format!("{config:?}"));
         let mut watches = lock(&self.inner.watches);
@@ -480,7 +461,7 @@ async fn run_watch<K>(
     token: CancellationToken,
     cluster: String,
 ) where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    K: Watchable,
 {
     let kind = K::kind(&());
     let store = writer.as_reader();

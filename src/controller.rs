@@ -21,7 +21,6 @@ use kube::Resource;
 use kube_runtime::controller::trigger_self;
 use kube_runtime::reflector::{ObjectRef, Store};
 use kube_runtime::watcher;
-use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -30,7 +29,7 @@ use crate::cluster::{Change, SharedWatch};
 use crate::context::Shared;
 use crate::fleet::FleetEvent;
 use crate::queue::FleetQueue;
-use crate::{Action, Cluster, ClusterId, Context, Fleet, Request};
+use crate::{Action, Cluster, ClusterId, Context, Fleet, Request, Watchable};
 
 /// Why a reconcile was queued (the first reason wins while it waits).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,13 +76,7 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
         cluster: &Cluster<C>,
     ) -> kube_runtime::Controller<K>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + DeserializeOwned
-            + fmt::Debug
-            + Send
-            + Sync
-            + 'static;
+        K: Watchable;
 }
 
 /// What a replaced cluster's cache held: each object's uid and resourceVersion, without the
@@ -197,7 +190,7 @@ pub(crate) async fn run_fleet<K, C, S, F, Fut, E, P>(
     error_policy: P,
     state: Arc<S>,
 ) where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    K: Watchable,
     C: ClusterId,
     S: Send + Sync + 'static,
     F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
@@ -359,7 +352,7 @@ fn engage<K, C>(
     replacing: Option<(Cluster<C>, Option<Store<K>>)>,
 ) -> bool
 where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    K: Watchable,
     C: ClusterId,
 {
     if let Some(filter) = &spec.cluster_filter
