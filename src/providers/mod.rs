@@ -1,12 +1,18 @@
 //! Providers shipped with the crate.
 //!
-//! | provider | clusters | use |
-//! | --- | --- | --- |
-//! | [`SingleProvider`] | exactly one, fixed | single-cluster controllers; runs on kube-runtime's own `Controller` |
-//! | [`Clusters`] | added, replaced and removed by hand | tests and custom code |
+//! | provider | clusters | names | use |
+//! | --- | --- | --- | --- |
+//! | [`SingleProvider`] | exactly one, fixed | [`SingleCluster`](crate::SingleCluster) | single-cluster controllers; runs on kube-runtime's own `Controller` |
+//! | [`Clusters`] | added, replaced and removed by calls | yours | tests and custom code |
+//! | [`Nop`] | none | - | managers that only use their local cluster |
+//! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
 
 mod clusters;
+mod multi;
+mod nop;
 mod single;
 
 pub use clusters::Clusters;
+pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
+pub use nop::Nop;
 pub use single::SingleProvider;

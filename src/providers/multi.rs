@@ -1,0 +1,396 @@
+//! [`Multi`]: several providers composed into one fleet, added and removed at run time.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
+
+use crate::fleet::FleetEvent;
+use crate::{Cluster, ClusterId, ClusterName, Fleet, Provider, ProviderError};
+
+/// The default separator between a child provider's name and its cluster's id.
+pub const DEFAULT_SEPARATOR: &str = "#";
+
+/// Composes providers: each child is added under a name, and its cluster `c` joins the fleet
+/// as `<name><separator><c>` (separator `#` by default). Children can be added and removed
+/// while the manager runs; removing one disengages all of its clusters. A child that fails
+/// is reported (naming it) and its clusters are disengaged; the others carry on.
+///
+/// Field indexes registered on the manager apply to every child's clusters, once.
+///
+/// ```
+/// use multicluster_runtime::ClusterName;
+/// use multicluster_runtime::providers::{Clusters, Multi};
+///
+/// let multi = Multi::new();
+/// multi.add("prod", Clusters::<ClusterName>::new()).unwrap();
+/// let name = multi.join("prod", "eu#1");
+/// assert_eq!(name, "prod#eu#1");
+/// assert_eq!(multi.split(&name), Some(("prod", "eu#1")));
+/// ```
+#[derive(Clone)]
+pub struct Multi {
+    separator: Arc<str>,
+    inner: Arc<Mutex<Inner>>,
+}
+
+struct Inner {
+    children: BTreeMap<String, Child>,
+    /// The fleet and the shutdown token while the provider runs.
+    running: Option<(Fleet<ClusterName>, CancellationToken)>,
+}
+
+struct Child {
+    provider: Arc<dyn ErasedProvider>,
+    /// Stops this child; a child of the run's shutdown token once running.
+    token: Option<CancellationToken>,
+}
+
+/// Why [`Multi::add`] refused a child.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MultiError {
+    /// A child of that name exists.
+    #[error("a provider named {0:?} is already added")]
+    Duplicate(String),
+    /// The name is empty or contains the separator (it could not be split back).
+    #[error(
+        "provider name {name:?} must be non-empty and must not contain the separator {separator:?}"
+    )]
+    InvalidName {
+        /// The name given.
+        name: String,
+        /// The separator in use.
+        separator: String,
+    },
+}
+
+impl Default for Multi {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Multi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Multi")
+            .field("separator", &self.separator)
+            .field("children", &self.lock().children.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Multi {
+    /// No children yet, separator `#`.
+    pub fn new() -> Self {
+        Self::with_separator(DEFAULT_SEPARATOR)
+    }
+
+    /// No children yet, with another separator. An empty separator is replaced by the
+    /// default, since names could not be split.
+    pub fn with_separator(separator: &str) -> Self {
+        let separator = if separator.is_empty() {
+            DEFAULT_SEPARATOR
+        } else {
+            separator
+        };
+        Self {
+            separator: Arc::from(separator),
+            inner: Arc::new(Mutex::new(Inner {
+                children: BTreeMap::new(),
+                running: None,
+            })),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The fleet name of cluster `cluster` of child `provider`.
+    pub fn join(&self, provider: &str, cluster: &str) -> ClusterName {
+        ClusterName::from(format!("{provider}{}{cluster}", self.separator))
+    }
+
+    /// The child provider's name and the cluster's own id, from a fleet name this provider
+    /// made; `None` for any other name. Child names never contain the separator, so the
+    /// first separator is the boundary and the cluster part may contain separators too.
+    pub fn split<'a>(&self, name: &'a ClusterName) -> Option<(&'a str, &'a str)> {
+        name.as_str().split_once(&*self.separator)
+    }
+
+    /// Adds a child provider under `name`. While the manager runs, the child starts at once.
+    pub fn add<P: Provider>(&self, name: &str, provider: P) -> Result<(), MultiError> {
+        if name.is_empty() || name.contains(&*self.separator) {
+            return Err(MultiError::InvalidName {
+                name: name.to_string(),
+                separator: self.separator.to_string(),
+            });
+        }
+        let mut inner = self.lock();
+        if inner.children.contains_key(name) {
+            return Err(MultiError::Duplicate(name.to_string()));
+        }
+        let mut child = Child {
+            provider: Arc::new(Wrapped(provider)),
+            token: None,
+        };
+        if let Some((fleet, shutdown)) = &inner.running {
+            child.token = Some(self.start(name, &child.provider, fleet, shutdown));
+        }
+        inner.children.insert(name.to_string(), child);
+        Ok(())
+    }
+
+    /// Removes the child `name`: it stops and all of its clusters are disengaged. Returns
+    /// whether there was such a child.
+    pub fn remove(&self, name: &str) -> bool {
+        let (child, fleet) = {
+            let mut inner = self.lock();
+            let fleet = inner.running.as_ref().map(|(fleet, _)| fleet.clone());
+            (inner.children.remove(name), fleet)
+        };
+        let Some(child) = child else { return false };
+        if let Some(token) = child.token {
+            token.cancel();
+        }
+        // Disengage now rather than when the child's task gets to it, so that the caller
+        // sees the fleet without them on return.
+        if let Some(fleet) = fleet {
+            disengage_prefixed(&fleet, &format!("{name}{}", self.separator));
+        }
+        true
+    }
+
+    /// The names of the children, in order.
+    pub fn names(&self) -> Vec<String> {
+        self.lock().children.keys().cloned().collect()
+    }
+
+    fn start(
+        &self,
+        name: &str,
+        provider: &Arc<dyn ErasedProvider>,
+        fleet: &Fleet<ClusterName>,
+        shutdown: &CancellationToken,
+    ) -> CancellationToken {
+        let token = shutdown.child_token();
+        let prefix = format!("{name}{}", self.separator);
+        tokio::spawn(
+            provider
+                .clone()
+                .run(fleet.clone(), name.to_string(), prefix, token.clone()),
+        );
+        token
+    }
+}
+
+impl Provider for Multi {
+    type Id = ClusterName;
+
+    async fn run(
+        &self,
+        fleet: Fleet<ClusterName>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProviderError> {
+        {
+            let mut inner = self.lock();
+            let mut tokens = Vec::new();
+            for (name, child) in &inner.children {
+                tokens.push((
+                    name.clone(),
+                    self.start(name, &child.provider, &fleet, &shutdown),
+                ));
+            }
+            for (name, token) in tokens {
+                if let Some(child) = inner.children.get_mut(&name) {
+                    child.token = Some(token);
+                }
+            }
+            inner.running = Some((fleet, shutdown.clone()));
+        }
+        shutdown.cancelled().await;
+        let mut inner = self.lock();
+        inner.running = None;
+        for child in inner.children.values_mut() {
+            child.token = None;
+        }
+        Ok(())
+    }
+}
+
+/// Disengages every cluster whose name starts with `prefix`.
+fn disengage_prefixed(fleet: &Fleet<ClusterName>, prefix: &str) {
+    for id in fleet.ids() {
+        if id.as_str().starts_with(prefix) {
+            fleet.disengage(&id);
+        }
+    }
+}
+
+/// A child provider of any id type.
+trait ErasedProvider: Send + Sync {
+    /// Runs the child until `token` is cancelled (or it fails), mirroring its clusters into
+    /// `parent` under `prefix`, and disengages them at the end.
+    fn run(
+        self: Arc<Self>,
+        parent: Fleet<ClusterName>,
+        name: String,
+        prefix: String,
+        token: CancellationToken,
+    ) -> BoxFuture<'static, ()>;
+}
+
+struct Wrapped<P>(P);
+
+impl<P: Provider> ErasedProvider for Wrapped<P> {
+    fn run(
+        self: Arc<Self>,
+        parent: Fleet<ClusterName>,
+        name: String,
+        prefix: String,
+        token: CancellationToken,
+    ) -> BoxFuture<'static, ()> {
+        async move {
+            let own = Fleet::<P::Id>::new();
+            let mut events = own.subscribe();
+            let mut run = std::pin::pin!(self.0.run(own.clone(), token.clone()));
+            loop {
+                tokio::select! {
+                    result = &mut run => {
+                        match result {
+                            Ok(()) if token.is_cancelled() => {}
+                            // A provider may engage its clusters and return; they stay.
+                            Ok(()) => {
+                                drain(&mut events, &parent, &prefix);
+                                token.cancelled().await;
+                            }
+                            Err(error) => {
+                                tracing::error!(provider = %name, %error, "provider failed; its clusters are disengaged");
+                            }
+                        }
+                        break;
+                    }
+                    Some(event) = events.recv() => forward(&parent, &prefix, event),
+                }
+            }
+            own.clear();
+            disengage_prefixed(&parent, &prefix);
+        }
+        .boxed()
+    }
+}
+
+fn drain<C: ClusterId>(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<FleetEvent<C>>,
+    parent: &Fleet<ClusterName>,
+    prefix: &str,
+) {
+    while let Ok(event) = events.try_recv() {
+        forward(parent, prefix, event);
+    }
+}
+
+/// Mirrors one change of a child's fleet into the parent fleet.
+fn forward<C: ClusterId>(parent: &Fleet<ClusterName>, prefix: &str, event: FleetEvent<C>) {
+    match event {
+        FleetEvent::Engaged(cluster) | FleetEvent::Replaced { new: cluster, .. } => {
+            let name = ClusterName::from(format!("{prefix}{}", cluster.id()));
+            // Keep the config if there is one, so that an unchanged re-engagement stays a
+            // no-op in the parent too.
+            let renamed = match cluster.config() {
+                Some(config) => Cluster::from_config(name.clone(), config.clone()),
+                None => Ok(Cluster::new(name.clone(), cluster.client())),
+            };
+            match renamed.map(|c| parent.engage(c)) {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => tracing::warn!(cluster = %name, %error, "could not engage"),
+                Err(error) => tracing::warn!(cluster = %name, %error, "could not build a client"),
+            }
+        }
+        FleetEvent::Disengaged(cluster) => {
+            parent.disengage(&ClusterName::from(format!("{prefix}{}", cluster.id())));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::providers::Clusters;
+
+    fn cluster(name: &str, port: u16) -> Cluster<ClusterName> {
+        let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
+        Cluster::from_config(ClusterName::from(name), config).unwrap()
+    }
+
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[test]
+    fn names_split_back_even_when_the_cluster_part_holds_the_separator() {
+        let multi = Multi::with_separator("::");
+        for (p, c) in [("a", "b"), ("a", "b::c"), ("a", ""), ("x", "::")] {
+            let joined = multi.join(p, c);
+            assert_eq!(multi.split(&joined), Some((p, c)));
+        }
+        assert_eq!(multi.split(&ClusterName::from("plain")), None);
+        assert!(matches!(
+            multi.add("a::b", Clusters::<ClusterName>::new()),
+            Err(MultiError::InvalidName { .. })
+        ));
+        assert!(matches!(
+            multi.add("", Clusters::<ClusterName>::new()),
+            Err(MultiError::InvalidName { .. })
+        ));
+        multi.add("a", Clusters::<ClusterName>::new()).unwrap();
+        assert_eq!(
+            multi.add("a", Clusters::<ClusterName>::new()),
+            Err(MultiError::Duplicate("a".into()))
+        );
+    }
+
+    #[tokio::test]
+    async fn children_added_before_and_during_the_run_mirror_their_clusters_and_leave_with_them() {
+        let multi = Multi::new();
+        let first = Clusters::new();
+        first.add(cluster("x", 1)).unwrap();
+        multi.add("first", first.clone()).unwrap();
+        let fleet = Fleet::new();
+        let shutdown = CancellationToken::new();
+        let run = tokio::spawn({
+            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
+            async move { multi.run(fleet, shutdown).await.unwrap() }
+        });
+        settle().await;
+        assert_eq!(fleet.ids(), [ClusterName::from("first#x")]);
+
+        // The same child id in another child does not collide.
+        let second = Clusters::new();
+        second.add(cluster("x", 2)).unwrap();
+        multi.add("second", second.clone()).unwrap();
+        settle().await;
+        assert_eq!(fleet.ids(), ["first#x", "second#x"].map(ClusterName::from));
+
+        // Changes inside a child are mirrored.
+        second.add(cluster("y", 3)).unwrap();
+        first.remove(&ClusterName::from("x"));
+        settle().await;
+        assert_eq!(fleet.ids(), ["second#x", "second#y"].map(ClusterName::from));
+
+        assert!(multi.remove("second"));
+        assert!(
+            fleet.is_empty(),
+            "removing a child disengages its clusters at once"
+        );
+        assert!(!multi.remove("second"));
+
+        shutdown.cancel();
+        run.await.unwrap();
+    }
+}

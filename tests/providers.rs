@@ -1,0 +1,142 @@
+//! Providers against real control planes: Multi composing children at run time, Nop.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, PostParams};
+use multicluster_runtime::providers::{Clusters, Multi, Nop};
+use multicluster_runtime::testenv::TestEnv;
+use multicluster_runtime::{Builder, Cluster, ClusterName, Manager};
+
+fn name(s: &str) -> ClusterName {
+    ClusterName::from(s)
+}
+
+fn label_type(cm: &ConfigMap) -> Vec<String> {
+    cm.metadata
+        .labels
+        .iter()
+        .flatten()
+        .filter(|(k, _)| *k == "type")
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn multi_composes_providers_added_and_removed_while_controllers_run() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (c0, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    fixture(&c0.client().unwrap()).await;
+    fixture(&c1.client().unwrap()).await;
+
+    let multi = Multi::new();
+    let a = Clusters::new();
+    a.add(Cluster::new(name("x"), c0.client().unwrap()))
+        .unwrap();
+    multi.add("a", a).unwrap();
+    let b = Clusters::new();
+    b.add(Cluster::new(name("x"), c1.client().unwrap()))
+        .unwrap();
+    multi.add("b", b).unwrap();
+
+    let manager = Arc::new(Manager::new(multi.clone()));
+    manager.index_field::<ConfigMap>("type", label_type);
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await.unwrap() })
+    };
+
+    let (client0, client1) = (c0.client().unwrap(), c1.client().unwrap());
+    eventually(30, "animals fed through child a", async || {
+        is_fed(&client0, "zoo", "elephant").await
+    })
+    .await;
+    eventually(30, "animals fed through child b", async || {
+        is_fed(&client1, "zoo", "elephant").await
+    })
+    .await;
+    assert!(
+        seen.count("cluster://a#x/zoo/elephant") >= 1
+            && seen.count("cluster://b#x/zoo/elephant") >= 1
+    );
+
+    // The manager's index reaches the children's clusters, once each.
+    let animals = |id: &str| {
+        manager.cluster(&name(id)).map(|c| {
+            c.indexed::<ConfigMap>(&fixture_objects(), "type", "animal")
+                .unwrap()
+                .len()
+        })
+    };
+    eventually(30, "indexed in b#x", async || animals("b#x") == Some(3)).await;
+
+    // A child added at run time: cluster-1 again, under another name.
+    let c = Clusters::new();
+    c.add(Cluster::new(name("z"), c1.client().unwrap()))
+        .unwrap();
+    multi.add("c", c).unwrap();
+    eventually(30, "the new child's cluster reconciled", async || {
+        seen.count("cluster://c#z/island/rock") >= 1
+    })
+    .await;
+
+    // Removing child a lets its cluster go.
+    assert!(multi.remove("a"));
+    assert!(manager.cluster(&name("a#x")).is_none());
+    Api::<ConfigMap>::namespaced(client0.clone(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    Api::<ConfigMap>::namespaced(client1.clone(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    eventually(30, "the lion of cluster-1 fed", async || {
+        is_fed(&client1, "zoo", "lion").await
+    })
+    .await;
+    settle(1000).await;
+    assert!(
+        !is_fed(&client0, "zoo", "lion").await,
+        "a removed child's cluster is not reconciled"
+    );
+    assert_eq!(seen.count("cluster://a#x/zoo/lion"), 0);
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_nop_manager_reconciles_only_its_local_cluster() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let client = c.client().unwrap();
+    fixture(&client).await;
+    let manager =
+        Arc::new(Manager::new(Nop::new()).with_local(Cluster::new(name("host"), client.clone())));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .engage_local(true)
+        .start(feed_animals, retry_soon, seen.clone());
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await.unwrap() })
+    };
+    eventually(30, "the local cluster's animals fed", async || {
+        is_fed(&client, "jungle", "elephant").await
+    })
+    .await;
+    assert!(manager.fleet().is_empty());
+    assert_eq!(seen.clusters(), ["host".to_string()].into());
+    manager.shutdown();
+    run.await.unwrap();
+}
