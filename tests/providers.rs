@@ -140,3 +140,109 @@ async fn a_nop_manager_reconciles_only_its_local_cluster() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+/// A stand-in `kind` CLI: lists the files of `clusters/` next to it and prints one as a
+/// kubeconfig, as `kind get clusters` and `kind get kubeconfig --name N` do.
+const FAKE_KIND: &str = r#"#!/bin/sh
+dir="$(dirname "$0")/clusters"
+case "$1 $2" in
+  "get clusters")
+    names=$(ls "$dir")
+    if [ -z "$names" ]; then echo "No kind clusters found."; else echo "$names"; fi ;;
+  "get kubeconfig")
+    [ "$3" = "--name" ] && [ -f "$dir/$4" ] && exec cat "$dir/$4"
+    echo "ERROR: unknown cluster $4" >&2; exit 1 ;;
+  *) exit 2 ;;
+esac
+"#;
+
+#[tokio::test]
+async fn kind_clusters_come_and_go_with_the_cli_and_a_bad_one_holds_nobody_up() {
+    use multicluster_runtime::providers::Kind;
+    use std::os::unix::fs::PermissionsExt;
+    use std::time::Duration;
+
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (c0, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    fixture(&c0.client().unwrap()).await;
+    fixture(&c1.client().unwrap()).await;
+    let bin = tempfile::tempdir().unwrap();
+    let script = bin.path().join("kind");
+    std::fs::write(&script, FAKE_KIND).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = bin.path().join("clusters");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("kind-a"), c0.kubeconfig()).unwrap();
+    std::fs::write(dir.join("kind-b"), c1.kubeconfig()).unwrap();
+    std::fs::write(dir.join("other"), c1.kubeconfig()).unwrap();
+
+    let kind = Kind::new()
+        .command(&script)
+        .prefix("kind-")
+        .interval(Duration::from_millis(200));
+    let manager = Arc::new(Manager::new(kind));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await.unwrap() })
+    };
+    let (client0, client1) = (c0.client().unwrap(), c1.client().unwrap());
+    eventually(30, "kind-a fed", async || {
+        is_fed(&client0, "zoo", "elephant").await
+    })
+    .await;
+    eventually(30, "kind-b fed", async || {
+        is_fed(&client1, "zoo", "elephant").await
+    })
+    .await;
+    assert_eq!(
+        manager.fleet().ids(),
+        [name("kind-a"), name("kind-b")],
+        "the prefix keeps `other` out"
+    );
+
+    // A malformed kubeconfig is reported and retried; the others go on.
+    std::fs::write(dir.join("kind-c"), "this: is: not a kubeconfig").unwrap();
+    settle(1000).await;
+    assert_eq!(manager.fleet().len(), 2);
+    std::fs::write(dir.join("kind-c"), c1.kubeconfig()).unwrap();
+    eventually(70, "kind-c engaged once fixed", async || {
+        manager.cluster(&name("kind-c")).is_some()
+    })
+    .await;
+
+    // Gone from the CLI: disengaged.
+    std::fs::remove_file(dir.join("kind-b")).unwrap();
+    eventually(10, "kind-b disengaged", async || {
+        manager.cluster(&name("kind-b")).is_none()
+    })
+    .await;
+
+    // New credentials for kind-a: replaced, and the controller goes on through them.
+    let rotated = c0.add_user("rotated", &["system:masters"]).unwrap();
+    std::fs::write(dir.join("kind-a"), rotated.kubeconfig()).unwrap();
+    let expected = rotated.config().auth_info.client_certificate_data;
+    eventually(10, "kind-a replaced", async || {
+        manager.cluster(&name("kind-a")).and_then(|c| {
+            c.config()
+                .map(|c| c.auth_info.client_certificate_data.clone())
+        }) == Some(expected.clone())
+    })
+    .await;
+    Api::<ConfigMap>::namespaced(client0.clone(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    eventually(30, "the lion fed through the new credentials", async || {
+        is_fed(&client0, "zoo", "lion").await
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
+}

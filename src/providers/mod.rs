@@ -6,13 +6,18 @@
 //! | [`Clusters`] | added, replaced and removed by calls | yours | tests and custom code |
 //! | [`Nop`] | none | - | managers that only use their local cluster |
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
+//! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
 mod clusters;
+#[cfg(feature = "kind")]
+mod kind;
 mod multi;
 mod nop;
 mod single;
 
 pub use clusters::Clusters;
+#[cfg(feature = "kind")]
+pub use kind::Kind;
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub use nop::Nop;
 pub use single::SingleProvider;
