@@ -52,3 +52,8 @@ struct ReadmeDoctests;
 #[cfg(all(doctest, feature = "testenv"))]
 #[doc = include_str!("../docs/testenv.md")]
 struct TestenvDocDoctests;
+
+/// The code samples of `docs/providers.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/providers.md")]
+struct ProvidersDocDoctests;
