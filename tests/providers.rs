@@ -246,3 +246,109 @@ async fn kind_clusters_come_and_go_with_the_cli_and_a_bad_one_holds_nobody_up() 
     manager.shutdown();
     run.await.unwrap();
 }
+
+#[tokio::test]
+async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
+    use multicluster_runtime::providers::File;
+    use std::time::Duration;
+
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (c0, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    fixture(&c0.client().unwrap()).await;
+    fixture(&c1.client().unwrap()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.yaml");
+    let b = dir.path().join("b.yaml");
+    std::fs::write(&a, c0.kubeconfig()).unwrap();
+    let id_a = name(&format!("{}+cluster-0", a.display()));
+    let id_b = name(&format!("{}+cluster-1", b.display()));
+
+    let manager = Arc::new(Manager::new(
+        File::new([dir.path()]).retry(Duration::from_millis(300)),
+    ));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await.unwrap() })
+    };
+    let (client0, client1) = (c0.client().unwrap(), c1.client().unwrap());
+    eventually(30, "a.yaml's cluster fed", async || {
+        is_fed(&client0, "zoo", "elephant").await
+    })
+    .await;
+    assert_eq!(manager.fleet().ids(), std::slice::from_ref(&id_a));
+
+    // A new file: a new cluster.
+    std::fs::write(&b, c1.kubeconfig()).unwrap();
+    eventually(30, "b.yaml's cluster fed", async || {
+        is_fed(&client1, "zoo", "elephant").await
+    })
+    .await;
+    assert!(manager.cluster(&id_b).is_some());
+
+    // Half-written: reported, retried; the others run on.
+    let c = dir.path().join("c.yaml");
+    std::fs::write(&c, "apiVersion: v1\nkind: Config\nclusters: [ {").unwrap();
+    settle(1000).await;
+    assert_eq!(manager.fleet().len(), 2);
+    std::fs::write(&c, c1.kubeconfig()).unwrap();
+    let id_c = name(&format!("{}+cluster-1", c.display()));
+    eventually(30, "c.yaml's cluster once complete", async || {
+        manager.cluster(&id_c).is_some()
+    })
+    .await;
+
+    // Rewritten with the same endpoint and credentials: the cluster stays as it is.
+    let before = manager.cluster(&id_a).unwrap();
+    std::fs::write(&a, format!("{}\n# touched\n", c0.kubeconfig())).unwrap();
+    settle(1000).await;
+    assert!(
+        manager.cluster(&id_a).unwrap().same_instance(&before),
+        "no replacement without a change"
+    );
+
+    // Replaced atomically with new credentials: the cluster is replaced and used.
+    let rotated = c0.add_user("rotated", &["system:masters"]).unwrap();
+    let tmp = dir.path().join(".a.yaml.tmp");
+    // Same context name (testenv names a user's context `user@cluster`), new credentials.
+    std::fs::write(
+        &tmp,
+        rotated
+            .kubeconfig()
+            .replace("rotated@cluster-0", "cluster-0"),
+    )
+    .unwrap();
+    std::fs::rename(&tmp, &a).unwrap();
+    let expected = rotated.config().auth_info.client_certificate_data;
+    eventually(30, "a.yaml's cluster replaced", async || {
+        manager.cluster(&id_a).and_then(|c| {
+            c.config()
+                .map(|c| c.auth_info.client_certificate_data.clone())
+        }) == Some(expected.clone())
+    })
+    .await;
+    Api::<ConfigMap>::namespaced(client0.clone(), "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "lion", "animal"))
+        .await
+        .unwrap();
+    eventually(30, "the lion fed through the new credentials", async || {
+        is_fed(&client0, "zoo", "lion").await
+    })
+    .await;
+
+    // Deleted: its cluster is disengaged.
+    std::fs::remove_file(&b).unwrap();
+    eventually(30, "b.yaml's cluster gone", async || {
+        manager.cluster(&id_b).is_none()
+    })
+    .await;
+    assert_eq!(manager.fleet().len(), 2);
+
+    manager.shutdown();
+    run.await.unwrap();
+}

@@ -6,9 +6,12 @@
 //! | [`Clusters`] | added, replaced and removed by calls | yours | tests and custom code |
 //! | [`Nop`] | none | - | managers that only use their local cluster |
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
+//! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
 mod clusters;
+#[cfg(feature = "file")]
+mod file;
 #[cfg(feature = "kind")]
 mod kind;
 mod multi;
@@ -16,6 +19,8 @@ mod nop;
 mod single;
 
 pub use clusters::Clusters;
+#[cfg(feature = "file")]
+pub use file::{File, Naming};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
