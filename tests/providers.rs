@@ -352,3 +352,172 @@ async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+fn kubeconfig_secret(
+    name: &str,
+    kubeconfig: &str,
+    labelled: bool,
+) -> k8s_openapi::api::core::v1::Secret {
+    use k8s_openapi::ByteString;
+    use std::collections::BTreeMap;
+    k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            labels: labelled.then(|| {
+                BTreeMap::from([(
+                    "sigs.k8s.io/multicluster-runtime-kubeconfig".to_string(),
+                    "true".to_string(),
+                )])
+            }),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            "kubeconfig".to_string(),
+            ByteString(kubeconfig.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugins() {
+    use k8s_openapi::api::core::v1::{Namespace, Secret};
+    use k8s_openapi::api::events::v1::Event;
+    use kube::api::{Patch, PatchParams};
+    use multicluster_runtime::providers::KubeconfigSecrets;
+
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let (host, c1, c2) = (
+        env.cluster(0).unwrap(),
+        env.cluster(1).unwrap(),
+        env.cluster(2).unwrap(),
+    );
+    fixture(&c1.client().unwrap()).await;
+    fixture(&c2.client().unwrap()).await;
+    let hc = host.client().unwrap();
+    let ns = Namespace {
+        metadata: kube::api::ObjectMeta {
+            name: Some("fleet".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(hc.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "fleet");
+    let pp = PostParams::default();
+    secrets
+        .create(&pp, &kubeconfig_secret("east", c1.kubeconfig(), true))
+        .await
+        .unwrap();
+    secrets
+        .create(&pp, &kubeconfig_secret("west", c2.kubeconfig(), true))
+        .await
+        .unwrap();
+    secrets
+        .create(
+            &pp,
+            &kubeconfig_secret("unlabelled", c1.kubeconfig(), false),
+        )
+        .await
+        .unwrap();
+
+    let manager = Arc::new(Manager::new(KubeconfigSecrets::new(hc.clone(), "fleet")));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await.unwrap() })
+    };
+    let (client1, client2) = (c1.client().unwrap(), c2.client().unwrap());
+    eventually(30, "east fed", async || {
+        is_fed(&client1, "zoo", "elephant").await
+    })
+    .await;
+    eventually(30, "west fed", async || {
+        is_fed(&client2, "zoo", "elephant").await
+    })
+    .await;
+    assert_eq!(manager.fleet().ids(), [name("east"), name("west")]);
+
+    // An exec plugin in a Secret's kubeconfig would run code in the controller: refused.
+    let marker = tempfile::tempdir().unwrap().keep().join("exec-ran");
+    let evil = c1.kubeconfig().replace(
+        "    client-certificate-data:",
+        &format!(
+            "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: /bin/sh\n      args: [\"-c\", \"touch {}\"]\n      interactiveMode: Never\n    client-certificate-data:",
+            marker.display()
+        ),
+    );
+    assert!(evil.contains("exec:"));
+    secrets
+        .create(&pp, &kubeconfig_secret("evil", &evil, true))
+        .await
+        .unwrap();
+    secrets
+        .create(&pp, &kubeconfig_secret("broken", "clusters: [ {", true))
+        .await
+        .unwrap();
+    let events: Api<Event> = Api::namespaced(hc.clone(), "fleet");
+    eventually(30, "a Warning Event on the refused Secret", async || {
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("KubeconfigRefused")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("evil")
+            })
+    })
+    .await;
+    settle(1000).await;
+    assert!(manager.cluster(&name("evil")).is_none() && manager.cluster(&name("broken")).is_none());
+    assert!(!marker.exists(), "the exec plugin must never run");
+    assert_eq!(manager.fleet().len(), 2, "the others are unaffected");
+
+    // New credentials in east: the cluster is replaced.
+    let rotated = c1.add_user("rotated", &["system:masters"]).unwrap();
+    let rotated_yaml = rotated
+        .kubeconfig()
+        .replace("rotated@cluster-1", "cluster-1");
+    secrets
+        .replace("east", &pp, &kubeconfig_secret("east", &rotated_yaml, true))
+        .await
+        .unwrap();
+    let expected = rotated.config().auth_info.client_certificate_data;
+    eventually(30, "east replaced", async || {
+        manager.cluster(&name("east")).and_then(|c| {
+            c.config()
+                .map(|c| c.auth_info.client_certificate_data.clone())
+        }) == Some(expected.clone())
+    })
+    .await;
+
+    // Label removed: disengaged. Secret deleted: disengaged.
+    let unlabel = serde_json::json!({ "metadata": { "labels": { "sigs.k8s.io/multicluster-runtime-kubeconfig": null } } });
+    secrets
+        .patch("west", &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await
+        .unwrap();
+    eventually(30, "west disengaged", async || {
+        manager.cluster(&name("west")).is_none()
+    })
+    .await;
+    secrets.delete("east", &Default::default()).await.unwrap();
+    eventually(30, "east disengaged", async || {
+        manager.cluster(&name("east")).is_none()
+    })
+    .await;
+    assert!(manager.fleet().is_empty());
+
+    manager.shutdown();
+    run.await.unwrap();
+}

@@ -7,6 +7,7 @@
 //! | [`Nop`] | none | - | managers that only use their local cluster |
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
 //! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
+//! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins refused unless allowed |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
 mod clusters;
@@ -14,6 +15,7 @@ mod clusters;
 mod file;
 #[cfg(feature = "kind")]
 mod kind;
+mod kubeconfig_secrets;
 mod multi;
 mod nop;
 mod single;
@@ -23,6 +25,7 @@ pub use clusters::Clusters;
 pub use file::{File, Naming};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
+pub use kubeconfig_secrets::KubeconfigSecrets;
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub use nop::Nop;
 pub use single::SingleProvider;

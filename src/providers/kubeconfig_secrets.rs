@@ -1,0 +1,219 @@
+//! [`KubeconfigSecrets`]: clusters from kubeconfigs stored in labelled Secrets of the host
+//! cluster.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::pin::pin;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Resource, ResourceExt};
+use kube_runtime::WatchStreamExt;
+use kube_runtime::events::{Event, EventType, Recorder, Reporter};
+use kube_runtime::watcher::{self, Event as WatchEvent};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError};
+
+/// The label that marks a Secret as holding a cluster's kubeconfig (value `true`).
+pub const DEFAULT_LABEL: &str = "sigs.k8s.io/multicluster-runtime-kubeconfig";
+/// The data key holding the kubeconfig.
+pub const DEFAULT_KEY: &str = "kubeconfig";
+
+/// One cluster per Secret in one namespace of the host cluster that carries the label
+/// `sigs.k8s.io/multicluster-runtime-kubeconfig=true`; the cluster is named after the Secret
+/// and reached with the kubeconfig in its data key `kubeconfig` (label, namespace and key
+/// configurable).
+///
+/// Creating such a Secret engages its cluster; changing the kubeconfig re-engages it (only if
+/// the endpoint or credentials changed); deleting the Secret or removing the label
+/// disengages it.
+///
+/// Security: whoever can write a Secret in that namespace must not get to run commands in
+/// the controller. A kubeconfig with an `exec` credential plugin or an `auth-provider` is
+/// therefore refused unless [`KubeconfigSecrets::allow_exec`] is set; the refusal is logged
+/// and recorded as a Warning Event on the Secret. Malformed kubeconfigs are reported the
+/// same way, naming the Secret; the other clusters are not affected.
+#[derive(Clone)]
+pub struct KubeconfigSecrets {
+    host: Client,
+    namespace: String,
+    label: String,
+    key: String,
+    allow_exec: bool,
+}
+
+impl std::fmt::Debug for KubeconfigSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeconfigSecrets")
+            .field("namespace", &self.namespace)
+            .field("label", &self.label)
+            .field("key", &self.key)
+            .field("allow_exec", &self.allow_exec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubeconfigSecrets {
+    /// Secrets in `namespace` of the cluster `host` reaches.
+    pub fn new(host: Client, namespace: impl Into<String>) -> Self {
+        Self {
+            host,
+            namespace: namespace.into(),
+            label: DEFAULT_LABEL.to_string(),
+            key: DEFAULT_KEY.to_string(),
+            allow_exec: false,
+        }
+    }
+
+    /// Another marker label (its value must be `true`).
+    #[must_use]
+    pub fn label(mut self, label: impl Into<String>) -> Self {
+        self.label = label.into();
+        self
+    }
+
+    /// Another data key for the kubeconfig.
+    #[must_use]
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = key.into();
+        self
+    }
+
+    /// Lets kubeconfigs run `exec` credential plugins and `auth-provider`s. Only for
+    /// namespaces whose writers you would also let run code in this controller.
+    #[must_use]
+    pub fn allow_exec(mut self, allow: bool) -> Self {
+        self.allow_exec = allow;
+        self
+    }
+
+    /// The cluster a Secret describes, or why it cannot be used.
+    async fn cluster(&self, secret: &Secret) -> Result<Cluster<ClusterName>, String> {
+        let name = secret.name_any();
+        let data = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&self.key))
+            .ok_or_else(|| format!("no data key {:?}", self.key))?;
+        let text =
+            std::str::from_utf8(&data.0).map_err(|_| "the kubeconfig is not UTF-8".to_string())?;
+        let kubeconfig =
+            Kubeconfig::from_yaml(text).map_err(|e| format!("invalid kubeconfig: {e}"))?;
+        if !self.allow_exec {
+            for user in &kubeconfig.auth_infos {
+                let Some(auth) = &user.auth_info else {
+                    continue;
+                };
+                if auth.exec.is_some() || auth.auth_provider.is_some() {
+                    return Err(format!(
+                        "user {:?} needs an exec credential plugin or auth-provider, which kubeconfigs from Secrets may not run (see KubeconfigSecrets::allow_exec)",
+                        user.name
+                    ));
+                }
+            }
+        }
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| format!("unusable kubeconfig: {e}"))?;
+        Cluster::from_config(ClusterName::from(name), config)
+            .map_err(|e| format!("cannot build a client: {e}"))
+    }
+
+    async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {
+        tracing::warn!(cluster = %secret.name_any(), namespace = %self.namespace, error = %reason, "kubeconfig Secret refused");
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "KubeconfigRefused".into(),
+            note: Some(reason.chars().take(1000).collect()),
+            action: "Engage".into(),
+            secondary: None,
+        };
+        if let Err(error) = recorder.publish(&event, &secret.object_ref(&())).await {
+            tracing::warn!(cluster = %secret.name_any(), %error, "could not record the refusal as an Event");
+        }
+    }
+}
+
+impl Provider for KubeconfigSecrets {
+    type Id = ClusterName;
+
+    async fn run(
+        &self,
+        fleet: Fleet<ClusterName>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProviderError> {
+        let api: Api<Secret> = Api::namespaced(self.host.clone(), &self.namespace);
+        let selector = watcher::Config::default().labels(&format!("{}=true", self.label));
+        let recorder = Recorder::new(
+            self.host.clone(),
+            Reporter::from("multicluster-runtime-kubeconfig-secrets"),
+        );
+        let mut events = pin!(watcher::watcher(api, selector).default_backoff());
+        // The Secrets of a listing in progress, to disengage those that vanished meanwhile.
+        let mut listing: BTreeSet<String> = BTreeSet::new();
+        // Clusters engaged from Secrets, by Secret name, with the data they came from.
+        let mut engaged: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                event = events.next() => event,
+            };
+            let secret = match event {
+                None => return Ok(()),
+                Some(Err(error)) => {
+                    tracing::warn!(namespace = %self.namespace, %error, "watching kubeconfig Secrets failed; retrying");
+                    continue;
+                }
+                Some(Ok(WatchEvent::Init)) => {
+                    listing.clear();
+                    continue;
+                }
+                Some(Ok(WatchEvent::InitDone)) => {
+                    let vanished: Vec<String> = engaged
+                        .keys()
+                        .filter(|n| !listing.contains(*n))
+                        .cloned()
+                        .collect();
+                    for name in vanished {
+                        engaged.remove(&name);
+                        fleet.disengage(&ClusterName::from(name));
+                    }
+                    continue;
+                }
+                Some(Ok(WatchEvent::Delete(secret))) => {
+                    // Deleted, or the label was removed (it left the selection).
+                    let name = secret.name_any();
+                    engaged.remove(&name);
+                    fleet.disengage(&ClusterName::from(name));
+                    continue;
+                }
+                Some(Ok(WatchEvent::InitApply(secret))) => {
+                    listing.insert(secret.name_any());
+                    secret
+                }
+                Some(Ok(WatchEvent::Apply(secret))) => secret,
+            };
+            let name = secret.name_any();
+            let data = secret
+                .data
+                .as_ref()
+                .and_then(|d| d.get(&self.key))
+                .map(|b| b.0.clone())
+                .unwrap_or_default();
+            if engaged.get(&name) == Some(&data) {
+                continue;
+            }
+            match self.cluster(&secret).await {
+                Ok(cluster) => match fleet.engage(cluster) {
+                    Ok(_) => {
+                        engaged.insert(name, data);
+                    }
+                    Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
+                },
+                Err(reason) => self.refuse(&recorder, &secret, &reason).await,
+            }
+        }
+    }
+}
