@@ -16,9 +16,7 @@ use kube_runtime::{Predicate, WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 
 use crate::context::Shared;
-use crate::controller::{
-    Baseline, Env, ReconcileReason, Relation, Spec, Trigger, run_fleet, seen_before,
-};
+use crate::controller::{Env, ReconcileReason, Relation, Spec, Trigger, fresh_changes, run_fleet};
 use crate::{Action, Cluster, ClusterId, Context, Manager, Provider, Request};
 
 /// Configures and runs a controller for the primary kind `K` on a [`Manager`].
@@ -308,15 +306,10 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
         cluster: &Cluster<C>,
         baseline: Option<&Cluster<C>>,
     ) -> BoxStream<'static, Trigger<C>> {
-        let watch = cluster.watch::<Child>(&self.watcher_config);
-        let mut old =
-            Baseline::of(baseline.and_then(|b| b.existing_store::<Child>(&self.watcher_config)));
+        let changes = fresh_changes::<C, Child>(cluster, baseline, &self.watcher_config)
+            .map(Ok::<_, Infallible>);
         let id = cluster.id().clone();
         let kind: Arc<str> = Arc::from(Child::kind(&()).as_ref());
-        let changes = watch.subscribe().filter_map(move |change| {
-            let fresh = !seen_before(&change, &mut old);
-            std::future::ready(fresh.then(|| Ok::<_, Infallible>(change.object)))
-        });
         // kube-runtime's trigger primitive with its owner-reference mapping; the cluster id
         // goes on afterwards.
         let owners = move |child: Arc<Child>| {
@@ -365,25 +358,15 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         cluster: &Cluster<C>,
         baseline: Option<&Cluster<C>>,
     ) -> BoxStream<'static, Trigger<C>> {
-        let watch = cluster.watch::<Other>(&self.watcher_config);
-        let mut old =
-            Baseline::of(baseline.and_then(|b| b.existing_store::<Other>(&self.watcher_config)));
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
         let kind: Arc<str> = Arc::from(Other::kind(&()).as_ref());
-        watch
-            .subscribe()
-            .flat_map(move |change| {
-                let requests = if seen_before(&change, &mut old) {
-                    Vec::new()
-                } else {
-                    mapper(&id, &change.object)
-                };
+        fresh_changes::<C, Other>(cluster, baseline, &self.watcher_config)
+            .flat_map(move |object| {
                 let kind = kind.clone();
+                let requests = mapper(&id, &object).into_iter();
                 stream::iter(
-                    requests
-                        .into_iter()
-                        .map(move |r| (r, ReconcileReason::RelatedObjectChanged(kind.clone()))),
+                    requests.map(move |r| (r, ReconcileReason::RelatedObjectChanged(kind.clone()))),
                 )
             })
             .boxed()

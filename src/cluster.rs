@@ -387,7 +387,7 @@ where
 {
     /// A stream of changes from now on, starting with every object already in the store
     /// (marked initial), so a subscriber that comes late misses nothing.
-    pub(crate) fn subscribe(&self) -> impl Stream<Item = Change<K>> + Send + 'static
+    pub(crate) fn subscribe(&self) -> impl Stream<Item = Change<K>> + Send + use<K>
     where
         K: Send + Sync,
     {

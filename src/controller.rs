@@ -124,6 +124,24 @@ pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
         .is_some_and(|(uid, rv)| *uid == meta.uid && *rv == meta.resource_version)
 }
 
+/// The objects of `X` in `cluster` as they change (deletions included), leaving out those of
+/// the first listing that the replaced cluster had already seen at the same version. The
+/// watch for `config` is started on first use.
+pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
+    cluster: &Cluster<C>,
+    replaced: Option<&Cluster<C>>,
+    config: &watcher::Config,
+) -> impl futures::Stream<Item = Arc<X>> + Send + 'static {
+    let mut baseline = Baseline::of(replaced.and_then(|r| r.existing_store::<X>(config)));
+    cluster
+        .watch::<X>(config)
+        .subscribe()
+        .filter_map(move |change| {
+            let fresh = !seen_before(&change, &mut baseline);
+            std::future::ready(fresh.then_some(change.object))
+        })
+}
+
 /// A predicate's hash of an object (see `kube_runtime::Predicate`).
 pub(crate) type PredicateFn<K> = Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>;
 /// Which clusters a controller engages.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::Kubeconfig;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -154,17 +154,14 @@ impl File {
         let mut clusters = Vec::new();
         for context in &kubeconfig.contexts {
             let name = ClusterName::from((self.naming)(path, &context.name));
-            let options = KubeConfigOptions {
-                context: Some(context.name.clone()),
-                ..Default::default()
-            };
-            let config = kube::Config::from_custom_kubeconfig(kubeconfig.clone(), &options)
-                .await
-                .map_err(|e| format!("context {}: {e}", context.name))?;
-            clusters.push(
-                Cluster::from_config(name, config)
-                    .map_err(|e| format!("context {}: {e}", context.name))?,
-            );
+            let cluster = super::cluster_from_kubeconfig(
+                name,
+                kubeconfig.clone(),
+                Some(context.name.clone()),
+            )
+            .await
+            .map_err(|e| format!("context {}: {e}", context.name))?;
+            clusters.push(cluster);
         }
         Ok(clusters)
     }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::Kubeconfig;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -101,12 +101,7 @@ impl Kind {
     async fn cluster(name: &str, yaml: &str) -> Result<Cluster<ClusterName>, String> {
         let kubeconfig =
             Kubeconfig::from_yaml(yaml).map_err(|e| format!("invalid kubeconfig: {e}"))?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .map_err(|e| format!("unusable kubeconfig: {e}"))?;
-        Cluster::from_config(ClusterName::from(name), config)
-            .map_err(|e| format!("cannot build a client: {e}"))
+        super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
     }
 }
 

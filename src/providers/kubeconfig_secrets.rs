@@ -6,7 +6,7 @@ use std::pin::pin;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::Kubeconfig;
 use kube::{Api, Client, Resource, ResourceExt};
 use kube_runtime::WatchStreamExt;
 use kube_runtime::events::{Event, EventType, Recorder, Reporter};
@@ -113,12 +113,7 @@ impl KubeconfigSecrets {
                 }
             }
         }
-        let config =
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .map_err(|e| format!("unusable kubeconfig: {e}"))?;
-        Cluster::from_config(ClusterName::from(name), config)
-            .map_err(|e| format!("cannot build a client: {e}"))
+        super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
     }
 
     async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {

@@ -29,3 +29,20 @@ pub use kubeconfig_secrets::KubeconfigSecrets;
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub use nop::Nop;
 pub use single::SingleProvider;
+
+/// The cluster `name`, reached through `context` of `kubeconfig` (its current context if
+/// `None`); the error says what is wrong in words fit for a log line.
+pub(crate) async fn cluster_from_kubeconfig(
+    name: crate::ClusterName,
+    kubeconfig: kube::config::Kubeconfig,
+    context: Option<String>,
+) -> Result<crate::Cluster<crate::ClusterName>, String> {
+    let options = kube::config::KubeConfigOptions {
+        context,
+        ..Default::default()
+    };
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .map_err(|e| format!("unusable kubeconfig: {e}"))?;
+    crate::Cluster::from_config(name, config).map_err(|e| format!("cannot build a client: {e}"))
+}
