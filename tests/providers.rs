@@ -9,21 +9,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, PostParams};
 use multicluster_runtime::providers::{Clusters, Multi, Nop};
 use multicluster_runtime::testenv::TestEnv;
-use multicluster_runtime::{Builder, Cluster, ClusterName, Manager};
-
-fn name(s: &str) -> ClusterName {
-    ClusterName::from(s)
-}
-
-fn label_type(cm: &ConfigMap) -> Vec<String> {
-    cm.metadata
-        .labels
-        .iter()
-        .flatten()
-        .filter(|(k, _)| *k == "type")
-        .map(|(_, v)| v.clone())
-        .collect()
-}
+use multicluster_runtime::{Builder, Cluster, Manager};
 
 #[tokio::test]
 async fn multi_composes_providers_added_and_removed_while_controllers_run() {
@@ -50,10 +36,7 @@ async fn multi_composes_providers_added_and_removed_while_controllers_run() {
         retry_soon,
         seen.clone(),
     );
-    let run = {
-        let manager = manager.clone();
-        tokio::spawn(async move { manager.run().await.unwrap() })
-    };
+    let run = spawn_manager(&manager);
 
     let (client0, client1) = (c0.client().unwrap(), c1.client().unwrap());
     eventually(30, "animals fed through child a", async || {
@@ -127,10 +110,7 @@ async fn a_nop_manager_reconciles_only_its_local_cluster() {
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
         .engage_local(true)
         .start(feed_animals, retry_soon, seen.clone());
-    let run = {
-        let manager = manager.clone();
-        tokio::spawn(async move { manager.run().await.unwrap() })
-    };
+    let run = spawn_manager(&manager);
     eventually(30, "the local cluster's animals fed", async || {
         is_fed(&client, "jungle", "elephant").await
     })
@@ -187,10 +167,7 @@ async fn kind_clusters_come_and_go_with_the_cli_and_a_bad_one_holds_nobody_up() 
         retry_soon,
         seen.clone(),
     );
-    let run = {
-        let manager = manager.clone();
-        tokio::spawn(async move { manager.run().await.unwrap() })
-    };
+    let run = spawn_manager(&manager);
     let (client0, client1) = (c0.client().unwrap(), c1.client().unwrap());
     eventually(30, "kind-a fed", async || {
         is_fed(&client0, "zoo", "elephant").await
@@ -272,10 +249,7 @@ async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
         retry_soon,
         seen.clone(),
     );
-    let run = {
-        let manager = manager.clone();
-        tokio::spawn(async move { manager.run().await.unwrap() })
-    };
+    let run = spawn_manager(&manager);
     let (client0, client1) = (c0.client().unwrap(), c1.client().unwrap());
     eventually(30, "a.yaml's cluster fed", async || {
         is_fed(&client0, "zoo", "elephant").await
@@ -431,10 +405,7 @@ async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugi
         retry_soon,
         seen.clone(),
     );
-    let run = {
-        let manager = manager.clone();
-        tokio::spawn(async move { manager.run().await.unwrap() })
-    };
+    let run = spawn_manager(&manager);
     let (client1, client2) = (c1.client().unwrap(), c2.client().unwrap());
     eventually(30, "east fed", async || {
         is_fed(&client1, "zoo", "elephant").await

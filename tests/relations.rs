@@ -18,15 +18,6 @@ use multicluster_runtime::{
     Action, Builder, Cluster, ClusterName, Context, Engaged, Manager, Request,
 };
 
-fn name(s: &str) -> ClusterName {
-    ClusterName::from(s)
-}
-
-fn spawn(manager: &Arc<Manager<Clusters>>) -> tokio::task::JoinHandle<()> {
-    let manager = manager.clone();
-    tokio::spawn(async move { manager.run().await.unwrap() })
-}
-
 fn secret(ns: &str, name: &str, owner: Option<OwnerReference>) -> Secret {
     Secret {
         metadata: ObjectMeta {
@@ -54,7 +45,7 @@ async fn a_change_to_an_owned_object_reconciles_its_owner() {
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
         .owns::<Secret>(watcher::Config::default())
         .start(record, retry_soon, seen.clone());
-    let run = spawn(&manager);
+    let run = spawn_manager(&manager);
 
     let owner = "cluster://c0/zoo/elephant";
     eventually(30, "initial reconcile", async || seen.count(owner) == 1).await;
@@ -123,7 +114,7 @@ async fn a_mapper_can_enqueue_requests_for_another_cluster() {
             },
         )
         .start(record, retry_soon, seen.clone());
-    let run = spawn(&manager);
+    let run = spawn_manager(&manager);
 
     let target = "cluster://cluster-1/jungle/elephant";
     eventually(30, "initial reconciles", async || seen.total() == 18).await;
@@ -164,7 +155,7 @@ async fn a_cluster_reengaged_with_new_credentials_is_not_reconciled_twice() {
         retry_soon,
         seen.clone(),
     );
-    let run = spawn(&manager);
+    let run = spawn_manager(&manager);
     eventually(30, "initial reconciles", async || seen.total() == 9).await;
 
     // The same config again changes nothing; new credentials replace the cluster.
@@ -261,7 +252,7 @@ async fn errors_are_retried_by_the_error_policy_and_requeues_come_back() {
         }
     };
     Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(flaky, policy, state.clone());
-    let run = spawn(&manager);
+    let run = spawn_manager(&manager);
     let calls = || {
         state
             .calls
@@ -309,7 +300,7 @@ async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
             |_, _: &kube::Error, _: &Context<ClusterName, Slow>| Action::await_change(),
             state.clone(),
         );
-    let run = spawn(&manager);
+    let run = spawn_manager(&manager);
     eventually(30, "reconciles started", async || {
         state.started.load(Ordering::SeqCst) == 2
     })
@@ -360,7 +351,7 @@ async fn a_requeue_chain_survives_the_replacement_of_its_cluster() {
         |_, _: &NotYet, _: &Context<ClusterName, Flaky>| Action::await_change(),
         state.clone(),
     );
-    let run = spawn(&manager);
+    let run = spawn_manager(&manager);
     let calls = || {
         state
             .calls

@@ -12,17 +12,7 @@ use kube::api::{Api, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{Clusters, SingleProvider};
 use multicluster_runtime::testenv::TestEnv;
-use multicluster_runtime::{Builder, Cluster, ClusterName, Manager, Provider};
-
-fn name(s: &str) -> ClusterName {
-    ClusterName::from(s)
-}
-
-/// Runs the manager in the background; it stops when the returned manager is shut down.
-fn spawn_manager<P: Provider>(manager: &Arc<Manager<P>>) -> tokio::task::JoinHandle<()> {
-    let manager = manager.clone();
-    tokio::spawn(async move { manager.run().await.unwrap() })
-}
+use multicluster_runtime::{Builder, Cluster, Manager, Provider};
 
 fn uniform_controller<P: Provider>(manager: &Manager<P>, seen: &Arc<Seen>) {
     Builder::<_, ConfigMap>::new(manager, watcher::Config::default()).start(
@@ -184,16 +174,6 @@ async fn the_same_reconciler_runs_in_single_cluster_mode() {
         .await
         .unwrap()
         .unwrap();
-}
-
-fn label_type(cm: &ConfigMap) -> Vec<String> {
-    cm.metadata
-        .labels
-        .iter()
-        .flatten()
-        .filter(|(k, _)| *k == "type")
-        .map(|(_, v)| v.clone())
-        .collect()
 }
 
 #[tokio::test]

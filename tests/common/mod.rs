@@ -174,3 +174,27 @@ pub async fn record<C: ClusterId>(
 pub async fn settle(ms: u64) {
     tokio::time::sleep(Duration::from_millis(ms)).await;
 }
+
+/// A fleet cluster name.
+pub fn name(s: &str) -> multicluster_runtime::ClusterName {
+    multicluster_runtime::ClusterName::from(s)
+}
+
+/// The values of a ConfigMap's `type` label, for a field index.
+pub fn label_type(cm: &ConfigMap) -> Vec<String> {
+    cm.metadata
+        .labels
+        .iter()
+        .flatten()
+        .filter(|(k, _)| *k == "type")
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
+/// Runs the manager in the background until it is shut down.
+pub fn spawn_manager<P: multicluster_runtime::Provider>(
+    manager: &Arc<multicluster_runtime::Manager<P>>,
+) -> tokio::task::JoinHandle<()> {
+    let manager = manager.clone();
+    tokio::spawn(async move { manager.run().await.unwrap() })
+}
