@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use futures::future::Either;
 use futures::{Stream, StreamExt};
 use kube::{Api, Client, Resource};
 use kube_runtime::reflector::{ObjectRef, Store, store::Writer};
@@ -14,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::index::{FieldIndexes, Indexer};
+use crate::providers::NamespaceSlice;
 use crate::{ClusterId, Watchable};
 
 /// A cheap, clonable handle to one cluster: its id, its [`Client`] and the caches shared by
@@ -36,6 +38,9 @@ struct Inner<C: ClusterId> {
     watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedWatch>>>,
     /// Field indexes registered for this cluster; every watch of their kind maintains them.
     indexers: Mutex<Vec<Indexer>>,
+    /// Where its watches get their events: `None` watches the API server through `client`;
+    /// a namespace of a host cluster is fed by the host's one watch per kind.
+    slice: Option<NamespaceSlice>,
 }
 
 /// A [`SharedWatch`] of any kind.
@@ -119,6 +124,15 @@ impl<C: ClusterId> Cluster<C> {
         Ok(Self::build(id, client, Some(config)))
     }
 
+    /// A namespace of a host cluster, whose watches are fed from the host's shared watches.
+    pub(crate) fn namespace_slice(id: C, client: Client, slice: NamespaceSlice) -> Self {
+        let mut cluster = Self::build(id, client, None);
+        if let Some(inner) = Arc::get_mut(&mut cluster.inner) {
+            inner.slice = Some(slice);
+        }
+        cluster
+    }
+
     fn build(id: C, client: Client, config: Option<kube::Config>) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -128,6 +142,7 @@ impl<C: ClusterId> Cluster<C> {
                 token: CancellationToken::new(),
                 watches: Mutex::new(HashMap::new()),
                 indexers: Mutex::new(Vec::new()),
+                slice: None,
             }),
         }
     }
@@ -285,10 +300,14 @@ impl<C: ClusterId> Cluster<C> {
         for indexer in lock(&self.inner.indexers).iter() {
             watch.add_indexer(indexer);
         }
-        let api = Api::<K>::all(self.client());
+        let events = match &self.inner.slice {
+            None => Either::Left(
+                watcher(Api::<K>::all(self.client()), config.clone()).default_backoff(),
+            ),
+            Some(slice) => Either::Right(slice.events::<K>(config).map(Ok)),
+        };
         let task = run_watch(
-            api,
-            config.clone(),
+            events,
             writer,
             Arc::downgrade(&watch),
             self.inner.token.clone(),
@@ -454,8 +473,7 @@ fn tokio_stream_from<T: Send + 'static>(
 
 /// Drives one shared watch until the cluster is disengaged or nobody holds the watch.
 async fn run_watch<K>(
-    api: Api<K>,
-    config: watcher::Config,
+    events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
     mut writer: Writer<K>,
     shared: std::sync::Weak<SharedWatch<K>>,
     token: CancellationToken,
@@ -465,7 +483,7 @@ async fn run_watch<K>(
 {
     let kind = K::kind(&());
     let store = writer.as_reader();
-    let mut events = std::pin::pin!(watcher(api, config).default_backoff());
+    let mut events = std::pin::pin!(events);
     // Objects of a listing in progress: the store swaps them in only at InitDone, so their
     // notifications wait until then (a reconcile must find the object in the store).
     let mut listing: Vec<ObjectRef<K>> = Vec::new();

@@ -8,6 +8,7 @@
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
 //! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
 //! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins refused unless allowed |
+//! | [`Namespaces`] | every namespace of a host cluster (optionally those matching a label selector) | the namespace | local fleets, tenants as namespaces; one watch per kind for all namespaces, scoped clients |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
 mod clusters;
@@ -17,6 +18,7 @@ mod file;
 mod kind;
 mod kubeconfig_secrets;
 mod multi;
+mod namespace;
 mod nop;
 mod single;
 
@@ -27,6 +29,8 @@ pub use file::{File, Naming};
 pub use kind::Kind;
 pub use kubeconfig_secrets::KubeconfigSecrets;
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
+pub(crate) use namespace::NamespaceSlice;
+pub use namespace::{ClusterScopedWrite, Namespaces};
 pub use nop::Nop;
 pub use single::SingleProvider;
 

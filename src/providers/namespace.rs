@@ -1,0 +1,955 @@
+//! [`Namespaces`]: every namespace of one host cluster is a cluster of the fleet.
+//!
+//! Two parts make a namespace behave like a cluster of its own:
+//!
+//! - **One watch per kind for the whole host.** A [`Hub`] keeps, per resource type and
+//!   watcher configuration, a single watch across all namespaces of the host and hands each
+//!   namespace-cluster the events of its namespace (replaying the current objects to a
+//!   namespace that comes later, and a fresh listing after the host watch relists). A
+//!   thousand namespaces cost one watch per kind, not a thousand.
+//! - **A scoped client.** Each namespace-cluster's [`Client`] rewrites namespaced requests
+//!   into its namespace whatever namespace the caller names (in the path and in the body),
+//!   lists "across all namespaces" within it, passes cluster-scoped reads through and
+//!   refuses cluster-scoped writes with [`ClusterScopedWrite`]. Whether a resource is
+//!   namespaced comes from the host's discovery documents, cached per API group version.
+
+use std::any::{Any, TypeId};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context as TaskContext, Poll};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::APIResourceList;
+use kube::client::Body;
+use kube::{Api, Client, ResourceExt};
+use kube_runtime::WatchStreamExt;
+use kube_runtime::watcher::{self, Event};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError, Watchable};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Every namespace of one host cluster is a cluster, named after the namespace.
+///
+/// A namespace-cluster's client is scoped to its namespace (see [`ClusterScopedWrite`] for
+/// what is refused), and its watches are fed by one watch per resource type across the
+/// host, shared by all namespaces. Creating a namespace engages its cluster; deleting it
+/// disengages the cluster once the namespace is gone. A namespace that is terminating
+/// stays engaged, so controllers can still remove their finalizers from the objects in it
+/// (otherwise the namespace could never finish terminating).
+///
+/// It is the cheapest way to run a fleet locally (many "clusters" on one API server), and a
+/// fit for tenants-as-namespaces designs. The isolation is the client's, not the API
+/// server's: every namespace-cluster acts with the host client's credentials.
+///
+/// ```no_run
+/// # async fn f(host: kube::Client) {
+/// use multicluster_runtime::Manager;
+/// use multicluster_runtime::providers::Namespaces;
+///
+/// // Every namespace labelled tenant=true is a cluster.
+/// let manager = Manager::new(Namespaces::new(host).labels("tenant=true"));
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Namespaces {
+    host: Client,
+    selector: watcher::Config,
+    hub: Arc<Hub>,
+}
+
+impl std::fmt::Debug for Namespaces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Namespaces")
+            .field("selector", &self.selector.label_selector)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Namespaces {
+    /// Every namespace of the cluster `host` reaches.
+    pub fn new(host: Client) -> Self {
+        Self {
+            hub: Arc::new(Hub::new(host.clone())),
+            host,
+            selector: watcher::Config::default(),
+        }
+    }
+
+    /// Only the namespaces matching a label selector (`tenant=true`, `env in (a,b)`).
+    /// A namespace that stops matching is disengaged.
+    #[must_use]
+    pub fn labels(mut self, selector: &str) -> Self {
+        self.selector = self.selector.labels(selector);
+        self
+    }
+
+    /// How many watches this provider keeps open on the host for its namespace-clusters
+    /// (one per resource type and watcher configuration in use), for diagnostics.
+    pub fn host_watches(&self) -> usize {
+        lock(&self.hub.watches).len()
+    }
+
+    fn cluster(&self, namespace: &str) -> Cluster<ClusterName> {
+        let service = Scoped {
+            host: self.host.clone(),
+            namespace: Arc::from(namespace),
+            discovery: self.hub.discovery.clone(),
+        };
+        let client = Client::new(service, namespace);
+        Cluster::namespace_slice(
+            ClusterName::from(namespace),
+            client,
+            NamespaceSlice {
+                hub: self.hub.clone(),
+                namespace: Arc::from(namespace),
+            },
+        )
+    }
+}
+
+impl Provider for Namespaces {
+    type Id = ClusterName;
+
+    async fn run(
+        &self,
+        fleet: Fleet<ClusterName>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProviderError> {
+        let api: Api<Namespace> = Api::all(self.host.clone());
+        let mut events = pin!(watcher::watcher(api, self.selector.clone()).default_backoff());
+        let mut engaged: BTreeSet<String> = BTreeSet::new();
+        let mut listing: BTreeSet<String> = BTreeSet::new();
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                event = events.next() => event,
+            };
+            match event {
+                None => return Ok(()),
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "watching the host's namespaces failed; retrying");
+                }
+                Some(Ok(Event::Init)) => listing.clear(),
+                Some(Ok(Event::InitApply(ns))) => {
+                    listing.insert(ns.name_any());
+                    self.engage(&fleet, &mut engaged, ns.name_any());
+                }
+                Some(Ok(Event::Apply(ns))) => self.engage(&fleet, &mut engaged, ns.name_any()),
+                Some(Ok(Event::InitDone)) => {
+                    let vanished: Vec<String> = engaged.difference(&listing).cloned().collect();
+                    for name in vanished {
+                        self.disengage(&fleet, &mut engaged, &name);
+                    }
+                }
+                Some(Ok(Event::Delete(ns))) => {
+                    self.disengage(&fleet, &mut engaged, &ns.name_any());
+                }
+            }
+        }
+    }
+}
+
+impl Namespaces {
+    fn engage(&self, fleet: &Fleet<ClusterName>, engaged: &mut BTreeSet<String>, name: String) {
+        if engaged.contains(&name) {
+            return;
+        }
+        match fleet.engage(self.cluster(&name)) {
+            Ok(_) => {
+                engaged.insert(name);
+            }
+            Err(error) => tracing::warn!(cluster = %name, %error, "could not engage namespace"),
+        }
+    }
+
+    fn disengage(&self, fleet: &Fleet<ClusterName>, engaged: &mut BTreeSet<String>, name: &str) {
+        engaged.remove(name);
+        fleet.disengage(&ClusterName::from(name));
+        self.hub.forget(name);
+    }
+}
+
+/// Locks, recovering from poisoning: every critical section here leaves its data consistent.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// ---------------------------------------------------------------------------------------
+// The shared watches.
+
+/// The host's shared watches and discovery cache, shared by one provider's
+/// namespace-clusters. Its watches stop when the last holder drops it.
+pub(crate) struct Hub {
+    host: Client,
+    watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedHostWatch>>>,
+    discovery: Arc<Discovery>,
+    token: CancellationToken,
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+trait ErasedHostWatch: Send + Sync {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    /// Drops the subscriptions of a namespace that is gone.
+    fn forget(&self, namespace: &str);
+}
+
+impl Hub {
+    fn new(host: Client) -> Self {
+        Self {
+            discovery: Arc::new(Discovery {
+                host: host.clone(),
+                groups: Mutex::new(HashMap::new()),
+            }),
+            host,
+            watches: Mutex::new(HashMap::new()),
+            token: CancellationToken::new(),
+        }
+    }
+
+    fn forget(&self, namespace: &str) {
+        for watch in lock(&self.watches).values() {
+            watch.forget(namespace);
+        }
+    }
+
+    /// The events of `namespace`'s `K` objects matching `config`, from the host's watch
+    /// (started on first use): a listing (`Init`, `InitApply`*, `InitDone`) as soon as the
+    /// host's objects are known and after every relist of the host, changes in between.
+    fn events<K: Watchable>(
+        &self,
+        namespace: &str,
+        config: &watcher::Config,
+    ) -> impl Stream<Item = Event<K>> + Send + use<K> {
+        let key = (TypeId::of::<K>(), format!("{config:?}"));
+        let watch = {
+            let mut watches = lock(&self.watches);
+            match watches
+                .get(&key)
+                .cloned()
+                .and_then(|w| w.as_any().downcast::<HostWatch<K>>().ok())
+            {
+                Some(watch) => watch,
+                None => {
+                    let watch = Arc::new(HostWatch::<K> {
+                        state: Mutex::new(HostState::default()),
+                    });
+                    let api = Api::<K>::all(self.host.clone());
+                    tokio::spawn(run_host_watch(
+                        watcher::watcher(api, config.clone()).default_backoff(),
+                        Arc::downgrade(&watch),
+                        self.token.clone(),
+                    ));
+                    watches.insert(key, watch.clone());
+                    watch
+                }
+            }
+        };
+        watch.subscribe(namespace)
+    }
+}
+
+/// What a namespace-cluster keeps to reach its share of the host's watches.
+pub(crate) struct NamespaceSlice {
+    hub: Arc<Hub>,
+    namespace: Arc<str>,
+}
+
+impl NamespaceSlice {
+    pub(crate) fn events<K: Watchable>(
+        &self,
+        config: &watcher::Config,
+    ) -> impl Stream<Item = Event<K>> + Send + use<K> {
+        self.hub.events::<K>(&self.namespace, config)
+    }
+}
+
+/// One watch of `K` across the host, demultiplexed by namespace.
+struct HostWatch<K> {
+    state: Mutex<HostState<K>>,
+}
+
+struct HostState<K> {
+    /// Whether a complete listing is known.
+    ready: bool,
+    /// The current objects by namespace ("" for cluster-scoped ones) and name.
+    objects: HashMap<String, BTreeMap<String, K>>,
+    /// A listing in progress; swapped in at its end.
+    listing: Option<HashMap<String, BTreeMap<String, K>>>,
+    /// Subscribers by namespace.
+    subscribers: HashMap<String, Vec<mpsc::UnboundedSender<Event<K>>>>,
+}
+
+impl<K> Default for HostState<K> {
+    fn default() -> Self {
+        Self {
+            ready: false,
+            objects: HashMap::new(),
+            listing: None,
+            subscribers: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Watchable> ErasedHostWatch for HostWatch<K> {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+
+    fn forget(&self, namespace: &str) {
+        lock(&self.state).subscribers.remove(namespace);
+    }
+}
+
+impl<K: Watchable> HostState<K> {
+    /// Sends `namespace`'s objects (and the cluster-scoped ones) as a complete listing.
+    fn send_listing(&self, namespace: &str, tx: &mpsc::UnboundedSender<Event<K>>) -> bool {
+        let mut ok = tx.send(Event::Init).is_ok();
+        let own = self.objects.get(namespace).into_iter();
+        let cluster_scoped = self.objects.get("").into_iter();
+        for object in own.chain(cluster_scoped).flat_map(|m| m.values()) {
+            ok &= tx.send(Event::InitApply(object.clone())).is_ok();
+        }
+        ok && tx.send(Event::InitDone).is_ok()
+    }
+
+    /// Delivers a change to the subscribers of `namespace` (all of them for cluster-scoped
+    /// objects), dropping those that went away.
+    fn deliver(&mut self, namespace: &str, event: &Event<K>) {
+        let send = |subs: &mut Vec<mpsc::UnboundedSender<Event<K>>>| {
+            subs.retain(|tx| tx.send(event.clone()).is_ok());
+        };
+        if namespace.is_empty() {
+            self.subscribers.values_mut().for_each(send);
+            self.subscribers.retain(|_, subs| !subs.is_empty());
+        } else if let Some(subs) = self.subscribers.get_mut(namespace) {
+            send(subs);
+            if subs.is_empty() {
+                self.subscribers.remove(namespace);
+            }
+        }
+    }
+}
+
+impl<K: Watchable> HostWatch<K> {
+    fn subscribe(&self, namespace: &str) -> impl Stream<Item = Event<K>> + Send + use<K> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut state = lock(&self.state);
+        // Under the lock the host task cannot deliver in between: nothing is lost or
+        // delivered before the listing.
+        if state.ready {
+            state.send_listing(namespace, &tx);
+        }
+        let subs = state.subscribers.entry(namespace.to_string()).or_default();
+        subs.retain(|tx| !tx.is_closed());
+        subs.push(tx);
+        futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+}
+
+/// Drives one host watch until the hub goes away.
+async fn run_host_watch<K: Watchable>(
+    events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
+    watch: Weak<HostWatch<K>>,
+    token: CancellationToken,
+) {
+    let kind = K::kind(&());
+    let mut events = pin!(events);
+    loop {
+        let event = tokio::select! {
+            () = token.cancelled() => break,
+            event = events.next() => event,
+        };
+        let Some(watch) = watch.upgrade() else {
+            break;
+        };
+        let mut state = lock(&watch.state);
+        match event {
+            None => break,
+            Some(Err(error)) => {
+                tracing::warn!(cluster = "host", %kind, %error, "namespace provider: the host watch failed; retrying");
+            }
+            Some(Ok(Event::Init)) => state.listing = Some(HashMap::new()),
+            Some(Ok(Event::InitApply(object))) => {
+                let ns = object.namespace().unwrap_or_default();
+                state
+                    .listing
+                    .get_or_insert_default()
+                    .entry(ns)
+                    .or_default()
+                    .insert(object.name_any(), object);
+            }
+            Some(Ok(Event::InitDone)) => {
+                state.objects = state.listing.take().unwrap_or_default();
+                state.ready = true;
+                let mut subscribers = std::mem::take(&mut state.subscribers);
+                for (ns, subs) in &mut subscribers {
+                    subs.retain(|tx| state.send_listing(ns, tx));
+                }
+                subscribers.retain(|_, subs| !subs.is_empty());
+                state.subscribers = subscribers;
+            }
+            Some(Ok(Event::Apply(object))) => {
+                let ns = object.namespace().unwrap_or_default();
+                state
+                    .objects
+                    .entry(ns.clone())
+                    .or_default()
+                    .insert(object.name_any(), object.clone());
+                state.deliver(&ns, &Event::Apply(object));
+            }
+            Some(Ok(Event::Delete(object))) => {
+                let ns = object.namespace().unwrap_or_default();
+                if let Some(objects) = state.objects.get_mut(&ns) {
+                    objects.remove(&object.name_any());
+                    if objects.is_empty() {
+                        state.objects.remove(&ns);
+                    }
+                }
+                state.deliver(&ns, &Event::Delete(object));
+            }
+        }
+    }
+    tracing::debug!(cluster = "host", %kind, "namespace provider: host watch stopped");
+}
+
+// ---------------------------------------------------------------------------------------
+// The scoped client.
+
+/// A namespace-cluster's client refused a write to a cluster-scoped resource (or to a path
+/// outside the resource APIs): a namespace-cluster may only change objects in its namespace.
+///
+/// It reaches callers as [`kube::Error::Service`]; `downcast_ref::<ClusterScopedWrite>()`
+/// on the boxed error recognises it. Cluster-scoped reads (listing namespaces or nodes,
+/// discovery) and create-only review APIs such as `SelfSubjectAccessReview` are allowed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cluster {cluster}: {method} {path} refused: {cluster} is a namespace of its host cluster and may not write cluster-scoped resources"
+)]
+pub struct ClusterScopedWrite {
+    /// The namespace-cluster.
+    pub cluster: String,
+    /// The HTTP method of the refused request.
+    pub method: String,
+    /// Its path.
+    pub path: String,
+}
+
+/// Whether each resource of an API group version is namespaced, from the host's discovery.
+struct Discovery {
+    host: Client,
+    /// By group-version path (`/api/v1`, `/apis/apps/v1`), by resource plural.
+    groups: Mutex<HashMap<String, Arc<HashMap<String, ResourceScope>>>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ResourceScope {
+    namespaced: bool,
+    /// Only `create` is served: a review API that changes nothing.
+    create_only: bool,
+}
+
+impl Discovery {
+    /// The scope of `resource` in `group_version`; `None` if the host does not serve it.
+    async fn scope(
+        &self,
+        group_version: &str,
+        resource: &str,
+    ) -> Result<Option<ResourceScope>, kube::Error> {
+        let cached = lock(&self.groups).get(group_version).cloned();
+        if let Some(found) = cached.as_ref().and_then(|g| g.get(resource)) {
+            return Ok(Some(*found));
+        }
+        // Not known (yet): a CRD may have been added since; read the group version again.
+        let request = http::Request::get(group_version)
+            .body(Vec::new())
+            .map_err(kube::Error::HttpError)?;
+        let list: APIResourceList = match self.host.request(request).await {
+            Ok(list) => list,
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        let scopes: HashMap<String, ResourceScope> = list
+            .resources
+            .iter()
+            .filter(|r| !r.name.contains('/'))
+            .map(|r| {
+                let scope = ResourceScope {
+                    namespaced: r.namespaced,
+                    create_only: r.verbs == ["create"],
+                };
+                (r.name.clone(), scope)
+            })
+            .collect();
+        let found = scopes.get(resource).copied();
+        lock(&self.groups).insert(group_version.to_string(), Arc::new(scopes));
+        Ok(found)
+    }
+}
+
+/// An API path taken apart: `<group_version>[/watch]/<rest>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ApiPath<'a> {
+    /// `/api/v1` or `/apis/<group>/<version>`.
+    pub(crate) group_version: &'a str,
+    /// The deprecated `watch/` prefix.
+    pub(crate) watch: bool,
+    /// What it addresses.
+    pub(crate) target: Target<'a>,
+}
+
+/// What an API path addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Target<'a> {
+    /// The group version's discovery document.
+    Discovery,
+    /// `namespaces/<namespace>/<resource>[/<name>[/<subresource>...]]`.
+    Namespaced {
+        /// The namespace named.
+        namespace: &'a str,
+        /// The resource and whatever follows it.
+        rest: Vec<&'a str>,
+    },
+    /// `<resource>[/<name>...]`: a cluster-scoped resource, or a namespaced one across all
+    /// namespaces (discovery tells which).
+    Unqualified {
+        /// The resource plural.
+        resource: &'a str,
+        /// Whatever follows it.
+        rest: Vec<&'a str>,
+    },
+}
+
+impl<'a> ApiPath<'a> {
+    /// Takes apart a request path (without query); `None` for paths outside the resource
+    /// APIs (`/version`, `/openapi/v2`, `/apis`, ...).
+    pub(crate) fn parse(path: &'a str) -> Option<Self> {
+        let (group_version, rest) = if let Some(rest) = path.strip_prefix("/api/v1") {
+            ("/api/v1", rest)
+        } else {
+            let after = path.strip_prefix("/apis/")?;
+            let mut parts = after.splitn(3, '/');
+            let group = parts.next().filter(|s| !s.is_empty())?;
+            let version = parts.next().filter(|s| !s.is_empty())?;
+            let len = "/apis/".len() + group.len() + 1 + version.len();
+            (&path[..len], &path[len..])
+        };
+        if !(rest.is_empty() || rest.starts_with('/')) {
+            return None;
+        }
+        let mut segments: Vec<&str> = rest.split('/').skip(1).collect();
+        if segments.last() == Some(&"") {
+            segments.pop();
+        }
+        if segments.iter().any(|s| s.is_empty()) {
+            return None;
+        }
+        let watch = segments.first() == Some(&"watch");
+        if watch {
+            segments.remove(0);
+        }
+        let core = group_version == "/api/v1";
+        let target = match segments.as_slice() {
+            [] => Target::Discovery,
+            // The Namespace object's own subresources, `namespaces/<ns>/status|finalize`.
+            ["namespaces", _, "status" | "finalize"] if core => Target::Unqualified {
+                resource: segments[0],
+                rest: segments[1..].to_vec(),
+            },
+            ["namespaces", namespace, _, ..] => Target::Namespaced {
+                namespace,
+                rest: segments[2..].to_vec(),
+            },
+            [resource, rest @ ..] => Target::Unqualified {
+                resource,
+                rest: rest.to_vec(),
+            },
+        };
+        Some(Self {
+            group_version,
+            watch,
+            target,
+        })
+    }
+
+    /// The path of the same request for the namespaced `resource` (followed by `rest`) in
+    /// `namespace`.
+    fn in_namespace(&self, namespace: &str, rest: &[&str]) -> String {
+        let mut path = String::from(self.group_version);
+        if self.watch {
+            path.push_str("/watch");
+        }
+        path.push_str("/namespaces/");
+        path.push_str(namespace);
+        for segment in rest {
+            path.push('/');
+            path.push_str(segment);
+        }
+        path
+    }
+}
+
+/// What the scoped client does with a request.
+#[derive(Debug, PartialEq, Eq)]
+enum Decision {
+    /// Send it as it is.
+    Pass,
+    /// Send it to this path instead; `body` says whether the body may name a namespace.
+    Rewrite { path: String, body: bool },
+    /// Refuse it.
+    Refuse,
+}
+
+/// The tower service behind a namespace-cluster's [`Client`]: it scopes each request to the
+/// namespace and sends it with the host's client.
+#[derive(Clone)]
+struct Scoped {
+    host: Client,
+    namespace: Arc<str>,
+    discovery: Arc<Discovery>,
+}
+
+impl Scoped {
+    async fn decide(&self, method: &http::Method, path: &str) -> Result<Decision, BoxError> {
+        let write = !matches!(
+            *method,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        );
+        let Some(api) = ApiPath::parse(path) else {
+            return Ok(if write {
+                Decision::Refuse
+            } else {
+                Decision::Pass
+            });
+        };
+        match &api.target {
+            Target::Discovery => Ok(if write {
+                Decision::Refuse
+            } else {
+                Decision::Pass
+            }),
+            Target::Namespaced { rest, .. } => Ok(Decision::Rewrite {
+                path: api.in_namespace(&self.namespace, rest),
+                body: write,
+            }),
+            Target::Unqualified { resource, rest } => {
+                let scope = self.discovery.scope(api.group_version, resource).await?;
+                Ok(match scope {
+                    // Across all namespaces: within this one.
+                    Some(s) if s.namespaced && rest.is_empty() => Decision::Rewrite {
+                        path: api.in_namespace(&self.namespace, &[resource]),
+                        body: write,
+                    },
+                    Some(s) if write && !s.namespaced && !s.create_only => Decision::Refuse,
+                    // Reads, review APIs, and what the host does not serve (it answers 404).
+                    _ => Decision::Pass,
+                })
+            }
+        }
+    }
+
+    async fn call(self, request: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
+        let (mut parts, body) = request.into_parts();
+        let path = parts.uri.path().to_string();
+        let decision = self.decide(&parts.method, &path).await?;
+        let body = match decision {
+            Decision::Pass => body,
+            Decision::Refuse => {
+                return Err(Box::new(ClusterScopedWrite {
+                    cluster: self.namespace.to_string(),
+                    method: parts.method.to_string(),
+                    path,
+                }));
+            }
+            Decision::Rewrite {
+                path,
+                body: rewrite_body,
+            } => {
+                let path_and_query = match parts.uri.query() {
+                    Some(query) => format!("{path}?{query}"),
+                    None => path,
+                };
+                let mut uri = parts.uri.into_parts();
+                uri.path_and_query = Some(path_and_query.parse()?);
+                parts.uri = http::Uri::from_parts(uri)?;
+                if rewrite_body {
+                    let bytes = body.collect_bytes().await?;
+                    match with_namespace(&bytes, &self.namespace) {
+                        Some(rewritten) => {
+                            parts.headers.remove(http::header::CONTENT_LENGTH);
+                            Body::from(rewritten)
+                        }
+                        None => Body::from(bytes),
+                    }
+                } else {
+                    body
+                }
+            }
+        };
+        Ok(self
+            .host
+            .send(http::Request::from_parts(parts, body))
+            .await?)
+    }
+}
+
+/// The body with `metadata.namespace` set to `namespace`, if it is a JSON object naming
+/// another namespace; `None` to send it unchanged.
+fn with_namespace(body: &[u8], namespace: &str) -> Option<Vec<u8>> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let slot = value.get_mut("metadata")?.get_mut("namespace")?;
+    if slot.as_str() == Some(namespace) || !slot.is_string() {
+        return None;
+    }
+    *slot = serde_json::Value::String(namespace.to_string());
+    serde_json::to_vec(&value).ok()
+}
+
+impl tower_service::Service<http::Request<Body>> for Scoped {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<http::Response<Body>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        Box::pin(self.clone().call(request))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_taken_apart() {
+        let p = ApiPath::parse("/api/v1/namespaces/zoo/configmaps/elephant").unwrap();
+        assert_eq!(p.group_version, "/api/v1");
+        assert_eq!(
+            p.target,
+            Target::Namespaced {
+                namespace: "zoo",
+                rest: vec!["configmaps", "elephant"]
+            }
+        );
+        assert_eq!(
+            p.in_namespace("jungle", &["configmaps", "elephant"]),
+            "/api/v1/namespaces/jungle/configmaps/elephant"
+        );
+
+        let p = ApiPath::parse("/apis/apps/v1/watch/namespaces/zoo/deployments").unwrap();
+        assert_eq!(p.group_version, "/apis/apps/v1");
+        assert!(p.watch);
+        assert_eq!(
+            p.in_namespace("island", &["deployments"]),
+            "/apis/apps/v1/watch/namespaces/island/deployments"
+        );
+
+        // The Namespace object and its subresources are cluster-scoped.
+        for path in [
+            "/api/v1/namespaces/zoo",
+            "/api/v1/namespaces/zoo/status",
+            "/api/v1/namespaces/zoo/finalize",
+            "/api/v1/namespaces",
+        ] {
+            let p = ApiPath::parse(path).unwrap();
+            assert!(
+                matches!(
+                    p.target,
+                    Target::Unqualified {
+                        resource: "namespaces",
+                        ..
+                    }
+                ),
+                "{path}: {p:?}"
+            );
+        }
+        assert_eq!(
+            ApiPath::parse("/api/v1/configmaps").unwrap().target,
+            Target::Unqualified {
+                resource: "configmaps",
+                rest: vec![]
+            }
+        );
+        assert_eq!(
+            ApiPath::parse("/apis/apps/v1").unwrap().target,
+            Target::Discovery
+        );
+        for outside in [
+            "/version",
+            "/apis",
+            "/api",
+            "/apis/apps",
+            "/openapi/v2",
+            "/api/v1x/pods",
+            "/api/v1//pods",
+        ] {
+            assert_eq!(ApiPath::parse(outside), None, "{outside}");
+        }
+    }
+
+    #[test]
+    fn only_a_foreign_namespace_in_the_body_is_rewritten() {
+        let body = br#"{"metadata":{"name":"a","namespace":"jungle"},"data":{"x":"1"}}"#;
+        let out = with_namespace(body, "zoo").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["metadata"]["namespace"], "zoo");
+        assert_eq!(v["data"]["x"], "1");
+        assert_eq!(
+            with_namespace(br#"{"metadata":{"namespace":"zoo"}}"#, "zoo"),
+            None
+        );
+        assert_eq!(with_namespace(br#"{"metadata":{"name":"a"}}"#, "zoo"), None);
+        assert_eq!(with_namespace(br#"[{"op":"add"}]"#, "zoo"), None);
+        assert_eq!(with_namespace(b"not json", "zoo"), None);
+    }
+
+    use k8s_openapi::api::core::v1::{ConfigMap, Node};
+
+    fn cm(ns: &str, name: &str) -> ConfigMap {
+        let mut cm = ConfigMap::default();
+        cm.metadata.name = Some(name.into());
+        cm.metadata.namespace = Some(ns.into());
+        cm
+    }
+
+    fn describe<K: kube::Resource>(event: &Event<K>) -> String {
+        match event {
+            Event::Init => "init".into(),
+            Event::InitApply(o) => format!("list {}", o.meta().name.as_deref().unwrap_or("")),
+            Event::InitDone => "done".into(),
+            Event::Apply(o) => format!("apply {}", o.meta().name.as_deref().unwrap_or("")),
+            Event::Delete(o) => format!("delete {}", o.meta().name.as_deref().unwrap_or("")),
+        }
+    }
+
+    /// Everything a subscription has received so far.
+    fn drain<K: kube::Resource>(
+        stream: &mut (impl Stream<Item = Event<K>> + Unpin),
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(Some(event)) = stream.next().now_or_never() {
+            out.push(describe(&event));
+        }
+        out
+    }
+
+    use futures::FutureExt;
+
+    /// A host watch driven by hand: `(feed, watch, task)`.
+    fn host_watch<K: Watchable>() -> (
+        mpsc::UnboundedSender<Event<K>>,
+        Arc<HostWatch<K>>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Event<K>>();
+        let watch = Arc::new(HostWatch::<K> {
+            state: Mutex::new(HostState::default()),
+        });
+        let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok);
+        let task = tokio::spawn(run_host_watch(
+            events,
+            Arc::downgrade(&watch),
+            CancellationToken::new(),
+        ));
+        (tx, watch, task)
+    }
+
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn the_host_watch_hands_each_namespace_its_own_events() {
+        let (feed, watch, task) = host_watch::<ConfigMap>();
+        // Subscribed before the first listing: gets it when it completes.
+        let mut zoo = Box::pin(watch.subscribe("zoo"));
+        feed.send(Event::Init).unwrap();
+        feed.send(Event::InitApply(cm("zoo", "elephant"))).unwrap();
+        feed.send(Event::InitApply(cm("jungle", "parrot"))).unwrap();
+        settle().await;
+        assert_eq!(
+            drain(&mut zoo),
+            Vec::<String>::new(),
+            "nothing before the listing ends"
+        );
+        feed.send(Event::InitDone).unwrap();
+        settle().await;
+        assert_eq!(drain(&mut zoo), ["init", "list elephant", "done"]);
+
+        // Subscribed later: the current objects are replayed as a listing.
+        let mut jungle = Box::pin(watch.subscribe("jungle"));
+        assert_eq!(drain(&mut jungle), ["init", "list parrot", "done"]);
+        let mut island = Box::pin(watch.subscribe("island"));
+        assert_eq!(drain(&mut island), ["init", "done"]);
+
+        // Changes go to their namespace only.
+        feed.send(Event::Apply(cm("zoo", "lion"))).unwrap();
+        feed.send(Event::Delete(cm("jungle", "parrot"))).unwrap();
+        settle().await;
+        assert_eq!(drain(&mut zoo), ["apply lion"]);
+        assert_eq!(drain(&mut jungle), ["delete parrot"]);
+        assert_eq!(drain(&mut island), Vec::<String>::new());
+
+        // A relist of the host is a relist of every namespace; what vanished meanwhile is
+        // absent from it.
+        feed.send(Event::Init).unwrap();
+        feed.send(Event::InitApply(cm("zoo", "lion"))).unwrap();
+        feed.send(Event::InitApply(cm("island", "crab"))).unwrap();
+        feed.send(Event::InitDone).unwrap();
+        settle().await;
+        assert_eq!(drain(&mut zoo), ["init", "list lion", "done"]);
+        assert_eq!(drain(&mut jungle), ["init", "done"]);
+        assert_eq!(drain(&mut island), ["init", "list crab", "done"]);
+
+        // A forgotten namespace gets nothing more; a dropped subscription is let go.
+        watch.forget("island");
+        drop(jungle);
+        feed.send(Event::Apply(cm("island", "gull"))).unwrap();
+        feed.send(Event::Apply(cm("jungle", "tiger"))).unwrap();
+        settle().await;
+        assert!(!lock(&watch.state).subscribers.contains_key("jungle"));
+        assert_eq!(drain(&mut island), Vec::<String>::new());
+        assert_eq!(drain(&mut zoo), Vec::<String>::new());
+
+        // The hub going away ends the task and the subscriptions.
+        drop(watch);
+        feed.send(Event::Apply(cm("zoo", "tapir"))).unwrap();
+        task.await.unwrap();
+        assert_eq!(zoo.next().await.map(|e| describe(&e)), None);
+    }
+
+    #[tokio::test]
+    async fn cluster_scoped_objects_reach_every_namespace() {
+        let (feed, watch, _task) = host_watch::<Node>();
+        let mut zoo = Box::pin(watch.subscribe("zoo"));
+        let mut jungle = Box::pin(watch.subscribe("jungle"));
+        let mut node = Node::default();
+        node.metadata.name = Some("n1".into());
+        feed.send(Event::Init).unwrap();
+        feed.send(Event::InitApply(node.clone())).unwrap();
+        feed.send(Event::InitDone).unwrap();
+        node.metadata.name = Some("n2".into());
+        feed.send(Event::Apply(node)).unwrap();
+        settle().await;
+        for events in [drain(&mut zoo), drain(&mut jungle)] {
+            assert_eq!(events, ["init", "list n1", "done", "apply n2"]);
+        }
+        let mut island = Box::pin(watch.subscribe("island"));
+        assert_eq!(drain(&mut island), ["init", "list n1", "list n2", "done"]);
+    }
+}

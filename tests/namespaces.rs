@@ -1,0 +1,568 @@
+//! The namespace provider against a real control plane: namespaces as clusters, the scoped
+//! client, one host watch per kind, patch / events / finalizers, namespace deletion and a
+//! host restart.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Resource, ResourceExt};
+use kube_runtime::events::{Event, EventType, Recorder, Reporter};
+use kube_runtime::finalizer::{Event as Finalizer, finalizer};
+use multicluster_runtime::providers::{ClusterScopedWrite, Namespaces};
+use multicluster_runtime::testenv::TestEnv;
+use multicluster_runtime::{Action, Builder, ClusterName, Context, Manager};
+
+async fn create_namespace(client: &kube::Client, ns: &str) {
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(ns.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+}
+
+async fn create(client: &kube::Client, cm: ConfigMap) {
+    let ns = cm.namespace().unwrap();
+    Api::<ConfigMap>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+}
+
+/// The number of WATCH requests for `resource` the API server is serving across all
+/// namespaces (scope "cluster") or in single namespaces (scope "namespace"), from its own
+/// metrics.
+async fn watches(client: &kube::Client, resource: &str, scope: &str) -> usize {
+    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let metrics = client.request_text(request).await.unwrap();
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("apiserver_longrunning_requests{"))
+        .filter(|l| {
+            l.contains(&format!("resource=\"{resource}\""))
+                && l.contains(&format!("scope=\"{scope}\""))
+                && l.contains("verb=\"WATCH\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as usize
+}
+
+/// The "kubernetes" finalizer's work, which kube-controller-manager's namespace controller
+/// does in a real cluster (testenv runs no controller manager): once the namespace's objects
+/// are gone, drop the finalizer so the namespace is removed.
+async fn finish_namespace_deletion(client: &kube::Client, ns: &str) {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let mut namespace = namespaces.get(ns).await.unwrap();
+    namespace.spec.get_or_insert_default().finalizers = Some(Vec::new());
+    namespaces
+        .replace_subresource("finalize", ns, &PostParams::default(), &namespace)
+        .await
+        .unwrap();
+}
+
+fn scoped_error(error: &kube::Error) -> Option<&ClusterScopedWrite> {
+    match error {
+        kube::Error::Service(e) => e.downcast_ref::<ClusterScopedWrite>(),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn every_namespace_is_a_cluster_fed_by_one_watch_per_kind() {
+    let env = TestEnv::start().await.unwrap();
+    let host = env.cluster(0).unwrap().client().unwrap();
+    fixture(&host).await;
+
+    // The API server's own informers watch some kinds too: count from here on.
+    let configmap_watches = watches(&host, "configmaps", "cluster").await;
+    let namespaced_configmap_watches = watches(&host, "configmaps", "namespace").await;
+    let namespace_watches = watches(&host, "namespaces", "cluster").await;
+
+    let provider = Namespaces::new(host.clone());
+    let manager = Arc::new(Manager::new(provider.clone()));
+    manager.index_field::<ConfigMap>("type", label_type);
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+
+    for ns in NAMESPACES {
+        eventually(30, &format!("the animal of {ns} fed"), async || {
+            is_fed(&host, ns, "elephant").await
+        })
+        .await;
+        assert!(seen.count(&format!("cluster://{ns}/{ns}/elephant")) >= 1);
+    }
+    settle(500).await;
+    for ns in NAMESPACES {
+        assert!(!is_fed(&host, ns, "keeper").await && !is_fed(&host, ns, "rock").await);
+    }
+    // Each cluster sees its own namespace only.
+    let zoo = manager.cluster(&name("zoo")).unwrap();
+    let in_zoo = zoo.store::<ConfigMap>(&fixture_objects()).state();
+    assert_eq!(in_zoo.len(), 3);
+    assert!(
+        in_zoo
+            .iter()
+            .all(|cm| cm.namespace().as_deref() == Some("zoo"))
+    );
+    assert_eq!(
+        zoo.indexed::<ConfigMap>(&fixture_objects(), "type", "animal")
+            .unwrap()
+            .len(),
+        1
+    );
+    // The API server's own namespaces are clusters too.
+    assert!(manager.cluster(&name("default")).is_some());
+
+    // A namespace created while the controller runs, and an object changed after
+    // engagement.
+    create_namespace(&host, "savanna").await;
+    create(&host, config_map("savanna", "lion", "animal")).await;
+    eventually(30, "the lion in the new namespace fed", async || {
+        is_fed(&host, "savanna", "lion").await
+    })
+    .await;
+    assert!(seen.count("cluster://savanna/savanna/lion") >= 1);
+    let relabel = serde_json::json!({ "metadata": { "labels": { "type": "animal" } } });
+    Api::<ConfigMap>::namespaced(host.clone(), "jungle")
+        .patch("keeper", &PatchParams::default(), &Patch::Merge(&relabel))
+        .await
+        .unwrap();
+    eventually(30, "the relabelled keeper fed", async || {
+        is_fed(&host, "jungle", "keeper").await
+    })
+    .await;
+
+    // Many namespaces, one watch of ConfigMaps across the host.
+    for i in 0..40 {
+        let ns = format!("pen-{i}");
+        create_namespace(&host, &ns).await;
+        create(&host, config_map(&ns, "goat", "animal")).await;
+    }
+    for i in 0..40 {
+        let ns = format!("pen-{i}");
+        eventually(60, &format!("the goat in {ns} fed"), async || {
+            is_fed(&host, &ns, "goat").await
+        })
+        .await;
+    }
+    assert!(manager.fleet().len() >= 44);
+    assert_eq!(provider.host_watches(), 1, "one watch per (kind, selector)");
+    assert_eq!(
+        watches(&host, "configmaps", "cluster").await,
+        configmap_watches + 1
+    );
+    assert_eq!(
+        watches(&host, "configmaps", "namespace").await,
+        namespaced_configmap_watches,
+        "no watch per namespace"
+    );
+    assert_eq!(
+        watches(&host, "namespaces", "cluster").await,
+        namespace_watches + 1,
+        "and one for the namespaces themselves"
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_namespace_cluster_client_stays_in_its_namespace() {
+    let env = TestEnv::start().await.unwrap();
+    let host = env.cluster(0).unwrap().client().unwrap();
+    fixture(&host).await;
+    let manager = Arc::new(Manager::new(Namespaces::new(host.clone())));
+    let run = spawn_manager(&manager);
+    let fleet = manager.fleet().clone();
+    eventually(30, "zoo engaged", async || {
+        fleet.get(&name("zoo")).is_some()
+    })
+    .await;
+    let zoo = manager.cluster(&name("zoo")).unwrap().client();
+    assert_eq!(zoo.default_namespace(), "zoo");
+
+    // A namespaced request goes to zoo, whatever namespace it names, in the path or the body.
+    Api::<ConfigMap>::namespaced(zoo.clone(), "jungle")
+        .create(
+            &PostParams::default(),
+            &config_map("jungle", "parrot", "animal"),
+        )
+        .await
+        .unwrap();
+    let mut cm = config_map("island", "tortoise", "animal");
+    cm.metadata.namespace = Some("island".into());
+    let created = Api::<ConfigMap>::namespaced(zoo.clone(), "island")
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+    assert_eq!(created.namespace().as_deref(), Some("zoo"));
+    let in_host = |ns: &'static str| {
+        let host = host.clone();
+        async move {
+            Api::<ConfigMap>::namespaced(host, ns)
+                .list(&ListParams::default().labels("type"))
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .map(|cm| cm.name_any())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert!(in_host("zoo").await.contains(&"parrot".to_string()));
+    assert!(in_host("zoo").await.contains(&"tortoise".to_string()));
+    assert!(!in_host("jungle").await.contains(&"parrot".to_string()));
+    assert!(!in_host("island").await.contains(&"tortoise".to_string()));
+
+    // Server-side apply naming another namespace in the body lands in zoo as well.
+    let applied = serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": { "name": "macaw", "namespace": "jungle", "labels": { "type": "animal" } },
+        "data": { "colour": "blue" },
+    });
+    Api::<ConfigMap>::namespaced(zoo.clone(), "jungle")
+        .patch(
+            "macaw",
+            &PatchParams::apply("namespace-test"),
+            &Patch::Apply(&applied),
+        )
+        .await
+        .unwrap();
+    assert!(in_host("zoo").await.contains(&"macaw".to_string()));
+
+    // "All namespaces" is zoo.
+    let all = Api::<ConfigMap>::all(zoo.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(!all.items.is_empty());
+    assert!(
+        all.items
+            .iter()
+            .all(|cm| cm.namespace().as_deref() == Some("zoo"))
+    );
+    assert_eq!(
+        Api::<ConfigMap>::namespaced(zoo.clone(), "jungle")
+            .get("elephant")
+            .await
+            .unwrap()
+            .namespace()
+            .as_deref(),
+        Some("zoo")
+    );
+
+    // Cluster-scoped reads pass; cluster-scoped writes are refused, naming the cluster.
+    let namespaces: Api<Namespace> = Api::all(zoo.clone());
+    assert!(
+        namespaces
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len()
+            >= 3
+    );
+    assert!(namespaces.get("jungle").await.is_ok());
+    zoo.apiserver_version().await.unwrap();
+    let error = namespaces
+        .delete("jungle", &DeleteParams::default())
+        .await
+        .unwrap_err();
+    let refused = scoped_error(&error).expect("a ClusterScopedWrite");
+    assert_eq!(refused.cluster, "zoo");
+    assert_eq!(refused.method, "DELETE");
+    assert!(error.to_string().contains("cluster zoo"), "{error}");
+    assert!(
+        Api::<Namespace>::all(host.clone())
+            .get("jungle")
+            .await
+            .is_ok()
+    );
+    let label = serde_json::json!({ "metadata": { "labels": { "x": "y" } } });
+    let error = namespaces
+        .patch("zoo", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap_err();
+    assert!(scoped_error(&error).is_some(), "{error}");
+    let role = ClusterRole {
+        metadata: ObjectMeta {
+            name: Some("zookeeper".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let error = Api::<ClusterRole>::all(zoo.clone())
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap_err();
+    assert!(scoped_error(&error).is_some(), "{error}");
+    assert!(
+        Api::<ClusterRole>::all(host.clone())
+            .get_opt("zookeeper")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // A create-only review API changes nothing and is allowed.
+    let review = SelfSubjectAccessReview {
+        spec: SelfSubjectAccessReviewSpec {
+            resource_attributes: Some(ResourceAttributes {
+                namespace: Some("zoo".into()),
+                verb: Some("get".into()),
+                resource: Some("configmaps".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let answer = Api::<SelfSubjectAccessReview>::all(zoo.clone())
+        .create(&PostParams::default(), &review)
+        .await
+        .unwrap();
+    assert!(answer.status.unwrap().allowed);
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+const FINALIZER: &str = "example.com/feeder";
+
+/// Feeds animals through a finalizer, recording an Event for each: exercises the JSON
+/// patches of kube-runtime's finalizer helper, a merge patch, and the event recorder, all
+/// through the namespace-scoped client.
+async fn feed_with_finalizer(
+    cm: Arc<ConfigMap>,
+    ctx: Context<ClusterName, Seen>,
+) -> Result<Action, kube_runtime::finalizer::Error<kube::Error>> {
+    let client = ctx.client();
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &cm.namespace().unwrap());
+    let seen = ctx.state_arc();
+    let request = ctx.request().to_string();
+    finalizer(&api, FINALIZER, cm, async |event| match event {
+        Finalizer::Apply(cm) => {
+            seen.requests.lock().unwrap().push(request);
+            if cm.data.as_ref().and_then(|d| d.get("stomach")).is_none() {
+                let patch = serde_json::json!({ "data": { "stomach": "food" } });
+                api.patch(
+                    &cm.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await?;
+                let recorder = Recorder::new(client.clone(), Reporter::from("feeder"));
+                let event = Event {
+                    type_: EventType::Normal,
+                    reason: "Fed".into(),
+                    note: Some(format!("fed {}", cm.name_any())),
+                    action: "Feed".into(),
+                    secondary: None,
+                };
+                recorder.publish(&event, &cm.object_ref(&())).await?;
+            }
+            Ok(kube_runtime::controller::Action::await_change())
+        }
+        Finalizer::Cleanup(cm) => {
+            seen.requests.lock().unwrap().push(format!(
+                "cleanup {}/{}",
+                cm.namespace().unwrap(),
+                cm.name_any()
+            ));
+            Ok(kube_runtime::controller::Action::await_change())
+        }
+    })
+    .await?;
+    Ok(Action::await_change())
+}
+
+fn retry_finalizer(
+    _: Arc<ConfigMap>,
+    _: &kube_runtime::finalizer::Error<kube::Error>,
+    _: &Context<ClusterName, Seen>,
+) -> Action {
+    Action::requeue(std::time::Duration::from_millis(200))
+}
+
+#[tokio::test]
+async fn patches_events_finalizers_and_namespace_deletion_work() {
+    let env = TestEnv::start().await.unwrap();
+    let host = env.cluster(0).unwrap().client().unwrap();
+    fixture(&host).await;
+    let manager = Arc::new(Manager::new(Namespaces::new(host.clone())));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects().labels("type=animal")).start(
+        feed_with_finalizer,
+        retry_finalizer,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+
+    for ns in NAMESPACES {
+        eventually(30, &format!("the animal of {ns} fed"), async || {
+            is_fed(&host, ns, "elephant").await
+        })
+        .await;
+    }
+    let elephant = Api::<ConfigMap>::namespaced(host.clone(), "island")
+        .get("elephant")
+        .await
+        .unwrap();
+    assert_eq!(elephant.finalizers(), [FINALIZER.to_string()]);
+    let events: Api<K8sEvent> = Api::namespaced(host.clone(), "island");
+    eventually(30, "a Fed event in island", async || {
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("Fed")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("elephant")
+            })
+    })
+    .await;
+
+    // Deleting an object runs the cleanup and removes the finalizer.
+    Api::<ConfigMap>::namespaced(host.clone(), "zoo")
+        .delete("elephant", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "the zoo elephant gone", async || {
+        Api::<ConfigMap>::namespaced(host.clone(), "zoo")
+            .get_opt("elephant")
+            .await
+            .unwrap()
+            .is_none()
+    })
+    .await;
+    assert_eq!(seen.count("cleanup zoo/elephant"), 1);
+
+    // Deleting a namespace: while it terminates its cluster stays engaged, so the
+    // finalizers of its objects can still be removed; once it is gone, the cluster is
+    // disengaged.
+    let island = manager.cluster(&name("island")).unwrap();
+    Api::<Namespace>::all(host.clone())
+        .delete("island", &DeleteParams::default())
+        .await
+        .unwrap();
+    // The namespace controller's part: delete the objects in it ...
+    Api::<ConfigMap>::namespaced(host.clone(), "island")
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await
+        .unwrap();
+    eventually(30, "the island's objects gone", async || {
+        Api::<ConfigMap>::namespaced(host.clone(), "island")
+            .list(&ListParams::default().labels("type"))
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    })
+    .await;
+    assert_eq!(seen.count("cleanup island/elephant"), 1);
+    assert!(island.is_engaged());
+    // ... then let the namespace go.
+    finish_namespace_deletion(&host, "island").await;
+    eventually(30, "island disengaged", async || !island.is_engaged()).await;
+    assert!(manager.cluster(&name("island")).is_none());
+    assert!(manager.cluster(&name("jungle")).is_some());
+
+    // A namespace of the same name, created again, is a new cluster.
+    create_namespace(&host, "island").await;
+    create(&host, config_map("island", "crab", "animal")).await;
+    eventually(30, "the new island's crab fed", async || {
+        is_fed(&host, "island", "crab").await
+    })
+    .await;
+    assert!(!island.same_instance(&manager.cluster(&name("island")).unwrap()));
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn the_host_restarting_holds_nobody_up_for_long() {
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let host = c.client().unwrap();
+    fixture(&host).await;
+    let manager = Arc::new(Manager::new(
+        Namespaces::new(host.clone()).labels("fixture"),
+    ));
+    for ns in NAMESPACES {
+        let label = serde_json::json!({ "metadata": { "labels": { "fixture": "yes" } } });
+        Api::<Namespace>::all(host.clone())
+            .patch(ns, &PatchParams::default(), &Patch::Merge(&label))
+            .await
+            .unwrap();
+    }
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+    eventually(30, "zoo fed", async || {
+        is_fed(&host, "zoo", "elephant").await
+    })
+    .await;
+    // Only the labelled namespaces are clusters.
+    let mut ids: Vec<String> = manager
+        .fleet()
+        .ids()
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["island", "jungle", "zoo"]);
+
+    c.stop().await;
+    c.start().await.unwrap();
+    let host = c.client().unwrap();
+    create(&host, config_map("jungle", "tiger", "animal")).await;
+    eventually(60, "an animal created after the restart fed", async || {
+        is_fed(&host, "jungle", "tiger").await
+    })
+    .await;
+
+    // A namespace that stops matching the selector is disengaged.
+    let unlabel = serde_json::json!({ "metadata": { "labels": { "fixture": null } } });
+    Api::<Namespace>::all(host.clone())
+        .patch("zoo", &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await
+        .unwrap();
+    let fleet = manager.fleet().clone();
+    eventually(30, "zoo disengaged", async || {
+        fleet.get(&name("zoo")).is_none()
+    })
+    .await;
+    create(&host, config_map("zoo", "lion", "animal")).await;
+    settle(1000).await;
+    assert!(!is_fed(&host, "zoo", "lion").await);
+    assert_eq!(seen.count("cluster://zoo/zoo/lion"), 0);
+
+    manager.shutdown();
+    run.await.unwrap();
+}
