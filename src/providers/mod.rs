@@ -27,7 +27,10 @@ pub use clusters::Clusters;
 pub use file::{File, Naming};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
-pub use kubeconfig_secrets::KubeconfigSecrets;
+pub use kubeconfig_secrets::{
+    DEFAULT_KEY as KUBECONFIG_SECRET_KEY, DEFAULT_LABEL as KUBECONFIG_SECRET_LABEL,
+    KubeconfigSecrets,
+};
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub(crate) use namespace::NamespaceSlice;
 pub use namespace::{ClusterScopedWrite, Namespaces};

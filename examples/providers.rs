@@ -1,0 +1,451 @@
+//! Every provider in turn, each against local control planes: the zoo / jungle / island
+//! fixture (ConfigMaps labelled `type=animal|human|thing`), a uniform controller that feeds
+//! the animals (`data.stomach=food`) in whatever cluster it runs, and the fleet changing
+//! while it runs (a cluster added, one removed, one refused where the provider refuses).
+//!
+//! ```sh
+//! scripts/example.sh providers                      # all of them
+//! scripts/example.sh providers namespaces secrets   # some: nop multi file secrets namespaces kind
+//! ```
+//!
+//! The `kind` demo runs a stand-in `kind` script (there is no container engine here) that
+//! prints the kubeconfigs of local control planes, as `kind get clusters` and
+//! `kind get kubeconfig --name` would.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use kube_runtime::watcher;
+use multicluster_runtime::providers::{
+    Clusters, File, Kind, KubeconfigSecrets, Multi, Namespaces, Nop,
+};
+use multicluster_runtime::testenv::{TestCluster, TestEnv};
+use multicluster_runtime::{
+    Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager, Provider,
+};
+
+type Result<T = (), E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
+
+/// The animals fed, per cluster.
+#[derive(Default)]
+struct Fed(Mutex<BTreeMap<String, BTreeSet<String>>>);
+
+impl Fed {
+    fn count(&self, cluster: &str) -> usize {
+        self.0
+            .lock()
+            .map(|m| m.get(cluster).map_or(0, BTreeSet::len))
+            .unwrap_or(0)
+    }
+}
+
+/// The uniform reconciler: the same code whatever the provider.
+async fn feed<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Fed>,
+) -> Result<Action, kube::Error> {
+    let hungry = cm.data.as_ref().and_then(|d| d.get("stomach")).is_none();
+    if hungry {
+        let ns = cm.namespace().unwrap_or_default();
+        let patch = serde_json::json!({ "data": { "stomach": "food" } });
+        Api::<ConfigMap>::namespaced(ctx.client(), &ns)
+            .patch(
+                &cm.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await?;
+        println!("  fed {}", ctx.request());
+    }
+    if let Ok(mut fed) = ctx.state().0.lock() {
+        fed.entry(ctx.cluster_id().to_string())
+            .or_default()
+            .insert(format!(
+                "{}/{}",
+                cm.namespace().unwrap_or_default(),
+                cm.name_any()
+            ));
+    }
+    Ok(Action::await_change())
+}
+
+fn retry<C: ClusterId>(_: Arc<ConfigMap>, error: &kube::Error, ctx: &Context<C, Fed>) -> Action {
+    eprintln!("  {} failed: {error}", ctx.request());
+    Action::requeue(Duration::from_secs(1))
+}
+
+/// A manager for `provider` running the feeding controller.
+struct Demo<P: Provider> {
+    manager: Arc<Manager<P>>,
+    fed: Arc<Fed>,
+    run: tokio::task::JoinHandle<Result<(), multicluster_runtime::ManagerError>>,
+}
+
+impl<P: Provider> Demo<P> {
+    fn start(manager: Manager<P>) -> Self {
+        let manager = Arc::new(manager);
+        let fed = Arc::new(Fed::default());
+        Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("type=animal"))
+            .named("feeder")
+            .engage_local(manager.local().is_some())
+            .start(feed, retry, fed.clone());
+        let run = {
+            let manager = manager.clone();
+            tokio::spawn(async move { manager.run().await })
+        };
+        Self { manager, fed, run }
+    }
+
+    /// Waits until `n` animals were seen in `cluster`.
+    async fn fed(&self, cluster: &str, n: usize) -> Result {
+        wait_for(&format!("{n} animals fed in {cluster}"), || {
+            self.fed.count(cluster) >= n
+        })
+        .await
+    }
+
+    /// Waits until `cluster` is no longer engaged.
+    async fn gone(&self, cluster: &str) -> Result {
+        let id = P::Id::parse(cluster).map_err(|e| e.to_string())?;
+        wait_for(&format!("{cluster} disengaged"), || {
+            self.manager.cluster(&id).is_none()
+        })
+        .await?;
+        println!("  {cluster} disengaged");
+        Ok(())
+    }
+
+    async fn finish(self) -> Result {
+        let engaged: Vec<String> = self
+            .manager
+            .fleet()
+            .ids()
+            .iter()
+            .map(|i| i.to_string())
+            .collect();
+        self.manager.shutdown();
+        self.run.await??;
+        println!("  engaged at the end: {engaged:?}");
+        Ok(())
+    }
+}
+
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) -> Result {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        if Instant::now() > deadline {
+            return Err(format!("timed out waiting for {what}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+fn object_meta(name: &str, ns: Option<&str>, labels: &[(&str, &str)]) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: ns.map(String::from),
+        labels: Some(
+            labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ),
+        ..Default::default()
+    }
+}
+
+async fn create_namespace(client: &Client, ns: &str, labels: &[(&str, &str)]) -> Result {
+    let namespace = Namespace {
+        metadata: object_meta(ns, None, labels),
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await?;
+    Ok(())
+}
+
+async fn create_animal(client: &Client, ns: &str, name: &str, kind: &str) -> Result {
+    let cm = ConfigMap {
+        metadata: object_meta(name, Some(ns), &[("type", kind)]),
+        ..Default::default()
+    };
+    Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &cm)
+        .await?;
+    Ok(())
+}
+
+/// The fixture: namespaces zoo, jungle and island (labelled `demo=true`), each with an
+/// animal, a human and a thing.
+async fn fixture(client: &Client) -> Result {
+    for ns in ["zoo", "jungle", "island"] {
+        create_namespace(client, ns, &[("demo", "true")]).await?;
+        for (name, kind) in [
+            ("elephant", "animal"),
+            ("keeper", "human"),
+            ("rock", "thing"),
+        ] {
+            create_animal(client, ns, name, kind).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn env(clusters: usize) -> Result<TestEnv> {
+    let env = TestEnv::builder().clusters(clusters).start().await?;
+    for c in env.clusters() {
+        fixture(&c.client()?).await?;
+    }
+    Ok(env)
+}
+
+fn cluster(env: &TestEnv, i: usize) -> Result<Arc<TestCluster>> {
+    Ok(env.cluster(i).ok_or("no such cluster")?)
+}
+
+/// `Nop`: no fleet; the controller runs on the manager's local cluster.
+async fn nop() -> Result {
+    let env = env(1).await?;
+    let host = cluster(&env, 0)?.client()?;
+    let local = Cluster::new(ClusterName::from("local"), host);
+    let demo = Demo::start(Manager::new(Nop::new()).with_local(local));
+    demo.fed("local", 3).await?;
+    println!("  the fleet is empty; the local cluster's 3 animals are fed");
+    demo.finish().await
+}
+
+/// `Namespaces`: every namespace labelled demo=true of one host is a cluster.
+async fn namespaces() -> Result {
+    let env = env(1).await?;
+    let host = cluster(&env, 0)?.client()?;
+    let provider = Namespaces::new(host.clone()).labels("demo=true");
+    let demo = Demo::start(Manager::new(provider.clone()));
+    for ns in ["zoo", "jungle", "island"] {
+        demo.fed(ns, 1).await?;
+    }
+    println!("  a namespace created while running:");
+    create_namespace(&host, "savanna", &[("demo", "true")]).await?;
+    create_animal(&host, "savanna", "lion", "animal").await?;
+    demo.fed("savanna", 1).await?;
+    println!("  island's label removed:");
+    let unlabel = serde_json::json!({ "metadata": { "labels": { "demo": null } } });
+    Api::<Namespace>::all(host)
+        .patch("island", &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await?;
+    demo.gone("island").await?;
+    println!(
+        "  {} clusters, {} watch of ConfigMaps on the host",
+        demo.manager.fleet().len(),
+        provider.host_watches()
+    );
+    demo.finish().await
+}
+
+/// `File`: every context of the kubeconfig files in a directory, hot-reloaded.
+async fn file() -> Result {
+    let env = env(2).await?;
+    let dir = tempfile::tempdir()?;
+    let (c0, c1) = (cluster(&env, 0)?, cluster(&env, 1)?);
+    let write = |name: &str, text: &str| -> Result {
+        // Written aside, then renamed into place: the provider never sees half a file.
+        let tmp = dir.path().join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, dir.path().join(name))?;
+        Ok(())
+    };
+    write("first.yaml", c0.kubeconfig())?;
+    let demo = Demo::start(Manager::new(File::new([dir.path()])));
+    let first = file_cluster(dir.path(), "first.yaml", c0.name());
+    demo.fed(&first, 3).await?;
+    println!("  a second file written while running, and a malformed one (logged, retried):");
+    write("broken.yaml", "clusters: [this is not a kubeconfig")?;
+    write("second.yaml", c1.kubeconfig())?;
+    demo.fed(&file_cluster(dir.path(), "second.yaml", c1.name()), 3)
+        .await?;
+    println!("  the first file deleted:");
+    std::fs::remove_file(dir.path().join("first.yaml"))?;
+    demo.gone(&first).await?;
+    demo.finish().await
+}
+
+fn file_cluster(dir: &Path, file: &str, context: &str) -> String {
+    format!("{}+{context}", dir.join(file).display())
+}
+
+/// `KubeconfigSecrets`: a Secret per cluster in namespace `fleet` of the host.
+async fn secrets() -> Result {
+    let env = env(3).await?;
+    let host = cluster(&env, 0)?.client()?;
+    create_namespace(&host, "fleet", &[]).await?;
+    let secrets: Api<Secret> = Api::namespaced(host.clone(), "fleet");
+    let secret = |name: &str, kubeconfig: &str| Secret {
+        metadata: object_meta(
+            name,
+            Some("fleet"),
+            &[(
+                multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL,
+                "true",
+            )],
+        ),
+        data: Some(BTreeMap::from([(
+            "kubeconfig".to_string(),
+            ByteString(kubeconfig.into()),
+        )])),
+        ..Default::default()
+    };
+    secrets
+        .create(
+            &PostParams::default(),
+            &secret("east", cluster(&env, 1)?.kubeconfig()),
+        )
+        .await?;
+    let demo = Demo::start(Manager::new(KubeconfigSecrets::new(host.clone(), "fleet")));
+    demo.fed("east", 3).await?;
+    println!("  a second Secret while running, and one whose kubeconfig runs a command:");
+    secrets
+        .create(
+            &PostParams::default(),
+            &secret("west", cluster(&env, 2)?.kubeconfig()),
+        )
+        .await?;
+    let sneaky = cluster(&env, 2)?.kubeconfig().replace(
+        "    client-certificate-data:",
+        "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: /bin/sh\n      args: [\"-c\", \"echo pwned\"]\n      interactiveMode: Never\n    client-certificate-data:",
+    );
+    secrets
+        .create(&PostParams::default(), &secret("sneaky", &sneaky))
+        .await?;
+    demo.fed("west", 3).await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(host.clone(), "fleet");
+    wait_for_async("the refusal recorded", async || {
+        events.list(&Default::default()).await.is_ok_and(|l| {
+            l.items
+                .iter()
+                .any(|e| e.reason.as_deref() == Some("KubeconfigRefused"))
+        })
+    })
+    .await?;
+    if demo.manager.cluster(&ClusterName::from("sneaky")).is_some() {
+        return Err("a kubeconfig with an exec plugin was engaged".into());
+    }
+    println!("  sneaky refused (a Warning Event KubeconfigRefused on the Secret); not engaged");
+    println!("  east's Secret deleted:");
+    secrets.delete("east", &DeleteParams::default()).await?;
+    demo.gone("east").await?;
+    demo.finish().await
+}
+
+async fn wait_for_async(what: &str, mut done: impl AsyncFnMut() -> bool) -> Result {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done().await {
+        if Instant::now() > deadline {
+            return Err(format!("timed out waiting for {what}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// A stand-in `kind` CLI: `kind get clusters` lists the files of `clusters/` beside it,
+/// `kind get kubeconfig --name N` prints one.
+const STAND_IN_KIND: &str = r#"#!/bin/sh
+dir="$(dirname "$0")/clusters"
+case "$1 $2" in
+  "get clusters")
+    names=$(ls "$dir")
+    if [ -z "$names" ]; then echo "No kind clusters found."; else echo "$names"; fi ;;
+  "get kubeconfig")
+    [ "$3" = "--name" ] && [ -f "$dir/$4" ] && exec cat "$dir/$4"
+    echo "ERROR: unknown cluster $4" >&2; exit 1 ;;
+  *) exit 2 ;;
+esac
+"#;
+
+/// `Kind`: the clusters the `kind` CLI lists, polled.
+async fn kind() -> Result {
+    use std::os::unix::fs::PermissionsExt;
+    let env = env(2).await?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("kind");
+    std::fs::write(&script, STAND_IN_KIND)?;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+    let clusters = dir.path().join("clusters");
+    std::fs::create_dir(&clusters)?;
+    std::fs::write(clusters.join("dev"), cluster(&env, 0)?.kubeconfig())?;
+    let provider = Kind::new()
+        .command(&script)
+        .interval(Duration::from_millis(500));
+    let demo = Demo::start(Manager::new(provider));
+    demo.fed("dev", 3).await?;
+    println!("  `kind create cluster --name staging` (in effect):");
+    std::fs::write(clusters.join("staging"), cluster(&env, 1)?.kubeconfig())?;
+    demo.fed("staging", 3).await?;
+    println!("  `kind delete cluster --name dev` (in effect):");
+    std::fs::remove_file(clusters.join("dev"))?;
+    demo.gone("dev").await?;
+    demo.finish().await
+}
+
+/// `Multi`: a hand-managed cluster and the namespaces of another host, composed; a child
+/// removed at run time takes its clusters with it.
+async fn multi() -> Result {
+    let env = env(2).await?;
+    let multi = Multi::new();
+    let by_hand = Clusters::new();
+    by_hand.add(Cluster::from_config(
+        ClusterName::from("c0"),
+        cluster(&env, 0)?.config(),
+    )?)?;
+    multi.add("static", by_hand)?;
+    let demo = Demo::start(Manager::new(multi.clone()));
+    demo.fed("static#c0", 3).await?;
+    println!("  a child provider added while running (the namespaces of another host):");
+    multi.add(
+        "tenants",
+        Namespaces::new(cluster(&env, 1)?.client()?).labels("demo=true"),
+    )?;
+    for ns in ["zoo", "jungle", "island"] {
+        demo.fed(&format!("tenants#{ns}"), 1).await?;
+    }
+    println!("  child `static` removed:");
+    multi.remove("static");
+    demo.gone("static#c0").await?;
+    demo.finish().await
+}
+
+#[tokio::main]
+async fn main() -> Result {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let all = ["nop", "multi", "file", "secrets", "namespaces", "kind"];
+    let mut chosen: Vec<String> = std::env::args().skip(1).collect();
+    if chosen.is_empty() {
+        chosen = all.iter().map(|s| s.to_string()).collect();
+    }
+    for name in &chosen {
+        println!("== {name} ==");
+        let started = Instant::now();
+        match name.as_str() {
+            "nop" => nop().await?,
+            "multi" => multi().await?,
+            "file" => file().await?,
+            "secrets" => secrets().await?,
+            "namespaces" => namespaces().await?,
+            "kind" => kind().await?,
+            other => return Err(format!("unknown provider {other:?}; one of {all:?}").into()),
+        }
+        println!("  ({:.1?})", started.elapsed());
+    }
+    Ok(())
+}
