@@ -5,6 +5,7 @@
 //! cargo bench --features testenv --bench runtime -- callgrind    # zero cost of single-cluster mode
 //! cargo bench --features testenv --bench runtime -- throughput   # fleet vs single vs kube-runtime
 //! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
+//! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters
 //! ```
 //!
 //! Workload for `callgrind` and `throughput`: 5,000 ConfigMaps in one testenv cluster, created
@@ -25,7 +26,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::{Controller, watcher};
-use multicluster_runtime::providers::{Clusters, SingleProvider};
+use multicluster_runtime::providers::{Clusters, Namespaces, SingleProvider};
 use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
 
@@ -61,7 +62,7 @@ fn main() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let all = !args
         .iter()
-        .any(|a| ["callgrind", "throughput", "scale"].contains(&a.as_str()));
+        .any(|a| ["callgrind", "throughput", "scale", "namespaces"].contains(&a.as_str()));
     rt.block_on(async {
         if all || args.iter().any(|a| a == "callgrind") || args.iter().any(|a| a == "throughput") {
             let env = TestEnv::start().await.expect("testenv");
@@ -80,6 +81,12 @@ fn main() {
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(1000);
             scale(clusters).await;
+        }
+        if all || args.iter().any(|a| a == "namespaces") {
+            let namespaces = arg_after(&args, "--namespaces")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(1000);
+            namespaces_as_clusters(namespaces).await;
         }
     });
 }
@@ -375,6 +382,111 @@ async fn scale(n: usize) {
             .map(|p| rss_kib(&p.to_string()))
             .unwrap_or(0)
             / 1024
+    );
+    manager.shutdown();
+    let _ = run.await;
+}
+
+/// WATCH requests the API server serves for `resource` with `scope` (cluster or namespace).
+async fn watches(client: &kube::Client, resource: &str, scope: &str) -> usize {
+    let request = http::Request::get("/metrics")
+        .body(Vec::new())
+        .expect("request");
+    let metrics = client.request_text(request).await.expect("metrics");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("apiserver_longrunning_requests{"))
+        .filter(|l| {
+            l.contains(&format!("resource=\"{resource}\""))
+                && l.contains(&format!("scope=\"{scope}\""))
+                && l.contains("verb=\"WATCH\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as usize
+}
+
+async fn namespaces_as_clusters(n: usize) {
+    println!("\n== namespaces: {n} namespaces of one apiserver as clusters (Namespaces provider)");
+    let env = TestEnv::start().await.expect("testenv");
+    let tc = env.cluster(0).expect("cluster");
+    let host = tc.client().expect("client");
+    let created = Instant::now();
+    futures::stream::iter(0..n)
+        .for_each_concurrent(32, |i| {
+            let host = host.clone();
+            async move {
+                let name = format!("ns-{i:04}");
+                let ns = k8s_openapi::api::core::v1::Namespace {
+                    metadata: ObjectMeta {
+                        name: Some(name.clone()),
+                        labels: Some(BTreeMap::from([("bench".to_string(), "ns".to_string())])),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                Api::all(host.clone())
+                    .create(&PostParams::default(), &ns)
+                    .await
+                    .expect("namespace");
+                let cm = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some("scale".into()),
+                        labels: Some(BTreeMap::from([("bench".to_string(), "scale".to_string())])),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                Api::<ConfigMap>::namespaced(host, &name)
+                    .create(&PostParams::default(), &cm)
+                    .await
+                    .expect("configmap");
+            }
+        })
+        .await;
+    println!(
+        "created {n} namespaces with a ConfigMap each in {:.1?}",
+        created.elapsed()
+    );
+    let cluster_watches = watches(&host, "configmaps", "cluster").await;
+    let namespace_watches = watches(&host, "configmaps", "namespace").await;
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let base = rss_kib("self");
+    let provider = Namespaces::new(host.clone()).labels("bench=ns");
+    let manager = Arc::new(Manager::new(provider.clone()));
+    let seen = Arc::new(FirstSeen::default());
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("bench=scale")).start(
+        note,
+        |_, _: &kube::Error, _: &Context<ClusterName, FirstSeen>| Action::await_change(),
+        seen.clone(),
+    );
+    let started = Instant::now();
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await })
+    };
+    loop {
+        let notified = seen.notify.notified();
+        if seen.at.lock().map(|m| m.len()).unwrap_or(0) >= n {
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+    }
+    let all = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = rss_kib("self");
+    println!("all {n} namespace-clusters engaged and reconciled once in {all:.1?}");
+    println!(
+        "RSS: {} MiB before, {} MiB after; {} KiB per namespace-cluster (each caching 1 ConfigMap)",
+        base / 1024,
+        after / 1024,
+        after.saturating_sub(base) / n as u64
+    );
+    println!(
+        "host watches kept by the provider: {}; apiserver: +{} cluster-wide ConfigMap watches, +{} per-namespace ones",
+        provider.host_watches(),
+        watches(&host, "configmaps", "cluster").await - cluster_watches,
+        watches(&host, "configmaps", "namespace").await - namespace_watches,
     );
     manager.shutdown();
     let _ = run.await;
