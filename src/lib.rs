@@ -21,6 +21,9 @@ mod cluster_id;
 mod context;
 mod controller;
 mod fleet;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod index;
 mod manager;
 mod provider;

@@ -51,7 +51,7 @@ impl File {
     pub fn new<P: Into<PathBuf>>(sources: impl IntoIterator<Item = P>) -> Self {
         Self {
             sources: sources.into_iter().map(Into::into).collect(),
-            naming: Arc::new(|path: &Path, context: &str| format!("{}+{context}", path.display())),
+            naming: Arc::new(File::default_name),
             retry: Duration::from_secs(5),
         }
     }
@@ -66,6 +66,42 @@ impl File {
                 .collect(),
         };
         Self::new(sources)
+    }
+
+    /// The default name of `context` in the file at `path`: `<path>+<context>`, with a `%`
+    /// or `+` in the context written `%25` / `%2B`, so that the name splits back
+    /// ([`File::split_name`]) and two (path, context) pairs never share a name, even when
+    /// paths and contexts hold `+`. (A path that is not UTF-8 is named lossily.)
+    pub fn default_name(path: &Path, context: &str) -> String {
+        let mut name = format!("{}+", path.display());
+        for c in context.chars() {
+            match c {
+                '%' => name.push_str("%25"),
+                '+' => name.push_str("%2B"),
+                c => name.push(c),
+            }
+        }
+        name
+    }
+
+    /// The path and context a [`File::default_name`] was made of; `None` for a name it
+    /// cannot have made.
+    pub fn split_name(name: &str) -> Option<(PathBuf, String)> {
+        let (path, encoded) = name.rsplit_once('+')?;
+        let mut context = String::with_capacity(encoded.len());
+        let mut rest = encoded;
+        while let Some(i) = rest.find('%') {
+            context.push_str(&rest[..i]);
+            let escape = rest.get(i..i + 3)?;
+            context.push(match escape {
+                "%25" => '%',
+                "%2B" => '+',
+                _ => return None,
+            });
+            rest = &rest[i + 3..];
+        }
+        context.push_str(rest);
+        Some((PathBuf::from(path), context))
     }
 
     /// How clusters are named from the file's path and the context's name.
@@ -344,5 +380,25 @@ mod tests {
         );
         let file = file.naming(|_, ctx| ctx.to_uppercase());
         assert_eq!((file.naming)(Path::new("/k/config"), "prod"), "PROD");
+    }
+
+    #[test]
+    fn default_names_split_back_even_with_plus_signs_on_both_sides() {
+        // Without escaping, these two would both be "/a+b+c".
+        let one = File::default_name(Path::new("/a+b"), "c");
+        let two = File::default_name(Path::new("/a"), "b+c");
+        assert_ne!(one, two);
+        assert_eq!(two, "/a+b%2Bc");
+        for (path, context) in [("/a+b", "c"), ("/a", "b+c"), ("/k/x", "50%+1"), ("/p", "")] {
+            let name = File::default_name(Path::new(path), context);
+            assert_eq!(
+                File::split_name(&name),
+                Some((PathBuf::from(path), context.to_string())),
+                "{name}"
+            );
+        }
+        assert_eq!(File::split_name("no-plus"), None);
+        assert_eq!(File::split_name("/p+bad%2"), None);
+        assert_eq!(File::split_name("/p+bad%41"), None);
     }
 }

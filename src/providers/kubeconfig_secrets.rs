@@ -96,23 +96,7 @@ impl KubeconfigSecrets {
             .as_ref()
             .and_then(|d| d.get(&self.key))
             .ok_or_else(|| format!("no data key {:?}", self.key))?;
-        let text =
-            std::str::from_utf8(&data.0).map_err(|_| "the kubeconfig is not UTF-8".to_string())?;
-        let kubeconfig =
-            Kubeconfig::from_yaml(text).map_err(|e| format!("invalid kubeconfig: {e}"))?;
-        if !self.allow_exec {
-            for user in &kubeconfig.auth_infos {
-                let Some(auth) = &user.auth_info else {
-                    continue;
-                };
-                if auth.exec.is_some() || auth.auth_provider.is_some() {
-                    return Err(format!(
-                        "user {:?} needs an exec credential plugin or auth-provider, which kubeconfigs from Secrets may not run (see KubeconfigSecrets::allow_exec)",
-                        user.name
-                    ));
-                }
-            }
-        }
+        let kubeconfig = parse_kubeconfig(&data.0, self.allow_exec)?;
         super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
     }
 
@@ -211,4 +195,25 @@ impl Provider for KubeconfigSecrets {
             }
         }
     }
+}
+
+/// A kubeconfig as read from a Secret's data: UTF-8 YAML, and unless `allow_exec`, without
+/// any user that needs an exec credential plugin or an auth-provider.
+pub(crate) fn parse_kubeconfig(data: &[u8], allow_exec: bool) -> Result<Kubeconfig, String> {
+    let text = std::str::from_utf8(data).map_err(|_| "the kubeconfig is not UTF-8".to_string())?;
+    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|e| format!("invalid kubeconfig: {e}"))?;
+    if !allow_exec {
+        for user in &kubeconfig.auth_infos {
+            let Some(auth) = &user.auth_info else {
+                continue;
+            };
+            if auth.exec.is_some() || auth.auth_provider.is_some() {
+                return Err(format!(
+                    "user {:?} needs an exec credential plugin or auth-provider, which kubeconfigs from Secrets may not run (see KubeconfigSecrets::allow_exec)",
+                    user.name
+                ));
+            }
+        }
+    }
+    Ok(kubeconfig)
 }

@@ -27,12 +27,15 @@ pub use clusters::Clusters;
 pub use file::{File, Naming};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
+pub(crate) use kubeconfig_secrets::parse_kubeconfig;
 pub use kubeconfig_secrets::{
     DEFAULT_KEY as KUBECONFIG_SECRET_KEY, DEFAULT_LABEL as KUBECONFIG_SECRET_LABEL,
     KubeconfigSecrets,
 };
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub(crate) use namespace::NamespaceSlice;
+#[cfg(feature = "fuzzing")]
+pub(crate) use namespace::{ApiPath, Target, with_namespace};
 pub use namespace::{ClusterScopedWrite, Namespaces};
 pub use nop::Nop;
 pub use single::SingleProvider;

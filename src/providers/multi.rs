@@ -55,9 +55,10 @@ pub enum MultiError {
     /// A child of that name exists.
     #[error("a provider named {0:?} is already added")]
     Duplicate(String),
-    /// The name is empty or contains the separator (it could not be split back).
+    /// The name is empty, contains the separator, or ends in a way that runs into the
+    /// separator (`a#` with `##`): its clusters' names could not be split back.
     #[error(
-        "provider name {name:?} must be non-empty and must not contain the separator {separator:?}"
+        "provider name {name:?} must be non-empty and must neither contain the separator {separator:?} nor end with the start of it"
     )]
     InvalidName {
         /// The name given.
@@ -109,6 +110,22 @@ impl Multi {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The separator between a child's name and its cluster's id.
+    pub fn separator(&self) -> &str {
+        &self.separator
+    }
+
+    /// Whether `name` can name a child: non-empty, and the first separator in
+    /// `<name><separator><cluster>` is the one after `name`, whatever the cluster's id (so
+    /// the name neither contains the separator nor ends with a prefix of it that, followed
+    /// by the separator, would form one earlier).
+    pub fn accepts_name(&self, name: &str) -> bool {
+        // An earlier separator would start inside `name`, so it would end within
+        // `<name><separator>`: checking that string is enough.
+        !name.is_empty()
+            && format!("{name}{}", self.separator).find(&*self.separator) == Some(name.len())
+    }
+
     /// The fleet name of cluster `cluster` of child `provider`.
     pub fn join(&self, provider: &str, cluster: &str) -> ClusterName {
         ClusterName::from(format!("{provider}{}{cluster}", self.separator))
@@ -123,7 +140,7 @@ impl Multi {
 
     /// Adds a child provider under `name`. While the manager runs, the child starts at once.
     pub fn add<P: Provider>(&self, name: &str, provider: P) -> Result<(), MultiError> {
-        if name.is_empty() || name.contains(&*self.separator) {
+        if !self.accepts_name(name) {
             return Err(MultiError::InvalidName {
                 name: name.to_string(),
                 separator: self.separator.to_string(),
@@ -348,6 +365,16 @@ mod tests {
             multi.add("", Clusters::<ClusterName>::new()),
             Err(MultiError::InvalidName { .. })
         ));
+        // Found by fuzzing: "a:" joined with "::" reads "a:::x", whose first "::" comes one
+        // character early.
+        assert_eq!(multi.split(&multi.join("a:", "x")), Some(("a", ":x")));
+        assert!(!multi.accepts_name("a:"));
+        assert!(matches!(
+            multi.add("a:", Clusters::<ClusterName>::new()),
+            Err(MultiError::InvalidName { .. })
+        ));
+        assert!(multi.accepts_name(":a"));
+        assert_eq!(multi.split(&multi.join(":a", "x")), Some((":a", "x")));
         multi.add("a", Clusters::<ClusterName>::new()).unwrap();
         assert_eq!(
             multi.add("a", Clusters::<ClusterName>::new()),

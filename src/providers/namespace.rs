@@ -584,7 +584,7 @@ impl<'a> ApiPath<'a> {
 
     /// The path of the same request for the namespaced `resource` (followed by `rest`) in
     /// `namespace`.
-    fn in_namespace(&self, namespace: &str, rest: &[&str]) -> String {
+    pub(crate) fn in_namespace(&self, namespace: &str, rest: &[&str]) -> String {
         let mut path = String::from(self.group_version);
         if self.watch {
             path.push_str("/watch");
@@ -705,7 +705,7 @@ impl Scoped {
 
 /// The body with `metadata.namespace` set to `namespace`, if it is a JSON object naming
 /// another namespace; `None` to send it unchanged.
-fn with_namespace(body: &[u8], namespace: &str) -> Option<Vec<u8>> {
+pub(crate) fn with_namespace(body: &[u8], namespace: &str) -> Option<Vec<u8>> {
     let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
     let slot = value.get_mut("metadata")?.get_mut("namespace")?;
     if slot.as_str() == Some(namespace) || !slot.is_string() {

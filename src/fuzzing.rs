@@ -1,0 +1,353 @@
+//! The bodies of the fuzz targets in `fuzz/`, and of the test that replays their corpora on
+//! the stable toolchain (`tests/fuzz_corpus.rs`). Each takes arbitrary bytes and panics
+//! only when an invariant of the library breaks.
+//!
+//! Not a public API: it exists for `fuzz/` and is only compiled with the `fuzzing` feature.
+//! Panicking is how these bodies report a broken invariant, hence the `expect`s.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::Duration;
+
+use futures::FutureExt;
+
+use crate::providers::{ApiPath, File, Multi, Target};
+use crate::queue::FleetQueue;
+use crate::{Action, ClusterName, ReconcileReason, Request, SingleCluster};
+
+/// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
+pub const TARGETS: [&str; 5] = [
+    "request_text",
+    "cluster_names",
+    "queue",
+    "kubeconfig",
+    "namespace_scope",
+];
+
+/// Runs the target called `name` on `data`; false for an unknown name.
+pub fn run(name: &str, data: &[u8]) -> bool {
+    match name {
+        "request_text" => request_text(data),
+        "cluster_names" => cluster_names(data),
+        "queue" => queue(data),
+        "kubeconfig" => kubeconfig(data),
+        "namespace_scope" => namespace_scope(data),
+        _ => return false,
+    }
+    true
+}
+
+/// Splits `data` into up to `n` UTF-8 strings at NUL bytes (invalid UTF-8 replaced).
+fn fields(data: &[u8], n: usize) -> Vec<String> {
+    let mut out: Vec<String> = data
+        .splitn(n, |b| *b == 0)
+        .map(|f| String::from_utf8_lossy(f).into_owned())
+        .collect();
+    out.resize(n, String::new());
+    out
+}
+
+/// 1. `Request`'s text form: whatever parses prints back to a string that parses to the same
+///    request; a request built from any parts survives printing and parsing.
+pub fn request_text(data: &[u8]) {
+    if let Ok(text) = std::str::from_utf8(data) {
+        if let Ok(request) = text.parse::<Request<ClusterName>>() {
+            let printed = request.to_string();
+            let again: Request<ClusterName> = printed
+                .parse()
+                .unwrap_or_else(|e| panic!("{printed:?} (from {text:?}) does not parse: {e}"));
+            assert_eq!(again, request, "{text:?} -> {printed:?}");
+            assert_eq!(again.to_string(), printed);
+        }
+        if let Ok(request) = text.parse::<Request<SingleCluster>>() {
+            let again: Request<SingleCluster> = request.to_string().parse().expect("reparses");
+            assert_eq!(again, request);
+        }
+    }
+    let [cluster, namespace, name, flag] = <[String; 4]>::try_from(fields(data, 4)).expect("4");
+    let namespace = (!flag.is_empty()).then_some(namespace);
+    let request = Request::new(ClusterName::from(cluster), namespace, name);
+    let printed = request.to_string();
+    let again: Request<ClusterName> = printed
+        .parse()
+        .unwrap_or_else(|e| panic!("{request:?} printed as {printed:?} does not parse: {e}"));
+    assert_eq!(again, request, "{printed:?}");
+}
+
+/// 2. Composite cluster names: `Multi`'s `<child><sep><cluster>` (nested too) and `File`'s
+///    `<path>+<context>` split back into exactly what they were joined from, including
+///    names that contain the separator; and they survive a request's text form.
+pub fn cluster_names(data: &[u8]) {
+    let [separator, child, inner, cluster, path, context] =
+        <[String; 6]>::try_from(fields(data, 6)).expect("6");
+    let multi = Multi::with_separator(&separator);
+    if !child.is_empty() && !child.contains(multi.separator()) && !multi.accepts_name(&child) {
+        // Refused only when the name ends with the start of the separator.
+        let sep = multi.separator();
+        assert!(
+            (1..sep.len()).any(|i| sep.is_char_boundary(i) && child.ends_with(&sep[..i])),
+            "{child:?} refused with separator {sep:?}"
+        );
+    }
+    if multi.accepts_name(&child) {
+        let name = multi.join(&child, &cluster);
+        assert_eq!(
+            multi.split(&name),
+            Some((child.as_str(), cluster.as_str())),
+            "{name}"
+        );
+        // A Multi inside a Multi.
+        if multi.accepts_name(&inner) {
+            let nested = multi.join(&child, multi.join(&inner, &cluster).as_str());
+            let (outer, rest) = multi.split(&nested).expect("splits");
+            assert_eq!(outer, child);
+            assert_eq!(
+                multi.split(&ClusterName::from(rest)),
+                Some((inner.as_str(), cluster.as_str()))
+            );
+        }
+        let request = Request::new(name.clone(), Some("ns"), "o");
+        let again: Request<ClusterName> = request.to_string().parse().expect("reparses");
+        assert_eq!(again.cluster, name);
+    }
+    let name = File::default_name(Path::new(&path), &context);
+    let (p, c) = File::split_name(&name).unwrap_or_else(|| panic!("{name:?} does not split"));
+    assert_eq!(
+        (p.to_string_lossy().as_ref(), c.as_str()),
+        (path.as_str(), context.as_str()),
+        "{name}"
+    );
+    // Names that File could not have made are refused or split into something that joins
+    // back to them; never a panic.
+    if let Some((p, c)) = File::split_name(&cluster) {
+        assert_eq!(File::default_name(&p, &c), cluster);
+    }
+}
+
+/// 3. The fleet queue as a state machine, on paused time: engage, disengage, watch events,
+///    a mapper fanning out to other clusters, reconciles starting and finishing with or
+///    without a requeue, time passing. After every step: at most one reconcile in flight per
+///    request, none for a cluster that is not engaged, the concurrency limit kept; at the
+///    end, every request triggered for a cluster that stayed engaged has been reconciled.
+pub fn queue(data: &[u8]) {
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+    else {
+        return;
+    };
+    runtime.block_on(queue_machine(data));
+}
+
+const CLUSTERS: [&str; 3] = ["a", "b", "c"];
+const OBJECTS: [&str; 4] = ["w", "x", "y", "z"];
+
+struct Model {
+    engaged: HashSet<ClusterName>,
+    in_flight: Vec<Request<ClusterName>>,
+    /// Requests that must still be reconciled (triggered or requeued while engaged).
+    owed: HashSet<Request<ClusterName>>,
+    concurrency: usize,
+}
+
+impl Model {
+    fn started(&mut self, request: Request<ClusterName>) {
+        assert!(
+            !self.in_flight.contains(&request),
+            "{request} runs twice at once"
+        );
+        assert!(
+            self.engaged.contains(&request.cluster),
+            "{request} started for a cluster that is not engaged"
+        );
+        assert!(
+            self.concurrency == 0 || self.in_flight.len() < self.concurrency,
+            "more than {} reconciles at once",
+            self.concurrency
+        );
+        self.owed.remove(&request);
+        self.in_flight.push(request);
+    }
+}
+
+async fn queue_machine(data: &[u8]) {
+    let mut bytes = data.iter().copied();
+    let mut byte = move || bytes.next();
+    let Some(setup) = byte() else { return };
+    let concurrency = usize::from(setup % 4);
+    let debounce = Duration::from_millis([0, 10, 250, 1000][usize::from(setup / 4 % 4)]);
+    let mut queue = FleetQueue::<ClusterName>::new(concurrency, debounce);
+    let mut model = Model {
+        engaged: HashSet::new(),
+        in_flight: Vec::new(),
+        owed: HashSet::new(),
+        concurrency,
+    };
+    let request = |b: u8| {
+        Request::new(
+            ClusterName::from(CLUSTERS[usize::from(b) % 3]),
+            Some("ns"),
+            OBJECTS[usize::from(b / 3) % 4],
+        )
+    };
+    while let Some(op) = byte() {
+        let arg = byte().unwrap_or(0);
+        match op % 8 {
+            0 => {
+                let cluster = ClusterName::from(CLUSTERS[usize::from(arg) % 3]);
+                queue.engage(cluster.clone());
+                model.engaged.insert(cluster);
+            }
+            1 => {
+                let cluster = ClusterName::from(CLUSTERS[usize::from(arg) % 3]);
+                queue.disengage(&cluster);
+                model.engaged.remove(&cluster);
+                model.owed.retain(|r| r.cluster != cluster);
+            }
+            2 => {
+                // A watch event for an object.
+                let request = request(arg);
+                if model.engaged.contains(&request.cluster) {
+                    model.owed.insert(request.clone());
+                }
+                queue.trigger(request, ReconcileReason::ObjectChanged);
+            }
+            3 => {
+                // A mapper: one event, the same object in every cluster.
+                for cluster in CLUSTERS {
+                    let mut request = request(arg);
+                    request.cluster = ClusterName::from(cluster);
+                    if model.engaged.contains(&request.cluster) {
+                        model.owed.insert(request.clone());
+                    }
+                    queue.trigger(
+                        request,
+                        ReconcileReason::RelatedObjectChanged("ConfigMap".into()),
+                    );
+                }
+            }
+            4 | 5 => {
+                if let Some((request, _)) = queue.next().now_or_never() {
+                    model.started(request);
+                }
+            }
+            6 => {
+                if model.in_flight.is_empty() {
+                    continue;
+                }
+                let request = model
+                    .in_flight
+                    .remove(usize::from(arg) % model.in_flight.len());
+                let action = match arg % 4 {
+                    0 | 1 => Action::await_change(),
+                    2 => Action::requeue(Duration::from_millis(u64::from(arg) * 20)),
+                    _ => Action::requeue(Duration::MAX),
+                };
+                if action
+                    .requeue_after()
+                    .is_some_and(|d| d < Duration::from_secs(3600))
+                    && model.engaged.contains(&request.cluster)
+                {
+                    model.owed.insert(request.clone());
+                }
+                queue.finish(request, action, ReconcileReason::Requeue);
+            }
+            _ => tokio::time::advance(Duration::from_millis(u64::from(arg) * 10)).await,
+        }
+    }
+    // No loss: finish what runs, let an hour pass, and serve everything that comes due.
+    loop {
+        for request in std::mem::take(&mut model.in_flight) {
+            queue.finish(request, Action::await_change(), ReconcileReason::Requeue);
+        }
+        match tokio::time::timeout(Duration::from_secs(3600), queue.next()).await {
+            Ok((request, _)) => model.started(request),
+            Err(_) => break,
+        }
+    }
+    assert!(model.owed.is_empty(), "never reconciled: {:?}", model.owed);
+}
+
+/// 4. Kubeconfig bytes as providers receive them (from a file or a Secret): parsing,
+///    building a client configuration for every context, and refusing exec plugins and
+///    auth-providers where the provider forbids them; errors, never panics. No command is
+///    ever run: configurations are only built when there is no exec or auth-provider.
+pub fn kubeconfig(data: &[u8]) {
+    let Some((&flags, data)) = data.split_first() else {
+        return;
+    };
+    let allow_exec = flags & 1 == 1;
+    let kubeconfig = match crate::providers::parse_kubeconfig(data, allow_exec) {
+        Ok(kubeconfig) => kubeconfig,
+        Err(_) => return,
+    };
+    let runs_commands = kubeconfig.auth_infos.iter().any(|u| {
+        u.auth_info
+            .as_ref()
+            .is_some_and(|a| a.exec.is_some() || a.auth_provider.is_some())
+    });
+    assert!(
+        allow_exec || !runs_commands,
+        "a kubeconfig that runs commands was accepted"
+    );
+    if runs_commands {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    runtime.block_on(async {
+        for context in kubeconfig.contexts.iter().take(4) {
+            let _ = crate::providers::cluster_from_kubeconfig(
+                ClusterName::from(context.name.as_str()),
+                kubeconfig.clone(),
+                Some(context.name.clone()),
+            )
+            .await;
+        }
+        let _ = crate::providers::cluster_from_kubeconfig(
+            ClusterName::from("current"),
+            kubeconfig,
+            None,
+        )
+        .await;
+    });
+}
+
+/// 5. The namespace provider's scoping of request paths and bodies: a namespaced path moved
+///    into another namespace parses back to the same resource there; a body rewritten into
+///    a namespace names that namespace; nothing panics.
+pub fn namespace_scope(data: &[u8]) {
+    let [path, namespace, body] = <[String; 3]>::try_from(fields(data, 3)).expect("3");
+    if let Some(parsed) = ApiPath::parse(&path)
+        && let Target::Namespaced { rest, .. } = &parsed.target
+    {
+        let scoped = parsed.in_namespace("zoo", rest);
+        let again = ApiPath::parse(&scoped)
+            .unwrap_or_else(|| panic!("{scoped:?} (from {path:?}) does not parse"));
+        assert_eq!(again.group_version, parsed.group_version, "{path:?}");
+        assert_eq!(again.watch, parsed.watch, "{path:?}");
+        assert_eq!(
+            again.target,
+            Target::Namespaced {
+                namespace: "zoo",
+                rest: rest.clone()
+            },
+            "{path:?} -> {scoped:?}"
+        );
+    }
+    let namespace = if namespace.is_empty() {
+        "zoo"
+    } else {
+        &namespace
+    };
+    if let Some(out) = crate::providers::with_namespace(body.as_bytes(), namespace) {
+        let value: serde_json::Value = serde_json::from_slice(&out).expect("rewritten JSON");
+        assert_eq!(value["metadata"]["namespace"], namespace);
+    }
+}
