@@ -9,6 +9,9 @@
 //!
 //! - `testenv`: [`testenv`], real `etcd` + `kube-apiserver` control planes on loopback for
 //!   tests of multi-cluster controllers (this crate's and yours).
+//! - `file`: the `providers::File` provider (kubeconfig files, hot-reloaded).
+//! - `kind`: the `providers::Kind` provider (the `kind` CLI).
+//! - `fuzzing`: entry points for the cargo-fuzz targets in `fuzz/`; not a public API.
 #![forbid(unsafe_code)]
 // Nothing a user or a server can influence may panic the library; tests may unwrap.
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
