@@ -133,6 +133,16 @@ impl<C: ClusterId> Cluster<C> {
         cluster
     }
 
+    /// The same cluster under another id (for providers that rename their children's
+    /// clusters): same client, config and watch source; its own engagement and caches.
+    pub(crate) fn renamed<D: ClusterId>(&self, id: D) -> Cluster<D> {
+        let mut renamed = Cluster::build(id, self.client(), self.inner.config.clone());
+        if let Some(inner) = Arc::get_mut(&mut renamed.inner) {
+            inner.slice = self.inner.slice.clone();
+        }
+        renamed
+    }
+
     fn build(id: C, client: Client, config: Option<kube::Config>) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -304,7 +314,7 @@ impl<C: ClusterId> Cluster<C> {
             None => Either::Left(
                 watcher(Api::<K>::all(self.client()), config.clone()).default_backoff(),
             ),
-            Some(slice) => Either::Right(slice.events::<K>(config).map(Ok)),
+            Some(slice) => Either::Right(slice.events::<K>(config, &self.inner.token).map(Ok)),
         };
         let task = run_watch(
             events,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
-use crate::providers::{ApiPath, File, Multi, Target};
+use crate::providers::{ApiPath, File, Multi, Target, Trust};
 use crate::queue::FleetQueue;
 use crate::{Action, ClusterName, ReconcileReason, Request, SingleCluster};
 
@@ -271,28 +271,44 @@ async fn queue_machine(data: &[u8]) {
 }
 
 /// 4. Kubeconfig bytes as providers receive them (from a file or a Secret): parsing,
-///    building a client configuration for every context, and refusing exec plugins and
-///    auth-providers where the provider forbids them; errors, never panics. No command is
-///    ever run: configurations are only built when there is no exec or auth-provider.
+///    building a client configuration for every context, and refusing exec plugins,
+///    auth-providers and local files where the provider forbids them; errors, never
+///    panics. A kubeconfig that runs commands or names local files is never accepted
+///    unless allowed, and never built here (no command runs, no file is read).
 pub fn kubeconfig(data: &[u8]) {
     let Some((&flags, data)) = data.split_first() else {
         return;
     };
-    let allow_exec = flags & 1 == 1;
-    let kubeconfig = match crate::providers::parse_kubeconfig(data, allow_exec) {
-        Ok(kubeconfig) => kubeconfig,
-        Err(_) => return,
+    let trust = Trust {
+        exec: flags & 1 == 1,
+        local_files: flags & 2 == 2,
+    };
+    let Ok(kubeconfig) = crate::providers::parse_kubeconfig(data, trust) else {
+        return;
     };
     let runs_commands = kubeconfig.auth_infos.iter().any(|u| {
         u.auth_info
             .as_ref()
             .is_some_and(|a| a.exec.is_some() || a.auth_provider.is_some())
     });
+    let reads_files = kubeconfig.auth_infos.iter().any(|u| {
+        u.auth_info.as_ref().is_some_and(|a| {
+            a.token_file.is_some() || a.client_certificate.is_some() || a.client_key.is_some()
+        })
+    }) || kubeconfig.clusters.iter().any(|c| {
+        c.cluster
+            .as_ref()
+            .is_some_and(|c| c.certificate_authority.is_some())
+    });
     assert!(
-        allow_exec || !runs_commands,
+        trust.exec || !runs_commands,
         "a kubeconfig that runs commands was accepted"
     );
-    if runs_commands {
+    assert!(
+        trust.local_files || !reads_files,
+        "a kubeconfig that reads local files was accepted"
+    );
+    if runs_commands || reads_files {
         return;
     }
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
@@ -328,6 +344,12 @@ pub fn namespace_scope(data: &[u8]) {
         && let Target::Namespaced { rest, .. } = &parsed.target
     {
         let scoped = parsed.in_namespace("zoo", rest);
+        if crate::providers::is_plain_path(&path) {
+            assert!(
+                crate::providers::is_plain_path(&scoped),
+                "{path:?} -> {scoped:?}"
+            );
+        }
         let again = ApiPath::parse(&scoped)
             .unwrap_or_else(|| panic!("{scoped:?} (from {path:?}) does not parse"));
         assert_eq!(again.group_version, parsed.group_version, "{path:?}");
@@ -346,7 +368,7 @@ pub fn namespace_scope(data: &[u8]) {
     } else {
         &namespace
     };
-    if let Some(out) = crate::providers::with_namespace(body.as_bytes(), namespace) {
+    if let Ok(Some(out)) = crate::providers::with_namespace(body.as_bytes(), namespace) {
         let value: serde_json::Value = serde_json::from_slice(&out).expect("rewritten JSON");
         assert_eq!(value["metadata"]["namespace"], namespace);
     }

@@ -11,13 +11,12 @@ use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use k8s_openapi::api::events::v1::Event as K8sEvent;
 use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use kube_runtime::events::{Event, EventType, Recorder, Reporter};
 use kube_runtime::finalizer::{Event as Finalizer, finalizer};
-use multicluster_runtime::providers::{ClusterScopedWrite, Namespaces};
+use multicluster_runtime::providers::{ClusterScopedWrite, Namespaces, UnscopableRequest};
 use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, ClusterName, Context, Manager};
 
@@ -323,6 +322,65 @@ async fn a_namespace_cluster_client_stays_in_its_namespace() {
             .is_none()
     );
 
+    // Requests that cannot be confined to zoo are refused, whatever the verb: a path a
+    // normalising server could read as another namespace's, a node's proxy (it reaches
+    // every namespace's pods), a resource discovery does not know.
+    for (path, reason) in [
+        (
+            "/api/v1/namespaces/zoo/configmaps/../../jungle/configmaps/elephant",
+            "dot segments",
+        ),
+        ("/api/v1/nodes/n1/proxy/pods", "subresource"),
+        ("/apis/example.com/v1/widgets", "discovery"),
+    ] {
+        let request = http::Request::get(path).body(Vec::new()).unwrap();
+        match zoo.request_text(request).await {
+            Err(kube::Error::Service(e)) => {
+                let refused = e
+                    .downcast_ref::<UnscopableRequest>()
+                    .unwrap_or_else(|| panic!("{path}: {e}"));
+                assert_eq!(refused.cluster, "zoo");
+                assert!(refused.reason.contains(reason), "{path}: {refused}");
+            }
+            other => panic!("{path}: expected a refusal, got {other:?}"),
+        }
+    }
+    // A node's status is a read like any other.
+    let request = http::Request::get("/api/v1/nodes/n1/status")
+        .body(Vec::new())
+        .unwrap();
+    assert!(
+        matches!(zoo.request_text(request).await, Err(kube::Error::Api(s)) if s.code == 404),
+        "passed to the server, which has no such node"
+    );
+
+    // An Event about a cluster-scoped object would have to go to namespace default (the API
+    // server refuses it anywhere else): refused here, naming the cluster.
+    let namespace_zoo = Api::<Namespace>::all(host.clone())
+        .get("zoo")
+        .await
+        .unwrap();
+    let recorder = Recorder::new(zoo.clone(), Reporter::from("test"));
+    let event = Event {
+        type_: EventType::Normal,
+        reason: "Noticed".into(),
+        note: None,
+        action: "Notice".into(),
+        secondary: None,
+    };
+    match recorder
+        .publish(&event, &namespace_zoo.object_ref(&()))
+        .await
+    {
+        Err(kube::Error::Service(e)) => {
+            let refused = e
+                .downcast_ref::<UnscopableRequest>()
+                .expect("UnscopableRequest");
+            assert!(refused.reason.contains("cluster-scoped"), "{refused}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+
     // A create-only review API changes nothing and is allowed.
     let review = SelfSubjectAccessReview {
         spec: SelfSubjectAccessReviewSpec {
@@ -428,18 +486,8 @@ async fn patches_events_finalizers_and_namespace_deletion_work() {
         .await
         .unwrap();
     assert_eq!(elephant.finalizers(), [FINALIZER.to_string()]);
-    let events: Api<K8sEvent> = Api::namespaced(host.clone(), "island");
     eventually(30, "a Fed event in island", async || {
-        events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .iter()
-            .any(|e| {
-                e.reason.as_deref() == Some("Fed")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("elephant")
-            })
+        has_event(&host, "island", "Fed", "elephant", "fed elephant").await
     })
     .await;
 
@@ -562,6 +610,91 @@ async fn the_host_restarting_holds_nobody_up_for_long() {
     settle(1000).await;
     assert!(!is_fed(&host, "zoo", "lion").await);
     assert_eq!(seen.count("cluster://zoo/zoo/lion"), 0);
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
+    let env = TestEnv::start().await.unwrap();
+    let host = env.cluster(0).unwrap().client().unwrap();
+    fixture(&host).await;
+    let label =
+        |value: Option<&str>| serde_json::json!({ "metadata": { "labels": { "solo": value } } });
+    let namespaces: Api<Namespace> = Api::all(host.clone());
+    namespaces
+        .patch(
+            "zoo",
+            &PatchParams::default(),
+            &Patch::Merge(&label(Some("true"))),
+        )
+        .await
+        .unwrap();
+    let baseline = watches(&host, "configmaps", "cluster").await;
+    let baseline_namespaced = watches(&host, "configmaps", "namespace").await;
+
+    // Under Multi, a namespace-cluster still shares the host's watches.
+    let provider = Namespaces::new(host.clone()).labels("solo=true");
+    let multi = multicluster_runtime::providers::Multi::new();
+    multi.add("tenants", provider.clone()).unwrap();
+    let manager = Arc::new(Manager::new(multi));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+    eventually(30, "zoo fed through Multi", async || {
+        is_fed(&host, "zoo", "elephant").await
+    })
+    .await;
+    assert!(seen.count("cluster://tenants#zoo/zoo/elephant") >= 1);
+    assert_eq!(provider.host_watches(), 1);
+    eventually(30, "one watch more on the host", async || {
+        watches(&host, "configmaps", "cluster").await == baseline + 1
+    })
+    .await;
+    assert_eq!(
+        watches(&host, "configmaps", "namespace").await,
+        baseline_namespaced,
+        "no watch of its own"
+    );
+
+    // The only cluster gone, the host watch stops.
+    namespaces
+        .patch("zoo", &PatchParams::default(), &Patch::Merge(&label(None)))
+        .await
+        .unwrap();
+    eventually(30, "the host watch stopped", async || {
+        provider.host_watches() == 0
+    })
+    .await;
+    eventually(30, "the apiserver serves it no more", async || {
+        watches(&host, "configmaps", "cluster").await == baseline
+    })
+    .await;
+
+    // Needed again, it starts again, and the namespace's objects are all there.
+    namespaces
+        .patch(
+            "jungle",
+            &PatchParams::default(),
+            &Patch::Merge(&label(Some("true"))),
+        )
+        .await
+        .unwrap();
+    eventually(30, "jungle fed", async || {
+        is_fed(&host, "jungle", "elephant").await
+    })
+    .await;
+    assert_eq!(provider.host_watches(), 1);
+    let jungle = manager.cluster(&name("tenants#jungle")).unwrap();
+    assert_eq!(
+        jungle.store::<ConfigMap>(&fixture_objects()).state().len(),
+        3
+    );
 
     manager.shutdown();
     run.await.unwrap();

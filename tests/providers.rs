@@ -356,7 +356,6 @@ fn kubeconfig_secret(
 #[tokio::test]
 async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugins() {
     use k8s_openapi::api::core::v1::{Namespace, Secret};
-    use k8s_openapi::api::events::v1::Event;
     use kube::api::{Patch, PatchParams};
     use multicluster_runtime::providers::KubeconfigSecrets;
 
@@ -435,22 +434,28 @@ async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugi
         .create(&pp, &kubeconfig_secret("broken", "clusters: [ {", true))
         .await
         .unwrap();
-    let events: Api<Event> = Api::namespaced(hc.clone(), "fleet");
+    // A token file would have the controller send its own credentials to the Secret's
+    // server: refused too.
+    let leaky = c1.kubeconfig().replace(
+        "    client-certificate-data:",
+        "    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token\n    client-certificate-data:",
+    );
+    assert!(leaky.contains("tokenFile"));
+    secrets
+        .create(&pp, &kubeconfig_secret("leaky", &leaky, true))
+        .await
+        .unwrap();
     eventually(30, "a Warning Event on the refused Secret", async || {
-        events
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .iter()
-            .any(|e| {
-                e.reason.as_deref() == Some("KubeconfigRefused")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("evil")
-            })
+        has_event(&hc, "fleet", "KubeconfigRefused", "evil", "exec").await
+    })
+    .await;
+    eventually(30, "a Warning Event naming the token file", async || {
+        has_event(&hc, "fleet", "KubeconfigRefused", "leaky", "tokenFile").await
     })
     .await;
     settle(1000).await;
     assert!(manager.cluster(&name("evil")).is_none() && manager.cluster(&name("broken")).is_none());
+    assert!(manager.cluster(&name("leaky")).is_none());
     assert!(!marker.exists(), "the exec plugin must never run");
     assert_eq!(manager.fleet().len(), 2, "the others are unaffected");
 

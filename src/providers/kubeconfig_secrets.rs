@@ -30,9 +30,11 @@ pub const DEFAULT_KEY: &str = "kubeconfig";
 /// disengages it.
 ///
 /// Security: whoever can write a Secret in that namespace must not get to run commands in
-/// the controller. A kubeconfig with an `exec` credential plugin or an `auth-provider` is
-/// therefore refused unless [`KubeconfigSecrets::allow_exec`] is set; the refusal is logged
-/// and recorded as a Warning Event on the Secret. Malformed kubeconfigs are reported the
+/// the controller, nor make it use its own files. A kubeconfig with an `exec` credential
+/// plugin or an `auth-provider` is therefore refused unless
+/// [`KubeconfigSecrets::allow_exec`] is set, and one naming a local file (CA, client
+/// certificate or key, token file) unless [`KubeconfigSecrets::allow_local_files`] is; the
+/// refusal is logged and recorded as a Warning Event on the Secret. Malformed kubeconfigs are reported the
 /// same way, naming the Secret; the other clusters are not affected.
 #[derive(Clone)]
 pub struct KubeconfigSecrets {
@@ -40,7 +42,7 @@ pub struct KubeconfigSecrets {
     namespace: String,
     label: String,
     key: String,
-    allow_exec: bool,
+    trust: Trust,
 }
 
 impl std::fmt::Debug for KubeconfigSecrets {
@@ -49,7 +51,8 @@ impl std::fmt::Debug for KubeconfigSecrets {
             .field("namespace", &self.namespace)
             .field("label", &self.label)
             .field("key", &self.key)
-            .field("allow_exec", &self.allow_exec)
+            .field("allow_exec", &self.trust.exec)
+            .field("allow_local_files", &self.trust.local_files)
             .finish_non_exhaustive()
     }
 }
@@ -62,7 +65,7 @@ impl KubeconfigSecrets {
             namespace: namespace.into(),
             label: DEFAULT_LABEL.to_string(),
             key: DEFAULT_KEY.to_string(),
-            allow_exec: false,
+            trust: Trust::default(),
         }
     }
 
@@ -84,7 +87,18 @@ impl KubeconfigSecrets {
     /// namespaces whose writers you would also let run code in this controller.
     #[must_use]
     pub fn allow_exec(mut self, allow: bool) -> Self {
-        self.allow_exec = allow;
+        self.trust.exec = allow;
+        self
+    }
+
+    /// Lets kubeconfigs name files of the controller's machine (`certificate-authority`,
+    /// `client-certificate`, `client-key`, `tokenFile`). Refused by default: a Secret could
+    /// otherwise have the controller send its own service account token
+    /// (`tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token`) to a server of the
+    /// writer's choosing, or read `/dev/zero` until it runs out of memory.
+    #[must_use]
+    pub fn allow_local_files(mut self, allow: bool) -> Self {
+        self.trust.local_files = allow;
         self
     }
 
@@ -96,7 +110,7 @@ impl KubeconfigSecrets {
             .as_ref()
             .and_then(|d| d.get(&self.key))
             .ok_or_else(|| format!("no data key {:?}", self.key))?;
-        let kubeconfig = parse_kubeconfig(&data.0, self.allow_exec)?;
+        let kubeconfig = parse_kubeconfig(&data.0, self.trust)?;
         super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
     }
 
@@ -197,22 +211,55 @@ impl Provider for KubeconfigSecrets {
     }
 }
 
-/// A kubeconfig as read from a Secret's data: UTF-8 YAML, and unless `allow_exec`, without
-/// any user that needs an exec credential plugin or an auth-provider.
-pub(crate) fn parse_kubeconfig(data: &[u8], allow_exec: bool) -> Result<Kubeconfig, String> {
+/// What a kubeconfig from a Secret may do beyond talking to its server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Trust {
+    /// Run exec credential plugins and auth-providers.
+    pub(crate) exec: bool,
+    /// Read files of the controller's machine (CA, client certificate and key, token file).
+    pub(crate) local_files: bool,
+}
+
+/// A kubeconfig as read from a Secret's data: UTF-8 YAML that, unless `trust` allows it,
+/// neither runs commands (exec plugins, auth-providers) nor reads local files.
+pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, String> {
     let text = std::str::from_utf8(data).map_err(|_| "the kubeconfig is not UTF-8".to_string())?;
     let kubeconfig = Kubeconfig::from_yaml(text).map_err(|e| format!("invalid kubeconfig: {e}"))?;
-    if !allow_exec {
-        for user in &kubeconfig.auth_infos {
-            let Some(auth) = &user.auth_info else {
-                continue;
-            };
-            if auth.exec.is_some() || auth.auth_provider.is_some() {
-                return Err(format!(
-                    "user {:?} needs an exec credential plugin or auth-provider, which kubeconfigs from Secrets may not run (see KubeconfigSecrets::allow_exec)",
-                    user.name
-                ));
-            }
+    for user in &kubeconfig.auth_infos {
+        let Some(auth) = &user.auth_info else {
+            continue;
+        };
+        if !trust.exec && (auth.exec.is_some() || auth.auth_provider.is_some()) {
+            return Err(format!(
+                "user {:?} needs an exec credential plugin or auth-provider, which kubeconfigs from Secrets may not run (see KubeconfigSecrets::allow_exec)",
+                user.name
+            ));
+        }
+        let files = [
+            ("tokenFile", &auth.token_file),
+            ("client-certificate", &auth.client_certificate),
+            ("client-key", &auth.client_key),
+        ];
+        if !trust.local_files
+            && let Some((field, _)) = files.iter().find(|(_, f)| f.is_some())
+        {
+            return Err(format!(
+                "user {:?} reads a local file ({field}), which kubeconfigs from Secrets may not do: it would send or use the controller's own files (see KubeconfigSecrets::allow_local_files)",
+                user.name
+            ));
+        }
+    }
+    for cluster in &kubeconfig.clusters {
+        if !trust.local_files
+            && cluster
+                .cluster
+                .as_ref()
+                .is_some_and(|c| c.certificate_authority.is_some())
+        {
+            return Err(format!(
+                "cluster {:?} reads a local file (certificate-authority), which kubeconfigs from Secrets may not do (see KubeconfigSecrets::allow_local_files)",
+                cluster.name
+            ));
         }
     }
     Ok(kubeconfig)

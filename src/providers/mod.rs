@@ -7,7 +7,7 @@
 //! | [`Nop`] | none | - | managers that only use their local cluster |
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
 //! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
-//! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins refused unless allowed |
+//! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins and local files refused unless allowed |
 //! | [`Namespaces`] | every namespace of a host cluster (optionally those matching a label selector) | the namespace | local fleets, tenants as namespaces; one watch per kind for all namespaces, scoped clients |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
@@ -27,16 +27,16 @@ pub use clusters::Clusters;
 pub use file::{File, Naming};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
-pub(crate) use kubeconfig_secrets::parse_kubeconfig;
 pub use kubeconfig_secrets::{
     DEFAULT_KEY as KUBECONFIG_SECRET_KEY, DEFAULT_LABEL as KUBECONFIG_SECRET_LABEL,
     KubeconfigSecrets,
 };
+pub(crate) use kubeconfig_secrets::{Trust, parse_kubeconfig};
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub(crate) use namespace::NamespaceSlice;
 #[cfg(feature = "fuzzing")]
-pub(crate) use namespace::{ApiPath, Target, with_namespace};
-pub use namespace::{ClusterScopedWrite, Namespaces};
+pub(crate) use namespace::{ApiPath, Target, is_plain_path, with_namespace};
+pub use namespace::{ClusterScopedWrite, Namespaces, UnscopableRequest};
 pub use nop::Nop;
 pub use single::SingleProvider;
 

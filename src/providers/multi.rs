@@ -8,7 +8,7 @@ use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::FleetEvent;
-use crate::{Cluster, ClusterId, ClusterName, Fleet, Provider, ProviderError};
+use crate::{ClusterId, ClusterName, Fleet, Provider, ProviderError};
 
 /// The default separator between a child provider's name and its cluster's id.
 pub const DEFAULT_SEPARATOR: &str = "#";
@@ -315,16 +315,11 @@ fn forward<C: ClusterId>(parent: &Fleet<ClusterName>, prefix: &str, event: Fleet
     match event {
         FleetEvent::Engaged(cluster) | FleetEvent::Replaced { new: cluster, .. } => {
             let name = ClusterName::from(format!("{prefix}{}", cluster.id()));
-            // Keep the config if there is one, so that an unchanged re-engagement stays a
-            // no-op in the parent too.
-            let renamed = match cluster.config() {
-                Some(config) => Cluster::from_config(name.clone(), config.clone()),
-                None => Ok(Cluster::new(name.clone(), cluster.client())),
-            };
-            match renamed.map(|c| parent.engage(c)) {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => tracing::warn!(cluster = %name, %error, "could not engage"),
-                Err(error) => tracing::warn!(cluster = %name, %error, "could not build a client"),
+            // The same client, config (so that an unchanged re-engagement stays a no-op in
+            // the parent too) and watch source (a namespace-cluster keeps sharing its
+            // host's watches).
+            if let Err(error) = parent.engage(cluster.renamed(name.clone())) {
+                tracing::warn!(cluster = %name, %error, "could not engage");
             }
         }
         FleetEvent::Disengaged(cluster) => {
@@ -336,6 +331,7 @@ fn forward<C: ClusterId>(parent: &Fleet<ClusterName>, prefix: &str, event: Fleet
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Cluster;
     use crate::providers::Clusters;
 
     fn cluster(name: &str, port: u16) -> Cluster<ClusterName> {

@@ -19,6 +19,7 @@ use std::future::Future;
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Namespace;
@@ -90,9 +91,13 @@ impl Namespaces {
     }
 
     /// How many watches this provider keeps open on the host for its namespace-clusters
-    /// (one per resource type and watcher configuration in use), for diagnostics.
+    /// (one per resource type and watcher configuration in use by an engaged cluster), for
+    /// diagnostics.
     pub fn host_watches(&self) -> usize {
-        lock(&self.hub.watches).len()
+        lock(&self.hub.watches)
+            .values()
+            .filter(|w| w.is_running())
+            .count()
     }
 
     fn cluster(&self, namespace: &str) -> Cluster<ClusterName> {
@@ -184,7 +189,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 // The shared watches.
 
 /// The host's shared watches and discovery cache, shared by one provider's
-/// namespace-clusters. Its watches stop when the last holder drops it.
+/// namespace-clusters (and its clones). A host watch stops when its last subscriber goes,
+/// and all of them when the last holder drops the hub.
 pub(crate) struct Hub {
     host: Client,
     watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedHostWatch>>>,
@@ -200,8 +206,11 @@ impl Drop for Hub {
 
 trait ErasedHostWatch: Send + Sync {
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
-    /// Drops the subscriptions of a namespace that is gone.
-    fn forget(&self, namespace: &str);
+    /// Drops the subscriptions of `namespace` whose clusters were disengaged; true if the
+    /// watch has no subscriber left and stopped.
+    fn forget(&self, namespace: &str) -> bool;
+    /// Whether the watch still runs.
+    fn is_running(&self) -> bool;
 }
 
 impl Hub {
@@ -217,83 +226,143 @@ impl Hub {
         }
     }
 
+    /// Lets go of the subscriptions of `namespace`'s disengaged clusters, and of the host
+    /// watches nobody needs any more.
     fn forget(&self, namespace: &str) {
-        for watch in lock(&self.watches).values() {
-            watch.forget(namespace);
-        }
+        lock(&self.watches).retain(|_, watch| !watch.forget(namespace));
     }
 
     /// The events of `namespace`'s `K` objects matching `config`, from the host's watch
-    /// (started on first use): a listing (`Init`, `InitApply`*, `InitDone`) as soon as the
-    /// host's objects are known and after every relist of the host, changes in between.
+    /// (started on first use), for as long as `engagement` is not cancelled: a listing
+    /// (`Init`, `InitApply`*, `InitDone`) as soon as the host's objects are known and after
+    /// every relist of the host, changes in between.
     fn events<K: Watchable>(
         &self,
         namespace: &str,
         config: &watcher::Config,
-    ) -> impl Stream<Item = Event<K>> + Send + use<K> {
+        engagement: &CancellationToken,
+    ) -> Receiver<K> {
         let key = (TypeId::of::<K>(), format!("{config:?}"));
-        let watch = {
-            let mut watches = lock(&self.watches);
-            match watches
-                .get(&key)
-                .cloned()
-                .and_then(|w| w.as_any().downcast::<HostWatch<K>>().ok())
-            {
-                Some(watch) => watch,
-                None => {
-                    let watch = Arc::new(HostWatch::<K> {
-                        state: Mutex::new(HostState::default()),
-                    });
-                    let api = Api::<K>::all(self.host.clone());
-                    tokio::spawn(run_host_watch(
-                        watcher::watcher(api, config.clone()).default_backoff(),
-                        Arc::downgrade(&watch),
-                        self.token.clone(),
-                    ));
-                    watches.insert(key, watch.clone());
-                    watch
-                }
-            }
-        };
-        watch.subscribe(namespace)
+        let mut watches = lock(&self.watches);
+        let existing = watches
+            .get(&key)
+            .cloned()
+            .and_then(|w| w.as_any().downcast::<HostWatch<K>>().ok());
+        if let Some(events) = existing.and_then(|w| w.subscribe(namespace, engagement)) {
+            return events;
+        }
+        // None yet, or the last one stopped for want of subscribers.
+        let (watch, subscriptions) = HostWatch::<K>::new(self.token.child_token());
+        let watch = Arc::new(watch);
+        // Subscribed before the task starts, so it never finds itself without subscribers.
+        let events = watch
+            .subscribe(namespace, engagement)
+            .unwrap_or_else(Receiver::closed);
+        let api = Api::<K>::all(self.host.clone());
+        tokio::spawn(run_host_watch(
+            watcher::watcher(api, config.clone()).default_backoff(),
+            subscriptions,
+            Arc::downgrade(&watch),
+            watch.stop.clone(),
+        ));
+        watches.insert(key, watch);
+        events
     }
 }
 
 /// What a namespace-cluster keeps to reach its share of the host's watches.
+#[derive(Clone)]
 pub(crate) struct NamespaceSlice {
     hub: Arc<Hub>,
     namespace: Arc<str>,
 }
 
 impl NamespaceSlice {
+    /// The events of the namespace's `K` objects for a cluster engaged as long as
+    /// `engagement` is not cancelled.
     pub(crate) fn events<K: Watchable>(
         &self,
         config: &watcher::Config,
-    ) -> impl Stream<Item = Event<K>> + Send + use<K> {
-        self.hub.events::<K>(&self.namespace, config)
+        engagement: &CancellationToken,
+    ) -> Receiver<K> {
+        self.hub.events::<K>(&self.namespace, config, engagement)
+    }
+}
+
+/// A subscription to a host watch: the events of one namespace.
+pub(crate) struct Receiver<K>(mpsc::UnboundedReceiver<Event<K>>);
+
+impl<K> Receiver<K> {
+    /// A subscription that has already ended.
+    fn closed() -> Self {
+        Self(mpsc::unbounded_channel().1)
+    }
+}
+
+impl<K> Stream for Receiver<K> {
+    type Item = Event<K>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Event<K>>> {
+        self.0.poll_recv(cx)
     }
 }
 
 /// One watch of `K` across the host, demultiplexed by namespace.
 struct HostWatch<K> {
     state: Mutex<HostState<K>>,
+    /// Stops the watch task.
+    stop: CancellationToken,
+    /// Tells the watch task of each new subscription, so it notices when the subscriber's
+    /// cluster is disengaged.
+    joined: mpsc::UnboundedSender<(String, CancellationToken)>,
+}
+
+impl<K> HostWatch<K> {
+    /// A watch (not yet running) and what its task is to receive subscriptions from.
+    fn new(
+        stop: CancellationToken,
+    ) -> (Self, mpsc::UnboundedReceiver<(String, CancellationToken)>) {
+        let (joined, subscriptions) = mpsc::unbounded_channel();
+        let watch = Self {
+            state: Mutex::new(HostState::default()),
+            stop,
+            joined,
+        };
+        (watch, subscriptions)
+    }
+}
+
+/// One namespace-cluster's subscription.
+struct Subscriber<K> {
+    tx: mpsc::UnboundedSender<Event<K>>,
+    /// The cluster's engagement: cancelled when it is disengaged.
+    engagement: CancellationToken,
+}
+
+impl<K> Subscriber<K> {
+    fn alive(&self) -> bool {
+        !self.engagement.is_cancelled() && !self.tx.is_closed()
+    }
 }
 
 struct HostState<K> {
     /// Whether a complete listing is known.
     ready: bool,
+    /// The watch has stopped (no subscriber was left); it takes no new ones.
+    stopped: bool,
     /// The current objects by namespace ("" for cluster-scoped ones) and name.
     objects: HashMap<String, BTreeMap<String, K>>,
     /// A listing in progress; swapped in at its end.
     listing: Option<HashMap<String, BTreeMap<String, K>>>,
     /// Subscribers by namespace.
-    subscribers: HashMap<String, Vec<mpsc::UnboundedSender<Event<K>>>>,
+    subscribers: HashMap<String, Vec<Subscriber<K>>>,
 }
 
 impl<K> Default for HostState<K> {
     fn default() -> Self {
         Self {
             ready: false,
+            stopped: false,
             objects: HashMap::new(),
             listing: None,
             subscribers: HashMap::new(),
@@ -306,8 +375,19 @@ impl<K: Watchable> ErasedHostWatch for HostWatch<K> {
         self
     }
 
-    fn forget(&self, namespace: &str) {
-        lock(&self.state).subscribers.remove(namespace);
+    fn forget(&self, namespace: &str) -> bool {
+        let mut state = lock(&self.state);
+        if let Some(subs) = state.subscribers.get_mut(namespace) {
+            subs.retain(Subscriber::alive);
+            if subs.is_empty() {
+                state.subscribers.remove(namespace);
+            }
+        }
+        self.stop_if_idle(&mut state)
+    }
+
+    fn is_running(&self) -> bool {
+        !self.stop.is_cancelled()
     }
 }
 
@@ -326,8 +406,8 @@ impl<K: Watchable> HostState<K> {
     /// Delivers a change to the subscribers of `namespace` (all of them for cluster-scoped
     /// objects), dropping those that went away.
     fn deliver(&mut self, namespace: &str, event: &Event<K>) {
-        let send = |subs: &mut Vec<mpsc::UnboundedSender<Event<K>>>| {
-            subs.retain(|tx| tx.send(event.clone()).is_ok());
+        let send = |subs: &mut Vec<Subscriber<K>>| {
+            subs.retain(|s| s.alive() && s.tx.send(event.clone()).is_ok());
         };
         if namespace.is_empty() {
             self.subscribers.values_mut().for_each(send);
@@ -342,32 +422,73 @@ impl<K: Watchable> HostState<K> {
 }
 
 impl<K: Watchable> HostWatch<K> {
-    fn subscribe(&self, namespace: &str) -> impl Stream<Item = Event<K>> + Send + use<K> {
-        let (tx, mut rx) = mpsc::unbounded_channel();
+    /// A subscription for `namespace`, or `None` if the watch has stopped.
+    fn subscribe(&self, namespace: &str, engagement: &CancellationToken) -> Option<Receiver<K>> {
+        let (tx, rx) = mpsc::unbounded_channel();
         let mut state = lock(&self.state);
+        if state.stopped {
+            return None;
+        }
         // Under the lock the host task cannot deliver in between: nothing is lost or
         // delivered before the listing.
         if state.ready {
             state.send_listing(namespace, &tx);
         }
         let subs = state.subscribers.entry(namespace.to_string()).or_default();
-        subs.retain(|tx| !tx.is_closed());
-        subs.push(tx);
-        futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+        subs.retain(Subscriber::alive);
+        subs.push(Subscriber {
+            tx,
+            engagement: engagement.clone(),
+        });
+        let _ = self
+            .joined
+            .send((namespace.to_string(), engagement.clone()));
+        Some(Receiver(rx))
+    }
+
+    /// Stops the watch if nobody subscribes to it any more; true if it is stopped.
+    fn stop_if_idle(&self, state: &mut HostState<K>) -> bool {
+        if state.subscribers.is_empty() {
+            state.stopped = true;
+            // What the watch cached is of no use to anybody now.
+            state.objects.clear();
+            state.listing = None;
+            self.stop.cancel();
+        }
+        state.stopped
     }
 }
 
-/// Drives one host watch until the hub goes away.
+/// Drives one host watch until it stops (no subscriber left) or the hub goes away.
 async fn run_host_watch<K: Watchable>(
     events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
+    mut subscriptions: mpsc::UnboundedReceiver<(String, CancellationToken)>,
     watch: Weak<HostWatch<K>>,
-    token: CancellationToken,
+    stop: CancellationToken,
 ) {
     let kind = K::kind(&());
     let mut events = pin!(events);
+    // The namespaces of subscribers, each as soon as the subscriber's cluster is disengaged.
+    let mut departures = futures::stream::FuturesUnordered::new();
     loop {
         let event = tokio::select! {
-            () = token.cancelled() => break,
+            () = stop.cancelled() => break,
+            Some((namespace, engagement)) = subscriptions.recv() => {
+                departures.push(async move {
+                    engagement.cancelled_owned().await;
+                    namespace
+                });
+                continue;
+            }
+            Some(namespace) = departures.next(), if !departures.is_empty() => {
+                let Some(watch) = watch.upgrade() else {
+                    break;
+                };
+                if watch.forget(&namespace) {
+                    break;
+                }
+                continue;
+            }
             event = events.next() => event,
         };
         let Some(watch) = watch.upgrade() else {
@@ -394,7 +515,7 @@ async fn run_host_watch<K: Watchable>(
                 state.ready = true;
                 let mut subscribers = std::mem::take(&mut state.subscribers);
                 for (ns, subs) in &mut subscribers {
-                    subs.retain(|tx| state.send_listing(ns, tx));
+                    subs.retain(|s| s.alive() && state.send_listing(ns, &s.tx));
                 }
                 subscribers.retain(|_, subs| !subs.is_empty());
                 state.subscribers = subscribers;
@@ -418,6 +539,9 @@ async fn run_host_watch<K: Watchable>(
                 }
                 state.deliver(&ns, &Event::Delete(object));
             }
+        }
+        if watch.stop_if_idle(&mut state) {
+            break;
         }
     }
     tracing::debug!(cluster = "host", %kind, "namespace provider: host watch stopped");
@@ -445,12 +569,60 @@ pub struct ClusterScopedWrite {
     pub path: String,
 }
 
+/// A namespace-cluster's client refused a request it cannot confine to its namespace, for
+/// any verb:
+///
+/// - a path with `.` or `..` segments, empty segments or percent-escapes, which a server or
+///   proxy normalising paths could read as another path (no Kubernetes name produces one);
+/// - a resource the host's discovery does not list (not served, or a CRD still being
+///   installed), since whether it is namespaced is unknown;
+/// - a subresource of a cluster-scoped object other than `status` (a node's `proxy`
+///   reaches the pods of every namespace);
+/// - a write to a namespaced resource named without a namespace.
+///
+/// It reaches callers as [`kube::Error::Service`], like [`ClusterScopedWrite`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cluster {cluster}: {method} {path} refused: {reason}, so it cannot be confined to namespace {cluster}"
+)]
+pub struct UnscopableRequest {
+    /// The namespace-cluster.
+    pub cluster: String,
+    /// The HTTP method of the refused request.
+    pub method: String,
+    /// Its path.
+    pub path: String,
+    /// Why.
+    pub reason: &'static str,
+}
+
+/// Whether `path` has no segment that could be normalised into another path: no `.` or
+/// `..`, no empty segment (but a trailing `/`), no percent-escape.
+pub(crate) fn is_plain_path(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix('/') else {
+        return false;
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    rest.is_empty()
+        || rest
+            .split('/')
+            .all(|s| !s.is_empty() && s != "." && s != ".." && !s.contains('%'))
+}
+
 /// Whether each resource of an API group version is namespaced, from the host's discovery.
 struct Discovery {
     host: Client,
-    /// By group-version path (`/api/v1`, `/apis/apps/v1`), by resource plural.
-    groups: Mutex<HashMap<String, Arc<HashMap<String, ResourceScope>>>>,
+    /// By group-version path (`/api/v1`, `/apis/apps/v1`): when it was read, and the
+    /// resources by plural.
+    groups: Mutex<HashMap<String, (Instant, Arc<Scopes>)>>,
 }
+
+/// The scopes of one group version's resources, by plural.
+type Scopes = HashMap<String, ResourceScope>;
+
+/// How long a group version's discovery is trusted. A CRD deleted and created again with
+/// another scope is noticed within this time.
+const DISCOVERY_TTL: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ResourceScope {
@@ -467,10 +639,13 @@ impl Discovery {
         resource: &str,
     ) -> Result<Option<ResourceScope>, kube::Error> {
         let cached = lock(&self.groups).get(group_version).cloned();
-        if let Some(found) = cached.as_ref().and_then(|g| g.get(resource)) {
+        if let Some((read, scopes)) = cached
+            && read.elapsed() < DISCOVERY_TTL
+            && let Some(found) = scopes.get(resource)
+        {
             return Ok(Some(*found));
         }
-        // Not known (yet): a CRD may have been added since; read the group version again.
+        // Not known (yet), or known too long ago: a CRD may have been added or changed.
         let request = http::Request::get(group_version)
             .body(Vec::new())
             .map_err(kube::Error::HttpError)?;
@@ -479,7 +654,7 @@ impl Discovery {
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
             Err(error) => return Err(error),
         };
-        let scopes: HashMap<String, ResourceScope> = list
+        let scopes: Scopes = list
             .resources
             .iter()
             .filter(|r| !r.name.contains('/'))
@@ -492,7 +667,10 @@ impl Discovery {
             })
             .collect();
         let found = scopes.get(resource).copied();
-        lock(&self.groups).insert(group_version.to_string(), Arc::new(scopes));
+        lock(&self.groups).insert(
+            group_version.to_string(),
+            (Instant::now(), Arc::new(scopes)),
+        );
         Ok(found)
     }
 }
@@ -606,8 +784,10 @@ enum Decision {
     Pass,
     /// Send it to this path instead; `body` says whether the body may name a namespace.
     Rewrite { path: String, body: bool },
-    /// Refuse it.
+    /// Refuse it: a cluster-scoped write.
     Refuse,
+    /// Refuse it: it cannot be confined to the namespace, for this reason.
+    Unscopable(&'static str),
 }
 
 /// The tower service behind a namespace-cluster's [`Client`]: it scopes each request to the
@@ -625,6 +805,11 @@ impl Scoped {
             *method,
             http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
         );
+        if !is_plain_path(path) {
+            return Ok(Decision::Unscopable(
+                "a path with dot segments, empty segments or escapes could be read as another path",
+            ));
+        }
         let Some(api) = ApiPath::parse(path) else {
             return Ok(if write {
                 Decision::Refuse
@@ -645,14 +830,31 @@ impl Scoped {
             Target::Unqualified { resource, rest } => {
                 let scope = self.discovery.scope(api.group_version, resource).await?;
                 Ok(match scope {
+                    // Not served, or not yet in discovery (a CRD being installed): whether
+                    // it is namespaced is unknown, so it cannot be confined.
+                    None => Decision::Unscopable("the host's discovery does not list the resource"),
                     // Across all namespaces: within this one.
                     Some(s) if s.namespaced && rest.is_empty() => Decision::Rewrite {
                         path: api.in_namespace(&self.namespace, &[resource]),
                         body: write,
                     },
-                    Some(s) if write && !s.namespaced && !s.create_only => Decision::Refuse,
-                    // Reads, review APIs, and what the host does not serve (it answers 404).
-                    _ => Decision::Pass,
+                    // Not a path the server serves; a write is refused in case discovery
+                    // is stale and the resource turned cluster-scoped.
+                    Some(s) if s.namespaced && write => {
+                        Decision::Unscopable("a namespaced resource named without a namespace")
+                    }
+                    Some(s) if s.namespaced => Decision::Pass,
+                    // Cluster-scoped. Review APIs (create only) change nothing.
+                    Some(s) if write && s.create_only && rest.is_empty() => Decision::Pass,
+                    Some(_) if write => Decision::Refuse,
+                    // Reads of the collection, an object and its status only: subresources
+                    // such as a node's `proxy` reach into every namespace.
+                    Some(_) if matches!(rest.as_slice(), [] | [_] | [_, "status"]) => {
+                        Decision::Pass
+                    }
+                    Some(_) => Decision::Unscopable(
+                        "a cluster-scoped subresource other than status, which may reach into other namespaces",
+                    ),
                 })
             }
         }
@@ -671,6 +873,14 @@ impl Scoped {
                     path,
                 }));
             }
+            Decision::Unscopable(reason) => {
+                return Err(Box::new(UnscopableRequest {
+                    cluster: self.namespace.to_string(),
+                    method: parts.method.to_string(),
+                    path,
+                    reason,
+                }));
+            }
             Decision::Rewrite {
                 path,
                 body: rewrite_body,
@@ -685,11 +895,19 @@ impl Scoped {
                 if rewrite_body {
                     let bytes = body.collect_bytes().await?;
                     match with_namespace(&bytes, &self.namespace) {
-                        Some(rewritten) => {
+                        Ok(Some(rewritten)) => {
                             parts.headers.remove(http::header::CONTENT_LENGTH);
                             Body::from(rewritten)
                         }
-                        None => Body::from(bytes),
+                        Ok(None) => Body::from(bytes),
+                        Err(reason) => {
+                            return Err(Box::new(UnscopableRequest {
+                                cluster: self.namespace.to_string(),
+                                method: parts.method.to_string(),
+                                path: parts.uri.path().to_string(),
+                                reason,
+                            }));
+                        }
                     }
                 } else {
                     body
@@ -704,15 +922,40 @@ impl Scoped {
 }
 
 /// The body with `metadata.namespace` set to `namespace`, if it is a JSON object naming
-/// another namespace; `None` to send it unchanged.
-pub(crate) fn with_namespace(body: &[u8], namespace: &str) -> Option<Vec<u8>> {
-    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let slot = value.get_mut("metadata")?.get_mut("namespace")?;
+/// another namespace; `Ok(None)` to send it unchanged; an error for an Event about a
+/// cluster-scoped object, which the API server only accepts outside the namespace (in
+/// `default`).
+pub(crate) fn with_namespace(
+    body: &[u8],
+    namespace: &str,
+) -> Result<Option<Vec<u8>>, &'static str> {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Ok(None);
+    };
+    let about_cluster_scoped = value.get("kind").and_then(|k| k.as_str()) == Some("Event")
+        && ["regarding", "involvedObject"].iter().any(|field| {
+            value.get(*field).is_some_and(|object| {
+                object.is_object()
+                    && object
+                        .get("namespace")
+                        .and_then(|n| n.as_str())
+                        .is_none_or(str::is_empty)
+            })
+        });
+    if about_cluster_scoped {
+        return Err("an Event about a cluster-scoped object belongs in namespace default");
+    }
+    let Some(slot) = value
+        .get_mut("metadata")
+        .and_then(|m| m.get_mut("namespace"))
+    else {
+        return Ok(None);
+    };
     if slot.as_str() == Some(namespace) || !slot.is_string() {
-        return None;
+        return Ok(None);
     }
     *slot = serde_json::Value::String(namespace.to_string());
-    serde_json::to_vec(&value).ok()
+    Ok(serde_json::to_vec(&value).ok())
 }
 
 impl tower_service::Service<http::Request<Body>> for Scoped {
@@ -801,19 +1044,63 @@ mod tests {
     }
 
     #[test]
+    fn paths_that_could_be_normalised_elsewhere_are_not_plain() {
+        for plain in [
+            "/",
+            "/version",
+            "/api/v1/namespaces/zoo/configmaps/a.b",
+            "/apis/apps/v1/",
+            "/api/v1/namespaces/zoo/configmaps/...",
+        ] {
+            assert!(is_plain_path(plain), "{plain}");
+        }
+        for tricky in [
+            "/api/v1/namespaces/zoo/configmaps/../../../nodes/n1",
+            "/api/v1/namespaces/zoo/./configmaps",
+            "/api/v1//nodes/n1",
+            "/api/v1/namespaces/zoo/configmaps/%2e%2e",
+            "api/v1/nodes",
+            "",
+        ] {
+            assert!(!is_plain_path(tricky), "{tricky}");
+        }
+    }
+
+    #[test]
     fn only_a_foreign_namespace_in_the_body_is_rewritten() {
         let body = br#"{"metadata":{"name":"a","namespace":"jungle"},"data":{"x":"1"}}"#;
-        let out = with_namespace(body, "zoo").unwrap();
+        let out = with_namespace(body, "zoo").unwrap().unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["metadata"]["namespace"], "zoo");
         assert_eq!(v["data"]["x"], "1");
         assert_eq!(
             with_namespace(br#"{"metadata":{"namespace":"zoo"}}"#, "zoo"),
-            None
+            Ok(None)
         );
-        assert_eq!(with_namespace(br#"{"metadata":{"name":"a"}}"#, "zoo"), None);
-        assert_eq!(with_namespace(br#"[{"op":"add"}]"#, "zoo"), None);
-        assert_eq!(with_namespace(b"not json", "zoo"), None);
+        assert_eq!(
+            with_namespace(br#"{"metadata":{"name":"a"}}"#, "zoo"),
+            Ok(None)
+        );
+        assert_eq!(with_namespace(br#"[{"op":"add"}]"#, "zoo"), Ok(None));
+        assert_eq!(with_namespace(b"not json", "zoo"), Ok(None));
+        // Events: about an object in the namespace, fine; about a cluster-scoped one, not.
+        let event = |regarding: &str| {
+            format!(
+                r#"{{"kind":"Event","metadata":{{"namespace":"default"}},"regarding":{regarding}}}"#
+            )
+        };
+        assert!(
+            with_namespace(
+                event(r#"{"kind":"ConfigMap","namespace":"x"}"#).as_bytes(),
+                "zoo"
+            )
+            .unwrap()
+            .is_some()
+        );
+        assert!(with_namespace(event(r#"{"kind":"Node","name":"n1"}"#).as_bytes(), "zoo").is_err());
+        assert!(
+            with_namespace(event(r#"{"kind":"Node","namespace":""}"#).as_bytes(), "zoo").is_err()
+        );
     }
 
     use k8s_openapi::api::core::v1::{ConfigMap, Node};
@@ -855,14 +1142,14 @@ mod tests {
         tokio::task::JoinHandle<()>,
     ) {
         let (tx, mut rx) = mpsc::unbounded_channel::<Event<K>>();
-        let watch = Arc::new(HostWatch::<K> {
-            state: Mutex::new(HostState::default()),
-        });
+        let (watch, subscriptions) = HostWatch::<K>::new(CancellationToken::new());
+        let watch = Arc::new(watch);
         let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok);
         let task = tokio::spawn(run_host_watch(
             events,
+            subscriptions,
             Arc::downgrade(&watch),
-            CancellationToken::new(),
+            watch.stop.clone(),
         ));
         (tx, watch, task)
     }
@@ -876,8 +1163,11 @@ mod tests {
     #[tokio::test]
     async fn the_host_watch_hands_each_namespace_its_own_events() {
         let (feed, watch, task) = host_watch::<ConfigMap>();
+        let engaged = |_: &str| CancellationToken::new();
+        let (zoo_engaged, jungle_engaged, island_engaged) =
+            (engaged("zoo"), engaged("jungle"), engaged("island"));
         // Subscribed before the first listing: gets it when it completes.
-        let mut zoo = Box::pin(watch.subscribe("zoo"));
+        let mut zoo = watch.subscribe("zoo", &zoo_engaged).unwrap();
         feed.send(Event::Init).unwrap();
         feed.send(Event::InitApply(cm("zoo", "elephant"))).unwrap();
         feed.send(Event::InitApply(cm("jungle", "parrot"))).unwrap();
@@ -892,9 +1182,9 @@ mod tests {
         assert_eq!(drain(&mut zoo), ["init", "list elephant", "done"]);
 
         // Subscribed later: the current objects are replayed as a listing.
-        let mut jungle = Box::pin(watch.subscribe("jungle"));
+        let mut jungle = watch.subscribe("jungle", &jungle_engaged).unwrap();
         assert_eq!(drain(&mut jungle), ["init", "list parrot", "done"]);
-        let mut island = Box::pin(watch.subscribe("island"));
+        let mut island = watch.subscribe("island", &island_engaged).unwrap();
         assert_eq!(drain(&mut island), ["init", "done"]);
 
         // Changes go to their namespace only.
@@ -916,28 +1206,50 @@ mod tests {
         assert_eq!(drain(&mut jungle), ["init", "done"]);
         assert_eq!(drain(&mut island), ["init", "list crab", "done"]);
 
-        // A forgotten namespace gets nothing more; a dropped subscription is let go.
-        watch.forget("island");
-        drop(jungle);
+        // Forgetting a namespace lets go only of disengaged clusters' subscriptions (a
+        // clone of the provider may share the hub and still serve the namespace).
+        assert!(!watch.forget("island"));
         feed.send(Event::Apply(cm("island", "gull"))).unwrap();
+        settle().await;
+        assert_eq!(drain(&mut island), ["apply gull"]);
+        island_engaged.cancel();
+        assert!(!watch.forget("island"));
+        assert!(!lock(&watch.state).subscribers.contains_key("island"));
+        // A dropped subscription is let go at the next delivery.
+        drop(jungle);
+        feed.send(Event::Apply(cm("island", "tern"))).unwrap();
         feed.send(Event::Apply(cm("jungle", "tiger"))).unwrap();
         settle().await;
         assert!(!lock(&watch.state).subscribers.contains_key("jungle"));
         assert_eq!(drain(&mut island), Vec::<String>::new());
         assert_eq!(drain(&mut zoo), Vec::<String>::new());
 
-        // The hub going away ends the task and the subscriptions.
-        drop(watch);
-        feed.send(Event::Apply(cm("zoo", "tapir"))).unwrap();
+        // The last subscriber gone, the watch stops, forgets its objects and takes no
+        // new subscribers (the hub starts a new watch instead).
+        zoo_engaged.cancel();
+        assert!(watch.forget("zoo"));
+        assert!(!watch.is_running());
+        assert!(lock(&watch.state).objects.is_empty());
+        assert!(watch.subscribe("zoo", &engaged("zoo")).is_none());
         task.await.unwrap();
         assert_eq!(zoo.next().await.map(|e| describe(&e)), None);
     }
 
     #[tokio::test]
+    async fn the_host_watch_task_ends_with_its_hub() {
+        let (feed, watch, task) = host_watch::<ConfigMap>();
+        let _sub = watch.subscribe("zoo", &CancellationToken::new()).unwrap();
+        drop(watch);
+        feed.send(Event::Apply(cm("zoo", "tapir"))).unwrap();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
     async fn cluster_scoped_objects_reach_every_namespace() {
         let (feed, watch, _task) = host_watch::<Node>();
-        let mut zoo = Box::pin(watch.subscribe("zoo"));
-        let mut jungle = Box::pin(watch.subscribe("jungle"));
+        let token = CancellationToken::new();
+        let mut zoo = watch.subscribe("zoo", &token).unwrap();
+        let mut jungle = watch.subscribe("jungle", &token).unwrap();
         let mut node = Node::default();
         node.metadata.name = Some("n1".into());
         feed.send(Event::Init).unwrap();
@@ -949,7 +1261,7 @@ mod tests {
         for events in [drain(&mut zoo), drain(&mut jungle)] {
             assert_eq!(events, ["init", "list n1", "done", "apply n2"]);
         }
-        let mut island = Box::pin(watch.subscribe("island"));
+        let mut island = watch.subscribe("island", &token).unwrap();
         assert_eq!(drain(&mut island), ["init", "list n1", "list n2", "done"]);
     }
 }

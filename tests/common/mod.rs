@@ -198,3 +198,26 @@ pub fn spawn_manager<P: multicluster_runtime::Provider>(
     let manager = manager.clone();
     tokio::spawn(async move { manager.run().await.unwrap() })
 }
+
+/// Whether namespace `ns` has an Event with `reason` about the object `name` whose note
+/// contains `note`.
+pub async fn has_event(
+    client: &kube::Client,
+    ns: &str,
+    reason: &str,
+    name: &str,
+    note: &str,
+) -> bool {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .any(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                && e.note.as_deref().unwrap_or_default().contains(note)
+        })
+}
