@@ -20,14 +20,14 @@ fi
 # cargo-fuzz passes nightly -Z flags; this lets the stable toolchain accept them.
 export RUSTC_BOOTSTRAP=1
 
-"$tools/bin/cargo-fuzz" build --release
+"$tools/bin/cargo-fuzz" build --release --debug-assertions
 for target in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$target"
   echo "[fuzz] $target for ${seconds}s"
   log=$(mktemp)
   status=0
-  "$tools/bin/cargo-fuzz" run --release "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
-    -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1 >"$log" 2>&1 || status=$?
+  "$tools/bin/cargo-fuzz" run --release --debug-assertions "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
+    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 >"$log" 2>&1 || status=$?
   grep -E '^(#[0-9]+.*DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb|SUMMARY)|panicked|Test unit written|cov: ' "$log" | tail -n 8 || true
   if [ "$status" -ne 0 ]; then
     tail -n 60 "$log" >&2

@@ -1,5 +1,5 @@
 //! The bodies of the fuzz targets in `fuzz/`, and of the test that replays their corpora on
-//! the stable toolchain (`tests/fuzz_corpus.rs`). Each takes arbitrary bytes and panics
+//! the stable toolchain (`tests/fuzz_seeds.rs`). Each takes arbitrary bytes and panics
 //! only when an invariant of the library breaks.
 //!
 //! Not a public API: it exists for `fuzz/` and is only compiled with the `fuzzing` feature.
@@ -128,8 +128,9 @@ pub fn cluster_names(data: &[u8]) {
 /// 3. The fleet queue as a state machine, on paused time: engage, disengage, watch events,
 ///    a mapper fanning out to other clusters, reconciles starting and finishing with or
 ///    without a requeue, time passing. After every step: at most one reconcile in flight per
-///    request, none for a cluster that is not engaged, the concurrency limit kept; at the
-///    end, every request triggered for a cluster that stayed engaged has been reconciled.
+///    request, none for a cluster that is not engaged, none that nothing asked for, the
+///    concurrency limit kept; at the end, every request triggered for a cluster that stayed
+///    engaged has been reconciled.
 pub fn queue(data: &[u8]) {
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -149,6 +150,9 @@ struct Model {
     in_flight: Vec<Request<ClusterName>>,
     /// Requests that must still be reconciled (triggered or requeued while engaged).
     owed: HashSet<Request<ClusterName>>,
+    /// Per request, triggers and requeues not yet matched by a start: a start needs one
+    /// (deduplication lets one start answer several).
+    credits: std::collections::HashMap<Request<ClusterName>, usize>,
     concurrency: usize,
 }
 
@@ -167,8 +171,18 @@ impl Model {
             "more than {} reconciles at once",
             self.concurrency
         );
+        let credits = self.credits.entry(request.clone()).or_default();
+        assert!(
+            *credits > 0,
+            "{request} started without a trigger or requeue"
+        );
+        *credits -= 1;
         self.owed.remove(&request);
         self.in_flight.push(request);
+    }
+
+    fn asked(&mut self, request: &Request<ClusterName>) {
+        *self.credits.entry(request.clone()).or_default() += 1;
     }
 }
 
@@ -183,6 +197,7 @@ async fn queue_machine(data: &[u8]) {
         engaged: HashSet::new(),
         in_flight: Vec::new(),
         owed: HashSet::new(),
+        credits: std::collections::HashMap::new(),
         concurrency,
     };
     let request = |b: u8| {
@@ -212,6 +227,7 @@ async fn queue_machine(data: &[u8]) {
                 if model.engaged.contains(&request.cluster) {
                     model.owed.insert(request.clone());
                 }
+                model.asked(&request);
                 queue.trigger(request, ReconcileReason::ObjectChanged);
             }
             3 => {
@@ -222,6 +238,7 @@ async fn queue_machine(data: &[u8]) {
                     if model.engaged.contains(&request.cluster) {
                         model.owed.insert(request.clone());
                     }
+                    model.asked(&request);
                     queue.trigger(
                         request,
                         ReconcileReason::RelatedObjectChanged("ConfigMap".into()),
@@ -252,6 +269,9 @@ async fn queue_machine(data: &[u8]) {
                 {
                     model.owed.insert(request.clone());
                 }
+                if action.requeue_after().is_some() {
+                    model.asked(&request);
+                }
                 queue.finish(request, action, ReconcileReason::Requeue);
             }
             _ => tokio::time::advance(Duration::from_millis(u64::from(arg) * 10)).await,
@@ -271,10 +291,11 @@ async fn queue_machine(data: &[u8]) {
 }
 
 /// 4. Kubeconfig bytes as providers receive them (from a file or a Secret): parsing,
-///    building a client configuration for every context, and refusing exec plugins,
-///    auth-providers and local files where the provider forbids them; errors, never
-///    panics. A kubeconfig that runs commands or names local files is never accepted
-///    unless allowed, and never built here (no command runs, no file is read).
+///    refusing exec plugins, auth-providers and local files where the provider forbids
+///    them, and building the client configuration of every context; errors, never
+///    panics. The configurations built from a kubeconfig the Secret provider accepts name
+///    no command and no local file. (Configurations that may run or read something are
+///    not built here.)
 pub fn kubeconfig(data: &[u8]) {
     let Some((&flags, data)) = data.split_first() else {
         return;
@@ -286,29 +307,8 @@ pub fn kubeconfig(data: &[u8]) {
     let Ok(kubeconfig) = crate::providers::parse_kubeconfig(data, trust) else {
         return;
     };
-    let runs_commands = kubeconfig.auth_infos.iter().any(|u| {
-        u.auth_info
-            .as_ref()
-            .is_some_and(|a| a.exec.is_some() || a.auth_provider.is_some())
-    });
-    let reads_files = kubeconfig.auth_infos.iter().any(|u| {
-        u.auth_info.as_ref().is_some_and(|a| {
-            a.token_file.is_some() || a.client_certificate.is_some() || a.client_key.is_some()
-        })
-    }) || kubeconfig.clusters.iter().any(|c| {
-        c.cluster
-            .as_ref()
-            .is_some_and(|c| c.certificate_authority.is_some())
-    });
-    assert!(
-        trust.exec || !runs_commands,
-        "a kubeconfig that runs commands was accepted"
-    );
-    assert!(
-        trust.local_files || !reads_files,
-        "a kubeconfig that reads local files was accepted"
-    );
-    if runs_commands || reads_files {
+    if trust.exec || trust.local_files {
+        // Accepted kubeconfigs that may run commands or read files are not built here.
         return;
     }
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
@@ -318,50 +318,86 @@ pub fn kubeconfig(data: &[u8]) {
         return;
     };
     runtime.block_on(async {
-        for context in kubeconfig.contexts.iter().take(4) {
-            let _ = crate::providers::cluster_from_kubeconfig(
-                ClusterName::from(context.name.as_str()),
-                kubeconfig.clone(),
-                Some(context.name.clone()),
-            )
-            .await;
+        let contexts = kubeconfig
+            .contexts
+            .iter()
+            .take(4)
+            .map(|c| Some(c.name.clone()));
+        for context in contexts.chain([None]) {
+            let Ok(config) =
+                crate::providers::config_from_kubeconfig(kubeconfig.clone(), context).await
+            else {
+                continue;
+            };
+            // What was built, not what was parsed: nothing that runs or reads anything.
+            let auth = &config.auth_info;
+            assert!(
+                auth.exec.is_none() && auth.auth_provider.is_none(),
+                "{auth:?}"
+            );
+            assert!(
+                auth.token_file.is_none()
+                    && auth.client_certificate.is_none()
+                    && auth.client_key.is_none()
+                    && config.root_cert_file.is_none(),
+                "a refused kubeconfig reads local files: {config:?}"
+            );
         }
-        let _ = crate::providers::cluster_from_kubeconfig(
-            ClusterName::from("current"),
-            kubeconfig,
-            None,
-        )
-        .await;
     });
 }
 
-/// 5. The namespace provider's scoping of request paths and bodies: a namespaced path moved
-///    into another namespace parses back to the same resource there; a body rewritten into
-///    a namespace names that namespace; nothing panics.
+/// 5. The namespace provider's scoping of request paths and bodies, against the API
+///    server's own reading of a path (its request-info rules, rewritten here): a path the
+///    server reads as an object in a namespace is moved into the cluster's namespace and
+///    read by the server as the same resource, name and subresource there; a path the
+///    server does not read as namespaced is never rewritten; a rewritten body names the
+///    new namespace; nothing panics.
 pub fn namespace_scope(data: &[u8]) {
     let [path, namespace, body] = <[String; 3]>::try_from(fields(data, 3)).expect("3");
-    if let Some(parsed) = ApiPath::parse(&path)
-        && let Target::Namespaced { rest, .. } = &parsed.target
+    if crate::providers::is_plain_path(&path)
+        && let Some(server) = ServerReading::of(&path)
     {
-        let scoped = parsed.in_namespace("zoo", rest);
-        if crate::providers::is_plain_path(&path) {
-            assert!(
-                crate::providers::is_plain_path(&scoped),
-                "{path:?} -> {scoped:?}"
-            );
+        match ApiPath::parse(&path).map(|p| (p.target.clone(), p)) {
+            Some((Target::Namespaced { rest, .. }, parsed)) => {
+                let scoped = parsed.in_namespace("zoo", &rest);
+                assert!(
+                    crate::providers::is_plain_path(&scoped),
+                    "{path:?} -> {scoped:?}"
+                );
+                let moved = ServerReading::of(&scoped)
+                    .unwrap_or_else(|| panic!("{scoped:?} (from {path:?}) is not an API path"));
+                assert_eq!(
+                    moved.namespace.as_deref(),
+                    Some("zoo"),
+                    "{path:?} -> {scoped:?}"
+                );
+                assert_eq!(
+                    (moved.resource, moved.name, moved.subresource),
+                    (server.resource, server.name, server.subresource),
+                    "{path:?} -> {scoped:?}"
+                );
+                assert_eq!(
+                    ApiPath::parse(&scoped).map(|p| p.target),
+                    Some(Target::Namespaced {
+                        namespace: "zoo",
+                        rest: rest.clone()
+                    }),
+                    "{scoped:?}"
+                );
+            }
+            Some((Target::Unqualified { resource, rest }, _)) => {
+                // Not in a namespace for the server either (the Namespace object itself
+                // aside, which the server files under its own name).
+                let namespace_object = resource == "namespaces"
+                    && server.namespace.as_deref() == rest.first().copied();
+                assert!(
+                    server.namespace.is_none() || namespace_object,
+                    "{path:?}: the server reads namespace {:?}",
+                    server.namespace
+                );
+            }
+            Some((Target::Discovery, _)) | None => {}
         }
-        let again = ApiPath::parse(&scoped)
-            .unwrap_or_else(|| panic!("{scoped:?} (from {path:?}) does not parse"));
-        assert_eq!(again.group_version, parsed.group_version, "{path:?}");
-        assert_eq!(again.watch, parsed.watch, "{path:?}");
-        assert_eq!(
-            again.target,
-            Target::Namespaced {
-                namespace: "zoo",
-                rest: rest.clone()
-            },
-            "{path:?} -> {scoped:?}"
-        );
     }
     let namespace = if namespace.is_empty() {
         "zoo"
@@ -371,5 +407,44 @@ pub fn namespace_scope(data: &[u8]) {
     if let Ok(Some(out)) = crate::providers::with_namespace(body.as_bytes(), namespace) {
         let value: serde_json::Value = serde_json::from_slice(&out).expect("rewritten JSON");
         assert_eq!(value["metadata"]["namespace"], namespace);
+    }
+}
+
+/// How the API server reads a resource path (its request-info rules): the namespace, the
+/// resource, the name and what follows.
+#[derive(Debug)]
+struct ServerReading {
+    namespace: Option<String>,
+    resource: String,
+    name: Option<String>,
+    subresource: Vec<String>,
+}
+
+impl ServerReading {
+    /// `None` for paths that name no resource (outside `/api` and `/apis`, discovery).
+    fn of(path: &str) -> Option<Self> {
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let mut parts: &[&str] = match *parts.first()? {
+            "api" if parts.len() >= 2 => &parts[2..],
+            "apis" if parts.len() >= 3 => &parts[3..],
+            _ => return None,
+        };
+        if parts.first() == Some(&"watch") {
+            parts = &parts[1..];
+        }
+        let mut namespace = None;
+        if parts.first() == Some(&"namespaces") && parts.len() > 1 {
+            namespace = Some(parts[1].to_string());
+            if parts.len() > 2 && !matches!(parts[2], "status" | "finalize") {
+                parts = &parts[2..];
+            }
+        }
+        let (resource, rest) = parts.split_first()?;
+        Some(Self {
+            namespace,
+            resource: resource.to_string(),
+            name: rest.first().map(|s| s.to_string()),
+            subresource: rest.iter().skip(1).map(|s| s.to_string()).collect(),
+        })
     }
 }

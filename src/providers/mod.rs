@@ -40,6 +40,26 @@ pub use namespace::{ClusterScopedWrite, Namespaces, UnscopableRequest};
 pub use nop::Nop;
 pub use single::SingleProvider;
 
+/// The client configuration of `context` of `kubeconfig` (its current context if `None`);
+/// the error says what is wrong in words fit for a log line. Reads the files the
+/// kubeconfig names; runs nothing.
+pub(crate) async fn config_from_kubeconfig(
+    kubeconfig: kube::config::Kubeconfig,
+    context: Option<String>,
+) -> Result<kube::Config, String> {
+    let options = kube::config::KubeConfigOptions {
+        context,
+        ..Default::default()
+    };
+    kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .map_err(|e| format!("unusable kubeconfig: {e}"))
+}
+
+/// How long building a client may take: kube-client runs exec credential plugins
+/// synchronously while building one, and a plugin can hang.
+const CLIENT_BUILD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The cluster `name`, reached through `context` of `kubeconfig` (its current context if
 /// `None`); the error says what is wrong in words fit for a log line.
 pub(crate) async fn cluster_from_kubeconfig(
@@ -47,12 +67,17 @@ pub(crate) async fn cluster_from_kubeconfig(
     kubeconfig: kube::config::Kubeconfig,
     context: Option<String>,
 ) -> Result<crate::Cluster<crate::ClusterName>, String> {
-    let options = kube::config::KubeConfigOptions {
-        context,
-        ..Default::default()
-    };
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
-        .await
-        .map_err(|e| format!("unusable kubeconfig: {e}"))?;
-    crate::Cluster::from_config(name, config).map_err(|e| format!("cannot build a client: {e}"))
+    let config = config_from_kubeconfig(kubeconfig, context).await?;
+    // Off the async workers, and bounded: an exec plugin that hangs costs one blocking
+    // thread, not a worker, and is reported.
+    let build = tokio::task::spawn_blocking(move || crate::Cluster::from_config(name, config));
+    match tokio::time::timeout(CLIENT_BUILD_TIMEOUT, build).await {
+        Ok(Ok(Ok(cluster))) => Ok(cluster),
+        Ok(Ok(Err(e))) => Err(format!("cannot build a client: {e}")),
+        Ok(Err(e)) => Err(format!("building a client failed: {e}")),
+        Err(_) => Err(format!(
+            "building a client took more than {} s (a credential plugin that does not return?)",
+            CLIENT_BUILD_TIMEOUT.as_secs()
+        )),
+    }
 }

@@ -271,6 +271,10 @@ impl<P: Provider> ErasedProvider for Wrapped<P> {
         token: CancellationToken,
     ) -> BoxFuture<'static, ()> {
         async move {
+            // Cancelled when this task ends: disengages exactly the clusters it engaged in
+            // the parent, not those of a child added again under the same name meanwhile.
+            let engagements = CancellationToken::new();
+            let _disengage_on_exit = engagements.clone().drop_guard();
             let own = Fleet::<P::Id>::new();
             let mut events = own.subscribe();
             let mut run = std::pin::pin!(self.0.run(own.clone(), token.clone()));
@@ -281,7 +285,7 @@ impl<P: Provider> ErasedProvider for Wrapped<P> {
                             Ok(()) if token.is_cancelled() => {}
                             // A provider may engage its clusters and return; they stay.
                             Ok(()) => {
-                                drain(&mut events, &parent, &prefix);
+                                drain(&mut events, &parent, &prefix, &engagements);
                                 token.cancelled().await;
                             }
                             Err(error) => {
@@ -290,11 +294,13 @@ impl<P: Provider> ErasedProvider for Wrapped<P> {
                         }
                         break;
                     }
-                    Some(event) = events.recv() => forward(&parent, &prefix, event),
+                    // Once removed, the child engages nothing more in the parent.
+                    Some(event) = events.recv(), if !token.is_cancelled() => {
+                        forward(&parent, &prefix, &engagements, event);
+                    }
                 }
             }
             own.clear();
-            disengage_prefixed(&parent, &prefix);
         }
         .boxed()
     }
@@ -304,21 +310,29 @@ fn drain<C: ClusterId>(
     events: &mut tokio::sync::mpsc::UnboundedReceiver<FleetEvent<C>>,
     parent: &Fleet<ClusterName>,
     prefix: &str,
+    engagements: &CancellationToken,
 ) {
     while let Ok(event) = events.try_recv() {
-        forward(parent, prefix, event);
+        forward(parent, prefix, engagements, event);
     }
 }
 
 /// Mirrors one change of a child's fleet into the parent fleet.
-fn forward<C: ClusterId>(parent: &Fleet<ClusterName>, prefix: &str, event: FleetEvent<C>) {
+fn forward<C: ClusterId>(
+    parent: &Fleet<ClusterName>,
+    prefix: &str,
+    engagements: &CancellationToken,
+    event: FleetEvent<C>,
+) {
     match event {
         FleetEvent::Engaged(cluster) | FleetEvent::Replaced { new: cluster, .. } => {
             let name = ClusterName::from(format!("{prefix}{}", cluster.id()));
             // The same client, config (so that an unchanged re-engagement stays a no-op in
             // the parent too) and watch source (a namespace-cluster keeps sharing its
             // host's watches).
-            if let Err(error) = parent.engage(cluster.renamed(name.clone())) {
+            if let Err(error) =
+                parent.engage_until(cluster.renamed(name.clone()), engagements.clone())
+            {
                 tracing::warn!(cluster = %name, %error, "could not engage");
             }
         }
@@ -412,6 +426,42 @@ mod tests {
             "removing a child disengages its clusters at once"
         );
         assert!(!multi.remove("second"));
+
+        shutdown.cancel();
+        run.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_child_removed_and_added_again_at_once_keeps_its_new_clusters() {
+        let multi = Multi::new();
+        let old = Clusters::new();
+        old.add(cluster("x", 1)).unwrap();
+        multi.add("a", old).unwrap();
+        let fleet = Fleet::new();
+        let shutdown = CancellationToken::new();
+        let run = tokio::spawn({
+            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
+            async move { multi.run(fleet, shutdown).await.unwrap() }
+        });
+        settle().await;
+        assert_eq!(fleet.ids(), [ClusterName::from("a#x")]);
+
+        // Found in review: the old child's task, ending after the new child engaged, used
+        // to disengage everything named `a#...`, the new child's clusters included.
+        assert!(multi.remove("a"));
+        let new = Clusters::new();
+        new.add(cluster("x", 2)).unwrap();
+        new.add(cluster("y", 3)).unwrap();
+        multi.add("a", new).unwrap();
+        settle().await;
+        settle().await;
+        assert_eq!(fleet.ids(), ["a#x", "a#y"].map(ClusterName::from));
+        let x = fleet.get(&ClusterName::from("a#x")).unwrap();
+        assert_eq!(
+            x.config().map(|c| c.cluster_url.port_u16()),
+            Some(Some(2)),
+            "the new child's a#x"
+        );
 
         shutdown.cancel();
         run.await.unwrap();

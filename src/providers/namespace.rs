@@ -678,7 +678,7 @@ impl Discovery {
 /// An API path taken apart: `<group_version>[/watch]/<rest>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ApiPath<'a> {
-    /// `/api/v1` or `/apis/<group>/<version>`.
+    /// `/api/<version>` or `/apis/<group>/<version>`.
     pub(crate) group_version: &'a str,
     /// The deprecated `watch/` prefix.
     pub(crate) watch: bool,
@@ -712,8 +712,10 @@ impl<'a> ApiPath<'a> {
     /// Takes apart a request path (without query); `None` for paths outside the resource
     /// APIs (`/version`, `/openapi/v2`, `/apis`, ...).
     pub(crate) fn parse(path: &'a str) -> Option<Self> {
-        let (group_version, rest) = if let Some(rest) = path.strip_prefix("/api/v1") {
-            ("/api/v1", rest)
+        let (group_version, rest) = if let Some(after) = path.strip_prefix("/api/") {
+            let version = after.split('/').next().filter(|s| !s.is_empty())?;
+            let len = "/api/".len() + version.len();
+            (&path[..len], &path[len..])
         } else {
             let after = path.strip_prefix("/apis/")?;
             let mut parts = after.splitn(3, '/');
@@ -736,11 +738,11 @@ impl<'a> ApiPath<'a> {
         if watch {
             segments.remove(0);
         }
-        let core = group_version == "/api/v1";
         let target = match segments.as_slice() {
             [] => Target::Discovery,
-            // The Namespace object's own subresources, `namespaces/<ns>/status|finalize`.
-            ["namespaces", _, "status" | "finalize"] if core => Target::Unqualified {
+            // The Namespace object's own subresources, `namespaces/<ns>/status|finalize`
+            // (the API server reads them so in every group, whatever follows).
+            ["namespaces", _, "status" | "finalize", ..] => Target::Unqualified {
                 resource: segments[0],
                 rest: segments[1..].to_vec(),
             },
@@ -1000,11 +1002,14 @@ mod tests {
             "/apis/apps/v1/watch/namespaces/island/deployments"
         );
 
-        // The Namespace object and its subresources are cluster-scoped.
+        // The Namespace object and its subresources are cluster-scoped, in any group (as
+        // the API server reads them; found in review).
         for path in [
             "/api/v1/namespaces/zoo",
             "/api/v1/namespaces/zoo/status",
             "/api/v1/namespaces/zoo/finalize",
+            "/api/v1/namespaces/zoo/status/more",
+            "/apis/example.com/v1/namespaces/zoo/status",
             "/api/v1/namespaces",
         ] {
             let p = ApiPath::parse(path).unwrap();
@@ -1036,7 +1041,6 @@ mod tests {
             "/api",
             "/apis/apps",
             "/openapi/v2",
-            "/api/v1x/pods",
             "/api/v1//pods",
         ] {
             assert_eq!(ApiPath::parse(outside), None, "{outside}");
