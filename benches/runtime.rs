@@ -387,24 +387,6 @@ async fn scale(n: usize) {
     let _ = run.await;
 }
 
-/// WATCH requests the API server serves for `resource` with `scope` (cluster or namespace).
-async fn watches(client: &kube::Client, resource: &str, scope: &str) -> usize {
-    let request = http::Request::get("/metrics")
-        .body(Vec::new())
-        .expect("request");
-    let metrics = client.request_text(request).await.expect("metrics");
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("apiserver_longrunning_requests{"))
-        .filter(|l| {
-            l.contains(&format!("resource=\"{resource}\""))
-                && l.contains(&format!("scope=\"{scope}\""))
-                && l.contains("verb=\"WATCH\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as usize
-}
-
 async fn namespaces_as_clusters(n: usize) {
     println!("\n== namespaces: {n} namespaces of one apiserver as clusters (Namespaces provider)");
     let env = TestEnv::start().await.expect("testenv");
@@ -447,8 +429,14 @@ async fn namespaces_as_clusters(n: usize) {
         "created {n} namespaces with a ConfigMap each in {:.1?}",
         created.elapsed()
     );
-    let cluster_watches = watches(&host, "configmaps", "cluster").await;
-    let namespace_watches = watches(&host, "configmaps", "namespace").await;
+    let cluster_watches = tc
+        .served_watches("configmaps", true)
+        .await
+        .expect("metrics");
+    let namespace_watches = tc
+        .served_watches("configmaps", false)
+        .await
+        .expect("metrics");
 
     tokio::time::sleep(Duration::from_secs(2)).await;
     let base = rss_kib("self");
@@ -485,8 +473,14 @@ async fn namespaces_as_clusters(n: usize) {
     println!(
         "host watches kept by the provider: {}; apiserver: +{} cluster-wide ConfigMap watches, +{} per-namespace ones",
         provider.host_watches(),
-        watches(&host, "configmaps", "cluster").await - cluster_watches,
-        watches(&host, "configmaps", "namespace").await - namespace_watches,
+        tc.served_watches("configmaps", true)
+            .await
+            .expect("metrics")
+            - cluster_watches,
+        tc.served_watches("configmaps", false)
+            .await
+            .expect("metrics")
+            - namespace_watches,
     );
     manager.shutdown();
     let _ = run.await;

@@ -356,18 +356,7 @@ async fn wait_for_async(what: &str, mut done: impl AsyncFnMut() -> bool) -> Resu
 
 /// A stand-in `kind` CLI: `kind get clusters` lists the files of `clusters/` beside it,
 /// `kind get kubeconfig --name N` prints one.
-const STAND_IN_KIND: &str = r#"#!/bin/sh
-dir="$(dirname "$0")/clusters"
-case "$1 $2" in
-  "get clusters")
-    names=$(ls "$dir")
-    if [ -z "$names" ]; then echo "No kind clusters found."; else echo "$names"; fi ;;
-  "get kubeconfig")
-    [ "$3" = "--name" ] && [ -f "$dir/$4" ] && exec cat "$dir/$4"
-    echo "ERROR: unknown cluster $4" >&2; exit 1 ;;
-  *) exit 2 ;;
-esac
-"#;
+const STAND_IN_KIND: &str = include_str!("../scripts/stand-in-kind.sh");
 
 /// `Kind`: the clusters the `kind` CLI lists, polled.
 async fn kind() -> Result {

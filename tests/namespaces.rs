@@ -20,44 +20,12 @@ use multicluster_runtime::providers::{ClusterScopedWrite, Namespaces, Unscopable
 use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, ClusterName, Context, Manager};
 
-async fn create_namespace(client: &kube::Client, ns: &str) {
-    let namespace = Namespace {
-        metadata: ObjectMeta {
-            name: Some(ns.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap();
-}
-
 async fn create(client: &kube::Client, cm: ConfigMap) {
     let ns = cm.namespace().unwrap();
     Api::<ConfigMap>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &cm)
         .await
         .unwrap();
-}
-
-/// The number of WATCH requests for `resource` the API server is serving across all
-/// namespaces (scope "cluster") or in single namespaces (scope "namespace"), from its own
-/// metrics.
-async fn watches(client: &kube::Client, resource: &str, scope: &str) -> usize {
-    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
-    let metrics = client.request_text(request).await.unwrap();
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("apiserver_longrunning_requests{"))
-        .filter(|l| {
-            l.contains(&format!("resource=\"{resource}\""))
-                && l.contains(&format!("scope=\"{scope}\""))
-                && l.contains("verb=\"WATCH\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as usize
 }
 
 /// The "kubernetes" finalizer's work, which kube-controller-manager's namespace controller
@@ -83,13 +51,14 @@ fn scoped_error(error: &kube::Error) -> Option<&ClusterScopedWrite> {
 #[tokio::test]
 async fn every_namespace_is_a_cluster_fed_by_one_watch_per_kind() {
     let env = TestEnv::start().await.unwrap();
-    let host = env.cluster(0).unwrap().client().unwrap();
+    let tc = env.cluster(0).unwrap();
+    let host = tc.client().unwrap();
     fixture(&host).await;
 
     // The API server's own informers watch some kinds too: count from here on.
-    let configmap_watches = watches(&host, "configmaps", "cluster").await;
-    let namespaced_configmap_watches = watches(&host, "configmaps", "namespace").await;
-    let namespace_watches = watches(&host, "namespaces", "cluster").await;
+    let configmap_watches = tc.served_watches("configmaps", true).await.unwrap();
+    let namespaced_configmap_watches = tc.served_watches("configmaps", false).await.unwrap();
+    let namespace_watches = tc.served_watches("namespaces", true).await.unwrap();
 
     let provider = Namespaces::new(host.clone());
     let manager = Arc::new(Manager::new(provider.clone()));
@@ -166,16 +135,16 @@ async fn every_namespace_is_a_cluster_fed_by_one_watch_per_kind() {
     assert!(manager.fleet().len() >= 44);
     assert_eq!(provider.host_watches(), 1, "one watch per (kind, selector)");
     assert_eq!(
-        watches(&host, "configmaps", "cluster").await,
+        tc.served_watches("configmaps", true).await.unwrap(),
         configmap_watches + 1
     );
     assert_eq!(
-        watches(&host, "configmaps", "namespace").await,
+        tc.served_watches("configmaps", false).await.unwrap(),
         namespaced_configmap_watches,
         "no watch per namespace"
     );
     assert_eq!(
-        watches(&host, "namespaces", "cluster").await,
+        tc.served_watches("namespaces", true).await.unwrap(),
         namespace_watches + 1,
         "and one for the namespaces themselves"
     );
@@ -618,7 +587,8 @@ async fn the_host_restarting_holds_nobody_up_for_long() {
 #[tokio::test]
 async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
     let env = TestEnv::start().await.unwrap();
-    let host = env.cluster(0).unwrap().client().unwrap();
+    let tc = env.cluster(0).unwrap();
+    let host = tc.client().unwrap();
     fixture(&host).await;
     let label =
         |value: Option<&str>| serde_json::json!({ "metadata": { "labels": { "solo": value } } });
@@ -631,8 +601,8 @@ async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
         )
         .await
         .unwrap();
-    let baseline = watches(&host, "configmaps", "cluster").await;
-    let baseline_namespaced = watches(&host, "configmaps", "namespace").await;
+    let baseline = tc.served_watches("configmaps", true).await.unwrap();
+    let baseline_namespaced = tc.served_watches("configmaps", false).await.unwrap();
 
     // Under Multi, a namespace-cluster still shares the host's watches.
     let provider = Namespaces::new(host.clone()).labels("solo=true");
@@ -653,11 +623,11 @@ async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
     assert!(seen.count("cluster://tenants#zoo/zoo/elephant") >= 1);
     assert_eq!(provider.host_watches(), 1);
     eventually(30, "one watch more on the host", async || {
-        watches(&host, "configmaps", "cluster").await == baseline + 1
+        tc.served_watches("configmaps", true).await.unwrap() == baseline + 1
     })
     .await;
     assert_eq!(
-        watches(&host, "configmaps", "namespace").await,
+        tc.served_watches("configmaps", false).await.unwrap(),
         baseline_namespaced,
         "no watch of its own"
     );
@@ -672,7 +642,7 @@ async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
     })
     .await;
     eventually(30, "the apiserver serves it no more", async || {
-        watches(&host, "configmaps", "cluster").await == baseline
+        tc.served_watches("configmaps", true).await.unwrap() == baseline
     })
     .await;
 

@@ -123,18 +123,7 @@ async fn a_nop_manager_reconciles_only_its_local_cluster() {
 
 /// A stand-in `kind` CLI: lists the files of `clusters/` next to it and prints one as a
 /// kubeconfig, as `kind get clusters` and `kind get kubeconfig --name N` do.
-const FAKE_KIND: &str = r#"#!/bin/sh
-dir="$(dirname "$0")/clusters"
-case "$1 $2" in
-  "get clusters")
-    names=$(ls "$dir")
-    if [ -z "$names" ]; then echo "No kind clusters found."; else echo "$names"; fi ;;
-  "get kubeconfig")
-    [ "$3" = "--name" ] && [ -f "$dir/$4" ] && exec cat "$dir/$4"
-    echo "ERROR: unknown cluster $4" >&2; exit 1 ;;
-  *) exit 2 ;;
-esac
-"#;
+const FAKE_KIND: &str = include_str!("../scripts/stand-in-kind.sh");
 
 #[tokio::test]
 async fn kind_clusters_come_and_go_with_the_cli_and_a_bad_one_holds_nobody_up() {

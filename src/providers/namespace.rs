@@ -175,8 +175,9 @@ impl Namespaces {
 
     fn disengage(&self, fleet: &Fleet<ClusterName>, engaged: &mut BTreeSet<String>, name: &str) {
         engaged.remove(name);
+        // The host watches notice the cluster's engagement ending and let go of its
+        // subscriptions (and stop when nobody is left).
         fleet.disengage(&ClusterName::from(name));
-        self.hub.forget(name);
     }
 }
 
@@ -206,9 +207,6 @@ impl Drop for Hub {
 
 trait ErasedHostWatch: Send + Sync {
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
-    /// Drops the subscriptions of `namespace` whose clusters were disengaged; true if the
-    /// watch has no subscriber left and stopped.
-    fn forget(&self, namespace: &str) -> bool;
     /// Whether the watch still runs.
     fn is_running(&self) -> bool;
 }
@@ -224,12 +222,6 @@ impl Hub {
             watches: Mutex::new(HashMap::new()),
             token: CancellationToken::new(),
         }
-    }
-
-    /// Lets go of the subscriptions of `namespace`'s disengaged clusters, and of the host
-    /// watches nobody needs any more.
-    fn forget(&self, namespace: &str) {
-        lock(&self.watches).retain(|_, watch| !watch.forget(namespace));
     }
 
     /// The events of `namespace`'s `K` objects matching `config`, from the host's watch
@@ -375,17 +367,6 @@ impl<K: Watchable> ErasedHostWatch for HostWatch<K> {
         self
     }
 
-    fn forget(&self, namespace: &str) -> bool {
-        let mut state = lock(&self.state);
-        if let Some(subs) = state.subscribers.get_mut(namespace) {
-            subs.retain(Subscriber::alive);
-            if subs.is_empty() {
-                state.subscribers.remove(namespace);
-            }
-        }
-        self.stop_if_idle(&mut state)
-    }
-
     fn is_running(&self) -> bool {
         !self.stop.is_cancelled()
     }
@@ -444,6 +425,19 @@ impl<K: Watchable> HostWatch<K> {
             .joined
             .send((namespace.to_string(), engagement.clone()));
         Some(Receiver(rx))
+    }
+
+    /// Drops the subscriptions of `namespace` whose clusters were disengaged; true if the
+    /// watch has no subscriber left and stopped.
+    fn forget(&self, namespace: &str) -> bool {
+        let mut state = lock(&self.state);
+        if let Some(subs) = state.subscribers.get_mut(namespace) {
+            subs.retain(Subscriber::alive);
+            if subs.is_empty() {
+                state.subscribers.remove(namespace);
+            }
+        }
+        self.stop_if_idle(&mut state)
     }
 
     /// Stops the watch if nobody subscribes to it any more; true if it is stopped.

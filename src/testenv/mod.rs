@@ -718,6 +718,38 @@ impl TestCluster {
         }
     }
 
+    /// How many WATCH requests for `resource` (a plural such as `configmaps`) the
+    /// API server is serving right now, across all namespaces (`cluster_wide`) or in single
+    /// namespaces, from its own `apiserver_longrunning_requests` metric. For tests that pin
+    /// how many watches a controller opens; the API server's own informers count too, so
+    /// compare against a figure taken before.
+    pub async fn served_watches(&self, resource: &str, cluster_wide: bool) -> Result<usize, Error> {
+        let kube_error = |source| Error::Kube {
+            cluster: self.name.clone(),
+            action: "read the apiserver's metrics".into(),
+            source,
+        };
+        let request = http::Request::get("/metrics")
+            .body(Vec::new())
+            .map_err(|e| kube_error(kube::Error::HttpError(e)))?;
+        let metrics = self
+            .client()?
+            .request_text(request)
+            .await
+            .map_err(kube_error)?;
+        let scope = if cluster_wide { "cluster" } else { "namespace" };
+        let (resource, scope) = (
+            format!("resource=\"{resource}\""),
+            format!("scope=\"{scope}\""),
+        );
+        Ok(metrics
+            .lines()
+            .filter(|l| l.starts_with("apiserver_longrunning_requests{"))
+            .filter(|l| l.contains(&resource) && l.contains(&scope) && l.contains("verb=\"WATCH\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as usize)
+    }
+
     /// Applies every `CustomResourceDefinition` in `yaml` (one or more YAML documents) with
     /// server-side apply and waits until each is Established. Returns their names.
     pub async fn install_crds(&self, yaml: &str) -> Result<Vec<String>, Error> {

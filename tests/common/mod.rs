@@ -28,20 +28,25 @@ pub fn fixture_objects() -> kube_runtime::watcher::Config {
     kube_runtime::watcher::Config::default().labels("type")
 }
 
+/// Creates the namespace `ns`.
+pub async fn create_namespace(client: &kube::Client, ns: &str) {
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(ns.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap();
+}
+
 /// Creates the three namespaces, each with an animal, a human and a thing.
 pub async fn fixture(client: &kube::Client) {
     for ns in NAMESPACES {
-        let namespace = Namespace {
-            metadata: ObjectMeta {
-                name: Some(ns.into()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        Api::<Namespace>::all(client.clone())
-            .create(&PostParams::default(), &namespace)
-            .await
-            .unwrap();
+        create_namespace(client, ns).await;
         let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
         for (name, kind) in [
             ("elephant", "animal"),
