@@ -2,12 +2,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::index::Indexer;
+use crate::cluster::{Engagement, Indexer, Session, WatchSettings};
+use crate::sync::lock;
 use crate::{Cluster, ClusterId, Watchable};
 
 /// The clusters currently engaged, shared by a manager, its provider and its controllers.
@@ -15,27 +16,55 @@ use crate::{Cluster, ClusterId, Watchable};
 /// Providers call [`Fleet::engage`] and [`Fleet::disengage`]; every controller is told about
 /// each change, including controllers that start after clusters were engaged (they first
 /// receive every cluster already engaged; Go's multicluster-runtime misses those).
+///
+/// A fleet is open from its creation; its manager closes it when a run ends (every cluster is
+/// disengaged and further engagements are refused until the next run opens it again).
 pub struct Fleet<C: ClusterId> {
     inner: Arc<Mutex<State<C>>>,
 }
 
 struct State<C: ClusterId> {
-    clusters: BTreeMap<C, Cluster<C>>,
+    /// Refusing engagements: its manager's run has ended.
+    closed: bool,
+    members: BTreeMap<C, Member<C>>,
     subscribers: Vec<mpsc::UnboundedSender<FleetEvent<C>>>,
     /// Field indexes every cluster gets, including clusters engaged later.
     indexers: Vec<Indexer>,
+    settings: WatchSettings,
+    /// Engagements this fleet ended whose watch tasks may still be winding down; awaited when
+    /// the fleet closes, so that nothing of a stopped manager runs on.
+    ended: Vec<Arc<Session>>,
+}
+
+/// One engaged cluster.
+struct Member<C: ClusterId> {
+    engagement: Engagement<C>,
+    /// The task that disengages it when the token given to [`Fleet::engage_until`] is
+    /// cancelled; aborted (dropped) when the member goes first.
+    _until: Option<AbortOnDrop>,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A change of the fleet, as a controller sees it.
 #[derive(Debug)]
 pub(crate) enum FleetEvent<C: ClusterId> {
     /// A cluster joined.
-    Engaged(Cluster<C>),
+    Engaged(Engagement<C>),
     /// A cluster was engaged again with another endpoint or credentials: `old` is
     /// disengaged, `new` takes its place under the same id.
-    Replaced { old: Cluster<C>, new: Cluster<C> },
+    Replaced {
+        old: Engagement<C>,
+        new: Engagement<C>,
+    },
     /// A cluster left.
-    Disengaged(Cluster<C>),
+    Disengaged(Engagement<C>),
 }
 
 impl<C: ClusterId> Clone for FleetEvent<C> {
@@ -61,14 +90,28 @@ pub enum Engaged {
     /// disengaged and this one took its place.
     Replaced,
     /// The id was already engaged with this cluster (or an equal configuration); nothing
-    /// changed and the given cluster was dropped.
+    /// changed. The handle given stays unengaged; [`Fleet::get`] has the engaged one.
     Unchanged,
 }
 
-/// [`Fleet::engage`] was given a cluster that had already been disengaged.
+/// Why [`Fleet::engage`] refused a cluster.
 #[derive(Debug, thiserror::Error)]
-#[error("cluster {0} was disengaged before; build a new Cluster to engage it again")]
-pub struct EngageError(pub String);
+#[non_exhaustive]
+pub enum EngageError {
+    /// The fleet's manager has stopped; clusters can be engaged again once it runs again.
+    #[error("cannot engage cluster {cluster}: the manager is not running")]
+    Stopped {
+        /// The cluster refused.
+        cluster: String,
+    },
+    /// [`Fleet::engage_until`] watches its token from a task, and was called outside a Tokio
+    /// runtime.
+    #[error("cannot engage cluster {cluster} until a token: not within a Tokio runtime")]
+    NoRuntime {
+        /// The cluster refused.
+        cluster: String,
+    },
+}
 
 impl<C: ClusterId> Clone for Fleet<C> {
     fn clone(&self) -> Self {
@@ -82,9 +125,12 @@ impl<C: ClusterId> Default for Fleet<C> {
     fn default() -> Self {
         Self {
             inner: Arc::new(Mutex::new(State {
-                clusters: BTreeMap::new(),
+                closed: false,
+                members: BTreeMap::new(),
                 subscribers: Vec::new(),
                 indexers: Vec::new(),
+                settings: WatchSettings::default(),
+                ended: Vec::new(),
             })),
         }
     }
@@ -92,33 +138,58 @@ impl<C: ClusterId> Default for Fleet<C> {
 
 impl<C: ClusterId> fmt::Debug for Fleet<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_set().entries(self.state().clusters.keys()).finish()
+        f.debug_set().entries(self.state().members.keys()).finish()
     }
 }
 
 impl<C: ClusterId> Fleet<C> {
-    /// An empty fleet.
+    /// An empty, open fleet.
     pub fn new() -> Self {
         Self::default()
     }
 
     fn state(&self) -> MutexGuard<'_, State<C>> {
-        // The state stays consistent if a holder panicked: every mutation is one step.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner)
     }
 
     /// Engages `cluster` under its id. An id engaged with the same instance, or with a
-    /// configuration of the same endpoint and credentials, is left as it is; an id engaged
-    /// with a different cluster is replaced (the old one is disengaged: its watches stop and
-    /// new ones start, with queued requests kept).
+    /// configuration of the same endpoint, default namespace and credentials, is left as it
+    /// is; an id engaged with a different cluster is replaced (the old one is disengaged: its
+    /// watches stop and new ones start, with queued requests kept).
     pub fn engage(&self, cluster: Cluster<C>) -> Result<Engaged, EngageError> {
-        if !cluster.is_engaged() {
-            return Err(EngageError(cluster.id().to_string()));
-        }
+        self.engage_with(cluster, None)
+    }
+
+    /// Engages `cluster` for as long as `token` is not cancelled: cancelling it disengages
+    /// the cluster (if it is still the one engaged under its id). This is the shape of Go's
+    /// `Engage(ctx, ...)`, where the context's end is the removal signal. When the id is
+    /// already engaged with an equal cluster (`Engaged::Unchanged`), that engagement keeps
+    /// its own token and this one is not watched.
+    pub fn engage_until(
+        &self,
+        cluster: Cluster<C>,
+        token: CancellationToken,
+    ) -> Result<Engaged, EngageError> {
+        let runtime =
+            tokio::runtime::Handle::try_current().map_err(|_| EngageError::NoRuntime {
+                cluster: cluster.id().to_string(),
+            })?;
+        self.engage_with(cluster, Some((token, runtime)))
+    }
+
+    fn engage_with(
+        &self,
+        cluster: Cluster<C>,
+        until: Option<(CancellationToken, tokio::runtime::Handle)>,
+    ) -> Result<Engaged, EngageError> {
         let mut state = self.state();
-        let previous = state.clusters.get(cluster.id()).cloned();
-        if let Some(old) = &previous
-            && !old.differs_from(&cluster)
+        if state.closed {
+            return Err(EngageError::Stopped {
+                cluster: cluster.id().to_string(),
+            });
+        }
+        if let Some(member) = state.members.get(cluster.id())
+            && !member.engagement.cluster.differs_from(&cluster)
         {
             return Ok(Engaged::Unchanged);
         }
@@ -126,63 +197,37 @@ impl<C: ClusterId> Fleet<C> {
         for indexer in &state.indexers {
             cluster.add_indexer(indexer);
         }
-        let outcome = match previous {
+        let engagement = cluster.attach(&state.settings);
+        let until = until.map(|(token, runtime)| {
+            let fleet = Arc::downgrade(&self.inner);
+            let engaged = engagement.clone();
+            AbortOnDrop(runtime.spawn(async move {
+                tokio::select! {
+                    () = token.cancelled() => disengage_instance(&fleet, &engaged),
+                    () = engaged.session.token().cancelled() => {}
+                }
+            }))
+        });
+        let member = Member {
+            engagement: engagement.clone(),
+            _until: until,
+        };
+        let outcome = match state.members.insert(cluster.id().clone(), member) {
             Some(old) => {
-                old.disengage();
+                let old = state.end(old);
                 state.broadcast(FleetEvent::Replaced {
                     old,
-                    new: cluster.clone(),
+                    new: engagement,
                 });
                 Engaged::Replaced
             }
             None => {
-                state.broadcast(FleetEvent::Engaged(cluster.clone()));
+                state.broadcast(FleetEvent::Engaged(engagement));
                 Engaged::New
             }
         };
         tracing::info!(cluster = %cluster.id(), ?outcome, "cluster engaged");
-        state.clusters.insert(cluster.id().clone(), cluster);
         Ok(outcome)
-    }
-
-    /// Engages `cluster` for as long as `token` is not cancelled: cancelling it disengages
-    /// the cluster (if it is still the one engaged under its id). This is the shape of Go's
-    /// `Engage(ctx, ...)`, where the context's end is the removal signal.
-    pub fn engage_until(
-        &self,
-        cluster: Cluster<C>,
-        token: CancellationToken,
-    ) -> Result<Engaged, EngageError> {
-        let outcome = self.engage(cluster.clone())?;
-        let engaged = match outcome {
-            Engaged::Unchanged => self.get(cluster.id()).unwrap_or(cluster),
-            _ => cluster,
-        };
-        let fleet = Arc::downgrade(&self.inner);
-        tokio::spawn(async move {
-            tokio::select! {
-                () = token.cancelled() => {
-                    if let Some(inner) = fleet.upgrade() {
-                        Fleet { inner }.disengage_instance(&engaged);
-                    }
-                }
-                () = engaged.disengaged() => {}
-            }
-        });
-        Ok(outcome)
-    }
-
-    /// Disengages `cluster` if it is the instance engaged under its id.
-    fn disengage_instance(&self, cluster: &Cluster<C>) -> bool {
-        let mut state = self.state();
-        if !state
-            .clusters
-            .get(cluster.id())
-            .is_some_and(|c| c.same_instance(cluster))
-        {
-            return false;
-        }
-        state.remove(cluster.id())
     }
 
     /// Disengages the cluster with this id: its watches stop, controllers drop its queued
@@ -194,22 +239,28 @@ impl<C: ClusterId> Fleet<C> {
 
     /// The engaged cluster with this id.
     pub fn get(&self, id: &C) -> Option<Cluster<C>> {
-        self.state().clusters.get(id).cloned()
+        let state = self.state();
+        state.members.get(id).map(|m| m.engagement.cluster.clone())
     }
 
     /// Every engaged cluster, ordered by id.
     pub fn clusters(&self) -> Vec<Cluster<C>> {
-        self.state().clusters.values().cloned().collect()
+        let state = self.state();
+        state
+            .members
+            .values()
+            .map(|m| m.engagement.cluster.clone())
+            .collect()
     }
 
     /// The ids of every engaged cluster, in order.
     pub fn ids(&self) -> Vec<C> {
-        self.state().clusters.keys().cloned().collect()
+        self.state().members.keys().cloned().collect()
     }
 
     /// How many clusters are engaged.
     pub fn len(&self) -> usize {
-        self.state().clusters.len()
+        self.state().members.len()
     }
 
     /// Whether no cluster is engaged.
@@ -219,8 +270,9 @@ impl<C: ClusterId> Fleet<C> {
 
     /// Registers a field index on `K` objects for every engaged cluster and every cluster
     /// engaged later: `extract` gives the values an object is filed under, and
-    /// [`Cluster::indexed`] finds the cached objects filed under a value. An index of the
-    /// same kind and name is registered once.
+    /// [`Cache::indexed`](crate::Cache::indexed) finds the cached objects filed under a value.
+    /// An index of the same kind and name is registered once. An extractor that panics stops
+    /// the watch it runs in, and with it the manager (with an error naming the cluster).
     ///
     /// ```
     /// # use multicluster_runtime::{ClusterName, Fleet};
@@ -243,7 +295,11 @@ impl<C: ClusterId> Fleet<C> {
             }
             // Registered first: a cluster engaged from now on gets it in `engage`.
             state.indexers.push(indexer.clone());
-            state.clusters.values().cloned().collect::<Vec<_>>()
+            state
+                .members
+                .values()
+                .map(|m| m.engagement.cluster.clone())
+                .collect::<Vec<_>>()
         };
         // Filling the index runs the user's extractor over every cached object: not under
         // the fleet's lock. A cluster that got it in `engage` too ignores the second call.
@@ -254,8 +310,10 @@ impl<C: ClusterId> Fleet<C> {
 
     /// Disengages every cluster.
     pub fn clear(&self) {
-        for id in self.ids() {
-            self.disengage(&id);
+        let mut state = self.state();
+        let ids: Vec<C> = state.members.keys().cloned().collect();
+        for id in ids {
+            state.remove(&id);
         }
     }
 
@@ -264,27 +322,127 @@ impl<C: ClusterId> Fleet<C> {
     pub(crate) fn subscribe(&self) -> mpsc::UnboundedReceiver<FleetEvent<C>> {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut state = self.state();
-        for cluster in state.clusters.values() {
-            let _ = tx.send(FleetEvent::Engaged(cluster.clone()));
+        for member in state.members.values() {
+            let _ = tx.send(FleetEvent::Engaged(member.engagement.clone()));
         }
         state.subscribers.push(tx);
         rx
+    }
+
+    /// Opens the fleet for a manager's run, with the settings its clusters' watches get.
+    pub(crate) fn open(&self, settings: WatchSettings) {
+        let mut state = self.state();
+        state.closed = false;
+        state.settings = settings;
+    }
+
+    /// Ends a manager's run: disengages every cluster, refuses engagements until the next
+    /// [`Fleet::open`], and waits until every watch task of the engagements it ended is gone.
+    pub(crate) async fn close(&self) {
+        let ended = {
+            let mut state = self.state();
+            state.closed = true;
+            state.settings.faults = None;
+            let ids: Vec<C> = state.members.keys().cloned().collect();
+            for id in ids {
+                state.remove(&id);
+            }
+            std::mem::take(&mut state.ended)
+        };
+        for session in ended {
+            session.stopped().await;
+        }
+    }
+}
+
+/// Disengages `engagement` if it is still the one engaged under its id.
+fn disengage_instance<C: ClusterId>(fleet: &Weak<Mutex<State<C>>>, engagement: &Engagement<C>) {
+    let Some(inner) = fleet.upgrade() else {
+        return;
+    };
+    let mut state = lock(&inner);
+    if state
+        .members
+        .get(engagement.id())
+        .is_some_and(|m| m.engagement.same(engagement))
+    {
+        state.remove(engagement.id());
     }
 }
 
 impl<C: ClusterId> State<C> {
     fn remove(&mut self, id: &C) -> bool {
-        let Some(cluster) = self.clusters.remove(id) else {
+        let Some(member) = self.members.remove(id) else {
             return false;
         };
-        cluster.disengage();
-        self.broadcast(FleetEvent::Disengaged(cluster));
+        let engagement = self.end(member);
+        self.broadcast(FleetEvent::Disengaged(engagement));
         tracing::info!(cluster = %id, "cluster disengaged");
         true
     }
 
+    /// Lets go of a member's cluster, keeping its engagement to await if it ended here.
+    fn end(&mut self, member: Member<C>) -> Engagement<C> {
+        if let Some(session) = member.engagement.cluster.detach() {
+            self.ended.retain(|s| s.is_winding_down());
+            self.ended.push(session);
+        }
+        member.engagement
+    }
+
     fn broadcast(&mut self, event: FleetEvent<C>) {
         self.subscribers.retain(|tx| tx.send(event.clone()).is_ok());
+    }
+}
+
+/// A read-only view of a fleet, for reconcilers: which clusters are engaged, without the
+/// power to change that.
+pub struct FleetView<C: ClusterId> {
+    fleet: Fleet<C>,
+}
+
+impl<C: ClusterId> Clone for FleetView<C> {
+    fn clone(&self) -> Self {
+        Self {
+            fleet: self.fleet.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for FleetView<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fleet.fmt(f)
+    }
+}
+
+impl<C: ClusterId> FleetView<C> {
+    pub(crate) fn new(fleet: Fleet<C>) -> Self {
+        Self { fleet }
+    }
+
+    /// The engaged cluster with this id.
+    pub fn get(&self, id: &C) -> Option<Cluster<C>> {
+        self.fleet.get(id)
+    }
+
+    /// Every engaged cluster, ordered by id.
+    pub fn clusters(&self) -> Vec<Cluster<C>> {
+        self.fleet.clusters()
+    }
+
+    /// The ids of every engaged cluster, in order.
+    pub fn ids(&self) -> Vec<C> {
+        self.fleet.ids()
+    }
+
+    /// How many clusters are engaged.
+    pub fn len(&self) -> usize {
+        self.fleet.len()
+    }
+
+    /// Whether no cluster is engaged.
+    pub fn is_empty(&self) -> bool {
+        self.fleet.is_empty()
     }
 }
 
@@ -316,30 +474,40 @@ mod tests {
     async fn engagement_outcomes_follow_endpoint_and_credentials() {
         let fleet = Fleet::new();
         let a = cluster("a", "https://127.0.0.1:1");
+        assert!(!a.is_engaged(), "a new handle is not engaged");
         assert_eq!(fleet.engage(a.clone()).unwrap(), Engaged::New);
+        assert!(a.is_engaged());
         assert_eq!(
             fleet.engage(a.clone()).unwrap(),
             Engaged::Unchanged,
             "same instance"
         );
+        let equal = cluster("a", "https://127.0.0.1:1");
+        assert_eq!(fleet.engage(equal.clone()).unwrap(), Engaged::Unchanged);
+        assert!(!equal.is_engaged(), "the equal handle was not engaged");
+        let mut elsewhere = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
+        elsewhere.default_namespace = "other".into();
+        let other_namespace = Cluster::from_config(ClusterName::from("a"), elsewhere).unwrap();
         assert_eq!(
-            fleet.engage(cluster("a", "https://127.0.0.1:1")).unwrap(),
-            Engaged::Unchanged,
-            "same config"
+            fleet.engage(other_namespace.clone()).unwrap(),
+            Engaged::Replaced,
+            "the default namespace is part of where requests go"
         );
         let moved = cluster("a", "https://127.0.0.1:2");
         assert_eq!(fleet.engage(moved.clone()).unwrap(), Engaged::Replaced);
-        assert!(!a.is_engaged(), "the replaced cluster is disengaged");
+        assert!(!a.is_engaged() && !other_namespace.is_engaged());
         assert!(
             fleet
                 .get(&ClusterName::from("a"))
                 .unwrap()
                 .same_instance(&moved)
         );
-        assert!(
-            fleet.engage(a).is_err(),
-            "a disengaged cluster cannot come back"
+        assert_eq!(
+            fleet.engage(a.clone()).unwrap(),
+            Engaged::Replaced,
+            "a disengaged cluster can come back"
         );
+        assert!(a.is_engaged());
     }
 
     #[tokio::test]
@@ -374,5 +542,61 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert!(fleet.is_empty() && !second.is_engaged());
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_engagement_spawns_no_waiter() {
+        let fleet = Fleet::new();
+        let token = CancellationToken::new();
+        let a = cluster("a", "https://127.0.0.1:1");
+        let metrics = tokio::runtime::Handle::current().metrics();
+        fleet.engage_until(a.clone(), token.clone()).unwrap();
+        let after_first = metrics.num_alive_tasks();
+        for _ in 0..100 {
+            assert_eq!(
+                fleet.engage_until(a.clone(), token.clone()).unwrap(),
+                Engaged::Unchanged
+            );
+        }
+        assert_eq!(metrics.num_alive_tasks(), after_first);
+        // Disengaging aborts the waiter.
+        fleet.disengage(&ClusterName::from("a"));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(metrics.num_alive_tasks(), after_first - 1);
+    }
+
+    #[test]
+    fn engage_until_outside_a_runtime_is_an_error_not_a_panic() {
+        let fleet = Fleet::new();
+        let a = Cluster::new(
+            ClusterName::from("a"),
+            // A client needs a runtime only once it sends something.
+            tokio::runtime::Runtime::new().unwrap().block_on(async {
+                kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap()))
+                    .unwrap()
+            }),
+        );
+        assert!(matches!(
+            fleet.engage_until(a, CancellationToken::new()),
+            Err(EngageError::NoRuntime { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_closed_fleet_refuses_clusters_until_it_is_opened_again() {
+        let fleet = Fleet::new();
+        let a = cluster("a", "https://127.0.0.1:1");
+        fleet.engage(a.clone()).unwrap();
+        fleet.close().await;
+        assert!(fleet.is_empty() && !a.is_engaged());
+        assert!(matches!(
+            fleet.engage(a.clone()),
+            Err(EngageError::Stopped { .. })
+        ));
+        fleet.open(WatchSettings::default());
+        assert_eq!(fleet.engage(a.clone()).unwrap(), Engaged::New);
+        assert!(a.is_engaged());
     }
 }

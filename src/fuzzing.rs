@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
+use crate::controller::{FleetQueue, ReconcileReason};
 use crate::providers::{ApiPath, File, Multi, Target, Trust};
-use crate::queue::FleetQueue;
-use crate::{Action, ClusterName, ReconcileReason, Request, SingleCluster};
+use crate::{Action, ClusterName, Request, SingleCluster};
 
 /// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
 pub const TARGETS: [&str; 5] = [
@@ -192,7 +192,7 @@ async fn queue_machine(data: &[u8]) {
     let Some(setup) = byte() else { return };
     let concurrency = usize::from(setup % 4);
     let debounce = Duration::from_millis([0, 10, 250, 1000][usize::from(setup / 4 % 4)]);
-    let mut queue = FleetQueue::<ClusterName>::new(concurrency, debounce);
+    let mut queue = FleetQueue::<ClusterName>::new(concurrency, 0, debounce);
     let mut model = Model {
         engaged: HashSet::new(),
         in_flight: Vec::new(),

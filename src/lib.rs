@@ -18,29 +18,25 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod action;
-mod builder;
 mod cluster;
-mod cluster_id;
-mod context;
 mod controller;
 mod fleet;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-mod index;
 mod manager;
 mod provider;
 pub mod providers;
-mod queue;
 mod request;
+mod sync;
 
 pub use action::Action;
-pub use builder::{Builder, Watchable};
-pub use cluster::{Cluster, UnknownIndex, WeakCluster};
-pub use cluster_id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
-pub use context::Context;
-pub use controller::ReconcileReason;
-pub use fleet::{EngageError, Engaged, Fleet};
+pub use cluster::{
+    Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterName, Fault, InvalidClusterId,
+    SingleCluster, WatchBackoff, WeakCluster,
+};
+pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, Watchable};
+pub use fleet::{EngageError, Engaged, Fleet, FleetView};
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};

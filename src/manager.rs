@@ -5,14 +5,18 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, Fleet, Provider, ProviderError};
+use crate::cluster::{Fault, WatchSettings};
+use crate::sync::lock;
+use crate::{Cluster, Fleet, Provider, ProviderError, WatchBackoff};
 
 type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// What a run hands each controller it starts.
+pub(crate) type ControllerFactory<C> = Arc<dyn Fn(crate::controller::Env<C>) -> Task + Send + Sync>;
 
 /// Runs a [`Provider`], holds the engaged clusters (its [`Fleet`]) and the optional local
 /// (host) cluster, and runs controllers until shutdown.
@@ -20,14 +24,25 @@ type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 /// Controllers are built with [`Builder`](crate::Builder); they can be added before
 /// [`Manager::run`] or while it runs, and each one reconciles every cluster engaged before or
 /// after it started.
+///
+/// A manager can run again after a run returned (leader election stops it when the lease is
+/// lost and starts it when it is won again): each run starts the provider and every
+/// controller afresh, with the same provider, and when a run returns nothing it started runs
+/// on. A second `Manager` on the same provider works too.
 pub struct Manager<P: Provider> {
     provider: Arc<P>,
     fleet: Fleet<P::Id>,
     local: Option<Cluster<P::Id>>,
-    shutdown: CancellationToken,
+    /// The token of the current (or next) run.
+    shutdown: Mutex<CancellationToken>,
     graceful_timeout: Duration,
-    tasks_tx: mpsc::UnboundedSender<Task>,
-    tasks_rx: Mutex<Option<mpsc::UnboundedReceiver<Task>>>,
+    backoff: WatchBackoff,
+    /// Controllers from [`Builder::start`](crate::Builder::start), started in every run.
+    controllers: Mutex<Vec<ControllerFactory<P::Id>>>,
+    /// While running, where new controllers and tasks go; otherwise `None`.
+    running: Mutex<Option<mpsc::UnboundedSender<Task>>>,
+    /// Tasks from [`Manager::add`] waiting for the next run.
+    pending: Mutex<Vec<Task>>,
 }
 
 /// Why [`Manager::run`] failed.
@@ -40,7 +55,11 @@ pub enum ManagerError {
     /// A controller panicked; the manager shut down.
     #[error("a controller panicked: {0}")]
     ControllerPanicked(String),
-    /// `run` was called twice.
+    /// A cluster's watch stopped for good (user code, such as a field index extractor,
+    /// panicked in it); the manager shut down rather than run on with a frozen cache.
+    #[error("{0}")]
+    WatchFailed(Fault),
+    /// `run` was called while a run was going on.
     #[error("the manager is already running")]
     AlreadyRunning,
 }
@@ -58,33 +77,44 @@ impl<P: Provider> std::fmt::Debug for Manager<P> {
 pub const DEFAULT_GRACEFUL_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl<P: Provider> Manager<P> {
-    /// A manager for `provider`, with no local cluster and a graceful-shutdown bound of
-    /// [`DEFAULT_GRACEFUL_TIMEOUT`].
+    /// A manager for `provider`, with no local cluster, a graceful-shutdown bound of
+    /// [`DEFAULT_GRACEFUL_TIMEOUT`] and the default [`WatchBackoff`].
     pub fn new(provider: P) -> Self {
-        let (tasks_tx, tasks_rx) = mpsc::unbounded_channel();
         Self {
             provider: Arc::new(provider),
             fleet: Fleet::new(),
             local: None,
-            shutdown: CancellationToken::new(),
+            shutdown: Mutex::new(CancellationToken::new()),
             graceful_timeout: DEFAULT_GRACEFUL_TIMEOUT,
-            tasks_tx,
-            tasks_rx: Mutex::new(Some(tasks_rx)),
+            backoff: WatchBackoff::default(),
+            controllers: Mutex::new(Vec::new()),
+            running: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
         }
     }
 
     /// Sets the local (host) cluster, the one the controller runs in or is configured for.
-    /// Controllers engage it when built with [`Builder::engage_local`](crate::Builder::engage_local).
+    /// Controllers engage it when built with [`Builder::engage_local`](crate::Builder::engage_local);
+    /// it is engaged while the manager runs.
     #[must_use]
     pub fn with_local(mut self, cluster: Cluster<P::Id>) -> Self {
         self.local = Some(cluster);
         self
     }
 
-    /// How long shutdown waits for reconciles in flight before abandoning them.
+    /// How long shutdown waits for reconciles in flight (and the provider's own cleanup)
+    /// before dropping them; in both modes.
     #[must_use]
     pub fn graceful_timeout(mut self, timeout: Duration) -> Self {
         self.graceful_timeout = timeout;
+        self
+    }
+
+    /// How the watches of every cluster (and of single-cluster controllers) retry after a
+    /// failure; see [`WatchBackoff`] for the default.
+    #[must_use]
+    pub fn watch_backoff(mut self, backoff: WatchBackoff) -> Self {
+        self.backoff = backoff;
         self
     }
 
@@ -126,100 +156,181 @@ impl<P: Provider> Manager<P> {
         let extract = Arc::new(extract);
         if let Some(local) = &self.local {
             let extract = extract.clone();
-            local.add_indexer(&crate::index::Indexer::new::<K>(name, move |k: &K| {
+            local.add_indexer(&crate::cluster::Indexer::new::<K>(name, move |k: &K| {
                 extract(k)
             }));
         }
         self.fleet.index_field::<K>(name, move |k: &K| extract(k));
     }
 
-    /// The token that stops the manager and its controllers when cancelled.
+    /// The token that stops the current run (or the next one, if none is going on) when
+    /// cancelled. Each run gets a new one once the previous run has returned.
     pub fn shutdown_token(&self) -> CancellationToken {
-        self.shutdown.clone()
+        lock(&self.shutdown).clone()
     }
 
     /// Stops the manager: controllers stop taking work, let reconciles in flight finish
     /// (bounded by the graceful timeout), and [`Manager::run`] returns.
     pub fn shutdown(&self) {
-        self.shutdown.cancel();
+        lock(&self.shutdown).cancel();
     }
 
-    pub(crate) fn graceful(&self) -> Duration {
-        self.graceful_timeout
+    pub(crate) fn env(&self) -> crate::controller::Env<P::Id> {
+        crate::controller::Env {
+            fleet: self.fleet.clone(),
+            local: self.local.clone(),
+            shutdown: self.shutdown_token(),
+            graceful: self.graceful_timeout,
+            backoff: self.backoff.clone(),
+        }
     }
 
-    /// Runs `task` (a controller) with the manager: from [`Manager::run`] if it has not
-    /// started yet, at once otherwise.
+    /// Runs `task` with the manager: in the current run, or in the next one if none is going
+    /// on. It runs once; when the run ends it is dropped after the graceful timeout if it has
+    /// not finished by then (select on [`Manager::shutdown_token`] to end it sooner).
     pub fn add(&self, task: impl Future<Output = ()> + Send + 'static) {
-        // If run has returned, the receiver is gone and the task is dropped unrun, as
-        // the manager is shut down.
-        let _ = self.tasks_tx.send(Box::pin(task));
+        let task: Task = Box::pin(task);
+        let running = lock(&self.running);
+        let task = match &*running {
+            Some(tx) => match tx.send(task) {
+                Ok(()) => return,
+                Err(mpsc::error::SendError(task)) => task,
+            },
+            None => task,
+        };
+        lock(&self.pending).push(task);
     }
 
-    /// Runs the provider and every controller added with [`Manager::add`] (before or during
-    /// the run) until [`Manager::shutdown`] or a provider error; then shuts controllers down
-    /// gracefully and returns.
+    /// Adds a controller: started in the current run (if any) and in every later one.
+    pub(crate) fn add_controller(&self, factory: ControllerFactory<P::Id>) {
+        let running = lock(&self.running);
+        lock(&self.controllers).push(factory.clone());
+        if let Some(tx) = &*running {
+            let _ = tx.send(factory(self.env()));
+        }
+    }
+
+    /// Runs the provider and every controller until [`Manager::shutdown`], a provider error,
+    /// a panicking controller or a failed watch; then shuts down within the graceful
+    /// timeout and returns. When it returns, every task it started has ended (tasks still
+    /// running at the deadline are dropped), every cluster is disengaged and its watches have
+    /// stopped; the manager can run again.
     pub async fn run(&self) -> Result<(), ManagerError> {
-        let Some(mut tasks_rx) = self
-            .tasks_rx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        else {
-            return Err(ManagerError::AlreadyRunning);
+        let (tasks_tx, mut tasks_rx) = mpsc::unbounded_channel();
+        let shutdown = {
+            let mut running = lock(&self.running);
+            if running.is_some() {
+                return Err(ManagerError::AlreadyRunning);
+            }
+            *running = Some(tasks_tx);
+            self.shutdown_token()
         };
+        let (faults_tx, mut faults_rx) = mpsc::unbounded_channel();
+        let settings = WatchSettings {
+            backoff: self.backoff.clone(),
+            faults: Some(faults_tx),
+        };
+        self.fleet.open(settings.clone());
+        let local = self.local.as_ref().map(|local| local.attach(&settings));
+
+        let mut tasks = JoinSet::new();
+        {
+            let _running = lock(&self.running);
+            let env = self.env();
+            for factory in lock(&self.controllers).iter() {
+                tasks.spawn(factory(env.clone()));
+            }
+            for task in lock(&self.pending).drain(..) {
+                tasks.spawn(task);
+            }
+        }
         let provider = self
             .provider
-            .run(self.fleet.clone(), self.shutdown.child_token());
+            .run(self.fleet.clone(), shutdown.child_token());
         let mut provider = std::pin::pin!(provider);
         let mut provider_done = false;
         let mut result = Ok(());
-        let mut tasks = FuturesUnordered::new();
         loop {
             tokio::select! {
-                () = self.shutdown.cancelled() => break,
+                () = shutdown.cancelled() => break,
                 res = &mut provider, if !provider_done => {
                     provider_done = true;
                     if let Err(e) = res {
                         tracing::error!(error = %e, "provider failed; shutting down");
                         result = Err(ManagerError::Provider(e));
-                        self.shutdown.cancel();
                         break;
                     }
                 }
-                Some(task) = tasks_rx.recv() => tasks.push(tokio::spawn(task)),
-                Some(joined) = tasks.next(), if !tasks.is_empty() => {
+                Some(task) = tasks_rx.recv() => {
+                    tasks.spawn(task);
+                }
+                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
                     if let Err(error) = joined && error.is_panic() {
                         // A controller that died would leave its clusters unreconciled while
                         // everything looks alive; stop instead, loudly.
                         tracing::error!(%error, "a controller panicked; shutting down");
-                        result = Err(ManagerError::ControllerPanicked(error.to_string()));
-                        self.shutdown.cancel();
+                        result = Err(ManagerError::ControllerPanicked(panic_text(error)));
                         break;
                     }
                 }
+                Some(fault) = faults_rx.recv() => {
+                    tracing::error!(%fault, "shutting down");
+                    result = Err(ManagerError::WatchFailed(fault));
+                    break;
+                }
             }
         }
-        // Controllers see the same token and wind down on their own, each within the
-        // graceful timeout; wait for them a little longer than that.
-        let drain = async { while tasks.next().await.is_some() {} };
-        if tokio::time::timeout(
-            self.graceful_timeout.saturating_add(Duration::from_secs(1)),
-            drain,
-        )
-        .await
-        .is_err()
+        shutdown.cancel();
         {
-            tracing::warn!("controllers did not stop within the graceful timeout");
+            // From now on, added tasks wait for the next run.
+            *lock(&self.running) = None;
+            let mut pending = lock(&self.pending);
+            while let Ok(task) = tasks_rx.try_recv() {
+                pending.push(task);
+            }
         }
-        self.fleet.clear();
+        // Controllers see the same token and wind down on their own, each within the graceful
+        // timeout, and the provider gets as long for its cleanup; whatever is left after a
+        // little more than that is dropped.
+        let drain = async {
+            let provider = async {
+                if !provider_done {
+                    let _ = (&mut provider).await;
+                }
+            };
+            let controllers = async { while tasks.join_next().await.is_some() {} };
+            futures::join!(provider, controllers);
+        };
+        let bound = self.graceful_timeout.saturating_add(Duration::from_secs(1));
+        if tokio::time::timeout(bound, drain).await.is_err() {
+            tracing::warn!(
+                remaining = tasks.len(),
+                "tasks did not stop within the graceful timeout; dropping them"
+            );
+            tasks.shutdown().await;
+        }
+        self.fleet.close().await;
+        if let Some(local) = local
+            && let Some(session) = local.cluster.detach()
+        {
+            session.stopped().await;
+        }
+        // The next run gets a token of its own.
+        *lock(&self.shutdown) = CancellationToken::new();
         result
+    }
+}
+
+fn panic_text(error: tokio::task::JoinError) -> String {
+    match error.try_into_panic() {
+        Ok(panic) => crate::cluster::panic_message(&*panic),
+        Err(error) => error.to_string(),
     }
 }
 
 impl<P: Provider> Drop for Manager<P> {
     fn drop(&mut self) {
-        self.shutdown.cancel();
+        lock(&self.shutdown).cancel();
     }
 }
 
@@ -239,26 +350,56 @@ mod tests {
             matches!(result, Err(ManagerError::ControllerPanicked(ref m)) if m.contains("controller bug")),
             "{result:?}"
         );
-        assert!(manager.shutdown_token().is_cancelled());
     }
 
     #[tokio::test]
-    async fn run_returns_after_shutdown_and_refuses_a_second_run() {
+    async fn run_refuses_a_concurrent_run_and_runs_again_after_it_returned() {
         let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
-        let run = tokio::spawn({
-            let manager = manager.clone();
-            async move { manager.run().await }
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for _ in 0..2 {
+            let counter = runs.clone();
+            manager.add(async move {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+            let run = tokio::spawn({
+                let manager = manager.clone();
+                async move { manager.run().await }
+            });
+            while runs.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+            assert!(matches!(
+                manager.run().await,
+                Err(ManagerError::AlreadyRunning)
+            ));
+            manager.shutdown();
+            tokio::time::timeout(Duration::from_secs(10), run)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            runs.store(0, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tasks_that_ignore_shutdown_are_dropped_after_the_graceful_timeout() {
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new())
+            .graceful_timeout(Duration::from_secs(5));
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let flag = Flag(dropped.clone());
+        manager.add(async move {
+            let _flag = flag;
+            std::future::pending::<()>().await;
         });
-        tokio::task::yield_now().await;
         manager.shutdown();
-        tokio::time::timeout(Duration::from_secs(10), run)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert!(matches!(
-            manager.run().await,
-            Err(ManagerError::AlreadyRunning)
-        ));
+        manager.run().await.unwrap();
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     }
 }

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use kube::Resource;
 use kube_runtime::reflector::ObjectRef;
 
-use crate::cluster_id::{ClusterId, InvalidClusterId};
+use crate::cluster::{ClusterId, InvalidClusterId};
 
 /// A request to reconcile one object in one cluster: the cluster's id and the object's key.
 ///

@@ -84,19 +84,15 @@ async fn every_namespace_is_a_cluster_fed_by_one_watch_per_kind() {
     }
     // Each cluster sees its own namespace only.
     let zoo = manager.cluster(&name("zoo")).unwrap();
-    let in_zoo = zoo.store::<ConfigMap>(&fixture_objects()).state();
+    let zoo_cache = zoo.cache::<ConfigMap>(&fixture_objects()).await.unwrap();
+    let in_zoo = zoo_cache.store().state();
     assert_eq!(in_zoo.len(), 3);
     assert!(
         in_zoo
             .iter()
             .all(|cm| cm.namespace().as_deref() == Some("zoo"))
     );
-    assert_eq!(
-        zoo.indexed::<ConfigMap>(&fixture_objects(), "type", "animal")
-            .unwrap()
-            .len(),
-        1
-    );
+    assert_eq!(zoo_cache.indexed("type", "animal").unwrap().len(), 1);
     // The API server's own namespaces are clusters too.
     assert!(manager.cluster(&name("default")).is_some());
 
@@ -662,7 +658,12 @@ async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
     assert_eq!(provider.host_watches(), 1);
     let jungle = manager.cluster(&name("tenants#jungle")).unwrap();
     assert_eq!(
-        jungle.store::<ConfigMap>(&fixture_objects()).state().len(),
+        jungle
+            .cache::<ConfigMap>(&fixture_objects())
+            .await
+            .unwrap()
+            .store()
+            .len(),
         3
     );
 

@@ -53,14 +53,21 @@ async fn multi_composes_providers_added_and_removed_while_controllers_run() {
     );
 
     // The manager's index reaches the children's clusters, once each.
-    let animals = |id: &str| {
-        manager.cluster(&name(id)).map(|c| {
-            c.indexed::<ConfigMap>(&fixture_objects(), "type", "animal")
+    let animals = async |id: &str| match manager.cluster(&name(id)) {
+        Some(c) => Some(
+            c.cache::<ConfigMap>(&fixture_objects())
+                .await
                 .unwrap()
-                .len()
-        })
+                .indexed("type", "animal")
+                .unwrap()
+                .len(),
+        ),
+        None => None,
     };
-    eventually(30, "indexed in b#x", async || animals("b#x") == Some(3)).await;
+    eventually(30, "indexed in b#x", async || {
+        animals("b#x").await == Some(3)
+    })
+    .await;
 
     // A child added at run time: cluster-1 again, under another name.
     let c = Clusters::new();

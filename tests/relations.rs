@@ -172,7 +172,9 @@ async fn a_cluster_reengaged_with_new_credentials_is_not_reconciled_twice() {
         Engaged::Replaced
     );
     eventually(10, "the new cluster's cache listed", async || {
-        replacement.store::<ConfigMap>(&fixture_objects()).len() == 9
+        replacement
+            .store::<ConfigMap>(&fixture_objects())
+            .is_ok_and(|s| s.len() == 9)
     })
     .await;
     settle(1500).await;

@@ -192,18 +192,18 @@ async fn a_field_index_registered_once_serves_clusters_engaged_before_and_after(
     let run = spawn_manager(&manager);
     eventually(10, "cluster-0 engaged", async || manager.fleet().len() == 1).await;
 
-    let animals = |id: &str| {
-        manager
-            .cluster(&name(id))
-            .map(|c| {
-                c.indexed::<ConfigMap>(&fixture_objects(), "type", "animal")
-                    .unwrap()
-                    .len()
-            })
-            .unwrap_or(0)
+    let animals = async |id: &str| match manager.cluster(&name(id)) {
+        Some(c) => c
+            .cache::<ConfigMap>(&fixture_objects())
+            .await
+            .unwrap()
+            .indexed("type", "animal")
+            .unwrap()
+            .len(),
+        None => 0,
     };
     eventually(30, "3 animals indexed in cluster-0", async || {
-        animals("cluster-0") == 3
+        animals("cluster-0").await == 3
     })
     .await;
 
@@ -211,7 +211,7 @@ async fn a_field_index_registered_once_serves_clusters_engaged_before_and_after(
         .add(Cluster::new(name("cluster-1"), c1.client().unwrap()))
         .unwrap();
     eventually(30, "3 animals indexed in the later cluster-1", async || {
-        animals("cluster-1") == 3
+        animals("cluster-1").await == 3
     })
     .await;
     Api::<ConfigMap>::namespaced(c1.client().unwrap(), "zoo")
@@ -219,21 +219,20 @@ async fn a_field_index_registered_once_serves_clusters_engaged_before_and_after(
         .await
         .unwrap();
     eventually(30, "the new animal indexed", async || {
-        animals("cluster-1") == 4
+        animals("cluster-1").await == 4
     })
     .await;
 
     // Registering the same index again changes nothing.
     manager.index_field::<ConfigMap>("type", label_type);
-    assert_eq!(animals("cluster-1"), 4);
+    assert_eq!(animals("cluster-1").await, 4);
     let cluster1 = manager.cluster(&name("cluster-1")).unwrap();
-    let humans = cluster1
-        .indexed::<ConfigMap>(&fixture_objects(), "type", "human")
+    let cache = cluster1
+        .cache::<ConfigMap>(&fixture_objects())
+        .await
         .unwrap();
-    assert_eq!(humans.len(), 3);
-    let err = cluster1
-        .indexed::<ConfigMap>(&fixture_objects(), "colour", "red")
-        .unwrap_err();
+    assert_eq!(cache.indexed("type", "human").unwrap().len(), 3);
+    let err = cache.indexed("colour", "red").unwrap_err();
     assert!(
         err.to_string().contains("cluster-1") && err.to_string().contains("colour"),
         "{err}"

@@ -15,6 +15,9 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::{WatchStreamExt, watcher};
 use multicluster_runtime::testenv::{Assets, Error, EtcdLayout, TestEnv};
 
+mod common;
+use common::WIDGET_CRD;
+
 fn config_map(name: &str, data: &[(&str, &str)]) -> ConfigMap {
     ConfigMap {
         metadata: ObjectMeta {
@@ -195,30 +198,6 @@ async fn users_are_refused_without_rbac_rights_and_allowed_through_their_groups(
     let err = cluster.add_user("many", &["a", "b", "c"]).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
 }
-
-const WIDGET_CRD: &str = r#"
----
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: widgets.example.com
-spec:
-  group: example.com
-  names: {kind: Widget, plural: widgets, singular: widget}
-  scope: Namespaced
-  versions:
-  - name: v1
-    served: true
-    storage: true
-    schema:
-      openAPIV3Schema:
-        type: object
-        properties:
-          spec:
-            type: object
-            properties:
-              size: {type: integer}
-"#;
 
 #[tokio::test]
 async fn crds_install_and_serve_custom_objects() {

@@ -57,7 +57,7 @@ impl<C: ClusterId> Clusters<C> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<C>> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.inner)
     }
 
     /// Adds `cluster`, or replaces the cluster of the same id if it reaches the cluster
@@ -66,7 +66,6 @@ impl<C: ClusterId> Clusters<C> {
         let mut inner = self.lock();
         let outcome = match &inner.fleet {
             Some(fleet) => fleet.engage(cluster.clone())?,
-            None if !cluster.is_engaged() => return Err(EngageError(cluster.id().to_string())),
             None => match inner.wanted.get(cluster.id()) {
                 None => Engaged::New,
                 Some(old) if old.differs_from(&cluster) => Engaged::Replaced,

@@ -107,7 +107,7 @@ impl Multi {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.inner)
     }
 
     /// The separator between a child's name and its cluster's id.
@@ -325,7 +325,8 @@ fn forward<C: ClusterId>(
     event: FleetEvent<C>,
 ) {
     match event {
-        FleetEvent::Engaged(cluster) | FleetEvent::Replaced { new: cluster, .. } => {
+        FleetEvent::Engaged(engaged) | FleetEvent::Replaced { new: engaged, .. } => {
+            let cluster = engaged.cluster;
             let name = ClusterName::from(format!("{prefix}{}", cluster.id()));
             // The same client, config (so that an unchanged re-engagement stays a no-op in
             // the parent too) and watch source (a namespace-cluster keeps sharing its
@@ -336,8 +337,8 @@ fn forward<C: ClusterId>(
                 tracing::warn!(cluster = %name, %error, "could not engage");
             }
         }
-        FleetEvent::Disengaged(cluster) => {
-            parent.disengage(&ClusterName::from(format!("{prefix}{}", cluster.id())));
+        FleetEvent::Disengaged(engaged) => {
+            parent.disengage(&ClusterName::from(format!("{prefix}{}", engaged.id())));
         }
     }
 }

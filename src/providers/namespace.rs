@@ -182,9 +182,7 @@ impl Namespaces {
 }
 
 /// Locks, recovering from poisoning: every critical section here leaves its data consistent.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::sync::lock;
 
 // ---------------------------------------------------------------------------------------
 // The shared watches.

@@ -557,6 +557,33 @@ impl Drop for TestEnv {
     }
 }
 
+/// A frozen apiserver (see [`TestCluster::pause`]); it runs on when this is resumed or dropped.
+#[derive(Debug)]
+#[must_use = "dropping it resumes the apiserver at once"]
+pub struct Paused {
+    pid: u32,
+    cluster: String,
+}
+
+impl Paused {
+    /// Lets the apiserver run on (SIGCONT).
+    pub fn resume(self) {}
+
+    /// The cluster whose apiserver is frozen.
+    pub fn cluster(&self) -> &str {
+        &self.cluster
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid as i32),
+            nix::sys::signal::Signal::SIGCONT,
+        );
+    }
+}
+
 /// One running test cluster: a kube-apiserver with its own certificates (and, with
 /// [`EtcdLayout::PerCluster`], its own etcd).
 pub struct TestCluster {
@@ -669,6 +696,36 @@ impl TestCluster {
         if let Some(mut apiserver) = running {
             apiserver.stop().await;
         }
+    }
+
+    /// Kills the apiserver at once (SIGKILL: no graceful shutdown, connections cut mid-stream),
+    /// as a crash would. [`TestCluster::start`] brings it back. Killing a stopped cluster does
+    /// nothing.
+    pub async fn kill(&self) {
+        let _serial = self.lifecycle.lock().await;
+        let running = lock(&self.apiserver).take();
+        if let Some(mut apiserver) = running {
+            apiserver.kill_now();
+        }
+    }
+
+    /// Freezes the apiserver (SIGSTOP): connections stay open and requests hang, as with a
+    /// host that stopped answering. It runs on when the returned guard is resumed or dropped
+    /// (SIGCONT), so a test cannot leave it frozen.
+    pub fn pause(&self) -> Result<Paused, Error> {
+        let mut apiserver = lock(&self.apiserver);
+        if let Some(process) = apiserver.as_mut()
+            && process.signal(nix::sys::signal::Signal::SIGSTOP)
+        {
+            return Ok(Paused {
+                pid: process.pid(),
+                cluster: self.name.clone(),
+            });
+        }
+        Err(Error::Unavailable {
+            cluster: self.name.clone(),
+            reason: "the apiserver is not running".into(),
+        })
     }
 
     /// Starts the apiserver again after [`TestCluster::stop`] (same port, same data) and waits
@@ -1250,9 +1307,7 @@ fn is_dns_label(s: &str) -> bool {
 
 /// Locks a mutex, recovering from poisoning: the data guarded here (process handles) stays
 /// valid if a thread panicked while holding the lock, and clean-up must still run.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::sync::lock;
 
 #[cfg(test)]
 mod tests {

@@ -72,9 +72,21 @@ impl ManagedProcess {
 
     fn terminate(&mut self) {
         if self.try_exited().is_none() {
-            // The pid is our own un-reaped child, so it cannot have been reused.
+            // The pid is our own un-reaped child, so it cannot have been reused. A paused
+            // (SIGSTOP) process handles SIGTERM only once continued.
             let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM);
+            let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGCONT);
         }
+    }
+
+    /// Sends `signal` if the process is still running; whether it was.
+    pub(crate) fn signal(&mut self, signal: Signal) -> bool {
+        self.try_exited().is_none() && kill(Pid::from_raw(self.child.id() as i32), signal).is_ok()
+    }
+
+    /// SIGKILL now, and reap.
+    pub(crate) fn kill_now(&mut self) {
+        self.force();
     }
 
     fn force(&mut self) {
@@ -193,7 +205,7 @@ impl Guardian {
     }
 
     fn send(&self, line: &str) {
-        let mut stdin = self.stdin.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stdin = crate::sync::lock(&self.stdin);
         if let Some(pipe) = stdin.as_mut() {
             // A failed write means the guardian is gone; Drop still cleans up normally.
             let _ = pipe.write_all(line.as_bytes()).and_then(|()| pipe.flush());
@@ -213,8 +225,8 @@ impl Drop for Guardian {
     fn drop(&mut self) {
         // Closing the pipe lets the guardian exit; every process was already stopped and
         // forgotten, so it has nothing left to kill. Reap it so it leaves no zombie.
-        drop(self.stdin.lock().unwrap_or_else(|e| e.into_inner()).take());
-        if let Some(mut child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        drop(crate::sync::lock(&self.stdin).take());
+        if let Some(mut child) = crate::sync::lock(&self.child).take() {
             let _ = child.wait();
         }
     }

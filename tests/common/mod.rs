@@ -226,3 +226,154 @@ pub async fn has_event(
                 && e.note.as_deref().unwrap_or_default().contains(note)
         })
 }
+
+/// A TCP relay in front of an apiserver, to open a real watch gap: [`Relay::cut`] drops every
+/// connection through it and refuses new ones until [`Relay::restore`], while the apiserver
+/// itself keeps serving direct clients. TLS passes through untouched (the serving
+/// certificate names 127.0.0.1, whatever the port).
+pub struct Relay {
+    url: String,
+    cut: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    /// A relay to `server` (`https://127.0.0.1:<port>`).
+    pub async fn start(server: &str) -> Relay {
+        let target = server.trim_start_matches("https://").to_string();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        // Odd values: cut. Every change ends the connections opened before it.
+        let (cut, epochs) = tokio::sync::watch::channel(0u64);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut epochs = epochs.clone();
+                if *epochs.borrow_and_update() % 2 == 1 {
+                    drop(inbound);
+                    continue;
+                }
+                let target = target.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = epochs.changed() => {}
+                    }
+                });
+            }
+        });
+        Relay { url, cut, task }
+    }
+
+    /// `config` pointed at the relay.
+    pub fn config(&self, mut config: kube::Config) -> kube::Config {
+        config.cluster_url = self.url.parse().unwrap();
+        config
+    }
+
+    /// Drops every connection and refuses new ones.
+    pub fn cut(&self) {
+        self.cut.send_modify(|e| {
+            if *e % 2 == 0 {
+                *e += 1
+            }
+        });
+    }
+
+    /// Accepts connections again.
+    pub fn restore(&self) {
+        self.cut.send_modify(|e| {
+            if *e % 2 == 1 {
+                *e += 1
+            }
+        });
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Sets a drop flag: tells whether a future was dropped (abandoned) rather than finished.
+pub struct DropFlag(pub Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The `multicluster_runtime` log lines (DEBUG and above) of the whole test binary, from the
+/// first [`Logs::capture`] on. Tests pick their own lines by the unique cluster names they
+/// use (a thread-local subscriber would miss callsites whose interest another thread cached).
+#[derive(Clone)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    /// Starts capturing (once per test binary).
+    pub fn capture() -> Logs {
+        static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Logs(Arc::default());
+            let writer = logs.clone();
+            tracing_subscriber::fmt()
+                .with_env_filter("multicluster_runtime=debug")
+                .with_ansi(false)
+                .with_writer(move || writer.clone())
+                .init();
+            logs
+        })
+        .clone()
+    }
+
+    /// The captured lines that contain every one of `parts`.
+    pub fn lines(&self, parts: &[&str]) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .filter(|l| parts.iter().all(|p| l.contains(p)))
+            .map(String::from)
+            .collect()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A namespaced custom resource, `widgets.example.com/v1` `Widget`, with any fields.
+pub const WIDGET_CRD: &str = r#"
+---
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: widgets.example.com
+spec:
+  group: example.com
+  names: {kind: Widget, plural: widgets, singular: widget}
+  scope: Namespaced
+  versions:
+  - name: v1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema:
+        type: object
+        properties:
+          spec:
+            type: object
+            properties:
+              size: {type: integer}
+"#;

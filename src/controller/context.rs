@@ -7,7 +7,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, ClusterId, Fleet, Request};
+use crate::{Cluster, ClusterId, FleetView, Request};
 
 /// The context of one reconcile: the request, the cluster it is for, the user's state, and
 /// the rest of the fleet (for reconcilers that act on other clusters).
@@ -30,6 +30,9 @@ use crate::{Cluster, ClusterId, Fleet, Request};
 pub struct Context<C: ClusterId, S> {
     shared: Arc<Shared<C, S>>,
     cluster: Cluster<C>,
+    /// The cluster's engagement this reconcile runs in (fleet mode); cancelled when it ends.
+    /// Single-cluster mode has none: its one cluster stays engaged while the manager runs.
+    engagement: Option<CancellationToken>,
     /// Built on first use from `object` in single-cluster mode (where most reconcilers never
     /// ask for it, and building it would cost two string copies per reconcile).
     request: OnceLock<Request<C>>,
@@ -39,7 +42,7 @@ pub struct Context<C: ClusterId, S> {
 /// What every reconcile of one controller shares; one reference count per reconcile.
 pub(crate) struct Shared<C: ClusterId, S> {
     pub(crate) state: Arc<S>,
-    pub(crate) fleet: Fleet<C>,
+    pub(crate) fleet: FleetView<C>,
     pub(crate) local: Option<Cluster<C>>,
     pub(crate) shutdown: CancellationToken,
 }
@@ -60,6 +63,7 @@ impl<C: ClusterId, S> Clone for Context<C, S> {
         Self {
             shared: self.shared.clone(),
             cluster: self.cluster.clone(),
+            engagement: self.engagement.clone(),
             request: self.request.clone(),
             object: self.object.clone(),
         }
@@ -75,11 +79,17 @@ impl<C: ClusterId, S> fmt::Debug for Context<C, S> {
 }
 
 impl<C: ClusterId, S> Context<C, S> {
-    /// A context for a request already known (fleet mode).
-    pub(crate) fn new(request: Request<C>, cluster: Cluster<C>, shared: Arc<Shared<C, S>>) -> Self {
+    /// A context for a request already known, in one engagement of its cluster (fleet mode).
+    pub(crate) fn new(
+        request: Request<C>,
+        cluster: Cluster<C>,
+        engagement: CancellationToken,
+        shared: Arc<Shared<C, S>>,
+    ) -> Self {
         Self {
             shared,
             cluster,
+            engagement: Some(engagement),
             request: OnceLock::from(request),
             object: None,
         }
@@ -94,6 +104,7 @@ impl<C: ClusterId, S> Context<C, S> {
         Self {
             shared,
             cluster,
+            engagement: None,
             request: OnceLock::new(),
             object: Some(object),
         }
@@ -146,8 +157,8 @@ impl<C: ClusterId, S> Context<C, S> {
         self.shared.fleet.get(id)
     }
 
-    /// The fleet: every engaged cluster.
-    pub fn fleet(&self) -> &Fleet<C> {
+    /// The fleet: every engaged cluster (read-only).
+    pub fn fleet(&self) -> &FleetView<C> {
         &self.shared.fleet
     }
 
@@ -156,16 +167,30 @@ impl<C: ClusterId, S> Context<C, S> {
         self.shared.local.as_ref()
     }
 
-    /// Whether the reconcile should stop early: its cluster was disengaged, or the manager
-    /// is shutting down.
+    /// Whether the reconcile should stop early: the engagement of its cluster it runs in
+    /// ended (the cluster was disengaged, or replaced by one with new credentials), or the
+    /// manager is shutting down.
+    ///
+    /// A reconcile that stops early because its cluster was *replaced* loses nothing: every
+    /// request in flight at a replacement runs again, on the new cluster, once it returns.
     pub fn is_cancelled(&self) -> bool {
-        !self.cluster.is_engaged() || self.shared.shutdown.is_cancelled()
+        self.engagement.as_ref().is_some_and(|t| t.is_cancelled())
+            || self.shared.shutdown.is_cancelled()
     }
 
     /// Completes when [`Context::is_cancelled`] turns true; select on it to abandon work.
+    /// Reconciles still running a while after their cluster was disengaged are dropped
+    /// ([`Builder::disengage_grace`](crate::Builder::disengage_grace)), and at shutdown after
+    /// the manager's graceful timeout.
     pub async fn cancelled(&self) {
+        let engagement = async {
+            match &self.engagement {
+                Some(token) => token.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            () = self.cluster.disengaged() => {}
+            () = engagement => {}
             () = self.shared.shutdown.cancelled() => {}
         }
     }

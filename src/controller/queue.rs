@@ -18,10 +18,13 @@ use kube_runtime::scheduler::{ScheduleRequest, Scheduler, debounced_scheduler};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::{Action, ClusterId, ReconcileReason, Request};
+use super::ReconcileReason;
+use crate::{Action, ClusterId, Request};
 
-/// Ready requests grouped by cluster, served round-robin. Each request carries a payload
-/// `R` (why it was queued); for a request pushed twice the first payload is kept.
+/// Ready requests grouped by cluster, served round-robin, with at most `cap` of one cluster in
+/// flight at once (so a cluster whose API calls hang cannot hold every slot). Each request
+/// carries a payload `R` (why it was queued); for a request pushed twice the first payload is
+/// kept.
 #[derive(Debug)]
 pub(crate) struct FairQueue<C: ClusterId, R = ()> {
     /// Per cluster, its ready requests in arrival order. Never holds an empty deque.
@@ -36,6 +39,10 @@ pub(crate) struct FairQueue<C: ClusterId, R = ()> {
     /// In-flight requests that were pushed again; they are queued once they are done, so the
     /// change that caused the push is not lost, and never run twice at once.
     dirty: HashMap<Request<C>, R>,
+    /// How many requests of each cluster are in flight (clusters with none are absent).
+    in_flight_per_cluster: HashMap<C, usize>,
+    /// At most this many in flight per cluster; 0 for no limit.
+    cap: usize,
 }
 
 impl<C: ClusterId, R> Default for FairQueue<C, R> {
@@ -46,11 +53,32 @@ impl<C: ClusterId, R> Default for FairQueue<C, R> {
             queued: HashSet::new(),
             in_flight: HashSet::new(),
             dirty: HashMap::new(),
+            in_flight_per_cluster: HashMap::new(),
+            cap: 0,
         }
     }
 }
 
 impl<C: ClusterId, R> FairQueue<C, R> {
+    /// An empty queue with at most `cap` requests of one cluster in flight (0: no limit).
+    pub(crate) fn with_cap(cap: usize) -> Self {
+        Self {
+            cap,
+            ..Self::default()
+        }
+    }
+
+    /// Whether `cluster` may start another request.
+    fn under_cap(&self, cluster: &C) -> bool {
+        self.cap == 0
+            || self
+                .in_flight_per_cluster
+                .get(cluster)
+                .copied()
+                .unwrap_or(0)
+                < self.cap
+    }
+
     /// Adds a request that is due. A request already queued is not added twice; one in
     /// flight is queued again when it is done.
     pub(crate) fn push(&mut self, req: Request<C>, payload: R) {
@@ -71,10 +99,12 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         }
     }
 
-    /// Takes the next request: the oldest of the cluster whose turn it is. It counts as in
-    /// flight until [`FairQueue::done`].
+    /// Takes the next request: the oldest of the first cluster in turn that is under its cap
+    /// (a cluster at its cap keeps its place in the rotation). It counts as in flight until
+    /// [`FairQueue::done`].
     pub(crate) fn pop(&mut self) -> Option<(Request<C>, R)> {
-        let cluster = self.rotation.pop_front()?;
+        let turn = self.rotation.iter().position(|c| self.under_cap(c))?;
+        let cluster = self.rotation.remove(turn)?;
         let Entry::Occupied(mut entry) = self.queues.entry(cluster) else {
             debug_assert!(false, "a cluster in the rotation has a queue");
             return None;
@@ -87,12 +117,24 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         }
         self.queued.remove(&req);
         self.in_flight.insert(req.clone());
+        *self
+            .in_flight_per_cluster
+            .entry(req.cluster.clone())
+            .or_default() += 1;
         Some((req, payload))
     }
 
     /// Marks an in-flight request finished; if it was pushed meanwhile it is queued again.
     pub(crate) fn done(&mut self, req: &Request<C>) {
-        self.in_flight.remove(req);
+        if !self.in_flight.remove(req) {
+            return;
+        }
+        if let Entry::Occupied(mut count) = self.in_flight_per_cluster.entry(req.cluster.clone()) {
+            *count.get_mut() -= 1;
+            if *count.get() == 0 {
+                count.remove();
+            }
+        }
         if let Some((req, payload)) = self.dirty.remove_entry(req) {
             self.push(req, payload);
         }
@@ -164,15 +206,16 @@ pub(crate) struct FleetQueue<C: ClusterId> {
 }
 
 impl<C: ClusterId> FleetQueue<C> {
-    /// An empty queue running at most `concurrency` requests at once (0: no limit), waiting
-    /// `debounce` for further triggers of a request before it comes due.
-    pub(crate) fn new(concurrency: usize, debounce: Duration) -> Self {
+    /// An empty queue running at most `concurrency` requests at once and `per_cluster` of one
+    /// cluster (0: no limit), waiting `debounce` for further triggers of a request before it
+    /// comes due.
+    pub(crate) fn new(concurrency: usize, per_cluster: usize, debounce: Duration) -> Self {
         let (schedule_tx, mut rx) = mpsc::unbounded_channel();
         let requests: Requests<C> = Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)));
         Self {
             schedule_tx,
             scheduler: Box::pin(debounced_scheduler(requests, debounce)),
-            ready: FairQueue::default(),
+            ready: FairQueue::with_cap(per_cluster),
             engaged: HashSet::new(),
             concurrency,
         }
@@ -353,7 +396,7 @@ mod tests {
 
     mod fleet_queue {
         use super::*;
-        use crate::ReconcileReason::{ObjectChanged, Requeue};
+        use crate::controller::ReconcileReason::{ObjectChanged, Requeue};
         use std::time::Duration;
 
         fn name(s: &str) -> ClusterName {
@@ -361,7 +404,7 @@ mod tests {
         }
 
         fn queue(concurrency: usize, clusters: &[&str]) -> FleetQueue<ClusterName> {
-            let mut q = FleetQueue::new(concurrency, Duration::ZERO);
+            let mut q = FleetQueue::new(concurrency, 0, Duration::ZERO);
             for c in clusters {
                 q.engage(name(c));
             }

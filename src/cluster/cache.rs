@@ -1,0 +1,100 @@
+//! [`Cache`]: a cluster's synced cache of one kind, and [`CacheError`].
+
+use std::sync::Arc;
+
+use kube_runtime::reflector::Store;
+
+use super::watch::SharedWatch;
+use crate::Watchable;
+
+/// Why a cluster's cache cannot be read.
+#[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    /// The cluster is not engaged (not yet, or no longer): it has no caches.
+    #[error("cluster {cluster} is not engaged; its caches are gone or not started")]
+    NotEngaged {
+        /// The cluster asked.
+        cluster: String,
+    },
+    /// Caches run as tasks of a Tokio runtime, and the call came from outside one.
+    #[error("cluster {cluster}: caches can only be started from within a Tokio runtime")]
+    NoRuntime {
+        /// The cluster asked.
+        cluster: String,
+    },
+    /// The watch behind the cache stopped for good (user code panicked in it).
+    #[error("cluster {cluster}: the watch of {kind} failed: {reason}")]
+    WatchFailed {
+        /// The cluster asked.
+        cluster: String,
+        /// The kind watched.
+        kind: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The cluster has no field index of that name for that kind.
+    #[error(
+        "cluster {cluster}: no field index {index:?} for {kind}; register it with Manager::index_field (or Fleet::index_field for provider clusters)"
+    )]
+    UnknownIndex {
+        /// The cluster asked.
+        cluster: String,
+        /// The kind asked for.
+        kind: String,
+        /// The index asked for.
+        index: String,
+    },
+}
+
+/// A synced cache of one kind in one cluster, as [`Cluster::cache`](crate::Cluster::cache)
+/// returns it: its first complete listing is in. It stays current while the cluster is
+/// engaged (a relist keeps serving the old content until the new listing is complete) and
+/// freezes when the cluster is disengaged.
+pub struct Cache<K: Watchable> {
+    watch: Arc<SharedWatch<K>>,
+}
+
+impl<K: Watchable> Clone for Cache<K> {
+    fn clone(&self) -> Self {
+        Self {
+            watch: self.watch.clone(),
+        }
+    }
+}
+
+impl<K: Watchable> std::fmt::Debug for Cache<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cache")
+            .field("kind", &K::kind(&()))
+            .field("objects", &self.watch.store.len())
+            .finish()
+    }
+}
+
+impl<K: Watchable> Cache<K> {
+    pub(crate) fn new(watch: Arc<SharedWatch<K>>) -> Self {
+        Self { watch }
+    }
+
+    /// The reflector store (kube-runtime's), for `get`, `state`, `find` and the like.
+    pub fn store(&self) -> &Store<K> {
+        &self.watch.store
+    }
+
+    /// The cached objects the field index `index` files under `value`.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{Cluster, ClusterName};
+    /// # use k8s_openapi::api::core::v1::ConfigMap;
+    /// # use kube::runtime::watcher;
+    /// # async fn f(cluster: Cluster<ClusterName>) -> Result<(), multicluster_runtime::CacheError> {
+    /// // After `manager.index_field::<ConfigMap>("type", ...)`:
+    /// let cache = cluster.cache::<ConfigMap>(&watcher::Config::default()).await?;
+    /// let animals = cache.indexed("type", "animal")?;
+    /// # Ok(()) }
+    /// ```
+    pub fn indexed(&self, index: &str, value: &str) -> Result<Vec<Arc<K>>, CacheError> {
+        self.watch.indexed(index, value)
+    }
+}

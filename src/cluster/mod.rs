@@ -1,0 +1,576 @@
+//! [`Cluster`]: one cluster's identity and client and, while it is engaged, its shared caches.
+//!
+//! A `Cluster` is a cheap handle a provider builds once and may engage any number of times:
+//! each engagement (from the first fleet engaging it to the last letting go) has caches of its
+//! own, which stop when it ends. See `docs/architecture.md` for the states.
+
+mod backoff;
+mod cache;
+mod id;
+mod index;
+mod watch;
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use futures::StreamExt;
+use futures::future::Either;
+use kube::{Api, Client};
+use kube_runtime::reflector::Store;
+use kube_runtime::watcher::{self, watcher};
+use tokio_util::sync::CancellationToken;
+
+pub use backoff::WatchBackoff;
+pub use cache::{Cache, CacheError};
+pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
+pub(crate) use index::Indexer;
+pub use watch::Fault;
+use watch::WatchState;
+pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message};
+
+use crate::Watchable;
+use crate::providers::NamespaceSlice;
+use crate::sync::lock;
+
+/// A cheap, clonable handle to one cluster: its id, its [`Client`] and, while it is engaged,
+/// the caches shared by every controller that watches it.
+///
+/// A provider creates it with [`Cluster::new`] or [`Cluster::from_config`] and engages it with
+/// the manager's [`Fleet`](crate::Fleet). The same handle can be engaged again after it was
+/// disengaged (by a second manager run, say): each engagement starts its caches afresh.
+pub struct Cluster<C: ClusterId> {
+    inner: Arc<Inner<C>>,
+}
+
+struct Inner<C: ClusterId> {
+    id: C,
+    client: Client,
+    config: Option<kube::Config>,
+    /// Field indexes registered for this cluster; every watch of their kind maintains them.
+    indexers: Mutex<Vec<Indexer>>,
+    /// Where its watches get their events: `None` watches the API server through `client`;
+    /// a namespace of a host cluster is fed by the host's one watch per kind.
+    slice: Option<NamespaceSlice>,
+    attachment: Mutex<Attachment>,
+}
+
+/// How many fleets hold the cluster engaged, and the engagement they share.
+#[derive(Default)]
+struct Attachment {
+    fleets: usize,
+    session: Option<Arc<Session>>,
+}
+
+/// One engagement of a cluster: from the first fleet engaging it to the last letting go. Its
+/// watches stop when it ends; controllers hold it to read the caches of that engagement.
+pub(crate) struct Session {
+    /// Cancelled when the engagement ends.
+    token: CancellationToken,
+    settings: WatchSettings,
+    /// One shared watch per (resource type, watcher configuration): `SharedWatch<K>`.
+    watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedWatch>>>,
+    /// The watch tasks, awaited when the engagement ends.
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl Session {
+    fn new(settings: WatchSettings) -> Self {
+        Self {
+            token: CancellationToken::new(),
+            settings,
+            watches: Mutex::new(HashMap::new()),
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Cancelled when the engagement ends.
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// Whether the engagement is still on.
+    pub(crate) fn is_active(&self) -> bool {
+        !self.token.is_cancelled()
+    }
+
+    /// The watch of `K` for `config`, if one was started in this engagement.
+    pub(crate) fn existing<K: Watchable>(
+        &self,
+        config: &watcher::Config,
+    ) -> Option<Arc<SharedWatch<K>>> {
+        let key = (TypeId::of::<K>(), format!("{config:?}"));
+        let existing = lock(&self.watches).get(&key)?.clone();
+        existing.as_any().downcast::<SharedWatch<K>>().ok()
+    }
+
+    /// Whether a watch task of this engagement may still be running.
+    pub(crate) fn is_winding_down(&self) -> bool {
+        lock(&self.tasks).iter().any(|t| !t.is_finished())
+    }
+
+    /// Completes once every watch task of this (ended) engagement has finished.
+    pub(crate) async fn stopped(&self) {
+        self.token.cancel();
+        let tasks = std::mem::take(&mut *lock(&self.tasks));
+        for task in tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// A [`SharedWatch`] of any kind.
+trait ErasedWatch: Send + Sync {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    fn add_indexer(&self, indexer: &Indexer);
+    fn kind(&self) -> String;
+    fn state(&self) -> WatchState;
+}
+
+impl<K: Watchable> ErasedWatch for SharedWatch<K> {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+
+    fn add_indexer(&self, indexer: &Indexer) {
+        SharedWatch::add_indexer(self, indexer);
+    }
+
+    fn kind(&self) -> String {
+        K::kind(&()).into_owned()
+    }
+
+    fn state(&self) -> WatchState {
+        SharedWatch::state(self)
+    }
+}
+
+/// Whether one cache of a cluster has listed; see [`Cluster::cache_status`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CacheStatus {
+    /// The kind cached.
+    pub kind: String,
+    /// The watcher configuration of the cache (its selectors), as text.
+    pub config: String,
+    /// Whether its first listing is in.
+    pub synced: bool,
+    /// Why the watch is failing, if it is (forbidden, a missing CRD, an unreachable server):
+    /// before its first listing, or since (the cache is stale then); `None` once it works.
+    pub error: Option<String>,
+}
+
+impl<C: ClusterId> Drop for Inner<C> {
+    fn drop(&mut self) {
+        // Nothing can use the watches any more; stop them.
+        if let Some(session) = &lock(&self.attachment).session {
+            session.token.cancel();
+        }
+    }
+}
+
+impl<C: ClusterId> Clone for Cluster<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for Cluster<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cluster")
+            .field("id", &self.inner.id)
+            .field("engaged", &self.is_engaged())
+            .finish()
+    }
+}
+
+/// One engagement of one cluster, as the fleet hands it to controllers.
+pub(crate) struct Engagement<C: ClusterId> {
+    pub(crate) cluster: Cluster<C>,
+    pub(crate) session: Arc<Session>,
+}
+
+impl<C: ClusterId> Clone for Engagement<C> {
+    fn clone(&self) -> Self {
+        Self {
+            cluster: self.cluster.clone(),
+            session: self.session.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for Engagement<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engagement")
+            .field("cluster", self.cluster.id())
+            .field("active", &self.session.is_active())
+            .finish()
+    }
+}
+
+impl<C: ClusterId> Engagement<C> {
+    /// The id.
+    pub(crate) fn id(&self) -> &C {
+        self.cluster.id()
+    }
+
+    /// The shared watch of `K` for `config` in this engagement; started on first use.
+    pub(crate) fn watch<K: Watchable>(
+        &self,
+        config: &watcher::Config,
+    ) -> Result<Arc<SharedWatch<K>>, CacheError> {
+        self.cluster.watch_in(&self.session, config)
+    }
+
+    /// Whether both are the same engagement of the same cluster.
+    pub(crate) fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.session, &other.session) && self.cluster.same_instance(&other.cluster)
+    }
+}
+
+impl<C: ClusterId> Cluster<C> {
+    /// A cluster reached through `client`.
+    pub fn new(id: C, client: Client) -> Self {
+        Self::build(id, client, None)
+    }
+
+    /// A cluster built from `config`, which is kept: re-engaging the same id with a config
+    /// that differs in endpoint or credentials replaces the cluster, an equal one is a no-op.
+    pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
+        let client = Client::try_from(config.clone())?;
+        Ok(Self::build(id, client, Some(config)))
+    }
+
+    /// A namespace of a host cluster, whose watches are fed from the host's shared watches.
+    pub(crate) fn namespace_slice(id: C, client: Client, slice: NamespaceSlice) -> Self {
+        let mut cluster = Self::build(id, client, None);
+        if let Some(inner) = Arc::get_mut(&mut cluster.inner) {
+            inner.slice = Some(slice);
+        }
+        cluster
+    }
+
+    /// The same cluster under another id (for providers that rename their children's
+    /// clusters): same client, config and watch source; its own engagement and caches.
+    pub(crate) fn renamed<D: ClusterId>(&self, id: D) -> Cluster<D> {
+        let mut renamed = Cluster::build(id, self.client(), self.inner.config.clone());
+        if let Some(inner) = Arc::get_mut(&mut renamed.inner) {
+            inner.slice = self.inner.slice.clone();
+        }
+        renamed
+    }
+
+    fn build(id: C, client: Client, config: Option<kube::Config>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                id,
+                client,
+                config,
+                indexers: Mutex::new(Vec::new()),
+                slice: None,
+                attachment: Mutex::new(Attachment::default()),
+            }),
+        }
+    }
+
+    /// The cluster's id.
+    pub fn id(&self) -> &C {
+        &self.inner.id
+    }
+
+    /// A client for the cluster (a cheap clone).
+    pub fn client(&self) -> Client {
+        self.inner.client.clone()
+    }
+
+    /// The configuration the cluster was built from, if it was built with
+    /// [`Cluster::from_config`].
+    pub fn config(&self) -> Option<&kube::Config> {
+        self.inner.config.as_ref()
+    }
+
+    /// Whether the cluster is engaged (by a running manager's fleet, or as its local cluster).
+    /// A new handle is not engaged until a fleet engages it; a handle given to
+    /// [`Fleet::engage`](crate::Fleet::engage) that found an equal cluster already engaged
+    /// (`Engaged::Unchanged`) stays unengaged.
+    pub fn is_engaged(&self) -> bool {
+        lock(&self.inner.attachment).fleets > 0
+    }
+
+    /// Completes when the current engagement ends (disengaged, replaced by a changed cluster
+    /// of the same id, or its manager stopped); at once if the cluster is not engaged.
+    pub async fn disengaged(&self) {
+        if let Some(session) = self.session() {
+            session.token.cancelled().await;
+        }
+    }
+
+    /// A handle that does not keep the cluster alive.
+    pub fn downgrade(&self) -> WeakCluster<C> {
+        WeakCluster {
+            inner: Arc::downgrade(&self.inner),
+        }
+    }
+
+    /// Whether `self` and `other` are the same instance (not merely the same id).
+    pub fn same_instance(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Whether `other` reaches the cluster differently: another endpoint, default namespace
+    /// or other credentials. Clusters without a kept config compare by instance.
+    pub(crate) fn differs_from(&self, other: &Self) -> bool {
+        if self.same_instance(other) {
+            return false;
+        }
+        match (&self.inner.config, &other.inner.config) {
+            (Some(a), Some(b)) => !same_endpoint_and_credentials(a, b),
+            _ => true,
+        }
+    }
+
+    /// Whether `other` is known to reach the same API server (same URL), so that what one's
+    /// cache held stands for the other's objects. Clusters without a kept config: unknown.
+    pub(crate) fn same_endpoint(&self, other: &Self) -> bool {
+        match (&self.inner.config, &other.inner.config) {
+            (Some(a), Some(b)) => a.cluster_url == b.cluster_url,
+            _ => false,
+        }
+    }
+
+    /// The current engagement.
+    fn session(&self) -> Option<Arc<Session>> {
+        lock(&self.inner.attachment).session.clone()
+    }
+
+    /// The current engagement, with the cluster.
+    pub(crate) fn engagement(&self) -> Option<Engagement<C>> {
+        self.session().map(|session| Engagement {
+            cluster: self.clone(),
+            session,
+        })
+    }
+
+    /// A fleet takes the cluster on: the first starts an engagement, later ones share it.
+    pub(crate) fn attach(&self, settings: &WatchSettings) -> Engagement<C> {
+        let mut attachment = lock(&self.inner.attachment);
+        attachment.fleets += 1;
+        let session = attachment
+            .session
+            .get_or_insert_with(|| Arc::new(Session::new(settings.clone())))
+            .clone();
+        Engagement {
+            cluster: self.clone(),
+            session,
+        }
+    }
+
+    /// A fleet lets go of the cluster: the last ends the engagement (its watches stop) and
+    /// gets it back, to await its tasks.
+    pub(crate) fn detach(&self) -> Option<Arc<Session>> {
+        let mut attachment = lock(&self.inner.attachment);
+        attachment.fleets = attachment.fleets.saturating_sub(1);
+        if attachment.fleets > 0 {
+            return None;
+        }
+        let session = attachment.session.take()?;
+        session.token.cancel();
+        Some(session)
+    }
+
+    /// Registers a field index on this cluster's `K` caches (existing and future ones).
+    /// An index of the same kind and name is registered once; later registrations are
+    /// ignored.
+    pub(crate) fn add_indexer(&self, indexer: &Indexer) {
+        {
+            let mut indexers = lock(&self.inner.indexers);
+            if indexers.iter().any(|i| i.same_as(indexer)) {
+                return;
+            }
+            indexers.push(indexer.clone());
+        }
+        let Some(session) = self.session() else {
+            return;
+        };
+        // Filling an index runs the user's extractor over the cache: not under the lock.
+        let watches: Vec<_> = lock(&session.watches)
+            .iter()
+            .filter(|((kind, _), _)| *kind == indexer.kind())
+            .map(|(_, watch)| watch.clone())
+            .collect();
+        for watch in watches {
+            watch.add_indexer(indexer);
+        }
+    }
+
+    /// Whether each cache of the current engagement has listed, and why not: for readiness
+    /// checks and diagnostics. Controllers park the requests of a cluster whose primary cache
+    /// has not listed (a missing CRD, a forbidden kind, an unreachable server) and release
+    /// them when it does. Empty if the cluster is not engaged.
+    pub fn cache_status(&self) -> Vec<CacheStatus> {
+        let Some(session) = self.session() else {
+            return Vec::new();
+        };
+        let mut status: Vec<CacheStatus> = lock(&session.watches)
+            .iter()
+            .map(|((_, config), watch)| {
+                let (synced, error) = match watch.state() {
+                    WatchState::Listing { error } => (false, error),
+                    WatchState::Synced { error } => (true, error),
+                    WatchState::Stopped { failure } => (false, failure),
+                };
+                CacheStatus {
+                    kind: watch.kind(),
+                    config: config.clone(),
+                    synced,
+                    error,
+                }
+            })
+            .collect();
+        status.sort_by(|a, b| (&a.kind, &a.config).cmp(&(&b.kind, &b.config)));
+        status
+    }
+
+    /// The reflector store of `K` objects matching `config`, started on first use and shared
+    /// by every controller of this process that asks for the same type and configuration.
+    ///
+    /// It returns at once, so the store may not have listed yet (it is empty then): a
+    /// reconciler that decides from what is missing ("no child yet, create one") must use
+    /// [`Cluster::cache`], which waits for the listing. The controllers' own lookups of their
+    /// primary objects always wait.
+    pub fn store<K: Watchable>(&self, config: &watcher::Config) -> Result<Store<K>, CacheError> {
+        Ok(self.watch::<K>(config)?.store.clone())
+    }
+
+    /// The cache of `K` objects matching `config` once its first listing is in: started on
+    /// first use, shared like [`Cluster::store`], and awaitable by any number of tasks at once
+    /// (controller-runtime's cache reads block the same way until the informer has synced).
+    ///
+    /// Waits as long as the cluster is engaged and the listing does not succeed (an
+    /// unreachable server, a forbidden kind, a CRD not installed yet); use a timeout to bound
+    /// it. Fails at once if the cluster is not engaged, and when it is disengaged meanwhile.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{Cluster, ClusterName};
+    /// # use k8s_openapi::api::core::v1::Secret;
+    /// # use kube::runtime::{reflector::ObjectRef, watcher};
+    /// # async fn f(cluster: Cluster<ClusterName>) -> Result<(), multicluster_runtime::CacheError> {
+    /// let secrets = cluster.cache::<Secret>(&watcher::Config::default()).await?;
+    /// let missing = secrets.store().get(&ObjectRef::new("tls").within("default")).is_none();
+    /// # Ok(()) }
+    /// ```
+    pub async fn cache<K: Watchable>(
+        &self,
+        config: &watcher::Config,
+    ) -> Result<Cache<K>, CacheError> {
+        let watch = self.watch::<K>(config)?;
+        watch.synced().await?;
+        Ok(Cache::new(watch))
+    }
+
+    /// The shared watch of `K` objects matching `config` in the current engagement.
+    fn watch<K: Watchable>(
+        &self,
+        config: &watcher::Config,
+    ) -> Result<Arc<SharedWatch<K>>, CacheError> {
+        let session = self.session().ok_or_else(|| CacheError::NotEngaged {
+            cluster: self.inner.id.to_string(),
+        })?;
+        self.watch_in(&session, config)
+    }
+
+    /// The shared watch of `K` objects matching `config` in `session`; started on first use.
+    fn watch_in<K: Watchable>(
+        &self,
+        session: &Session,
+        config: &watcher::Config,
+    ) -> Result<Arc<SharedWatch<K>>, CacheError> {
+        let key = (TypeId::of::<K>(), format!("{config:?}"));
+        let mut watches = lock(&session.watches);
+        if let Some(existing) = watches.get(&key).cloned()
+            && let Ok(watch) = existing.as_any().downcast::<SharedWatch<K>>()
+        {
+            return Ok(watch);
+        }
+        if !session.is_active() {
+            return Err(CacheError::NotEngaged {
+                cluster: self.inner.id.to_string(),
+            });
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| CacheError::NoRuntime {
+            cluster: self.inner.id.to_string(),
+        })?;
+        let stop = session.token.child_token();
+        let events = match &self.inner.slice {
+            None => Either::Left(backoff::Retrying::new(
+                watcher(Api::<K>::all(self.client()), config.clone()),
+                session.settings.backoff.delays(),
+            )),
+            Some(slice) => Either::Right(slice.events::<K>(config, &session.token).map(Ok)),
+        };
+        let indexers = lock(&self.inner.indexers).clone();
+        let (watch, task) = SharedWatch::start(
+            events,
+            Arc::from(self.inner.id.to_string()),
+            stop,
+            &indexers,
+            session.settings.faults.clone(),
+            &runtime,
+        );
+        {
+            let mut tasks = lock(&session.tasks);
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(task);
+        }
+        watches.insert(key, watch.clone());
+        Ok(watch)
+    }
+}
+
+/// A non-owning [`Cluster`] handle; see [`Cluster::downgrade`].
+pub struct WeakCluster<C: ClusterId> {
+    inner: std::sync::Weak<Inner<C>>,
+}
+
+impl<C: ClusterId> Clone for WeakCluster<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for WeakCluster<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WeakCluster")
+    }
+}
+
+impl<C: ClusterId> WeakCluster<C> {
+    /// The cluster, if anything still holds it.
+    pub fn upgrade(&self) -> Option<Cluster<C>> {
+        self.inner.upgrade().map(|inner| Cluster { inner })
+    }
+}
+
+/// Compares what decides where and as whom requests go: the endpoint, the CA, the TLS
+/// name, proxy, extra headers, the default namespace and the user's credentials (everything in
+/// `AuthInfo`, secrets included: exec plugins, auth providers, impersonation). Timeouts and
+/// the like do not matter.
+fn same_endpoint_and_credentials(a: &kube::Config, b: &kube::Config) -> bool {
+    // `AuthInfo` has no `PartialEq`; its serde form is complete (it writes secrets out).
+    let auth = |c: &kube::Config| serde_json::to_value(&c.auth_info).ok();
+    a.cluster_url == b.cluster_url
+        && a.default_namespace == b.default_namespace
+        && a.root_cert == b.root_cert
+        && a.root_cert_file == b.root_cert_file
+        && a.tls_server_name == b.tls_server_name
+        && a.accept_invalid_certs == b.accept_invalid_certs
+        && a.proxy_url == b.proxy_url
+        && a.headers == b.headers
+        && auth(a).is_some()
+        && auth(a) == auth(b)
+}

@@ -1,0 +1,631 @@
+//! [`SharedWatch`]: one watch of one kind in one engaged cluster, feeding a reflector store,
+//! its field indexes and every controller relation that subscribes to it.
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, Weak};
+
+use futures::{Stream, StreamExt};
+use kube::Resource;
+use kube_runtime::reflector::{ObjectRef, Store, store::Writer};
+use kube_runtime::watcher::{self, Event};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::index::{FieldIndexes, Indexer};
+use super::{CacheError, WatchBackoff};
+use crate::Watchable;
+use crate::sync::lock;
+
+/// What every watch of a fleet's clusters shares: how to retry, and where to report a watch
+/// that cannot go on.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WatchSettings {
+    pub(crate) backoff: WatchBackoff,
+    /// The running manager's fault channel; `None` outside a manager.
+    pub(crate) faults: Option<mpsc::UnboundedSender<Fault>>,
+}
+
+/// A watch that stopped for good because user code panicked inside it (a field index
+/// extractor): its cache would freeze while the cluster looks engaged, so the manager stops.
+#[derive(Clone, Debug)]
+pub struct Fault {
+    /// The cluster of the watch.
+    pub cluster: String,
+    /// The kind watched.
+    pub kind: String,
+    /// What happened.
+    pub reason: String,
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cluster {}: the watch of {} stopped: {}",
+            self.cluster, self.kind, self.reason
+        )
+    }
+}
+
+/// A change seen by a shared watch.
+#[derive(Debug)]
+pub(crate) struct Change<K> {
+    /// The object as stored (or, for a deletion, as last seen).
+    pub(crate) object: Arc<K>,
+    /// Whether it was deleted (seen deleted, or gone from a relist).
+    pub(crate) deleted: bool,
+    /// Whether it comes from the first complete listing (or a replay of the store to a late
+    /// subscriber) rather than from a later change.
+    pub(crate) initial: bool,
+}
+
+impl<K> Clone for Change<K> {
+    fn clone(&self) -> Self {
+        Self {
+            object: self.object.clone(),
+            deleted: self.deleted,
+            initial: self.initial,
+        }
+    }
+}
+
+/// A change is a resource for kube-runtime's predicate filter, which keys its cache by the
+/// object's metadata (uid included); the flags ride along.
+impl<K: Resource<DynamicType = ()> + Clone> Resource for Change<K> {
+    type DynamicType = ();
+    type Scope = K::Scope;
+
+    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
+        K::kind(dt)
+    }
+    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
+        K::group(dt)
+    }
+    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
+        K::version(dt)
+    }
+    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
+        K::plural(dt)
+    }
+    fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        self.object.meta()
+    }
+    fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        Arc::make_mut(&mut self.object).meta_mut()
+    }
+}
+
+/// Where a watch is in its life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum WatchState {
+    /// The first listing is not in yet; `error` is the last failure, if any (forbidden, a
+    /// missing CRD, an unreachable server).
+    Listing { error: Option<String> },
+    /// The first listing is in the store (later relists keep the old content until their
+    /// own listing is complete); `error` is the current failure if the watch is failing
+    /// again (its content may be stale then).
+    Synced { error: Option<String> },
+    /// The watch ended: its cluster's engagement ended (`failure` is `None`) or it failed.
+    Stopped { failure: Option<String> },
+}
+
+/// The subscribers of a watch; closed once it stops, so late subscribers see their stream end.
+struct Subscribers<K> {
+    open: bool,
+    senders: Vec<mpsc::UnboundedSender<Change<K>>>,
+}
+
+/// One watch of one resource type and configuration in one engagement of a cluster, feeding a
+/// reflector store, field indexes and any number of subscribers (one per controller relation).
+pub(crate) struct SharedWatch<K: Resource<DynamicType = ()> + Clone + 'static> {
+    pub(crate) store: Store<K>,
+    subscribers: Mutex<Subscribers<K>>,
+    /// Field indexes over `store`, updated with it.
+    indexes: Mutex<FieldIndexes<K>>,
+    /// Readable by many waiters at once (kube-runtime's `Store::wait_until_ready` wakes only
+    /// the last of several tasks waiting on one store).
+    state: tokio::sync::watch::Sender<WatchState>,
+    /// Stops the watch task: cancelled with the engagement, or when the watch fails.
+    stop: CancellationToken,
+    cluster: Arc<str>,
+    faults: Option<mpsc::UnboundedSender<Fault>>,
+}
+
+impl<K> SharedWatch<K>
+where
+    K: Watchable,
+{
+    /// A watch of `events` for `cluster`, running on `runtime` until `stop` is cancelled.
+    pub(crate) fn start(
+        events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send + 'static,
+        cluster: Arc<str>,
+        stop: CancellationToken,
+        indexers: &[Indexer],
+        faults: Option<mpsc::UnboundedSender<Fault>>,
+        runtime: &tokio::runtime::Handle,
+    ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
+        let writer = Writer::<K>::default();
+        let watch = Arc::new(Self {
+            store: writer.as_reader(),
+            subscribers: Mutex::new(Subscribers {
+                open: true,
+                senders: Vec::new(),
+            }),
+            indexes: Mutex::new(FieldIndexes::default()),
+            state: tokio::sync::watch::Sender::new(WatchState::Listing { error: None }),
+            stop,
+            cluster,
+            faults,
+        });
+        for indexer in indexers {
+            watch.add_indexer(indexer);
+        }
+        let task = runtime.spawn(run(events, writer, Arc::downgrade(&watch)));
+        (watch, task)
+    }
+
+    /// A stream of changes from now on, starting with every object already in the store
+    /// (marked initial), so a subscriber that comes late misses nothing. The stream ends once
+    /// the watch has stopped and everything sent before is drained.
+    pub(crate) fn subscribe(&self) -> impl Stream<Item = Change<K>> + Send + use<K> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut subscribers = lock(&self.subscribers);
+        // Under the lock the watch task cannot notify in between: no change is lost or
+        // delivered before the replay.
+        for object in self.store.state() {
+            let _ = tx.send(Change {
+                object,
+                deleted: false,
+                initial: true,
+            });
+        }
+        if subscribers.open {
+            subscribers.senders.push(tx);
+        }
+        futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+
+    /// Completes once the first listing is in the store; an error if the watch stopped first.
+    pub(crate) fn synced(
+        &self,
+    ) -> impl std::future::Future<Output = Result<(), CacheError>> + Send + 'static {
+        let mut rx = self.state.subscribe();
+        let cluster = self.cluster.clone();
+        async move {
+            let state = rx
+                .wait_for(|s| !matches!(s, WatchState::Listing { .. }))
+                .await
+                .map(|s| s.clone())
+                .unwrap_or(WatchState::Stopped { failure: None });
+            match state {
+                WatchState::Synced { .. } | WatchState::Listing { .. } => Ok(()),
+                WatchState::Stopped { failure: None } => Err(CacheError::NotEngaged {
+                    cluster: cluster.to_string(),
+                }),
+                WatchState::Stopped {
+                    failure: Some(reason),
+                } => Err(CacheError::WatchFailed {
+                    cluster: cluster.to_string(),
+                    kind: K::kind(&()).into_owned(),
+                    reason,
+                }),
+            }
+        }
+    }
+
+    /// Whether the first listing is in the store.
+    pub(crate) fn is_synced(&self) -> bool {
+        matches!(*self.state.borrow(), WatchState::Synced { .. })
+    }
+
+    /// The watch's state.
+    pub(crate) fn state(&self) -> WatchState {
+        self.state.borrow().clone()
+    }
+
+    /// Registers a field index (once per name) and fills it from the store. Runs the user's
+    /// extractor: a panic fails the watch.
+    pub(crate) fn add_indexer(&self, indexer: &Indexer) {
+        let Some(extract) = indexer.extract::<K>() else {
+            return;
+        };
+        let added = catch_unwind(AssertUnwindSafe(|| {
+            // Lock before the snapshot: the watch task updates indexes under this lock after
+            // applying each event, so no event can fall between snapshot and registration.
+            let mut indexes = lock(&self.indexes);
+            let objects = self.store.state();
+            indexes.add(indexer.name.clone(), extract, objects.iter().map(|o| &**o));
+        }));
+        if let Err(panic) = added {
+            self.fail(format!(
+                "the field index {:?} panicked: {}",
+                indexer.name,
+                panic_message(&*panic)
+            ));
+        }
+    }
+
+    /// The cached objects the field index `index` files under `value`.
+    pub(crate) fn indexed(&self, index: &str, value: &str) -> Result<Vec<Arc<K>>, CacheError> {
+        let refs =
+            lock(&self.indexes)
+                .lookup(index, value)
+                .ok_or_else(|| CacheError::UnknownIndex {
+                    cluster: self.cluster.to_string(),
+                    kind: K::kind(&()).into_owned(),
+                    index: index.to_string(),
+                })?;
+        Ok(refs.iter().filter_map(|r| self.store.get(r)).collect())
+    }
+
+    fn notify(&self, change: Change<K>) {
+        lock(&self.subscribers)
+            .senders
+            .retain(|tx| tx.send(change.clone()).is_ok());
+    }
+
+    /// Stops the watch for good because of `reason`, and reports it to the manager.
+    fn fail(&self, reason: String) {
+        let kind = K::kind(&()).into_owned();
+        tracing::error!(cluster = %self.cluster, %kind, %reason, "watch stopped");
+        if let Some(faults) = &self.faults {
+            let _ = faults.send(Fault {
+                cluster: self.cluster.to_string(),
+                kind,
+                reason: reason.clone(),
+            });
+        }
+        self.close(Some(reason));
+    }
+
+    /// Closes the subscriptions (each subscriber drains what was sent, then its stream ends)
+    /// and wakes every waiter.
+    fn close(&self, failure: Option<String>) {
+        {
+            let mut subscribers = lock(&self.subscribers);
+            subscribers.open = false;
+            subscribers.senders.clear();
+        }
+        self.state.send_modify(|s| {
+            if !matches!(s, WatchState::Stopped { failure: Some(_) }) {
+                *s = WatchState::Stopped { failure };
+            }
+        });
+        self.stop.cancel();
+    }
+}
+
+/// The objects of a listing in progress: the store swaps them in only at InitDone, so their
+/// notifications wait until then (a reconcile must find the object in the store).
+struct Listing<K: Resource<DynamicType = ()>> {
+    refs: Vec<ObjectRef<K>>,
+    first: bool,
+}
+
+/// Drives one shared watch until it stops or nobody holds it.
+async fn run<K: Watchable>(
+    events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
+    mut writer: Writer<K>,
+    shared: Weak<SharedWatch<K>>,
+) {
+    let kind = K::kind(&()).into_owned();
+    let Some(stop) = shared.upgrade().map(|s| s.stop.clone()) else {
+        return;
+    };
+    let mut events = std::pin::pin!(events);
+    let mut listing = Listing {
+        refs: Vec::new(),
+        first: true,
+    };
+    let mut failures = 0u32;
+    loop {
+        let event = tokio::select! {
+            () = stop.cancelled() => break,
+            event = events.next() => event,
+        };
+        let Some(shared) = shared.upgrade() else {
+            break;
+        };
+        match event {
+            None => break,
+            Some(Err(error)) => {
+                // The watcher retries with backoff; an unreachable, restarting or forbidding
+                // cluster is reported here and does not affect the others. Once per outage at
+                // WARN, then quietly until it works again.
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(cluster = %shared.cluster, %kind, %error, "watch failed; retrying (requests for its objects wait)");
+                } else {
+                    tracing::debug!(cluster = %shared.cluster, %kind, %error, failures, "watch failed again; retrying");
+                }
+                let error = error.to_string();
+                shared.state.send_if_modified(|s| match s {
+                    WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
+                        *e = Some(error);
+                        true
+                    }
+                    WatchState::Stopped { .. } => false,
+                });
+            }
+            Some(Ok(event)) => {
+                // A watcher starts each listing attempt with Init: only a completed listing or
+                // a change shows it works again.
+                let progress =
+                    matches!(event, Event::InitDone | Event::Apply(_) | Event::Delete(_));
+                if failures > 0 && progress {
+                    tracing::info!(cluster = %shared.cluster, %kind, failures, "watch recovered");
+                    failures = 0;
+                    shared.state.send_if_modified(|s| match s {
+                        WatchState::Synced { error } if error.is_some() => {
+                            *error = None;
+                            true
+                        }
+                        _ => false,
+                    });
+                }
+                let applied = catch_unwind(AssertUnwindSafe(|| {
+                    step(&shared, &mut writer, event, &mut listing)
+                }));
+                if let Err(panic) = applied {
+                    shared.fail(format!("panicked: {}", panic_message(&*panic)));
+                    return;
+                }
+            }
+        }
+    }
+    if let Some(shared) = shared.upgrade() {
+        shared.close(None);
+    }
+    tracing::debug!(%kind, "watch stopped");
+}
+
+/// Applies one event: store, indexes (user code), then subscribers. A relist's listing is
+/// announced at its end, when the store holds it; objects the store held before and the
+/// listing lacks were deleted during the gap and are announced as deletions (client-go's
+/// `DeletedFinalStateUnknown`), so owners and mappers hear of them.
+fn step<K: Watchable>(
+    shared: &SharedWatch<K>,
+    writer: &mut Writer<K>,
+    event: Event<K>,
+    listing: &mut Listing<K>,
+) {
+    let store = &shared.store;
+    match event {
+        Event::Apply(obj) => {
+            let key = ObjectRef::from_obj(&obj);
+            writer.apply_watcher_event(&Event::Apply(obj));
+            let Some(obj) = store.get(&key) else {
+                return;
+            };
+            index(shared, |ix| ix.apply(&obj));
+            shared.notify(Change {
+                object: obj,
+                deleted: false,
+                initial: false,
+            });
+        }
+        Event::Delete(obj) => {
+            let event = Event::Delete(obj);
+            writer.apply_watcher_event(&event);
+            let Event::Delete(obj) = event else {
+                return;
+            };
+            index(shared, |ix| ix.delete(&obj));
+            shared.notify(Change {
+                object: Arc::new(obj),
+                deleted: true,
+                initial: false,
+            });
+        }
+        Event::Init => {
+            listing.refs.clear();
+            writer.apply_watcher_event(&Event::Init);
+        }
+        Event::InitApply(obj) => {
+            listing.refs.push(ObjectRef::from_obj(&obj));
+            writer.apply_watcher_event(&Event::InitApply(obj));
+        }
+        Event::InitDone => {
+            let before = if listing.first {
+                Vec::new()
+            } else {
+                store.state()
+            };
+            writer.apply_watcher_event(&Event::InitDone);
+            let objects = store.state();
+            index(shared, |ix| ix.rebuild(objects.iter().map(|o| &**o)));
+            // Synced before the listing is announced: whoever handles an announced object
+            // finds the store synced.
+            shared
+                .state
+                .send_replace(WatchState::Synced { error: None });
+            for obj_ref in listing.refs.drain(..) {
+                if let Some(object) = store.get(&obj_ref) {
+                    shared.notify(Change {
+                        object,
+                        deleted: false,
+                        initial: listing.first,
+                    });
+                }
+            }
+            for object in before {
+                if store.get(&ObjectRef::from_obj(&*object)).is_none() {
+                    shared.notify(Change {
+                        object,
+                        deleted: true,
+                        initial: false,
+                    });
+                }
+            }
+            listing.first = false;
+        }
+    }
+}
+
+fn index<K: Watchable>(shared: &SharedWatch<K>, update: impl FnOnce(&mut FieldIndexes<K>)) {
+    let mut indexes = lock(&shared.indexes);
+    if !indexes.is_empty() {
+        update(&mut indexes);
+    }
+}
+
+/// The text of a panic's payload.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ObjectMeta;
+
+    fn cm(name: &str, uid: &str) -> ConfigMap {
+        ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// A watch fed `events`, then silence (or the end of the stream, if `end`).
+    fn watch(
+        events: Vec<Event<ConfigMap>>,
+        end: bool,
+        indexers: &[Indexer],
+        faults: Option<mpsc::UnboundedSender<Fault>>,
+    ) -> Arc<SharedWatch<ConfigMap>> {
+        let events = futures::stream::iter(events.into_iter().map(Ok));
+        let events = if end {
+            events.boxed()
+        } else {
+            events.chain(futures::stream::pending()).boxed()
+        };
+        let (watch, _task) = SharedWatch::start(
+            events,
+            Arc::from("c0"),
+            CancellationToken::new(),
+            indexers,
+            faults,
+            &tokio::runtime::Handle::current(),
+        );
+        watch
+    }
+
+    fn describe(change: &Change<ConfigMap>) -> String {
+        let name = change.object.metadata.name.clone().unwrap_or_default();
+        let uid = change.object.metadata.uid.clone().unwrap_or_default();
+        match (change.deleted, change.initial) {
+            (true, _) => format!("-{name}/{uid}"),
+            (false, true) => format!("={name}/{uid}"),
+            (false, false) => format!("+{name}/{uid}"),
+        }
+    }
+
+    async fn drain(
+        stream: &mut (impl Stream<Item = Change<ConfigMap>> + Unpin),
+        n: usize,
+    ) -> Vec<String> {
+        let mut seen = Vec::new();
+        while seen.len() < n {
+            seen.push(describe(&stream.next().await.expect("a change")));
+        }
+        seen
+    }
+
+    #[tokio::test]
+    async fn a_relist_announces_what_vanished_during_the_gap_as_deleted() {
+        let shared = watch(
+            vec![
+                Event::Init,
+                Event::InitApply(cm("kept", "1")),
+                Event::InitApply(cm("gone", "2")),
+                Event::InitApply(cm("recreated", "3")),
+                Event::InitDone,
+                // The watch broke; the relist no longer has `gone`, and `recreated` has a new uid.
+                Event::Init,
+                Event::InitApply(cm("kept", "1")),
+                Event::InitApply(cm("recreated", "4")),
+                Event::InitDone,
+            ],
+            false,
+            &[],
+            None,
+        );
+        let mut changes = Box::pin(shared.subscribe());
+        let first = drain(&mut changes, 3).await;
+        assert_eq!(first, ["=kept/1", "=gone/2", "=recreated/3"]);
+        let relist = drain(&mut changes, 3).await;
+        assert_eq!(relist, ["+kept/1", "+recreated/4", "-gone/2"]);
+        assert!(shared.is_synced());
+    }
+
+    #[tokio::test]
+    async fn a_subscription_to_a_stopped_watch_ends_after_the_replay() {
+        let shared = watch(
+            vec![Event::Init, Event::InitApply(cm("a", "1")), Event::InitDone],
+            true,
+            &[],
+            None,
+        );
+        // Once the stream has ended, the watch is stopped.
+        let mut state = shared.state.subscribe();
+        state
+            .wait_for(|s| matches!(s, WatchState::Stopped { .. }))
+            .await
+            .unwrap();
+        let late: Vec<_> = shared.subscribe().map(|c| describe(&c)).collect().await;
+        assert_eq!(
+            late,
+            ["=a/1"],
+            "the store is replayed, then the stream ends"
+        );
+        assert!(matches!(
+            shared.synced().await,
+            Err(CacheError::NotEngaged { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_panicking_index_extractor_fails_the_watch_and_reports_it() {
+        let indexer = Indexer::new::<ConfigMap>("bad", |cm: &ConfigMap| {
+            assert_ne!(cm.metadata.name.as_deref(), Some("boom"), "extractor bug");
+            vec![]
+        });
+        let (faults, mut reported) = mpsc::unbounded_channel();
+        let shared = watch(
+            vec![
+                Event::Init,
+                Event::InitApply(cm("fine", "1")),
+                Event::InitDone,
+                Event::Apply(cm("boom", "2")),
+            ],
+            false,
+            &[indexer],
+            Some(faults),
+        );
+        let mut changes = Box::pin(shared.subscribe());
+        let fault = reported.recv().await.unwrap();
+        assert_eq!(
+            (fault.cluster.as_str(), fault.kind.as_str()),
+            ("c0", "ConfigMap")
+        );
+        assert!(fault.reason.contains("extractor bug"), "{fault}");
+        // Subscribers see their stream end rather than wait on a frozen cache.
+        assert_eq!(drain(&mut changes, 1).await, ["=fine/1"]);
+        assert!(changes.next().await.is_none());
+        assert!(matches!(
+            shared.synced().await,
+            Err(CacheError::WatchFailed { .. })
+        ));
+    }
+}

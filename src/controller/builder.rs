@@ -1,0 +1,243 @@
+//! [`Builder`]: configures a controller for a primary kind and runs it on a manager.
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::Either;
+use kube::Resource;
+use kube_runtime::{Predicate, watcher};
+use serde::de::DeserializeOwned;
+
+use super::relations::{Owns, Watches};
+use super::{DEFAULT_DISENGAGE_GRACE, Env, Spec};
+use crate::{Action, Cluster, Context, Manager, Provider, Request};
+
+/// Configures and runs a controller for the primary kind `K` on a [`Manager`].
+///
+/// With a provider that has a single cluster ([`SingleProvider`](crate::providers::SingleProvider))
+/// the controller *is* a kube-runtime `Controller`: relations, predicate, concurrency and
+/// debounce map onto it one to one, and the reconciler is called directly from its runner.
+/// With a fleet provider it runs the fleet queue (see `docs/architecture.md`) instead. The
+/// reconciler and error policy are the same functions in both cases.
+///
+/// Defaults: engage every provider cluster, not the local one; no predicate; unbounded
+/// concurrency (with a limit, one cluster may hold all but one slot); no debounce; reconciles
+/// of a disengaged cluster dropped after [`DEFAULT_DISENGAGE_GRACE`](crate::DEFAULT_DISENGAGE_GRACE);
+/// named after the kind.
+#[must_use]
+pub struct Builder<'m, P: Provider, K> {
+    manager: &'m Manager<P>,
+    spec: Spec<K, P::Id>,
+}
+
+/// Everything a primary or related kind must be to be watched.
+pub trait Watchable:
+    Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static
+{
+}
+impl<T> Watchable for T where
+    T: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static
+{
+}
+
+impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
+    /// A controller for `K` objects matching `watcher_config`.
+    pub fn new(manager: &'m Manager<P>, watcher_config: watcher::Config) -> Self {
+        Self {
+            manager,
+            spec: Spec {
+                name: Arc::from(K::kind(&()).as_ref()),
+                watcher_config,
+                relations: Vec::new(),
+                predicate: None,
+                engage_local: false,
+                engage_fleet: true,
+                cluster_filter: None,
+                concurrency: 0,
+                per_cluster: None,
+                debounce: Duration::ZERO,
+                disengage_grace: DEFAULT_DISENGAGE_GRACE,
+            },
+        }
+    }
+
+    /// The controller's name, used in logs (default: the kind).
+    pub fn named(mut self, name: impl AsRef<str>) -> Self {
+        self.spec.name = Arc::from(name.as_ref());
+        self
+    }
+
+    /// Also reconciles a `K` when a `Child` it owns (an owner reference to it, in the same
+    /// cluster) changes or is deleted.
+    pub fn owns<Child: Watchable>(mut self, watcher_config: watcher::Config) -> Self {
+        self.spec.relations.push(Arc::new(Owns::<Child> {
+            watcher_config,
+            _child: std::marker::PhantomData,
+        }));
+        self
+    }
+
+    /// Also reconciles the requests `mapper` returns when an `Other` changes. The mapper is
+    /// given the id of the cluster the `Other` lives in and may return requests for any
+    /// cluster (multi-cluster-aware controllers: watch here, act there); requests for
+    /// clusters this controller does not engage are dropped.
+    pub fn watches<Other, I>(
+        mut self,
+        watcher_config: watcher::Config,
+        mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        Other: Watchable,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
+        let mapper = Arc::new(move |id: &P::Id, obj: &Other| {
+            mapper(id, obj).into_iter().collect::<Vec<_>>()
+        });
+        self.spec.relations.push(Arc::new(Watches {
+            watcher_config,
+            mapper,
+        }));
+        self
+    }
+
+    /// Reconciles a changed `K` only if `predicate`'s value for it changed (for example
+    /// `kube::runtime::predicates::generation`). Both modes filter with kube-runtime's own
+    /// predicate filter: its cache is keyed by uid (an object deleted and created again under
+    /// the same name passes), and entries not seen for an hour are dropped.
+    pub fn with_predicate(mut self, predicate: impl Predicate<K> + Send + Sync + 'static) -> Self {
+        self.spec.predicate = Some(Arc::new(move |obj: &K| predicate.hash_property(obj)));
+        self
+    }
+
+    /// Whether to reconcile in the manager's local cluster (default: no).
+    pub fn engage_local(mut self, yes: bool) -> Self {
+        self.spec.engage_local = yes;
+        self
+    }
+
+    /// Whether to reconcile in the provider's clusters (default: yes).
+    pub fn engage_provider(mut self, yes: bool) -> Self {
+        self.spec.engage_fleet = yes;
+        self
+    }
+
+    /// Reconciles only in clusters for which `filter` returns true.
+    pub fn cluster_filter(
+        mut self,
+        filter: impl Fn(&Cluster<P::Id>) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.spec.cluster_filter = Some(Arc::new(filter));
+        self
+    }
+
+    /// At most `n` reconciles at once across all clusters; 0 (the default) for no limit.
+    pub fn concurrency(mut self, n: u16) -> Self {
+        self.spec.concurrency = usize::from(n);
+        self
+    }
+
+    /// At most `n` reconciles of one cluster at once (fleet mode). By default one less than
+    /// [`Builder::concurrency`] (at least 1), so a cluster whose API calls hang can never hold
+    /// every slot while others wait; no limit when the concurrency has none.
+    pub fn max_in_flight_per_cluster(mut self, n: u16) -> Self {
+        self.spec.per_cluster = Some(usize::from(n));
+        self
+    }
+
+    /// How long reconciles of a cluster that was disengaged (or replaced) may go on before
+    /// they are dropped and their slots freed (fleet mode); default
+    /// [`DEFAULT_DISENGAGE_GRACE`](crate::DEFAULT_DISENGAGE_GRACE). They see
+    /// [`Context::cancelled`] at once.
+    pub fn disengage_grace(mut self, grace: Duration) -> Self {
+        self.spec.disengage_grace = grace;
+        self
+    }
+
+    /// Waits `debounce` for further changes before reconciling (default: none).
+    pub fn debounce(mut self, debounce: Duration) -> Self {
+        self.spec.debounce = debounce;
+        self
+    }
+
+    /// The controller as a future that runs until the manager shuts down. Spawn it or await
+    /// it yourself; [`Builder::start`] is the usual way. It is bound to the manager's current
+    /// (or next) run: it engages the local cluster only if that run has started.
+    pub fn run<S, F, Fut, E, EP>(
+        self,
+        reconcile: F,
+        error_policy: EP,
+        state: Arc<S>,
+    ) -> impl Future<Output = ()> + Send + 'static
+    where
+        S: Send + Sync + 'static,
+        F: Fn(Arc<K>, Context<P::Id, S>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Action, E>> + Send + 'static,
+        E: std::error::Error + Send + 'static,
+        EP: Fn(Arc<K>, &E, &Context<P::Id, S>) -> Action + Send + Sync + 'static,
+    {
+        let env = self.manager.env();
+        let single = self.manager.provider().single();
+        run(
+            Arc::new(self.spec),
+            env,
+            single,
+            Arc::new(reconcile),
+            Arc::new(error_policy),
+            state,
+        )
+    }
+
+    /// Builds the controller and runs it with the manager: in its current run, if any, and
+    /// in every later run (each starts it afresh).
+    pub fn start<S, F, Fut, E, EP>(self, reconcile: F, error_policy: EP, state: Arc<S>)
+    where
+        S: Send + Sync + 'static,
+        F: Fn(Arc<K>, Context<P::Id, S>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Action, E>> + Send + 'static,
+        E: std::error::Error + Send + 'static,
+        EP: Fn(Arc<K>, &E, &Context<P::Id, S>) -> Action + Send + Sync + 'static,
+    {
+        let manager = self.manager;
+        let spec = Arc::new(self.spec);
+        let single = manager.provider().single();
+        let (reconcile, error_policy) = (Arc::new(reconcile), Arc::new(error_policy));
+        manager.add_controller(Arc::new(move |env: Env<P::Id>| {
+            Box::pin(run(
+                spec.clone(),
+                env,
+                single.clone(),
+                reconcile.clone(),
+                error_policy.clone(),
+                state.clone(),
+            ))
+        }));
+    }
+}
+
+/// One run of a controller, in the mode its provider calls for.
+fn run<K, C, S, F, Fut, E, EP>(
+    spec: Arc<Spec<K, C>>,
+    env: Env<C>,
+    single: Option<Cluster<C>>,
+    reconcile: Arc<F>,
+    error_policy: Arc<EP>,
+    state: Arc<S>,
+) -> impl Future<Output = ()> + Send + 'static
+where
+    K: Watchable,
+    C: crate::ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    match single {
+        Some(cluster) if spec.engage_fleet && !spec.engage_local => Either::Left(
+            super::single::run(spec, env, cluster, reconcile, error_policy, state),
+        ),
+        _ => Either::Right(super::fleet::run(spec, env, reconcile, error_policy, state)),
+    }
+}

@@ -1,0 +1,485 @@
+//! The fleet controller: per-cluster watches merged into one deduplicating, delaying, fair
+//! queue per controller, the loop that runs reconciles from it, and the state machine that
+//! follows each cluster id through engagement, listing, replacement and disengagement.
+//!
+//! Path of an event: a cluster's shared watch (`crate::cluster`) notifies each relation's
+//! subscription; the relation maps the object to [`Request`]s tagged with a cluster id; the
+//! loop sends them through kube-runtime's `debounced_scheduler` (delays, requeues,
+//! deduplication) into the `FairQueue` (one in flight per request, round-robin across
+//! clusters, a cap per cluster), from which at most `concurrency` reconciles run at once.
+//!
+//! Each cluster id the controller follows is a [`Slot`] in one of two phases
+//! (`docs/architecture.md` draws it):
+//!
+//! - `Syncing`: the primary cache of the current engagement has not listed yet. A request
+//!   that comes due reads the *reference* cache, the last synced cache of an engagement this
+//!   one replaced (same endpoint only), or, without one, is parked.
+//! - `Synced`: requests read the current cache.
+//!
+//! `Syncing → Synced` when the cache lists (parked requests are released, the reference is
+//! let go). A replacement starts a new `Syncing` slot whose reference is the old slot's cache
+//! if that had synced, else the old slot's own reference (so a second replacement during an
+//! outage still serves the last cache that listed). The same reference is the baseline of the
+//! new listing: objects it held at the same uid and resourceVersion are not reconciled again.
+//! A reconcile that returns after the engagement it ran in ended runs once more if its id is
+//! still followed, so work cut short by a replacement is not lost to that baseline.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::stream::{BoxStream, FuturesUnordered, SelectAll};
+use futures::{FutureExt, StreamExt};
+use kube::Resource;
+use kube_runtime::controller::trigger_self;
+use kube_runtime::reflector::Store;
+use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use super::context::Shared;
+use super::queue::FleetQueue;
+use super::relations::{Baseline, seen_before};
+use super::{Env, ReconcileReason, Spec, Trigger};
+use crate::cluster::{CacheError, Change, Engagement, SharedWatch};
+use crate::fleet::FleetEvent;
+use crate::{Action, ClusterId, Context, FleetView, Request, Watchable};
+
+/// A reconcile in flight; it yields its request, what it asked for next, why, and whether the
+/// engagement it ran in had ended by the time it returned.
+type Reconciling<C> =
+    Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason, bool)> + Send>>;
+/// A primary cache that listed (or failed to): the id, the slot's epoch, the outcome.
+type Synced<C> = Pin<Box<dyn Future<Output = (C, u64, Result<(), CacheError>)> + Send>>;
+
+/// The last synced engagement of an id, and its primary cache.
+struct Reference<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+    engagement: Engagement<C>,
+    store: Store<K>,
+}
+
+/// Where a slot is; see the module documentation.
+enum Phase<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+    Syncing {
+        reference: Option<Reference<K, C>>,
+        /// Requests that came due with no cache to read, released when the cache lists.
+        parked: HashMap<Request<C>, ReconcileReason>,
+    },
+    Synced,
+}
+
+/// One cluster id as the controller follows it.
+struct Slot<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+    engagement: Engagement<C>,
+    /// The primary watch of `engagement`; `None` if the engagement had already ended when
+    /// the controller got to it (a later event of the same id is on its way).
+    watch: Option<Arc<SharedWatch<K>>>,
+    /// Tells this slot's sync signal from one of an earlier slot of the same id.
+    epoch: u64,
+    phase: Phase<K, C>,
+}
+
+/// Runs a fleet controller until shutdown; reconciles in flight then get the graceful timeout
+/// to finish and are dropped after it.
+pub(crate) async fn run<K, C, S, F, Fut, E, P>(
+    spec: Arc<Spec<K, C>>,
+    env: Env<C>,
+    reconcile: Arc<F>,
+    error_policy: Arc<P>,
+    state: Arc<S>,
+) where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    let shared = Arc::new(Shared {
+        state,
+        fleet: FleetView::new(env.fleet.clone()),
+        local: env.local.clone(),
+        shutdown: env.shutdown.clone(),
+    });
+    let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
+    let mut slots = Slots {
+        spec: spec.clone(),
+        slots: HashMap::new(),
+        triggers: SelectAll::new(),
+        queue: FleetQueue::new(spec.concurrency, spec.per_cluster_cap(), spec.debounce),
+        syncs: FuturesUnordered::new(),
+        epoch: 0,
+    };
+    let mut running: FuturesUnordered<Reconciling<C>> = FuturesUnordered::new();
+
+    if spec.engage_local
+        && let Some(local) = &env.local
+    {
+        match local.engagement() {
+            Some(engagement) => {
+                slots.engage(engagement, None, HashMap::new());
+            }
+            None => {
+                tracing::warn!(controller = %spec.name, "the local cluster is not engaged (the manager is not running); not reconciling it")
+            }
+        }
+    }
+
+    loop {
+        tokio::select! {
+            () = env.shutdown.cancelled() => break,
+            Some(event) = recv_opt(&mut fleet_rx) => match event {
+                FleetEvent::Engaged(engagement) => {
+                    slots.engage(engagement, None, HashMap::new());
+                }
+                FleetEvent::Replaced { old, new } => slots.replace(old, new),
+                FleetEvent::Disengaged(engagement) => slots.disengage(&engagement),
+            },
+            Some((id, epoch, outcome)) = slots.syncs.next(), if !slots.syncs.is_empty() => {
+                if outcome.is_ok() {
+                    slots.synced(&id, epoch);
+                }
+            }
+            Some((req, reason)) = slots.triggers.next(), if !slots.triggers.is_empty() => {
+                slots.queue.trigger(req, reason);
+            }
+            Some((req, action, reason, ended)) = running.next(), if !running.is_empty() => {
+                // A reconcile whose engagement ended while it ran (its cluster was replaced:
+                // the client it used stopped, its context was cancelled) may have been cut
+                // short: it runs again if the id is still followed, on the new engagement.
+                let rerun = ended && slots.slots.contains_key(&req.cluster);
+                if rerun {
+                    slots.queue.finish(req.clone(), action, reason.clone());
+                    slots.queue.trigger(req, reason);
+                } else {
+                    slots.queue.finish(req, action, reason);
+                }
+            }
+            (req, reason) = slots.queue.next() => {
+                if let Some((object, engagement)) = slots.object_for(&req, &reason) {
+                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy));
+                }
+            }
+        }
+    }
+
+    // Graceful shutdown: take no new work; let reconciles in flight finish, within bounds.
+    tracing::debug!(controller = %spec.name, in_flight = running.len(), "controller shutting down");
+    let drain = async { while running.next().await.is_some() {} };
+    if tokio::time::timeout(env.graceful, drain).await.is_err() {
+        tracing::warn!(controller = %spec.name, "reconciles still running after the graceful timeout were dropped");
+    }
+}
+
+/// Every cluster id the controller follows, and what feeds its queue.
+struct Slots<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+    spec: Arc<Spec<K, C>>,
+    slots: HashMap<C, Slot<K, C>>,
+    triggers: SelectAll<BoxStream<'static, Trigger<C>>>,
+    queue: FleetQueue<C>,
+    syncs: FuturesUnordered<Synced<C>>,
+    epoch: u64,
+}
+
+impl<K: Watchable, C: ClusterId> Slots<K, C> {
+    /// Starts following `engagement` in `Syncing`, reading `reference` meanwhile. Returns
+    /// whether it did (the filter may refuse the cluster, an id may come twice).
+    fn engage(
+        &mut self,
+        engagement: Engagement<C>,
+        reference: Option<Reference<K, C>>,
+        parked: HashMap<Request<C>, ReconcileReason>,
+    ) -> bool {
+        let spec = &self.spec;
+        let id = engagement.id().clone();
+        if let Some(filter) = &spec.cluster_filter
+            && !filter(&engagement.cluster)
+        {
+            tracing::debug!(controller = %spec.name, cluster = %id, "cluster filtered out");
+            return false;
+        }
+        if self.slots.contains_key(&id) {
+            tracing::error!(
+                controller = %spec.name,
+                cluster = %id,
+                "two clusters with one id (the local cluster and a provider's?); the second is ignored"
+            );
+            return false;
+        }
+        // An engagement that has already ended (replaced again, or disengaged, before this
+        // controller got to it) gets a slot without watches: it keeps the reference and the
+        // parked requests for the event that follows.
+        let watch = engagement.watch::<K>(&spec.watcher_config).ok();
+        self.epoch += 1;
+        let epoch = self.epoch;
+        if let Some(watch) = &watch {
+            let reference_engagement = reference.as_ref().map(|r| &r.engagement);
+            for relation in &spec.relations {
+                if let Ok(triggers) = relation.triggers(&engagement, reference_engagement) {
+                    self.triggers.push(triggers);
+                }
+            }
+            self.triggers.push(primary(
+                spec,
+                &id,
+                watch,
+                reference.as_ref().map(|r| &r.store),
+            ));
+            let synced = watch.synced();
+            let signal_id = id.clone();
+            self.syncs
+                .push(Box::pin(async move { (signal_id, epoch, synced.await) }));
+        }
+        self.queue.engage(id.clone());
+        self.slots.insert(
+            id.clone(),
+            Slot {
+                engagement,
+                watch,
+                epoch,
+                phase: Phase::Syncing { reference, parked },
+            },
+        );
+        self.synced(&id, epoch);
+        true
+    }
+
+    /// `old` was replaced by `new` under the same id.
+    fn replace(&mut self, old: Engagement<C>, new: Engagement<C>) {
+        let id = old.id().clone();
+        let Some(slot) = self.slots.remove(&id) else {
+            // This controller did not follow the old one (its filter refused it): the new one
+            // is a plain engagement.
+            self.engage(new, None, HashMap::new());
+            return;
+        };
+        if !slot.engagement.same(&old) {
+            // The slot belongs to another cluster of the same id (the local one).
+            self.slots.insert(id, slot);
+            return;
+        }
+        let (reference, parked) = match slot.phase {
+            Phase::Synced => (
+                slot.watch.map(|watch| Reference {
+                    store: watch.store.clone(),
+                    engagement: slot.engagement,
+                }),
+                HashMap::new(),
+            ),
+            Phase::Syncing { reference, parked } => (reference, parked),
+        };
+        // Another endpoint may be another cluster: its cache stands for nothing here.
+        let reference = reference.filter(|r| r.engagement.cluster.same_endpoint(&new.cluster));
+        // Queued and scheduled requests stay: the id is the same and so are its objects.
+        if !self.engage(new, reference, parked) {
+            self.queue.disengage(&id);
+        }
+    }
+
+    /// `engagement` ended.
+    fn disengage(&mut self, engagement: &Engagement<C>) {
+        let id = engagement.id();
+        if self
+            .slots
+            .get(id)
+            .is_some_and(|slot| slot.engagement.same(engagement))
+        {
+            self.slots.remove(id);
+            self.queue.disengage(id);
+            tracing::debug!(controller = %self.spec.name, cluster = %id, "cluster disengaged; its queue was dropped");
+        }
+    }
+
+    /// The slot of `id` moves to `Synced` if its cache has listed (and `epoch` is its own).
+    fn synced(&mut self, id: &C, epoch: u64) {
+        let Some(slot) = self.slots.get_mut(id) else {
+            return;
+        };
+        if slot.epoch != epoch || !slot.watch.as_ref().is_some_and(|w| w.is_synced()) {
+            return;
+        }
+        if let Phase::Syncing { parked, .. } = std::mem::replace(&mut slot.phase, Phase::Synced) {
+            for (req, reason) in parked {
+                self.queue.trigger(req, reason);
+            }
+        }
+    }
+
+    /// The object `req` is about and the engagement to reconcile it in; `None` if it is not
+    /// to be reconciled now (its request is then finished or parked).
+    fn object_for(
+        &mut self,
+        req: &Request<C>,
+        reason: &ReconcileReason,
+    ) -> Option<(Arc<K>, Engagement<C>)> {
+        let Some(epoch) = self.slots.get(&req.cluster).map(|s| s.epoch) else {
+            self.queue
+                .finish(req.clone(), Action::await_change(), reason.clone());
+            return None;
+        };
+        // A cache that has just listed serves at once, before its signal comes round.
+        self.synced(&req.cluster, epoch);
+        let slot = self.slots.get_mut(&req.cluster)?;
+        let key = req.object_ref::<K>();
+        let object = match &mut slot.phase {
+            Phase::Synced => slot.watch.as_ref().and_then(|w| w.store.get(&key)),
+            Phase::Syncing {
+                reference: Some(reference),
+                ..
+            } => reference.store.get(&key),
+            Phase::Syncing {
+                reference: None,
+                parked,
+            } => {
+                tracing::debug!(controller = %self.spec.name, request = %req, "cache not listed yet; parked");
+                parked.insert(req.clone(), reason.clone());
+                self.queue
+                    .finish(req.clone(), Action::await_change(), reason.clone());
+                return None;
+            }
+        };
+        match object {
+            Some(object) => Some((object, slot.engagement.clone())),
+            None => {
+                tracing::debug!(controller = %self.spec.name, request = %req, "object not in the cache (deleted); skipping");
+                self.queue
+                    .finish(req.clone(), Action::await_change(), reason.clone());
+                None
+            }
+        }
+    }
+}
+
+/// The requests for the primary objects of one engagement: every change but deletions,
+/// through the predicate (kube-runtime's filter: keyed by uid, entries expire), then without
+/// the first listing's objects the reference cache held at the same version. The predicate
+/// sees those too, so its cache is seeded and their next status-only change is filtered.
+fn primary<K: Watchable, C: ClusterId>(
+    spec: &Spec<K, C>,
+    id: &C,
+    watch: &SharedWatch<K>,
+    reference: Option<&Store<K>>,
+) -> BoxStream<'static, Trigger<C>> {
+    let changes = watch
+        .subscribe()
+        .filter(|change| std::future::ready(!change.deleted))
+        .map(Ok::<_, watcher::Error>);
+    let filtered = match spec.predicate.clone() {
+        Some(predicate) => changes
+            .predicate_filter(
+                move |change: &Change<K>| predicate(&change.object),
+                PredicateConfig::default(),
+            )
+            .boxed(),
+        None => changes.boxed(),
+    };
+    let mut baseline = Baseline::of(reference);
+    let fresh = filtered.filter_map(move |change| {
+        let fresh = change
+            .ok()
+            .filter(|change| !seen_before(change, &mut baseline))
+            .map(|change| Ok::<_, Infallible>(change.object));
+        std::future::ready(fresh)
+    });
+    // kube-runtime's own trigger, then the cluster id on top (moving the key's strings).
+    let id = id.clone();
+    trigger_self::<K, _>(fresh, ())
+        .filter_map(move |request| {
+            std::future::ready(request.ok().map(|r| {
+                (
+                    Request::from_object_ref(id.clone(), r.obj_ref),
+                    ReconcileReason::ObjectChanged,
+                )
+            }))
+        })
+        .boxed()
+}
+
+/// The reconcile of `req` as a future yielding what to do next. If its cluster's engagement
+/// ends, it has the grace period to return before it is dropped.
+#[allow(clippy::too_many_arguments)]
+fn start<K, C, S, F, Fut, E, P>(
+    spec: &Spec<K, C>,
+    req: Request<C>,
+    reason: ReconcileReason,
+    object: Arc<K>,
+    engagement: Engagement<C>,
+    shared: &Arc<Shared<C, S>>,
+    reconcile: &Arc<F>,
+    error_policy: &Arc<P>,
+) -> Reconciling<C>
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    let token = engagement.session.token().clone();
+    let ctx = Context::new(
+        req.clone(),
+        engagement.cluster,
+        token.clone(),
+        shared.clone(),
+    );
+    let span = tracing::info_span!(
+        "reconcile",
+        controller = %spec.name,
+        cluster = %req.cluster,
+        object = %ObjectKey(&req),
+        reason = %reason,
+    );
+    let reconcile = reconcile.clone();
+    let error_policy = error_policy.clone();
+    let grace = spec.disengage_grace;
+    async move {
+        let work = async {
+            match reconcile(object.clone(), ctx.clone()).await {
+                Ok(action) => (action, ReconcileReason::Requeue),
+                Err(error) => {
+                    tracing::warn!(cluster = %req.cluster, %error, "reconcile failed");
+                    let action = error_policy(object, &error, &ctx);
+                    (action, ReconcileReason::ErrorPolicy)
+                }
+            }
+        };
+        let abandoned = async {
+            token.cancelled().await;
+            tokio::time::sleep(grace).await;
+        };
+        tokio::select! {
+            (action, reason) = work => (req, action, reason, token.is_cancelled()),
+            () = abandoned => {
+                tracing::warn!(cluster = %req.cluster, ?grace, "reconcile dropped: its cluster was disengaged and it did not return within the grace period");
+                (req, Action::await_change(), reason, true)
+            }
+        }
+    }
+    .instrument(span)
+    .boxed()
+}
+
+/// `namespace/name` or `name`.
+struct ObjectKey<'a, C: ClusterId>(&'a Request<C>);
+
+impl<C: ClusterId> fmt::Display for ObjectKey<'_, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0.namespace {
+            Some(ns) => write!(f, "{ns}/{}", self.0.name),
+            None => f.write_str(&self.0.name),
+        }
+    }
+}
+
+async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,112 @@
+//! Controllers: the [`Builder`], the single-cluster runner (kube-runtime's own `Controller`),
+//! the fleet loop with its per-cluster state machine, the fair queue, the reconcile
+//! [`Context`] and the relations (`owns`, `watches`).
+
+mod builder;
+mod context;
+mod fleet;
+mod queue;
+mod relations;
+mod single;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube_runtime::watcher;
+use tokio_util::sync::CancellationToken;
+
+pub use builder::{Builder, Watchable};
+pub use context::Context;
+#[cfg(feature = "fuzzing")]
+pub(crate) use queue::FleetQueue;
+
+use crate::{Cluster, ClusterId, Fleet, Request, WatchBackoff};
+
+/// Why a reconcile was queued; shown in the reconcile's span. While a request waits, a later
+/// reason replaces an earlier one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ReconcileReason {
+    /// The object itself changed (or was listed).
+    ObjectChanged,
+    /// A related object (owned or watched) of this kind changed.
+    RelatedObjectChanged(Arc<str>),
+    /// The previous reconcile asked to be requeued.
+    Requeue,
+    /// The previous reconcile failed and the error policy asked for a retry.
+    ErrorPolicy,
+}
+
+impl fmt::Display for ReconcileReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ObjectChanged => f.write_str("object changed"),
+            Self::RelatedObjectChanged(kind) => write!(f, "related {kind} changed"),
+            Self::Requeue => f.write_str("requeue"),
+            Self::ErrorPolicy => f.write_str("error policy requeue"),
+        }
+    }
+}
+
+/// A request and why it was made.
+pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
+
+/// A predicate's hash of an object (see `kube_runtime::Predicate`).
+pub(crate) type PredicateFn<K> = Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>;
+/// Which clusters a controller engages.
+pub(crate) type ClusterFilter<C> = Arc<dyn Fn(&Cluster<C>) -> bool + Send + Sync>;
+
+/// The controller's settings, fixed when it is built.
+pub(crate) struct Spec<K, C: ClusterId> {
+    pub(crate) name: Arc<str>,
+    pub(crate) watcher_config: watcher::Config,
+    pub(crate) relations: Vec<Arc<dyn relations::Relation<C, K>>>,
+    pub(crate) predicate: Option<PredicateFn<K>>,
+    pub(crate) engage_local: bool,
+    pub(crate) engage_fleet: bool,
+    pub(crate) cluster_filter: Option<ClusterFilter<C>>,
+    /// 0 for no limit.
+    pub(crate) concurrency: usize,
+    /// At most this many reconciles of one cluster at once; `None` for the default.
+    pub(crate) per_cluster: Option<usize>,
+    pub(crate) debounce: Duration,
+    /// How long reconciles of a disengaged (or replaced) cluster may go on before they are
+    /// dropped.
+    pub(crate) disengage_grace: Duration,
+}
+
+impl<K, C: ClusterId> Spec<K, C> {
+    /// The per-cluster cap: as set, else one less than the concurrency (so one cluster never
+    /// holds every slot while others wait), else none.
+    pub(crate) fn per_cluster_cap(&self) -> usize {
+        match (self.per_cluster, self.concurrency) {
+            (Some(n), _) => n.max(1),
+            (None, 0) => 0,
+            (None, n) => (n - 1).max(1),
+        }
+    }
+}
+
+/// Where a controller runs: what a manager's run hands it.
+pub(crate) struct Env<C: ClusterId> {
+    pub(crate) fleet: Fleet<C>,
+    pub(crate) local: Option<Cluster<C>>,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) graceful: Duration,
+    pub(crate) backoff: WatchBackoff,
+}
+
+impl<C: ClusterId> Clone for Env<C> {
+    fn clone(&self) -> Self {
+        Self {
+            fleet: self.fleet.clone(),
+            local: self.local.clone(),
+            shutdown: self.shutdown.clone(),
+            graceful: self.graceful,
+            backoff: self.backoff.clone(),
+        }
+    }
+}
+
+/// The default of [`Builder::disengage_grace`].
+pub const DEFAULT_DISENGAGE_GRACE: Duration = Duration::from_secs(10);

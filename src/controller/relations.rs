@@ -1,0 +1,215 @@
+//! Relations of a controller's primary kind to other objects (`owns`, `watches`), and the
+//! change streams they are built on in fleet mode.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use futures::stream::{self, BoxStream};
+use kube::{Api, Resource};
+use kube_runtime::controller::trigger_with;
+use kube_runtime::reflector::{ObjectRef, Store};
+use kube_runtime::watcher;
+
+use super::{ReconcileReason, Trigger};
+use crate::cluster::{CacheError, Change, Engagement};
+use crate::{Cluster, ClusterId, Request, Watchable};
+
+/// A relation of the primary kind `K` to other objects (owned, watched), type-erased.
+pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
+    /// Requests this relation makes for `cluster` (fleet mode). `reference` is the last
+    /// synced engagement of the id before this one, whose caches tell which listed objects
+    /// did not change.
+    fn triggers(
+        &self,
+        cluster: &Engagement<C>,
+        reference: Option<&Engagement<C>>,
+    ) -> Result<BoxStream<'static, Trigger<C>>, CacheError>;
+
+    /// Adds the relation to a kube-runtime `Controller` (single-cluster mode).
+    fn attach(
+        &self,
+        controller: kube_runtime::Controller<K>,
+        cluster: &Cluster<C>,
+    ) -> kube_runtime::Controller<K>
+    where
+        K: Watchable;
+}
+
+/// What a cache held: each object's uid and resourceVersion, without the objects themselves.
+pub(crate) struct Baseline<K: Resource<DynamicType = ()>> {
+    versions: HashMap<ObjectRef<K>, (Option<String>, Option<String>)>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone> Baseline<K> {
+    /// The versions in `store`, if there is one and it holds anything.
+    pub(crate) fn of(store: Option<&Store<K>>) -> Option<Self> {
+        let versions: HashMap<_, _> = store?
+            .state()
+            .iter()
+            .map(|obj| {
+                let meta = obj.meta();
+                (
+                    ObjectRef::from_obj(&**obj),
+                    (meta.uid.clone(), meta.resource_version.clone()),
+                )
+            })
+            .collect();
+        (!versions.is_empty()).then_some(Self { versions })
+    }
+
+    /// The versions in the synced cache of `X` for `config` in `engagement`.
+    fn of_engagement<C: ClusterId>(
+        engagement: Option<&Engagement<C>>,
+        config: &watcher::Config,
+    ) -> Option<Self>
+    where
+        K: Watchable,
+    {
+        let watch = engagement?.session.existing::<K>(config)?;
+        watch.is_synced().then(|| Self::of(Some(&watch.store)))?
+    }
+}
+
+/// Whether `change` is the first listing's version of an object the reference cache already
+/// held at the same uid and resourceVersion, so its change was seen there. The baseline is
+/// needed only during that listing; it is dropped at the first later change.
+pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
+    change: &Change<K>,
+    baseline: &mut Option<Baseline<K>>,
+) -> bool {
+    if !change.initial {
+        *baseline = None;
+        return false;
+    }
+    let Some(baseline) = baseline else {
+        return false;
+    };
+    let meta = change.object.meta();
+    baseline
+        .versions
+        .get(&ObjectRef::from_obj(&*change.object))
+        .is_some_and(|(uid, rv)| *uid == meta.uid && *rv == meta.resource_version)
+}
+
+/// The objects of `X` in `cluster` as they change (deletions included, also those a relist
+/// found), leaving out those of the first listing that the reference cache had already seen
+/// at the same version. The watch for `config` is started on first use.
+pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
+    cluster: &Engagement<C>,
+    reference: Option<&Engagement<C>>,
+    config: &watcher::Config,
+) -> Result<impl futures::Stream<Item = Arc<X>> + Send + 'static, CacheError> {
+    let mut baseline = Baseline::of_engagement(reference, config);
+    Ok(cluster
+        .watch::<X>(config)?
+        .subscribe()
+        .filter_map(move |change| {
+            let fresh = !seen_before(&change, &mut baseline);
+            std::future::ready(fresh.then_some(change.object))
+        }))
+}
+
+/// `K` is reconciled when a `Child` it owns changes.
+pub(crate) struct Owns<Child> {
+    pub(crate) watcher_config: watcher::Config,
+    pub(crate) _child: std::marker::PhantomData<fn() -> Child>,
+}
+
+impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child> {
+    fn triggers(
+        &self,
+        cluster: &Engagement<C>,
+        reference: Option<&Engagement<C>>,
+    ) -> Result<BoxStream<'static, Trigger<C>>, CacheError> {
+        let changes = fresh_changes::<C, Child>(cluster, reference, &self.watcher_config)?
+            .map(Ok::<_, Infallible>);
+        let id = cluster.id().clone();
+        let kind: Arc<str> = Arc::from(Child::kind(&()).as_ref());
+        // kube-runtime's trigger primitive with its owner-reference mapping; the cluster id
+        // goes on afterwards.
+        let owners = move |child: Arc<Child>| {
+            let meta = child.meta();
+            let ns = meta.namespace.as_deref();
+            meta.owner_references
+                .iter()
+                .flatten()
+                .filter_map(|owner| ObjectRef::<K>::from_owner_ref(ns, owner, ()))
+                .collect::<Vec<_>>()
+        };
+        Ok(trigger_with(changes, owners)
+            .filter_map(move |request| {
+                let trigger = request.ok().map(|r| {
+                    let req = Request::from_object_ref(id.clone(), r.obj_ref);
+                    (req, ReconcileReason::RelatedObjectChanged(kind.clone()))
+                });
+                std::future::ready(trigger)
+            })
+            .boxed())
+    }
+
+    fn attach(
+        &self,
+        controller: kube_runtime::Controller<K>,
+        cluster: &Cluster<C>,
+    ) -> kube_runtime::Controller<K> {
+        controller.owns(
+            Api::<Child>::all(cluster.client()),
+            self.watcher_config.clone(),
+        )
+    }
+}
+
+pub(crate) type Mapper<C, Other> = Arc<dyn Fn(&C, &Other) -> Vec<Request<C>> + Send + Sync>;
+
+/// The requests a mapper returns are reconciled when an `Other` changes.
+pub(crate) struct Watches<C: ClusterId, Other> {
+    pub(crate) watcher_config: watcher::Config,
+    pub(crate) mapper: Mapper<C, Other>,
+}
+
+impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C, Other> {
+    fn triggers(
+        &self,
+        cluster: &Engagement<C>,
+        reference: Option<&Engagement<C>>,
+    ) -> Result<BoxStream<'static, Trigger<C>>, CacheError> {
+        let id = cluster.id().clone();
+        let mapper = self.mapper.clone();
+        let kind: Arc<str> = Arc::from(Other::kind(&()).as_ref());
+        Ok(
+            fresh_changes::<C, Other>(cluster, reference, &self.watcher_config)?
+                .flat_map(move |object| {
+                    let kind = kind.clone();
+                    let requests = mapper(&id, &object).into_iter();
+                    stream::iter(
+                        requests
+                            .map(move |r| (r, ReconcileReason::RelatedObjectChanged(kind.clone()))),
+                    )
+                })
+                .boxed(),
+        )
+    }
+
+    fn attach(
+        &self,
+        controller: kube_runtime::Controller<K>,
+        cluster: &Cluster<C>,
+    ) -> kube_runtime::Controller<K> {
+        let id = cluster.id().clone();
+        let mapper = self.mapper.clone();
+        controller.watches(
+            Api::<Other>::all(cluster.client()),
+            self.watcher_config.clone(),
+            move |obj: Other| {
+                // One cluster: requests for any other id have nowhere to go.
+                mapper(&id, &obj)
+                    .into_iter()
+                    .filter(|r| r.cluster == id)
+                    .map(|r| r.object_ref::<K>())
+                    .collect::<Vec<_>>()
+            },
+        )
+    }
+}

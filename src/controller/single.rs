@@ -1,0 +1,143 @@
+//! Single-cluster mode: kube-runtime's own `Controller`, with nothing of this crate in the
+//! path of an event but the reconcile's [`Context`].
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::{Api, Resource};
+use kube_runtime::{Controller, WatchStreamExt, watcher};
+use tokio_util::task::TaskTracker;
+
+use super::context::Shared;
+use super::{Env, Spec};
+use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
+
+/// What the runner hands to each call: everything a [`Context`] needs, behind the one `Arc`
+/// kube-runtime passes around, so a call costs three reference-count increments and no
+/// allocation of ours.
+struct Single<C: ClusterId, S, F, EP> {
+    cluster: Cluster<C>,
+    shared: Arc<Shared<C, S>>,
+    reconcile: Arc<F>,
+    error_policy: Arc<EP>,
+    /// kube-runtime spawns each reconcile as a task; the tracker tells when the ones it
+    /// cancelled at shutdown are really gone.
+    tracker: TaskTracker,
+}
+
+impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
+    /// Three reference counts; the request is built only if the reconciler asks for it.
+    fn context<K: Resource + Send + Sync + 'static>(&self, obj: &Arc<K>) -> Context<C, S> {
+        Context::for_object(obj.clone(), self.cluster.clone(), self.shared.clone())
+    }
+}
+
+/// Runs `cluster`'s controller until shutdown; reconciles still running the graceful timeout
+/// after it are dropped.
+pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
+    spec: Arc<Spec<K, C>>,
+    env: Env<C>,
+    cluster: Cluster<C>,
+    reconcile: Arc<F>,
+    error_policy: Arc<EP>,
+    state: Arc<S>,
+) where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    use kube_runtime::controller::{Action as KubeAction, Error as KubeError};
+
+    if let Some(filter) = &spec.cluster_filter
+        && !filter(&cluster)
+    {
+        tracing::info!(controller = %spec.name, "the only cluster is filtered out; nothing to reconcile");
+        env.shutdown.cancelled().await;
+        return;
+    }
+    let api = Api::<K>::all(cluster.client());
+    let mut controller = match &spec.predicate {
+        None => Controller::new(api, spec.watcher_config.clone()),
+        Some(predicate) => {
+            let predicate = predicate.clone();
+            let (reader, writer) = kube_runtime::reflector::store();
+            // The controller's trigger backoff covers this stream too (errors pass through).
+            let stream = watcher(api, spec.watcher_config.clone())
+                .reflect(writer)
+                .applied_objects()
+                .predicate_filter(move |obj: &K| predicate(obj), Default::default());
+            Controller::for_stream(stream, reader)
+        }
+    };
+    for relation in &spec.relations {
+        controller = relation.attach(controller, &cluster);
+    }
+    let config = kube_runtime::controller::Config::default()
+        .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
+        .debounce(spec.debounce);
+    let shutdown = env.shutdown.clone();
+    let name = spec.name.clone();
+    let tracker = TaskTracker::new();
+    let single = Arc::new(Single {
+        cluster,
+        shared: Arc::new(Shared {
+            state,
+            fleet: FleetView::new(env.fleet),
+            local: env.local,
+            shutdown: env.shutdown,
+        }),
+        reconcile,
+        error_policy,
+        tracker: tracker.clone(),
+    });
+    let running = controller
+        .with_config(config)
+        .trigger_backoff(env.backoff.delays())
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(
+            |obj, single| {
+                let ctx = single.context(&obj);
+                let fut = (single.reconcile)(obj, ctx);
+                single
+                    .tracker
+                    .track_future(async move { fut.await.map(KubeAction::from) })
+            },
+            |obj, error, single| {
+                let ctx = single.context(&obj);
+                (single.error_policy)(obj, error, &ctx).into()
+            },
+            single,
+        )
+        .for_each(move |result| {
+            match result {
+                Ok(_) => {}
+                Err(KubeError::ObjectNotFound(obj)) => {
+                    tracing::debug!(controller = %name, object = %obj, "object not in the cache (deleted); skipping");
+                }
+                Err(KubeError::ReconcilerFailed(error, obj)) => {
+                    tracing::warn!(controller = %name, object = %obj, %error, "reconcile failed");
+                }
+                Err(error) => tracing::warn!(controller = %name, %error, "controller error"),
+            }
+            std::future::ready(())
+        });
+    // kube-runtime's graceful shutdown waits for reconciles in flight without a bound.
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(env.graceful).await;
+    };
+    tokio::select! {
+        () = running => {}
+        () = deadline => {
+            tracing::warn!(controller = %spec.name, "reconciles still running after the graceful timeout were dropped");
+        }
+    }
+    // Dropping the controller cancelled the reconcile tasks it spawned; wait until they are
+    // gone, so nothing of this controller runs once it has returned.
+    tracker.close();
+    tracker.wait().await;
+}
