@@ -397,6 +397,14 @@ impl<C: ClusterId> State<C> {
 
 /// A read-only view of a fleet, for reconcilers: which clusters are engaged, without the
 /// power to change that.
+///
+/// ```compile_fail
+/// # use multicluster_runtime::{ClusterName, Context};
+/// fn reconcile(ctx: &Context<ClusterName, ()>) {
+///     // Only providers engage and disengage clusters.
+///     ctx.fleet().disengage(&ClusterName::from("other"));
+/// }
+/// ```
 pub struct FleetView<C: ClusterId> {
     fleet: Fleet<C>,
 }
@@ -582,6 +590,29 @@ mod tests {
             fleet.engage_until(a, CancellationToken::new()),
             Err(EngageError::NoRuntime { .. })
         ));
+    }
+
+    #[test]
+    fn caches_outside_a_runtime_are_an_error_not_a_panic() {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let fleet = Fleet::new();
+        let a = runtime.block_on(async {
+            let a = cluster("a", "https://127.0.0.1:1");
+            fleet.engage(a.clone()).unwrap();
+            a
+        });
+        let store = a.store::<k8s_openapi::api::core::v1::ConfigMap>(&Default::default());
+        assert!(
+            matches!(store, Err(crate::CacheError::NoRuntime { ref cluster }) if cluster == "a"),
+            "{store:?}"
+        );
+        let never = runtime.block_on(async {
+            let never = cluster("b", "https://127.0.0.1:1");
+            never
+                .cache::<k8s_openapi::api::core::v1::ConfigMap>(&Default::default())
+                .await
+        });
+        assert!(matches!(never, Err(crate::CacheError::NotEngaged { .. })));
     }
 
     #[tokio::test]

@@ -382,6 +382,39 @@ mod tests {
         }
     }
 
+    /// A provider with cleanup to do after shutdown.
+    struct Cleans(Arc<std::sync::atomic::AtomicBool>);
+
+    impl Provider for Cleans {
+        type Id = crate::ClusterName;
+
+        async fn run(
+            &self,
+            _: Fleet<crate::ClusterName>,
+            shutdown: CancellationToken,
+        ) -> Result<(), ProviderError> {
+            shutdown.cancelled().await;
+            // Cleanup that takes a moment (deregistering, closing connections).
+            tokio::task::yield_now().await;
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_provider_finishes_its_cleanup_before_run_returns() {
+        let cleaned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let manager = Arc::new(Manager::new(Cleans(cleaned.clone())));
+        let run = tokio::spawn({
+            let manager = manager.clone();
+            async move { manager.run().await }
+        });
+        tokio::task::yield_now().await;
+        manager.shutdown();
+        run.await.unwrap().unwrap();
+        assert!(cleaned.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn tasks_that_ignore_shutdown_are_dropped_after_the_graceful_timeout() {
         let manager = Manager::new(Clusters::<crate::ClusterName>::new())

@@ -380,6 +380,24 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_at_its_cap_keeps_its_turn_while_others_are_served() {
+        let mut q = FairQueue::with_cap(1);
+        q.push_(req("a", "x"));
+        q.push_(req("a", "y"));
+        q.push_(req("b", "z"));
+        let x = q.pop().map(|(r, ())| r).unwrap();
+        assert_eq!(x, req("a", "x"));
+        assert_eq!(
+            q.pop().map(|(r, ())| r),
+            Some(req("b", "z")),
+            "a is at its cap"
+        );
+        assert_eq!(q.pop().map(|(r, ())| r), None, "a still is; b has nothing");
+        q.done(&x);
+        assert_eq!(q.pop().map(|(r, ())| r), Some(req("a", "y")));
+    }
+
+    #[test]
     fn removing_a_cluster_drops_its_queue_and_pending_reruns() {
         let mut q = FairQueue::default();
         q.push_(req("a", "x"));
