@@ -8,9 +8,10 @@ mod backoff;
 mod cache;
 mod id;
 mod index;
+mod source;
 mod watch;
 
-use std::any::{Any, TypeId};
+use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -22,16 +23,17 @@ use kube_runtime::reflector::Store;
 use kube_runtime::watcher::{self, watcher};
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use backoff::Retrying;
 pub use backoff::WatchBackoff;
 pub use cache::{Cache, CacheError};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub(crate) use index::Indexer;
+pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
 pub use watch::Fault;
 use watch::WatchState;
 pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message};
 
 use crate::Watchable;
-use crate::providers::NamespaceSlice;
 use crate::sync::lock;
 
 /// A cheap, clonable handle to one cluster: its id, its [`Client`] and, while it is engaged,
@@ -51,8 +53,9 @@ struct Inner<C: ClusterId> {
     /// Field indexes registered for this cluster; every watch of their kind maintains them.
     indexers: Mutex<Vec<Indexer>>,
     /// Where its watches get their events: `None` watches the API server through `client`;
-    /// a namespace of a host cluster is fed by the host's one watch per kind.
-    slice: Option<NamespaceSlice>,
+    /// a provider may share watches among its clusters (a namespace of a host cluster is fed
+    /// by the host's one watch per kind).
+    source: Option<Arc<dyn WatchSource>>,
     attachment: Mutex<Attachment>,
 }
 
@@ -70,7 +73,7 @@ pub(crate) struct Session {
     token: CancellationToken,
     settings: WatchSettings,
     /// One shared watch per (resource type, watcher configuration): `SharedWatch<K>`.
-    watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedWatch>>>,
+    watches: Mutex<HashMap<WatchKey, Arc<dyn ErasedWatch>>>,
     /// The watch tasks, awaited when the engagement ends.
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -100,8 +103,7 @@ impl Session {
         &self,
         config: &watcher::Config,
     ) -> Option<Arc<SharedWatch<K>>> {
-        let key = (TypeId::of::<K>(), format!("{config:?}"));
-        let existing = lock(&self.watches).get(&key)?.clone();
+        let existing = lock(&self.watches).get(&WatchKey::of::<K>(config))?.clone();
         existing.as_any().downcast::<SharedWatch<K>>().ok()
     }
 
@@ -244,11 +246,12 @@ impl<C: ClusterId> Cluster<C> {
         Ok(Self::build(id, client, Some(config)))
     }
 
-    /// A namespace of a host cluster, whose watches are fed from the host's shared watches.
-    pub(crate) fn namespace_slice(id: C, client: Client, slice: NamespaceSlice) -> Self {
+    /// A cluster whose watches get their events from `source` (a provider's shared
+    /// watches) rather than from watches of their own.
+    pub(crate) fn with_source(id: C, client: Client, source: Arc<dyn WatchSource>) -> Self {
         let mut cluster = Self::build(id, client, None);
         if let Some(inner) = Arc::get_mut(&mut cluster.inner) {
-            inner.slice = Some(slice);
+            inner.source = Some(source);
         }
         cluster
     }
@@ -258,7 +261,7 @@ impl<C: ClusterId> Cluster<C> {
     pub(crate) fn renamed<D: ClusterId>(&self, id: D) -> Cluster<D> {
         let mut renamed = Cluster::build(id, self.client(), self.inner.config.clone());
         if let Some(inner) = Arc::get_mut(&mut renamed.inner) {
-            inner.slice = self.inner.slice.clone();
+            inner.source = self.inner.source.clone();
         }
         renamed
     }
@@ -270,7 +273,7 @@ impl<C: ClusterId> Cluster<C> {
                 client,
                 config,
                 indexers: Mutex::new(Vec::new()),
-                slice: None,
+                source: None,
                 attachment: Mutex::new(Attachment::default()),
             }),
         }
@@ -398,7 +401,7 @@ impl<C: ClusterId> Cluster<C> {
         // Filling an index runs the user's extractor over the cache: not under the lock.
         let watches: Vec<_> = lock(&session.watches)
             .iter()
-            .filter(|((kind, _), _)| *kind == indexer.kind())
+            .filter(|(key, _)| key.kind == indexer.kind())
             .map(|(_, watch)| watch.clone())
             .collect();
         for watch in watches {
@@ -416,7 +419,7 @@ impl<C: ClusterId> Cluster<C> {
         };
         let mut status: Vec<CacheStatus> = lock(&session.watches)
             .iter()
-            .map(|((_, config), watch)| {
+            .map(|(key, watch)| {
                 let (synced, error) = match watch.state() {
                     WatchState::Listing { error } => (false, error),
                     WatchState::Synced { error } => (true, error),
@@ -424,7 +427,7 @@ impl<C: ClusterId> Cluster<C> {
                 };
                 CacheStatus {
                     kind: watch.kind(),
-                    config: config.clone(),
+                    config: key.config.clone(),
                     synced,
                     error,
                 }
@@ -488,7 +491,7 @@ impl<C: ClusterId> Cluster<C> {
         session: &Session,
         config: &watcher::Config,
     ) -> Result<Arc<SharedWatch<K>>, CacheError> {
-        let key = (TypeId::of::<K>(), format!("{config:?}"));
+        let key = WatchKey::of::<K>(config);
         let mut watches = lock(&session.watches);
         if let Some(existing) = watches.get(&key).cloned()
             && let Ok(watch) = existing.as_any().downcast::<SharedWatch<K>>()
@@ -504,12 +507,14 @@ impl<C: ClusterId> Cluster<C> {
             cluster: self.inner.id.to_string(),
         })?;
         let stop = session.token.child_token();
-        let events = match &self.inner.slice {
+        let events = match &self.inner.source {
             None => Either::Left(backoff::Retrying::new(
                 watcher(Api::<K>::all(self.client()), config.clone()),
                 session.settings.backoff.delays(),
             )),
-            Some(slice) => Either::Right(slice.events::<K>(config, &session.token).map(Ok)),
+            Some(source) => {
+                Either::Right(source::events_from::<K>(&**source, config, &session.token).map(Ok))
+            }
         };
         let indexers = lock(&self.inner.indexers).clone();
         let (watch, task) = SharedWatch::start(

@@ -33,7 +33,6 @@ pub use kubeconfig_secrets::{
 };
 pub(crate) use kubeconfig_secrets::{Trust, parse_kubeconfig};
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
-pub(crate) use namespace::NamespaceSlice;
 #[cfg(feature = "fuzzing")]
 pub(crate) use namespace::{ApiPath, Target, is_plain_path, with_namespace};
 pub use namespace::{ClusterScopedWrite, Namespaces, UnscopableRequest};

@@ -40,6 +40,8 @@ struct Inner {
     children: BTreeMap<String, Child>,
     /// The fleet and the shutdown token while the provider runs.
     running: Option<(Fleet<ClusterName>, CancellationToken)>,
+    /// The children's tasks of the current run, awaited when it ends.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 struct Child {
@@ -102,6 +104,7 @@ impl Multi {
             inner: Arc::new(Mutex::new(Inner {
                 children: BTreeMap::new(),
                 running: None,
+                tasks: Vec::new(),
             })),
         }
     }
@@ -155,7 +158,10 @@ impl Multi {
             token: None,
         };
         if let Some((fleet, shutdown)) = &inner.running {
-            child.token = Some(self.start(name, &child.provider, fleet, shutdown));
+            let (token, task) = self.start(name, &child.provider, fleet, shutdown);
+            child.token = Some(token);
+            inner.tasks.retain(|t| !t.is_finished());
+            inner.tasks.push(task);
         }
         inner.children.insert(name.to_string(), child);
         Ok(())
@@ -192,15 +198,16 @@ impl Multi {
         provider: &Arc<dyn ErasedProvider>,
         fleet: &Fleet<ClusterName>,
         shutdown: &CancellationToken,
-    ) -> CancellationToken {
+    ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
         let token = shutdown.child_token();
         let prefix = format!("{name}{}", self.separator);
-        tokio::spawn(
-            provider
-                .clone()
-                .run(fleet.clone(), name.to_string(), prefix, token.clone()),
-        );
-        token
+        let task = tokio::spawn(provider.clone().run(
+            fleet.clone(),
+            name.to_string(),
+            prefix,
+            token.clone(),
+        ));
+        (token, task)
     }
 }
 
@@ -221,18 +228,26 @@ impl Provider for Multi {
                     self.start(name, &child.provider, &fleet, &shutdown),
                 ));
             }
-            for (name, token) in tokens {
+            for (name, (token, task)) in tokens {
                 if let Some(child) = inner.children.get_mut(&name) {
                     child.token = Some(token);
                 }
+                inner.tasks.push(task);
             }
             inner.running = Some((fleet, shutdown.clone()));
         }
         shutdown.cancelled().await;
-        let mut inner = self.lock();
-        inner.running = None;
-        for child in inner.children.values_mut() {
-            child.token = None;
+        let tasks = {
+            let mut inner = self.lock();
+            inner.running = None;
+            for child in inner.children.values_mut() {
+                child.token = None;
+            }
+            std::mem::take(&mut inner.tasks)
+        };
+        // The children wind down (each disengages what it engaged) before the run returns.
+        for task in tasks {
+            let _ = task.await;
         }
         Ok(())
     }

@@ -13,7 +13,6 @@
 //!   refuses cluster-scoped writes with [`ClusterScopedWrite`]. Whether a resource is
 //!   namespaced comes from the host's discovery documents, cached per API group version.
 
-use std::any::{Any, TypeId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::{Pin, pin};
@@ -21,6 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
+use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::APIResourceList;
@@ -31,7 +31,8 @@ use kube_runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError, Watchable};
+use crate::cluster::{Retrying, SharedObject, WatchKey, WatchRequest, WatchSource};
+use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError, WatchBackoff};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -107,13 +108,13 @@ impl Namespaces {
             discovery: self.hub.discovery.clone(),
         };
         let client = Client::new(service, namespace);
-        Cluster::namespace_slice(
+        Cluster::with_source(
             ClusterName::from(namespace),
             client,
-            NamespaceSlice {
+            Arc::new(NamespaceSlice {
                 hub: self.hub.clone(),
                 namespace: Arc::from(namespace),
-            },
+            }),
         )
     }
 }
@@ -192,7 +193,7 @@ use crate::sync::lock;
 /// and all of them when the last holder drops the hub.
 pub(crate) struct Hub {
     host: Client,
-    watches: Mutex<HashMap<(TypeId, String), Arc<dyn ErasedHostWatch>>>,
+    watches: Mutex<HashMap<WatchKey, Arc<HostWatch>>>,
     discovery: Arc<Discovery>,
     token: CancellationToken,
 }
@@ -201,12 +202,6 @@ impl Drop for Hub {
     fn drop(&mut self) {
         self.token.cancel();
     }
-}
-
-trait ErasedHostWatch: Send + Sync {
-    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
-    /// Whether the watch still runs.
-    fn is_running(&self) -> bool;
 }
 
 impl Hub {
@@ -222,84 +217,78 @@ impl Hub {
         }
     }
 
-    /// The events of `namespace`'s `K` objects matching `config`, from the host's watch
-    /// (started on first use), for as long as `engagement` is not cancelled: a listing
-    /// (`Init`, `InitApply`*, `InitDone`) as soon as the host's objects are known and after
-    /// every relist of the host, changes in between.
-    fn events<K: Watchable>(
-        &self,
-        namespace: &str,
-        config: &watcher::Config,
-        engagement: &CancellationToken,
-    ) -> Receiver<K> {
-        let key = (TypeId::of::<K>(), format!("{config:?}"));
+    /// The events of `namespace`'s objects of the requested kind, from the host's watch of
+    /// that kind (started on first use), for as long as the request's engagement lasts: a
+    /// listing (`Init`, `InitApply`*, `InitDone`) as soon as the host's objects are known and
+    /// after every relist of the host, changes in between.
+    fn events(&self, namespace: &str, request: WatchRequest<'_>) -> Receiver {
         let mut watches = lock(&self.watches);
-        let existing = watches
-            .get(&key)
-            .cloned()
-            .and_then(|w| w.as_any().downcast::<HostWatch<K>>().ok());
-        if let Some(events) = existing.and_then(|w| w.subscribe(namespace, engagement)) {
+        if let Some(events) = watches
+            .get(&request.key)
+            .and_then(|w| w.subscribe(namespace, request.engagement))
+        {
             return events;
         }
         // None yet, or the last one stopped for want of subscribers.
-        let (watch, subscriptions) = HostWatch::<K>::new(self.token.child_token());
+        let (watch, subscriptions) = HostWatch::new(self.token.child_token());
         let watch = Arc::new(watch);
         // Subscribed before the task starts, so it never finds itself without subscribers.
         let events = watch
-            .subscribe(namespace, engagement)
+            .subscribe(namespace, request.engagement)
             .unwrap_or_else(Receiver::closed);
-        let api = Api::<K>::all(self.host.clone());
         tokio::spawn(run_host_watch(
-            watcher::watcher(api, config.clone()).default_backoff(),
+            Retrying::new(
+                (request.open)(self.host.clone()),
+                WatchBackoff::default().delays(),
+            ),
             subscriptions,
             Arc::downgrade(&watch),
             watch.stop.clone(),
+            request.kind.to_string(),
         ));
-        watches.insert(key, watch);
+        watches.insert(request.key, watch);
         events
     }
 }
 
-/// What a namespace-cluster keeps to reach its share of the host's watches.
+/// What a namespace-cluster keeps to reach its share of the host's watches: the source of its
+/// cluster's watches.
 #[derive(Clone)]
 pub(crate) struct NamespaceSlice {
     hub: Arc<Hub>,
     namespace: Arc<str>,
 }
 
-impl NamespaceSlice {
-    /// The events of the namespace's `K` objects for a cluster engaged as long as
-    /// `engagement` is not cancelled.
-    pub(crate) fn events<K: Watchable>(
-        &self,
-        config: &watcher::Config,
-        engagement: &CancellationToken,
-    ) -> Receiver<K> {
-        self.hub.events::<K>(&self.namespace, config, engagement)
+impl WatchSource for NamespaceSlice {
+    fn events(&self, request: WatchRequest<'_>) -> BoxStream<'static, Event<SharedObject>> {
+        self.hub.events(&self.namespace, request).boxed()
     }
 }
 
 /// A subscription to a host watch: the events of one namespace.
-pub(crate) struct Receiver<K>(mpsc::UnboundedReceiver<Event<K>>);
+pub(crate) struct Receiver(mpsc::UnboundedReceiver<Event<SharedObject>>);
 
-impl<K> Receiver<K> {
+impl Receiver {
     /// A subscription that has already ended.
     fn closed() -> Self {
         Self(mpsc::unbounded_channel().1)
     }
 }
 
-impl<K> Stream for Receiver<K> {
-    type Item = Event<K>;
+impl Stream for Receiver {
+    type Item = Event<SharedObject>;
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Event<K>>> {
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Event<SharedObject>>> {
         self.0.poll_recv(cx)
     }
 }
 
-/// One watch of `K` across the host, demultiplexed by namespace.
-struct HostWatch<K> {
-    state: Mutex<HostState<K>>,
+/// One watch of one kind across the host, demultiplexed by namespace.
+struct HostWatch {
+    state: Mutex<HostState>,
     /// Stops the watch task.
     stop: CancellationToken,
     /// Tells the watch task of each new subscription, so it notices when the subscriber's
@@ -307,7 +296,7 @@ struct HostWatch<K> {
     joined: mpsc::UnboundedSender<(String, CancellationToken)>,
 }
 
-impl<K> HostWatch<K> {
+impl HostWatch {
     /// A watch (not yet running) and what its task is to receive subscriptions from.
     fn new(
         stop: CancellationToken,
@@ -323,56 +312,39 @@ impl<K> HostWatch<K> {
 }
 
 /// One namespace-cluster's subscription.
-struct Subscriber<K> {
-    tx: mpsc::UnboundedSender<Event<K>>,
+struct Subscriber {
+    tx: mpsc::UnboundedSender<Event<SharedObject>>,
     /// The cluster's engagement: cancelled when it is disengaged.
     engagement: CancellationToken,
 }
 
-impl<K> Subscriber<K> {
+impl Subscriber {
     fn alive(&self) -> bool {
         !self.engagement.is_cancelled() && !self.tx.is_closed()
     }
 }
 
-struct HostState<K> {
+#[derive(Default)]
+struct HostState {
     /// Whether a complete listing is known.
     ready: bool,
     /// The watch has stopped (no subscriber was left); it takes no new ones.
     stopped: bool,
     /// The current objects by namespace ("" for cluster-scoped ones) and name.
-    objects: HashMap<String, BTreeMap<String, K>>,
+    objects: HashMap<String, BTreeMap<String, SharedObject>>,
     /// A listing in progress; swapped in at its end.
-    listing: Option<HashMap<String, BTreeMap<String, K>>>,
+    listing: Option<HashMap<String, BTreeMap<String, SharedObject>>>,
     /// Subscribers by namespace.
-    subscribers: HashMap<String, Vec<Subscriber<K>>>,
+    subscribers: HashMap<String, Vec<Subscriber>>,
 }
 
-impl<K> Default for HostState<K> {
-    fn default() -> Self {
-        Self {
-            ready: false,
-            stopped: false,
-            objects: HashMap::new(),
-            listing: None,
-            subscribers: HashMap::new(),
-        }
-    }
-}
-
-impl<K: Watchable> ErasedHostWatch for HostWatch<K> {
-    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
-        self
-    }
-
-    fn is_running(&self) -> bool {
-        !self.stop.is_cancelled()
-    }
-}
-
-impl<K: Watchable> HostState<K> {
+impl HostState {
     /// Sends `namespace`'s objects (and the cluster-scoped ones) as a complete listing.
-    fn send_listing(&self, namespace: &str, tx: &mpsc::UnboundedSender<Event<K>>) -> bool {
+    fn send_listing(
+        &self,
+        namespace: &str,
+        tx: &mpsc::UnboundedSender<Event<SharedObject>>,
+    ) -> bool {
         let mut ok = tx.send(Event::Init).is_ok();
         let own = self.objects.get(namespace).into_iter();
         let cluster_scoped = self.objects.get("").into_iter();
@@ -384,8 +356,8 @@ impl<K: Watchable> HostState<K> {
 
     /// Delivers a change to the subscribers of `namespace` (all of them for cluster-scoped
     /// objects), dropping those that went away.
-    fn deliver(&mut self, namespace: &str, event: &Event<K>) {
-        let send = |subs: &mut Vec<Subscriber<K>>| {
+    fn deliver(&mut self, namespace: &str, event: &Event<SharedObject>) {
+        let send = |subs: &mut Vec<Subscriber>| {
             subs.retain(|s| s.alive() && s.tx.send(event.clone()).is_ok());
         };
         if namespace.is_empty() {
@@ -400,9 +372,14 @@ impl<K: Watchable> HostState<K> {
     }
 }
 
-impl<K: Watchable> HostWatch<K> {
+impl HostWatch {
+    /// Whether the watch still runs.
+    fn is_running(&self) -> bool {
+        !self.stop.is_cancelled()
+    }
+
     /// A subscription for `namespace`, or `None` if the watch has stopped.
-    fn subscribe(&self, namespace: &str, engagement: &CancellationToken) -> Option<Receiver<K>> {
+    fn subscribe(&self, namespace: &str, engagement: &CancellationToken) -> Option<Receiver> {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut state = lock(&self.state);
         if state.stopped {
@@ -439,7 +416,7 @@ impl<K: Watchable> HostWatch<K> {
     }
 
     /// Stops the watch if nobody subscribes to it any more; true if it is stopped.
-    fn stop_if_idle(&self, state: &mut HostState<K>) -> bool {
+    fn stop_if_idle(&self, state: &mut HostState) -> bool {
         if state.subscribers.is_empty() {
             state.stopped = true;
             // What the watch cached is of no use to anybody now.
@@ -452,13 +429,13 @@ impl<K: Watchable> HostWatch<K> {
 }
 
 /// Drives one host watch until it stops (no subscriber left) or the hub goes away.
-async fn run_host_watch<K: Watchable>(
-    events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
+async fn run_host_watch(
+    events: impl Stream<Item = Result<Event<SharedObject>, watcher::Error>> + Send,
     mut subscriptions: mpsc::UnboundedReceiver<(String, CancellationToken)>,
-    watch: Weak<HostWatch<K>>,
+    watch: Weak<HostWatch>,
     stop: CancellationToken,
+    kind: String,
 ) {
-    let kind = K::kind(&());
     let mut events = pin!(events);
     // The namespaces of subscribers, each as soon as the subscriber's cluster is disengaged.
     let mut departures = futures::stream::FuturesUnordered::new();
@@ -494,13 +471,13 @@ async fn run_host_watch<K: Watchable>(
             }
             Some(Ok(Event::Init)) => state.listing = Some(HashMap::new()),
             Some(Ok(Event::InitApply(object))) => {
-                let ns = object.namespace().unwrap_or_default();
+                let ns = object.meta().namespace.clone().unwrap_or_default();
                 state
                     .listing
                     .get_or_insert_default()
                     .entry(ns)
                     .or_default()
-                    .insert(object.name_any(), object);
+                    .insert(name_of(&object), object);
             }
             Some(Ok(Event::InitDone)) => {
                 state.objects = state.listing.take().unwrap_or_default();
@@ -513,18 +490,18 @@ async fn run_host_watch<K: Watchable>(
                 state.subscribers = subscribers;
             }
             Some(Ok(Event::Apply(object))) => {
-                let ns = object.namespace().unwrap_or_default();
+                let ns = object.meta().namespace.clone().unwrap_or_default();
                 state
                     .objects
                     .entry(ns.clone())
                     .or_default()
-                    .insert(object.name_any(), object.clone());
+                    .insert(name_of(&object), object.clone());
                 state.deliver(&ns, &Event::Apply(object));
             }
             Some(Ok(Event::Delete(object))) => {
-                let ns = object.namespace().unwrap_or_default();
+                let ns = object.meta().namespace.clone().unwrap_or_default();
                 if let Some(objects) = state.objects.get_mut(&ns) {
-                    objects.remove(&object.name_any());
+                    objects.remove(&name_of(&object));
                     if objects.is_empty() {
                         state.objects.remove(&ns);
                     }
@@ -537,6 +514,11 @@ async fn run_host_watch<K: Watchable>(
         }
     }
     tracing::debug!(cluster = "host", %kind, "namespace provider: host watch stopped");
+}
+
+/// An object's name.
+fn name_of(object: &SharedObject) -> String {
+    object.meta().name.clone().unwrap_or_default()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1108,7 +1090,11 @@ mod tests {
         cm
     }
 
-    fn describe<K: kube::Resource>(event: &Event<K>) -> String {
+    fn obj<K: crate::Watchable>(object: K) -> SharedObject {
+        Arc::new(object)
+    }
+
+    fn describe(event: &Event<SharedObject>) -> String {
         match event {
             Event::Init => "init".into(),
             Event::InitApply(o) => format!("list {}", o.meta().name.as_deref().unwrap_or("")),
@@ -1119,9 +1105,7 @@ mod tests {
     }
 
     /// Everything a subscription has received so far.
-    fn drain<K: kube::Resource>(
-        stream: &mut (impl Stream<Item = Event<K>> + Unpin),
-    ) -> Vec<String> {
+    fn drain(stream: &mut (impl Stream<Item = Event<SharedObject>> + Unpin)) -> Vec<String> {
         let mut out = Vec::new();
         while let Some(Some(event)) = stream.next().now_or_never() {
             out.push(describe(&event));
@@ -1132,13 +1116,13 @@ mod tests {
     use futures::FutureExt;
 
     /// A host watch driven by hand: `(feed, watch, task)`.
-    fn host_watch<K: Watchable>() -> (
-        mpsc::UnboundedSender<Event<K>>,
-        Arc<HostWatch<K>>,
+    fn host_watch() -> (
+        mpsc::UnboundedSender<Event<SharedObject>>,
+        Arc<HostWatch>,
         tokio::task::JoinHandle<()>,
     ) {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Event<K>>();
-        let (watch, subscriptions) = HostWatch::<K>::new(CancellationToken::new());
+        let (tx, mut rx) = mpsc::unbounded_channel::<Event<SharedObject>>();
+        let (watch, subscriptions) = HostWatch::new(CancellationToken::new());
         let watch = Arc::new(watch);
         let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok);
         let task = tokio::spawn(run_host_watch(
@@ -1146,6 +1130,7 @@ mod tests {
             subscriptions,
             Arc::downgrade(&watch),
             watch.stop.clone(),
+            "ConfigMap".to_string(),
         ));
         (tx, watch, task)
     }
@@ -1158,15 +1143,17 @@ mod tests {
 
     #[tokio::test]
     async fn the_host_watch_hands_each_namespace_its_own_events() {
-        let (feed, watch, task) = host_watch::<ConfigMap>();
+        let (feed, watch, task) = host_watch();
         let engaged = |_: &str| CancellationToken::new();
         let (zoo_engaged, jungle_engaged, island_engaged) =
             (engaged("zoo"), engaged("jungle"), engaged("island"));
         // Subscribed before the first listing: gets it when it completes.
         let mut zoo = watch.subscribe("zoo", &zoo_engaged).unwrap();
         feed.send(Event::Init).unwrap();
-        feed.send(Event::InitApply(cm("zoo", "elephant"))).unwrap();
-        feed.send(Event::InitApply(cm("jungle", "parrot"))).unwrap();
+        feed.send(Event::InitApply(obj(cm("zoo", "elephant"))))
+            .unwrap();
+        feed.send(Event::InitApply(obj(cm("jungle", "parrot"))))
+            .unwrap();
         settle().await;
         assert_eq!(
             drain(&mut zoo),
@@ -1184,8 +1171,9 @@ mod tests {
         assert_eq!(drain(&mut island), ["init", "done"]);
 
         // Changes go to their namespace only.
-        feed.send(Event::Apply(cm("zoo", "lion"))).unwrap();
-        feed.send(Event::Delete(cm("jungle", "parrot"))).unwrap();
+        feed.send(Event::Apply(obj(cm("zoo", "lion")))).unwrap();
+        feed.send(Event::Delete(obj(cm("jungle", "parrot"))))
+            .unwrap();
         settle().await;
         assert_eq!(drain(&mut zoo), ["apply lion"]);
         assert_eq!(drain(&mut jungle), ["delete parrot"]);
@@ -1194,8 +1182,9 @@ mod tests {
         // A relist of the host is a relist of every namespace; what vanished meanwhile is
         // absent from it.
         feed.send(Event::Init).unwrap();
-        feed.send(Event::InitApply(cm("zoo", "lion"))).unwrap();
-        feed.send(Event::InitApply(cm("island", "crab"))).unwrap();
+        feed.send(Event::InitApply(obj(cm("zoo", "lion")))).unwrap();
+        feed.send(Event::InitApply(obj(cm("island", "crab"))))
+            .unwrap();
         feed.send(Event::InitDone).unwrap();
         settle().await;
         assert_eq!(drain(&mut zoo), ["init", "list lion", "done"]);
@@ -1205,7 +1194,7 @@ mod tests {
         // Forgetting a namespace lets go only of disengaged clusters' subscriptions (a
         // clone of the provider may share the hub and still serve the namespace).
         assert!(!watch.forget("island"));
-        feed.send(Event::Apply(cm("island", "gull"))).unwrap();
+        feed.send(Event::Apply(obj(cm("island", "gull")))).unwrap();
         settle().await;
         assert_eq!(drain(&mut island), ["apply gull"]);
         island_engaged.cancel();
@@ -1213,8 +1202,8 @@ mod tests {
         assert!(!lock(&watch.state).subscribers.contains_key("island"));
         // A dropped subscription is let go at the next delivery.
         drop(jungle);
-        feed.send(Event::Apply(cm("island", "tern"))).unwrap();
-        feed.send(Event::Apply(cm("jungle", "tiger"))).unwrap();
+        feed.send(Event::Apply(obj(cm("island", "tern")))).unwrap();
+        feed.send(Event::Apply(obj(cm("jungle", "tiger")))).unwrap();
         settle().await;
         assert!(!lock(&watch.state).subscribers.contains_key("jungle"));
         assert_eq!(drain(&mut island), Vec::<String>::new());
@@ -1233,26 +1222,26 @@ mod tests {
 
     #[tokio::test]
     async fn the_host_watch_task_ends_with_its_hub() {
-        let (feed, watch, task) = host_watch::<ConfigMap>();
+        let (feed, watch, task) = host_watch();
         let _sub = watch.subscribe("zoo", &CancellationToken::new()).unwrap();
         drop(watch);
-        feed.send(Event::Apply(cm("zoo", "tapir"))).unwrap();
+        feed.send(Event::Apply(obj(cm("zoo", "tapir")))).unwrap();
         task.await.unwrap();
     }
 
     #[tokio::test]
     async fn cluster_scoped_objects_reach_every_namespace() {
-        let (feed, watch, _task) = host_watch::<Node>();
+        let (feed, watch, _task) = host_watch();
         let token = CancellationToken::new();
         let mut zoo = watch.subscribe("zoo", &token).unwrap();
         let mut jungle = watch.subscribe("jungle", &token).unwrap();
         let mut node = Node::default();
         node.metadata.name = Some("n1".into());
         feed.send(Event::Init).unwrap();
-        feed.send(Event::InitApply(node.clone())).unwrap();
+        feed.send(Event::InitApply(obj(node.clone()))).unwrap();
         feed.send(Event::InitDone).unwrap();
         node.metadata.name = Some("n2".into());
-        feed.send(Event::Apply(node)).unwrap();
+        feed.send(Event::Apply(obj(node))).unwrap();
         settle().await;
         for events in [drain(&mut zoo), drain(&mut jungle)] {
             assert_eq!(events, ["init", "list n1", "done", "apply n2"]);

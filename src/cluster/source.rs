@@ -1,0 +1,128 @@
+//! [`WatchSource`]: where a cluster's watches get their events when not from a watch of its
+//! own on its API server (a namespace of a host cluster shares the host's watches). Providers
+//! implement it; the core knows nothing of them.
+
+use std::any::{Any, TypeId};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Api, Client};
+use kube_runtime::watcher::{self, Event, watcher};
+use tokio_util::sync::CancellationToken;
+
+use crate::Watchable;
+
+/// An object of any watchable kind, as a shared source passes it on: its metadata, and the
+/// typed object back for the cluster's watch.
+pub(crate) trait AnyObject: Send + Sync + 'static {
+    /// The object's metadata.
+    fn meta(&self) -> &ObjectMeta;
+    /// The typed object, for a downcast.
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+}
+
+impl<K: Watchable> AnyObject for K {
+    fn meta(&self) -> &ObjectMeta {
+        kube::Resource::meta(self)
+    }
+
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+}
+
+/// An object of any kind, shared.
+pub(crate) type SharedObject = Arc<dyn AnyObject>;
+
+/// A watch of one kind with its objects erased.
+pub(crate) type SharedEvents = BoxStream<'static, Result<Event<SharedObject>, watcher::Error>>;
+
+/// Which watch a source is asked for: one kind and watcher configuration.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct WatchKey {
+    pub(crate) kind: TypeId,
+    pub(crate) config: String,
+}
+
+impl WatchKey {
+    pub(crate) fn of<K: 'static>(config: &watcher::Config) -> Self {
+        Self {
+            kind: TypeId::of::<K>(),
+            config: format!("{config:?}"),
+        }
+    }
+}
+
+/// A cluster's request for the events of one kind.
+pub(crate) struct WatchRequest<'a> {
+    /// The kind and configuration: equal keys may share one underlying watch.
+    pub(crate) key: WatchKey,
+    /// The kind's name, for logs.
+    pub(crate) kind: &'a str,
+    /// Opens the underlying watch (the kind, with the configuration) through a client.
+    pub(crate) open: &'a (dyn Fn(Client) -> SharedEvents + Send + Sync),
+    /// Cancelled when the requesting cluster's engagement ends; the source lets go of the
+    /// subscription then.
+    pub(crate) engagement: &'a CancellationToken,
+}
+
+/// Where a cluster's watches get their events, if not from a watch of their own.
+pub(crate) trait WatchSource: Send + Sync + 'static {
+    /// The events of the cluster's objects of the requested kind, for as long as the
+    /// request's engagement lasts: a listing (`Init`, `InitApply`*, `InitDone`) as soon as
+    /// the objects are known and after every relist, changes in between.
+    fn events(&self, request: WatchRequest<'_>) -> BoxStream<'static, Event<SharedObject>>;
+}
+
+/// The events of `K` objects matching `config` from `source`, typed again.
+pub(crate) fn events_from<K: Watchable>(
+    source: &dyn WatchSource,
+    config: &watcher::Config,
+    engagement: &CancellationToken,
+) -> BoxStream<'static, Event<K>> {
+    let watch_config = config.clone();
+    let open = move |client: Client| -> SharedEvents {
+        watcher(Api::<K>::all(client), watch_config.clone())
+            .map(|event| event.map(|event| map_event(event, |o: K| Arc::new(o) as SharedObject)))
+            .boxed()
+    };
+    let kind = <K as kube::Resource>::kind(&());
+    source
+        .events(WatchRequest {
+            key: WatchKey::of::<K>(config),
+            kind: &kind,
+            open: &open,
+            engagement,
+        })
+        .filter_map(|event| {
+            std::future::ready(try_map_event(event, |o| {
+                let typed = o.into_any().downcast::<K>().ok()?;
+                Some(Arc::unwrap_or_clone(typed))
+            }))
+        })
+        .boxed()
+}
+
+/// `event` with its object mapped by `f`.
+fn map_event<A, B>(event: Event<A>, f: impl FnOnce(A) -> B) -> Event<B> {
+    match event {
+        Event::Apply(o) => Event::Apply(f(o)),
+        Event::Delete(o) => Event::Delete(f(o)),
+        Event::Init => Event::Init,
+        Event::InitApply(o) => Event::InitApply(f(o)),
+        Event::InitDone => Event::InitDone,
+    }
+}
+
+/// `event` with its object mapped by `f`; `None` if `f` gives none.
+fn try_map_event<A, B>(event: Event<A>, f: impl FnOnce(A) -> Option<B>) -> Option<Event<B>> {
+    Some(match event {
+        Event::Apply(o) => Event::Apply(f(o)?),
+        Event::Delete(o) => Event::Delete(f(o)?),
+        Event::Init => Event::Init,
+        Event::InitApply(o) => Event::InitApply(f(o)?),
+        Event::InitDone => Event::InitDone,
+    })
+}
