@@ -3,7 +3,7 @@
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
 //! cargo bench --features testenv --bench runtime -- callgrind    # zero cost of single-cluster mode
-//! cargo bench --features testenv --bench runtime -- throughput   # fleet vs single vs kube-runtime
+//! cargo bench --features testenv --bench runtime -- throughput [--runs N]   # fleet vs single vs kube-runtime
 //! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
 //! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters
 //! ```
@@ -70,10 +70,19 @@ fn main() {
             populate(cluster.client().expect("client")).await;
             let kubeconfig = cluster.kubeconfig_path().display().to_string();
             if all || args.iter().any(|a| a == "throughput") {
-                throughput(&kubeconfig);
+                let runs = arg_after(&args, "--runs")
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(3);
+                throughput(&kubeconfig, runs);
             }
             if all || args.iter().any(|a| a == "callgrind") {
-                callgrind(&kubeconfig);
+                // `--fleet` adds fleet mode, to compare its instructions across commits.
+                let modes: &[&str] = if args.iter().any(|a| a == "--fleet") {
+                    &["kube", "single", "fleet"]
+                } else {
+                    &["kube", "single"]
+                };
+                callgrind(&kubeconfig, modes);
             }
         }
         if all || args.iter().any(|a| a == "scale") {
@@ -152,17 +161,25 @@ fn run_child(mode: &str, kubeconfig: &str, under_callgrind: bool) -> (Duration, 
     (elapsed, instructions)
 }
 
-fn throughput(kubeconfig: &str) {
+fn throughput(kubeconfig: &str, runs: usize) {
     println!(
-        "\n== throughput: {OBJECTS} reconciles on one cluster, 3 runs each, wall time of the child process"
+        "\n== throughput: {OBJECTS} reconciles on one cluster, {runs} runs each, wall time of the child process"
     );
+    let mut times: HashMap<&str, Vec<Duration>> = HashMap::new();
+    for _ in 0..runs {
+        // Alternating, so drift on the machine affects every mode alike.
+        for mode in ["kube", "single", "fleet"] {
+            times
+                .entry(mode)
+                .or_default()
+                .push(run_child(mode, kubeconfig, false).0);
+        }
+    }
     let mut medians = HashMap::new();
     for mode in ["kube", "single", "fleet"] {
-        let mut times: Vec<Duration> = (0..3)
-            .map(|_| run_child(mode, kubeconfig, false).0)
-            .collect();
+        let mut times = times[mode].clone();
         times.sort();
-        let median = times[1];
+        let median = times[times.len() / 2];
         medians.insert(mode, median);
         println!(
             "{mode:<7} median {:.3}s ({:.0} reconciles/s)  runs {:?}",
@@ -178,15 +195,15 @@ fn throughput(kubeconfig: &str) {
     println!("fleet throughput / single throughput = {ratio:.3}");
 }
 
-fn callgrind(kubeconfig: &str) {
+fn callgrind(kubeconfig: &str, modes: &[&'static str]) {
     const RUNS: usize = 5;
     println!(
         "\n== callgrind: instructions of the whole controller process, {OBJECTS} reconciles, {RUNS} runs each"
     );
     let mut counts: HashMap<&str, Vec<u64>> = HashMap::new();
     for _ in 0..RUNS {
-        // Alternating, so drift on the machine affects both alike.
-        for mode in ["kube", "single"] {
+        // Alternating, so drift on the machine affects every mode alike.
+        for &mode in modes {
             let (_, instructions) = run_child(mode, kubeconfig, true);
             counts
                 .entry(mode)
@@ -199,7 +216,7 @@ fn callgrind(kubeconfig: &str) {
         v.sort();
         v[v.len() / 2]
     };
-    for mode in ["kube", "single"] {
+    for &mode in modes {
         println!("{mode:<7} median {} runs {:?}", median(mode), counts[mode]);
     }
     let (kube, single) = (median("kube"), median("single"));

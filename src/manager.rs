@@ -231,6 +231,14 @@ impl<P: Provider> Manager<P> {
             faults: Some(faults_tx),
         };
         self.fleet.open(settings.clone());
+        // A single-cluster provider's cluster is engaged before any controller starts, so a
+        // reconciler's `cache()` of it never finds it unengaged (the provider engages it too;
+        // that is then `Unchanged`).
+        if let Some(single) = self.provider.single()
+            && let Err(error) = self.fleet.engage(single)
+        {
+            tracing::warn!(%error, "could not engage the provider's cluster");
+        }
         let local = self.local.as_ref().map(|local| local.attach(&settings));
 
         let mut tasks = JoinSet::new();

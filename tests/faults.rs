@@ -1154,8 +1154,28 @@ async fn every_object_is_reconciled_at_its_final_version_across_a_kill_9() {
         writer.failures.load(Ordering::SeqCst) >= 3
     })
     .await;
+    let reconciles = || {
+        state
+            .seen
+            .lock()
+            .unwrap()
+            .values()
+            .map(Vec::len)
+            .sum::<usize>()
+    };
+    let before_restart = reconciles();
+    let starting = tokio::time::Instant::now();
     c.start().await.unwrap();
+    let ready = starting.elapsed();
     writer.phase.store(AFTER, Ordering::SeqCst);
+    eventually(60, "reconciles resume", async || {
+        reconciles() > before_restart
+    })
+    .await;
+    eprintln!(
+        "kill -9: reconciles resumed {:?} after the apiserver was started (it answered /readyz after {ready:?})",
+        starting.elapsed()
+    );
     let rounds = writer.rounds.load(Ordering::SeqCst);
     eventually(60, "writes after the outage", async || {
         writer.rounds.load(Ordering::SeqCst) >= rounds + 3

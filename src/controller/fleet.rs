@@ -453,7 +453,9 @@ where
             token.cancelled().await;
             tokio::time::sleep(grace).await;
         };
+        // Biased: a reconcile that is done is not made to wait on the token first.
         tokio::select! {
+            biased;
             (action, reason) = work => (req, action, reason, token.is_cancelled()),
             () = abandoned => {
                 tracing::warn!(cluster = %req.cluster, ?grace, "reconcile dropped: its cluster was disengaged and it did not return within the grace period");

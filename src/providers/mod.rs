@@ -31,6 +31,7 @@ pub use kubeconfig_secrets::{
     DEFAULT_KEY as KUBECONFIG_SECRET_KEY, DEFAULT_LABEL as KUBECONFIG_SECRET_LABEL,
     KubeconfigSecrets,
 };
+#[cfg(feature = "fuzzing")]
 pub(crate) use kubeconfig_secrets::{Trust, parse_kubeconfig};
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 #[cfg(feature = "fuzzing")]
