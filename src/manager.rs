@@ -225,6 +225,12 @@ impl<P: Provider> Manager<P> {
             *running = Some(tasks_tx);
             self.shutdown_token()
         };
+        // If the run is dropped before it returns (or the provider panics), what it started
+        // is stopped without waiting and the manager can run again.
+        let mut abandoned = Abandoned {
+            manager: self,
+            armed: true,
+        };
         let (faults_tx, mut faults_rx) = mpsc::unbounded_channel();
         let settings = WatchSettings {
             backoff: self.backoff.clone(),
@@ -325,7 +331,32 @@ impl<P: Provider> Manager<P> {
         }
         // The next run gets a token of its own.
         *lock(&self.shutdown) = CancellationToken::new();
+        abandoned.armed = false;
         result
+    }
+}
+
+/// Cleans up after a [`Manager::run`] that did not return (dropped, or the provider panicked):
+/// stops its tasks' work without awaiting them (they are dropped with the run), disengages
+/// every cluster and lets the manager run again.
+struct Abandoned<'a, P: Provider> {
+    manager: &'a Manager<P>,
+    armed: bool,
+}
+
+impl<P: Provider> Drop for Abandoned<'_, P> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let manager = self.manager;
+        lock(&manager.shutdown).cancel();
+        manager.fleet.clear();
+        if let Some(local) = &manager.local {
+            local.detach();
+        }
+        *lock(&manager.running) = None;
+        *lock(&manager.shutdown) = CancellationToken::new();
     }
 }
 
@@ -421,6 +452,22 @@ mod tests {
         manager.shutdown();
         run.await.unwrap().unwrap();
         assert!(cleaned.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn a_run_that_is_dropped_lets_the_manager_run_again() {
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new());
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), manager.run())
+                .await
+                .is_err(),
+            "still running when dropped"
+        );
+        manager.shutdown();
+        tokio::time::timeout(Duration::from_secs(10), manager.run())
+            .await
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test(start_paused = true)]

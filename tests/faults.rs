@@ -1366,3 +1366,81 @@ async fn a_thousand_engagements_leave_no_task_socket_watch_or_memory_behind() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+/// Requeues every object every 300 ms, recording each call as `name@server` (the server of
+/// the cluster it ran against).
+async fn tick_where(
+    cm: Arc<ConfigMap>,
+    ctx: Context<multicluster_runtime::ClusterName, Seen>,
+) -> Result<Action, kube::Error> {
+    let server = ctx
+        .cluster()
+        .config()
+        .map(|c| c.cluster_url.to_string())
+        .unwrap_or_default();
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    ctx.state()
+        .requests
+        .lock()
+        .unwrap()
+        .push(format!("{name}@{}", server.trim_end_matches('/')));
+    Ok(Action::requeue(Duration::from_millis(300)))
+}
+
+#[tokio::test]
+async fn a_replacement_at_another_endpoint_does_not_read_the_old_cache() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (old, new) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    create(
+        &old.client().unwrap(),
+        config_map("default", "old-only", "thing"),
+    )
+    .await;
+    create(
+        &new.client().unwrap(),
+        config_map("default", "new-only", "thing"),
+    )
+    .await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("c"), old.config()).unwrap())
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        tick_where,
+        never_retry,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+    let (old_server, new_server) = (old.server().to_string(), new.server().to_string());
+    eventually(30, "the old cluster's object requeues", async || {
+        seen.count(&format!("old-only@{old_server}")) >= 2
+    })
+    .await;
+
+    // The id moves to another apiserver, which is down for now: the old cluster's cache
+    // stands for nothing there, so the requeue chain of `old-only` must not go on from it
+    // against the new cluster.
+    new.stop().await;
+    assert_eq!(
+        clusters
+            .add(Cluster::from_config(name("c"), new.config()).unwrap())
+            .unwrap(),
+        Engaged::Replaced
+    );
+    new.start().await.unwrap();
+    // Sync point: the new apiserver's object is reconciled (so the new cache listed and the
+    // parked requests were released).
+    eventually(60, "the new cluster's object reconciled", async || {
+        seen.count(&format!("new-only@{new_server}")) >= 1
+    })
+    .await;
+    assert_eq!(
+        seen.count(&format!("old-only@{new_server}")),
+        0,
+        "an object of the old endpoint was reconciled against the new one"
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}

@@ -485,3 +485,123 @@ async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ClusterName;
+    use crate::controller::PredicateFn;
+    use k8s_openapi::api::apps::v1::Deployment;
+    use kube::api::ObjectMeta;
+    use kube_runtime::watcher::Event;
+    use tokio_util::sync::CancellationToken;
+
+    fn deployment(name: &str, rv: &str, generation: i64) -> Deployment {
+        Deployment {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(format!("uid-{name}")),
+                resource_version: Some(rv.into()),
+                generation: Some(generation),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn watch(events: Vec<Event<Deployment>>) -> Arc<SharedWatch<Deployment>> {
+        let events = futures::stream::iter(events.into_iter().map(Ok))
+            .chain(futures::stream::pending())
+            .boxed();
+        SharedWatch::start(
+            events,
+            Arc::from("c0"),
+            CancellationToken::new(),
+            &[],
+            None,
+            &tokio::runtime::Handle::current(),
+        )
+        .0
+    }
+
+    fn spec(predicate: Option<PredicateFn<Deployment>>) -> Spec<Deployment, ClusterName> {
+        Spec {
+            name: Arc::from("test"),
+            watcher_config: watcher::Config::default(),
+            relations: Vec::new(),
+            predicate,
+            engage_local: false,
+            engage_fleet: true,
+            cluster_filter: None,
+            concurrency: 0,
+            per_cluster: None,
+            debounce: std::time::Duration::ZERO,
+            disengage_grace: std::time::Duration::ZERO,
+        }
+    }
+
+    #[tokio::test]
+    async fn after_a_replacement_a_status_only_change_does_not_pass_a_generation_predicate() {
+        // The replaced cluster's cache held `app` at generation 1.
+        let reference = watch(vec![
+            Event::Init,
+            Event::InitApply(deployment("app", "1", 1)),
+            Event::InitDone,
+        ]);
+        reference.synced().await.unwrap();
+        // The new cluster lists the same version (suppressed by the baseline), then a status
+        // change (same generation), then a spec change, then a new object as a sync point.
+        let new = watch(vec![
+            Event::Init,
+            Event::InitApply(deployment("app", "1", 1)),
+            Event::InitDone,
+            Event::Apply(deployment("app", "2", 1)),
+            Event::Apply(deployment("app", "3", 2)),
+            Event::Apply(deployment("sync", "4", 1)),
+        ]);
+        let generation: PredicateFn<Deployment> =
+            Arc::new(|d: &Deployment| kube_runtime::predicates::generation(d));
+        let spec = spec(Some(generation));
+        let mut triggers = primary(
+            &spec,
+            &ClusterName::from("c0"),
+            &new,
+            Some(&reference.store),
+        );
+        let mut names = Vec::new();
+        while names.last().map(String::as_str) != Some("sync") {
+            names.push(triggers.next().await.unwrap().0.name);
+        }
+        // Once for the spec change: neither the unchanged listing nor the status change.
+        assert_eq!(names, ["app", "sync"]);
+    }
+
+    #[tokio::test]
+    async fn an_object_recreated_under_the_same_name_passes_the_predicate() {
+        let new = watch(vec![
+            Event::Init,
+            Event::InitApply(deployment("app", "1", 1)),
+            Event::InitDone,
+            Event::Delete(deployment("app", "2", 1)),
+            // The same name, labels and generation, a new uid.
+            Event::Apply(Deployment {
+                metadata: ObjectMeta {
+                    uid: Some("uid-app-2".into()),
+                    ..deployment("app", "3", 1).metadata
+                },
+                ..Default::default()
+            }),
+            Event::Apply(deployment("sync", "4", 1)),
+        ]);
+        let generation: PredicateFn<Deployment> =
+            Arc::new(|d: &Deployment| kube_runtime::predicates::generation(d));
+        let spec = spec(Some(generation));
+        let mut triggers = primary(&spec, &ClusterName::from("c0"), &new, None);
+        let mut names = Vec::new();
+        while names.last().map(String::as_str) != Some("sync") {
+            names.push(triggers.next().await.unwrap().0.name);
+        }
+        assert_eq!(names, ["app", "app", "sync"]);
+    }
+}
