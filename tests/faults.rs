@@ -831,18 +831,6 @@ impl kube::Resource for Widget {
     }
 }
 
-async fn record_widget<C: ClusterId>(
-    _: Arc<Widget>,
-    ctx: Context<C, Seen>,
-) -> Result<Action, kube::Error> {
-    ctx.state()
-        .requests
-        .lock()
-        .unwrap()
-        .push(ctx.request().to_string());
-    Ok(Action::await_change())
-}
-
 #[tokio::test]
 async fn a_crd_installed_late_in_one_cluster_is_reconciled_without_a_restart() {
     let logs = Logs::capture();
@@ -868,7 +856,7 @@ async fn a_crd_installed_late_in_one_cluster_is_reconciled_without_a_restart() {
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     Builder::<_, Widget>::new(&manager, watcher::Config::default()).start(
-        record_widget,
+        record,
         never_retry,
         seen.clone(),
     );

@@ -433,8 +433,7 @@ fn step<K: Watchable>(
                 store.state()
             };
             writer.apply_watcher_event(&Event::InitDone);
-            let objects = store.state();
-            index(shared, |ix| ix.rebuild(objects.iter().map(|o| &**o)));
+            index(shared, |ix| ix.rebuild(store.state().iter().map(|o| &**o)));
             // Synced before the listing is announced: whoever handles an announced object
             // finds the store synced.
             shared

@@ -16,6 +16,9 @@
 //!   one replaced (same endpoint only), or, without one, is parked.
 //! - `Synced`: requests read the current cache.
 //!
+//! In either phase, a request that comes due after the slot's engagement ended (the event
+//! saying whether it was replaced or disengaged is on its way) is parked too.
+//!
 //! `Syncing → Synced` when the cache lists (parked requests are released, the reference is
 //! let go). A replacement starts a new `Syncing` slot whose reference is the old slot's cache
 //! if that had synced, else the old slot's own reference (so a second replacement during an
@@ -63,11 +66,7 @@ struct Reference<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> 
 
 /// Where a slot is; see the module documentation.
 enum Phase<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
-    Syncing {
-        reference: Option<Reference<K, C>>,
-        /// Requests that came due with no cache to read, released when the cache lists.
-        parked: HashMap<Request<C>, ReconcileReason>,
-    },
+    Syncing { reference: Option<Reference<K, C>> },
     Synced,
 }
 
@@ -80,6 +79,10 @@ struct Slot<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
     /// Tells this slot's sync signal from one of an earlier slot of the same id.
     epoch: u64,
     phase: Phase<K, C>,
+    /// Requests that came due with no cache to read (not listed yet and no reference, or the
+    /// engagement ended and the event saying what follows is on its way); released when the
+    /// cache lists, carried over to a replacement, dropped with a disengagement.
+    parked: HashMap<Request<C>, ReconcileReason>,
 }
 
 /// Runs a fleet controller until shutdown; reconciles in flight then get the graceful timeout
@@ -241,10 +244,19 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
                 engagement,
                 watch,
                 epoch,
-                phase: Phase::Syncing { reference, parked },
+                phase: Phase::Syncing { reference },
+                parked,
             },
         );
         self.synced(&id, epoch);
+        // With a reference to read, what was parked need not wait for the listing.
+        if let Some(slot) = self.slots.get_mut(&id)
+            && matches!(slot.phase, Phase::Syncing { reference: Some(_) })
+        {
+            for (req, reason) in slot.parked.drain() {
+                self.queue.trigger(req, reason);
+            }
+        }
         true
     }
 
@@ -262,15 +274,13 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
             self.slots.insert(id, slot);
             return;
         }
-        let (reference, parked) = match slot.phase {
-            Phase::Synced => (
-                slot.watch.map(|watch| Reference {
-                    store: watch.store.clone(),
-                    engagement: slot.engagement,
-                }),
-                HashMap::new(),
-            ),
-            Phase::Syncing { reference, parked } => (reference, parked),
+        let parked = slot.parked;
+        let reference = match slot.phase {
+            Phase::Synced => slot.watch.map(|watch| Reference {
+                store: watch.store.clone(),
+                engagement: slot.engagement,
+            }),
+            Phase::Syncing { reference } => reference,
         };
         // Another endpoint may be another cluster: its cache stands for nothing here.
         let reference = reference.filter(|r| r.engagement.cluster.same_endpoint(&new.cluster));
@@ -299,13 +309,16 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         let Some(slot) = self.slots.get_mut(id) else {
             return;
         };
-        if slot.epoch != epoch || !slot.watch.as_ref().is_some_and(|w| w.is_synced()) {
+        if slot.epoch != epoch
+            || matches!(slot.phase, Phase::Synced)
+            || !slot.watch.as_ref().is_some_and(|w| w.is_synced())
+        {
             return;
         }
-        if let Phase::Syncing { parked, .. } = std::mem::replace(&mut slot.phase, Phase::Synced) {
-            for (req, reason) in parked {
-                self.queue.trigger(req, reason);
-            }
+        // The reference is let go here, not at the next request.
+        slot.phase = Phase::Synced;
+        for (req, reason) in slot.parked.drain() {
+            self.queue.trigger(req, reason);
         }
     }
 
@@ -325,23 +338,21 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         self.synced(&req.cluster, epoch);
         let slot = self.slots.get_mut(&req.cluster)?;
         let key = req.object_ref::<K>();
-        let object = match &mut slot.phase {
-            Phase::Synced => slot.watch.as_ref().and_then(|w| w.store.get(&key)),
-            Phase::Syncing {
-                reference: Some(reference),
-                ..
-            } => reference.store.get(&key),
-            Phase::Syncing {
-                reference: None,
-                parked,
-            } => {
-                tracing::debug!(controller = %self.spec.name, request = %req, "cache not listed yet; parked");
-                parked.insert(req.clone(), reason.clone());
-                self.queue
-                    .finish(req.clone(), Action::await_change(), reason.clone());
-                return None;
-            }
+        let cache = match &slot.phase {
+            // An engagement that ended reconciles nothing more; the event that ended it
+            // (a replacement or a disengagement) decides what becomes of the request.
+            _ if !slot.engagement.session.is_active() => None,
+            Phase::Synced => slot.watch.as_ref().map(|w| &w.store),
+            Phase::Syncing { reference } => reference.as_ref().map(|r| &r.store),
         };
+        let Some(cache) = cache else {
+            tracing::debug!(controller = %self.spec.name, request = %req, "no cache to read yet; parked");
+            slot.parked.insert(req.clone(), reason.clone());
+            self.queue
+                .finish(req.clone(), Action::await_change(), reason.clone());
+            return None;
+        };
+        let object = cache.get(&key);
         match object {
             Some(object) => Some((object, slot.engagement.clone())),
             None => {

@@ -162,9 +162,9 @@ pub async fn is_fed(client: &kube::Client, ns: &str, name: &str) -> bool {
     }
 }
 
-/// A reconciler that only records what it was asked to reconcile.
-pub async fn record<C: ClusterId>(
-    _: Arc<ConfigMap>,
+/// A reconciler (of any kind) that only records what it was asked to reconcile.
+pub async fn record<K, C: ClusterId>(
+    _: Arc<K>,
     ctx: Context<C, Seen>,
 ) -> Result<Action, kube::Error> {
     ctx.state()
