@@ -245,12 +245,7 @@ impl<C: ClusterId> Fleet<C> {
 
     /// Every engaged cluster, ordered by id.
     pub fn clusters(&self) -> Vec<Cluster<C>> {
-        let state = self.state();
-        state
-            .members
-            .values()
-            .map(|m| m.engagement.cluster.clone())
-            .collect()
+        self.state().clusters()
     }
 
     /// The ids of every engaged cluster, in order.
@@ -295,11 +290,7 @@ impl<C: ClusterId> Fleet<C> {
             }
             // Registered first: a cluster engaged from now on gets it in `engage`.
             state.indexers.push(indexer.clone());
-            state
-                .members
-                .values()
-                .map(|m| m.engagement.cluster.clone())
-                .collect::<Vec<_>>()
+            state.clusters()
         };
         // Filling the index runs the user's extractor over every cached object: not under
         // the fleet's lock. A cluster that got it in `engage` too ignores the second call.
@@ -371,6 +362,13 @@ fn disengage_instance<C: ClusterId>(fleet: &Weak<Mutex<State<C>>>, engagement: &
 }
 
 impl<C: ClusterId> State<C> {
+    fn clusters(&self) -> Vec<Cluster<C>> {
+        self.members
+            .values()
+            .map(|m| m.engagement.cluster.clone())
+            .collect()
+    }
+
     fn remove(&mut self, id: &C) -> bool {
         let Some(member) = self.members.remove(id) else {
             return false;

@@ -85,6 +85,28 @@ struct Slot<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
     parked: HashMap<Request<C>, ReconcileReason>,
 }
 
+impl<K: Watchable, C: ClusterId> Slot<K, C> {
+    /// Moves to `Synced` once the cache has listed (letting go of the reference then, not at
+    /// the next request), and releases the parked requests as soon as there is a cache to
+    /// read them from: the listed one, or the reference.
+    fn catch_up(&mut self, queue: &mut FleetQueue<C>) {
+        if matches!(self.phase, Phase::Syncing { .. })
+            && self.watch.as_ref().is_some_and(|w| w.is_synced())
+        {
+            self.phase = Phase::Synced;
+        }
+        let readable = match &self.phase {
+            Phase::Synced => true,
+            Phase::Syncing { reference } => reference.is_some(),
+        };
+        if readable && self.engagement.session.is_active() {
+            for (req, reason) in self.parked.drain() {
+                queue.trigger(req, reason);
+            }
+        }
+    }
+}
+
 /// Runs a fleet controller until shutdown; reconciles in flight then get the graceful timeout
 /// to finish and are dropped after it.
 pub(crate) async fn run<K, C, S, F, Fut, E, P>(
@@ -249,14 +271,6 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
             },
         );
         self.synced(&id, epoch);
-        // With a reference to read, what was parked need not wait for the listing.
-        if let Some(slot) = self.slots.get_mut(&id)
-            && matches!(slot.phase, Phase::Syncing { reference: Some(_) })
-        {
-            for (req, reason) in slot.parked.drain() {
-                self.queue.trigger(req, reason);
-            }
-        }
         true
     }
 
@@ -304,21 +318,12 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         }
     }
 
-    /// The slot of `id` moves to `Synced` if its cache has listed (and `epoch` is its own).
+    /// The slot of `id` catches up with its cache, if `epoch` is its own.
     fn synced(&mut self, id: &C, epoch: u64) {
-        let Some(slot) = self.slots.get_mut(id) else {
-            return;
-        };
-        if slot.epoch != epoch
-            || matches!(slot.phase, Phase::Synced)
-            || !slot.watch.as_ref().is_some_and(|w| w.is_synced())
+        if let Some(slot) = self.slots.get_mut(id)
+            && slot.epoch == epoch
         {
-            return;
-        }
-        // The reference is let go here, not at the next request.
-        slot.phase = Phase::Synced;
-        for (req, reason) in slot.parked.drain() {
-            self.queue.trigger(req, reason);
+            slot.catch_up(&mut self.queue);
         }
     }
 
@@ -329,14 +334,13 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         req: &Request<C>,
         reason: &ReconcileReason,
     ) -> Option<(Arc<K>, Engagement<C>)> {
-        let Some(epoch) = self.slots.get(&req.cluster).map(|s| s.epoch) else {
+        let Some(slot) = self.slots.get_mut(&req.cluster) else {
             self.queue
                 .finish(req.clone(), Action::await_change(), reason.clone());
             return None;
         };
         // A cache that has just listed serves at once, before its signal comes round.
-        self.synced(&req.cluster, epoch);
-        let slot = self.slots.get_mut(&req.cluster)?;
+        slot.catch_up(&mut self.queue);
         let key = req.object_ref::<K>();
         let cache = match &slot.phase {
             // An engagement that ended reconciles nothing more; the event that ended it
@@ -552,6 +556,17 @@ mod tests {
         }
     }
 
+    /// The names of the triggered requests up to the one for the `sync` object.
+    async fn names_until_sync(
+        triggers: &mut BoxStream<'static, Trigger<ClusterName>>,
+    ) -> Vec<String> {
+        let mut names = Vec::new();
+        while names.last().map(String::as_str) != Some("sync") {
+            names.push(triggers.next().await.unwrap().0.name);
+        }
+        names
+    }
+
     #[tokio::test]
     async fn after_a_replacement_a_status_only_change_does_not_pass_a_generation_predicate() {
         // The replaced cluster's cache held `app` at generation 1.
@@ -580,10 +595,7 @@ mod tests {
             &new,
             Some(&reference.store),
         );
-        let mut names = Vec::new();
-        while names.last().map(String::as_str) != Some("sync") {
-            names.push(triggers.next().await.unwrap().0.name);
-        }
+        let names = names_until_sync(&mut triggers).await;
         // Once for the spec change: neither the unchanged listing nor the status change.
         assert_eq!(names, ["app", "sync"]);
     }
@@ -609,10 +621,7 @@ mod tests {
             Arc::new(|d: &Deployment| kube_runtime::predicates::generation(d));
         let spec = spec(Some(generation));
         let mut triggers = primary(&spec, &ClusterName::from("c0"), &new, None);
-        let mut names = Vec::new();
-        while names.last().map(String::as_str) != Some("sync") {
-            names.push(triggers.next().await.unwrap().0.name);
-        }
+        let names = names_until_sync(&mut triggers).await;
         assert_eq!(names, ["app", "app", "sync"]);
     }
 }
