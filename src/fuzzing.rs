@@ -292,10 +292,13 @@ async fn queue_machine(data: &[u8]) {
 
 /// 4. Kubeconfig bytes as providers receive them (from a file or a Secret): parsing,
 ///    refusing exec plugins, auth-providers and local files where the provider forbids
-///    them, and building the client configuration of every context; errors, never
-///    panics. The configurations built from a kubeconfig the Secret provider accepts name
-///    no command and no local file. (Configurations that may run or read something are
-///    not built here.)
+///    them, and building the client configuration and the client of every context;
+///    errors, never panics. The configurations built from a kubeconfig the Secret provider
+///    accepts name no command and no local file. (Configurations that may run or read
+///    something are not built here.) No error holds a byte of the kubeconfig: the same
+///    bytes with a secret-looking marker planted at a point the input chooses (the upper
+///    six bits of its first byte) give errors without the marker, wherever it breaks the
+///    document.
 pub fn kubeconfig(data: &[u8]) {
     let Some((&flags, data)) = data.split_first() else {
         return;
@@ -304,46 +307,70 @@ pub fn kubeconfig(data: &[u8]) {
         exec: flags & 1 == 1,
         local_files: flags & 2 == 2,
     };
-    let Ok(kubeconfig) = crate::providers::parse_kubeconfig(data, trust) else {
-        return;
-    };
-    if trust.exec || trust.local_files {
-        // Accepted kubeconfigs that may run commands or read files are not built here.
-        return;
-    }
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     else {
         return;
     };
-    runtime.block_on(async {
-        let contexts = kubeconfig
-            .contexts
-            .iter()
-            .take(4)
-            .map(|c| Some(c.name.clone()));
-        for context in contexts.chain([None]) {
-            let Ok(config) =
-                crate::providers::config_from_kubeconfig(kubeconfig.clone(), context).await
-            else {
-                continue;
+    // The input as given: its errors only have to come back.
+    drop(runtime.block_on(kubeconfig_errors(data, trust)));
+    const MARKER: &[u8] = b"s3cr3t-T0KEN-marker";
+    let at = data.len() * usize::from(flags >> 2) / 64;
+    let planted = [&data[..at], MARKER, &data[at..]].concat();
+    for error in runtime.block_on(kubeconfig_errors(&planted, trust)) {
+        assert!(
+            !error.contains("s3cr3t-T0KEN-marker"),
+            "an error quotes the kubeconfig: {error}"
+        );
+    }
+}
+
+/// Every error reading `data` the way the Secret provider does gives: parsing and
+/// refusal, then, for each context (at most four) and the current one, building its
+/// configuration and its client.
+async fn kubeconfig_errors(data: &[u8], trust: Trust) -> Vec<String> {
+    let kubeconfig = match crate::providers::parse_kubeconfig(data, trust) {
+        Ok(kubeconfig) => kubeconfig,
+        Err(error) => return vec![error],
+    };
+    if trust.exec || trust.local_files {
+        // Accepted kubeconfigs that may run commands or read files are not built here.
+        return Vec::new();
+    }
+    let mut errors = Vec::new();
+    let contexts = kubeconfig
+        .contexts
+        .iter()
+        .take(4)
+        .map(|c| Some(c.name.clone()));
+    for context in contexts.chain([None]) {
+        let config =
+            match crate::providers::config_from_kubeconfig(kubeconfig.clone(), context).await {
+                Ok(config) => config,
+                Err(error) => {
+                    errors.push(error);
+                    continue;
+                }
             };
-            // What was built, not what was parsed: nothing that runs or reads anything.
-            let auth = &config.auth_info;
-            assert!(
-                auth.exec.is_none() && auth.auth_provider.is_none(),
-                "{auth:?}"
-            );
-            assert!(
-                auth.token_file.is_none()
-                    && auth.client_certificate.is_none()
-                    && auth.client_key.is_none()
-                    && config.root_cert_file.is_none(),
-                "a refused kubeconfig reads local files: {config:?}"
-            );
+        // What was built, not what was parsed: nothing that runs or reads anything.
+        let auth = &config.auth_info;
+        assert!(
+            auth.exec.is_none() && auth.auth_provider.is_none(),
+            "{auth:?}"
+        );
+        assert!(
+            auth.token_file.is_none()
+                && auth.client_certificate.is_none()
+                && auth.client_key.is_none()
+                && config.root_cert_file.is_none(),
+            "a refused kubeconfig reads local files: {config:?}"
+        );
+        if let Err(error) = kube::Client::try_from(config) {
+            errors.push(crate::providers::describe_client(&error));
         }
-    });
+    }
+    errors
 }
 
 /// 5. The namespace provider's scoping of request paths and bodies, against the API

@@ -493,3 +493,127 @@ async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugi
     manager.shutdown();
     run.await.unwrap();
 }
+
+/// Kubeconfigs that break on a line holding a secret (marked `mcr-marker-…`), in YAML and
+/// JSON: where the parser trips over it, as a value of the wrong type, as bad base64 and
+/// as an exec command line.
+fn kubeconfigs_with_planted_secrets(good: &str) -> Vec<(&'static str, String)> {
+    let insert = |line: &str| {
+        let out = good.replacen(
+            "    client-certificate-data:",
+            &format!("{line}\n    client-certificate-data:"),
+            1,
+        );
+        assert_ne!(out, good);
+        out
+    };
+    vec![
+        ("m-yaml-syntax", insert("    token: \"mcr-marker-unterminated")),
+        (
+            "m-yaml-type",
+            "apiVersion: v1\nkind: Config\nusers: mcr-marker-not-a-list\n".to_string(),
+        ),
+        (
+            "m-json-syntax",
+            r#"{"apiVersion": "v1", "kind": "Config", "users": [{"name": "u", "user": {"token": "mcr-marker-json" "x"}}]}"#
+                .to_string(),
+        ),
+        (
+            "m-json-type",
+            r#"{"apiVersion": "v1", "kind": "Config", "contexts": "mcr-marker-json-value"}"#
+                .to_string(),
+        ),
+        ("m-base64", {
+            let start = good.find("client-key-data: ").unwrap() + "client-key-data: ".len();
+            let end = start + good[start..].find('\n').unwrap();
+            format!("{}mcr-marker-b64!{}", &good[..start], &good[end..])
+        }),
+        (
+            "m-exec",
+            insert(
+                "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: /nonexistent/mcr-marker-command\n      args: [\"mcr-marker-arg\"]\n      interactiveMode: Never",
+            ),
+        ),
+    ]
+}
+
+async fn no_event_holds(client: &kube::Client, ns: &str, marker: &str) {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    for event in events.list(&Default::default()).await.unwrap() {
+        let text = serde_json::to_string(&event).unwrap();
+        assert!(!text.contains(marker), "an Event holds a secret: {text}");
+    }
+}
+
+#[tokio::test]
+async fn a_broken_kubeconfig_secret_leaves_no_byte_in_logs_or_events() {
+    use k8s_openapi::api::core::v1::Secret;
+    use multicluster_runtime::providers::KubeconfigSecrets;
+
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let host = env.cluster(0).unwrap();
+    let hc = host.client().unwrap();
+    create_namespace(&hc, "leaks").await;
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "leaks");
+    let planted = kubeconfigs_with_planted_secrets(host.kubeconfig());
+    for (name, kubeconfig) in &planted {
+        secrets
+            .create(
+                &PostParams::default(),
+                &kubeconfig_secret(name, kubeconfig, true),
+            )
+            .await
+            .unwrap();
+    }
+    let manager = Arc::new(Manager::new(
+        KubeconfigSecrets::new(hc.clone(), "leaks").allow_exec(true),
+    ));
+    let run = spawn_manager(&manager);
+    // Sync point: every Secret has been read and refused.
+    for (secret, _) in &planted {
+        eventually(30, &format!("{secret} refused"), async || {
+            has_event(&hc, "leaks", "KubeconfigRefused", secret, "").await
+        })
+        .await;
+        assert!(manager.cluster(&name(secret)).is_none());
+        assert!(
+            !logs
+                .lines(&["WARN", &format!("cluster={secret} ")])
+                .is_empty(),
+            "{secret}'s problem is logged"
+        );
+    }
+    no_event_holds(&hc, "leaks", "mcr-marker").await;
+    assert_eq!(logs.lines(&["mcr-marker"]), Vec::<String>::new());
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_broken_kubeconfig_file_leaves_no_byte_in_logs() {
+    use multicluster_runtime::providers::File;
+
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let c0 = env.cluster(0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let planted = kubeconfigs_with_planted_secrets(c0.kubeconfig());
+    for (file, kubeconfig) in &planted {
+        std::fs::write(dir.path().join(format!("{file}.yaml")), kubeconfig).unwrap();
+    }
+    let manager = Arc::new(Manager::new(File::new([dir.path()])));
+    let run = spawn_manager(&manager);
+    // Sync point: every file's problem has been logged.
+    for (file, _) in &planted {
+        let file = format!("{file}.yaml");
+        eventually(30, &format!("{file} reported"), async || {
+            !logs.lines(&["WARN", &file]).is_empty()
+        })
+        .await;
+    }
+    assert!(manager.fleet().is_empty());
+    assert_eq!(logs.lines(&["mcr-marker"]), Vec::<String>::new());
+    manager.shutdown();
+    run.await.unwrap();
+}

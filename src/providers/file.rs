@@ -1,16 +1,20 @@
 //! [`File`]: clusters from kubeconfig files, directories and glob patterns, hot-reloaded.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{Hash, Hasher};
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::config::Kubeconfig;
+use futures::StreamExt;
+use kube::config::{Kubeconfig, NamedContext};
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError};
+use crate::{ClusterName, Fleet, Provider, ProviderError};
 
 /// Names a cluster after the file and the context it comes from.
 pub type Naming = Arc<dyn Fn(&Path, &str) -> String + Send + Sync>;
@@ -22,12 +26,28 @@ pub type Naming = Arc<dyn Fn(&Path, &str) -> String + Send + Sync>;
 /// with `.` are skipped) and glob patterns (`/etc/fleet/*.yaml`). With none given, like
 /// kubectl: the files of `$KUBECONFIG`, else `~/.kube/config`.
 ///
-/// Hot reload: the directories holding the sources are watched (inotify through `notify`);
-/// after a burst of changes settles (100 ms) the sources are read again. A file written,
-/// replaced atomically (renamed over) or deleted adds, replaces (only when a context's
-/// endpoint or credentials changed) or removes its clusters. A half-written or malformed
-/// file is reported, naming it, and read again on the next change or after a retry delay;
-/// meanwhile its clusters keep running as they were, and so do all the others.
+/// Hot reload: the directories holding the sources, and those holding the files the
+/// kubeconfigs name (`certificate-authority`, `client-certificate`, `client-key`,
+/// `tokenFile`, relative paths taken from the kubeconfig's directory, as kubectl does), are
+/// watched (inotify through `notify`); after a burst of changes settles (100 ms) the
+/// sources are read again, off the async workers. A context is engaged, replaced (when its
+/// cluster, user or a file they name changed) or disengaged on its own: one context that
+/// cannot be used holds up no other.
+///
+/// Bad input, and what stays engaged (each problem logged once per content, as a WARN
+/// naming the file or the cluster, with the kind and position of the problem and no byte
+/// of the kubeconfig):
+///
+/// | the file | its clusters |
+/// | --- | --- |
+/// | cannot be read, is not a kubeconfig, or has no `contexts` key (empty, cut short, half written) | stay as they were |
+/// | a context cannot be used (its cluster or user is not defined, a file it names is missing, its client cannot be built) | that context's cluster stays as it was (or is not engaged); the others follow the file |
+/// | has `contexts: []` | all disengaged: this is how a file says it has no clusters |
+/// | is deleted (or no longer matches the sources) | all disengaged |
+///
+/// What failed is tried again after [`File::retry`], doubling up to five minutes, or at
+/// once when the file or a file it names changes; contexts that work are not rebuilt, so
+/// their credential plugins do not run again.
 #[derive(Clone)]
 pub struct File {
     sources: Vec<PathBuf>,
@@ -45,6 +65,12 @@ impl std::fmt::Debug for File {
 
 /// The quiet time after a file change before the sources are read again.
 const DEBOUNCE: Duration = Duration::from_millis(100);
+/// The longest wait before trying again what failed.
+const MAX_RETRY: Duration = Duration::from_secs(300);
+/// How many clients are built at once (each may run a credential plugin).
+const BUILDS_AT_ONCE: usize = 4;
+/// The largest file a kubeconfig may name (certificates, keys and tokens are a few KiB).
+const MAX_NAMED_FILE: u64 = 1 << 20;
 
 impl File {
     /// Clusters from these files, directories and glob patterns.
@@ -114,99 +140,327 @@ impl File {
         self
     }
 
-    /// How long to wait before reading a malformed file again when nothing changes (default 5 s).
+    /// How long to wait before reading an unusable file or building a failed context again
+    /// when nothing changes (default 5 s); each further failure of the same content doubles
+    /// the wait, up to five minutes.
     #[must_use]
     pub fn retry(mut self, retry: Duration) -> Self {
         self.retry = retry;
         self
     }
+}
 
-    /// The files the sources stand for now.
-    fn files(&self) -> Vec<PathBuf> {
-        let mut files = Vec::new();
-        for source in &self.sources {
-            let text = source.to_string_lossy();
-            if text.contains(['*', '?', '[']) {
-                // `*` does not match a leading dot, like a shell: editors' and tools' hidden
-                // temporary files stay out.
-                let options = glob::MatchOptions {
-                    require_literal_leading_dot: true,
-                    ..Default::default()
-                };
-                match glob::glob_with(&text, options) {
-                    Ok(paths) => files.extend(paths.flatten().filter(|p| p.is_file())),
-                    Err(error) => tracing::warn!(pattern = %text, %error, "invalid glob pattern"),
-                }
-            } else if source.is_dir() {
-                if let Ok(entries) = std::fs::read_dir(source) {
-                    let mut found: Vec<PathBuf> = entries
-                        .flatten()
-                        .map(|e| e.path())
-                        .filter(|p| {
-                            p.is_file()
-                                && !p
-                                    .file_name()
-                                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-                        })
-                        .collect();
-                    found.sort();
-                    files.extend(found);
-                }
-            } else if source.is_file() {
-                files.push(source.clone());
+// ----- Reading the sources: blocking file system calls, run on tokio's blocking pool -----
+
+/// What the sources held when they were read.
+struct Scan {
+    files: Vec<(PathBuf, Read)>,
+    /// The directories to watch: the sources' and those of the files the kubeconfigs name.
+    dirs: BTreeSet<PathBuf>,
+}
+
+/// What one file held.
+enum Read {
+    /// It cannot be read, is not a kubeconfig, or names no contexts: whatever it gave
+    /// before stands. `version` tells one unusable content from another.
+    Unusable { problem: String, version: u64 },
+    /// Its contexts, each made into a kubeconfig of its own (or why it cannot be).
+    Contexts(Vec<(String, Result<Kubeconfig, String>)>),
+}
+
+/// Reads every source. Blocking.
+fn scan(sources: &[PathBuf]) -> Scan {
+    let mut dirs: BTreeSet<PathBuf> = source_dirs(sources).into_iter().collect();
+    let files = expand(sources)
+        .into_iter()
+        .map(|path| {
+            let read = read_file(&path, &mut dirs);
+            (path, read)
+        })
+        .collect();
+    Scan { files, dirs }
+}
+
+/// The files the sources stand for now. Blocking.
+fn expand(sources: &[PathBuf]) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for source in sources {
+        let text = source.to_string_lossy();
+        if text.contains(['*', '?', '[']) {
+            // `*` does not match a leading dot, like a shell: editors' and tools' hidden
+            // temporary files stay out.
+            let options = glob::MatchOptions {
+                require_literal_leading_dot: true,
+                ..Default::default()
+            };
+            match glob::glob_with(&text, options) {
+                Ok(paths) => files.extend(paths.flatten().filter(|p| p.is_file())),
+                Err(error) => tracing::warn!(pattern = %text, %error, "invalid glob pattern"),
             }
-        }
-        files.dedup();
-        files
-    }
-
-    /// The directories to watch: each source's directory (or the part of a pattern before
-    /// its first wildcard).
-    fn watch_dirs(&self) -> Vec<PathBuf> {
-        let mut dirs: Vec<PathBuf> = self
-            .sources
-            .iter()
-            .map(|source| {
-                let literal: PathBuf = source
-                    .components()
-                    .take_while(|c| !c.as_os_str().to_string_lossy().contains(['*', '?', '[']))
+        } else if source.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(source) {
+                let mut found: Vec<PathBuf> = entries
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| {
+                        p.is_file()
+                            && !p
+                                .file_name()
+                                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+                    })
                     .collect();
-                if literal != *source || source.is_dir() {
-                    literal
-                } else {
-                    source.parent().map(Path::to_path_buf).unwrap_or_default()
-                }
-            })
-            .filter(|d| d.is_dir())
-            .collect();
-        dirs.sort();
-        dirs.dedup();
-        dirs
+                found.sort();
+                files.extend(found);
+            }
+        } else if source.is_file() {
+            files.push(source.clone());
+        }
+    }
+    files.dedup();
+    files
+}
+
+/// The directories holding the sources: each source's directory (or the part of a pattern
+/// before its first wildcard). Blocking.
+fn source_dirs(sources: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = sources
+        .iter()
+        .map(|source| {
+            let literal: PathBuf = source
+                .components()
+                .take_while(|c| !c.as_os_str().to_string_lossy().contains(['*', '?', '[']))
+                .collect();
+            if literal != *source || source.is_dir() {
+                literal
+            } else {
+                source.parent().map(Path::to_path_buf).unwrap_or_default()
+            }
+        })
+        .filter(|d| d.is_dir())
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
+}
+
+fn version_of(value: &impl Hash) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Reads one kubeconfig file, adding the directories of the files it names to `dirs`.
+/// Blocking.
+fn read_file(path: &Path, dirs: &mut BTreeSet<PathBuf>) -> Read {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) => {
+            let problem = format!("cannot read the file ({})", error.kind());
+            let version = version_of(&problem);
+            return Read::Unusable { problem, version };
+        }
+    };
+    let unusable = |problem: String| Read::Unusable {
+        version: version_of(&(&problem, &text)),
+        problem,
+    };
+    let kubeconfig = match super::kubeconfig::parse(&text) {
+        Ok(kubeconfig) => kubeconfig,
+        Err(problem) => return unusable(problem),
+    };
+    if kubeconfig.contexts.is_empty() && !says_no_contexts(&text) {
+        return unusable(
+            "it has no contexts key (empty or cut short?); write `contexts: []` or delete the file to remove its clusters"
+                .to_string(),
+        );
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut seen = BTreeSet::new();
+    let contexts = kubeconfig
+        .contexts
+        .iter()
+        // As kubectl: the first of several entries with one name counts.
+        .filter(|c| seen.insert(c.name.clone()))
+        .map(|context| {
+            let standalone = standalone(&kubeconfig, context, base, dirs);
+            (context.name.clone(), standalone)
+        })
+        .collect();
+    Read::Contexts(contexts)
+}
+
+/// Whether the text says, with a `contexts` key holding an empty list, that it has no
+/// contexts (rather than having lost them to a truncation).
+fn says_no_contexts(text: &str) -> bool {
+    serde_saphyr::from_multiple::<serde_json::Value>(text).is_ok_and(|documents| {
+        documents
+            .iter()
+            .any(|d| d.get("contexts").is_some_and(|c| c.as_array().is_some()))
+    })
+}
+
+/// `context` of `kubeconfig` as a kubeconfig of its own: the context, its cluster and its
+/// user, with the files they name read and put in as data (so that the configuration
+/// changes when they do, and building it reads nothing). Blocking.
+fn standalone(
+    kubeconfig: &Kubeconfig,
+    context: &NamedContext,
+    base: &Path,
+    dirs: &mut BTreeSet<PathBuf>,
+) -> Result<Kubeconfig, String> {
+    let Some(spec) = &context.context else {
+        return Err("the context names no cluster".into());
+    };
+    let mut cluster = kubeconfig
+        .clusters
+        .iter()
+        .find(|c| c.name == spec.cluster)
+        .cloned()
+        .ok_or("the cluster the context names is not defined")?;
+    let user_name = spec.user.as_deref().unwrap_or_default();
+    let mut user = match kubeconfig.auth_infos.iter().find(|u| u.name == user_name) {
+        Some(user) => Some(user.clone()),
+        // A user cut off the end of a half-written file would otherwise make an anonymous
+        // client.
+        None if !user_name.is_empty() => {
+            return Err("the user the context names is not defined".into());
+        }
+        None => None,
+    };
+    let mut read = |field: &str, file: &str| -> Result<Vec<u8>, String> {
+        let path = base.join(file);
+        if let Some(dir) = path.parent() {
+            dirs.insert(dir.to_path_buf());
+        }
+        read_named(&path).map_err(|problem| format!("{field}: {problem}"))
+    };
+    use base64::Engine as _;
+    let encode = |data: Vec<u8>| base64::engine::general_purpose::STANDARD.encode(data);
+    if let Some(c) = cluster.cluster.as_mut()
+        && let Some(file) = c.certificate_authority.take()
+        && c.certificate_authority_data.is_none()
+    {
+        c.certificate_authority_data = Some(encode(read("certificate-authority", &file)?));
+    }
+    if let Some(auth) = user.as_mut().and_then(|u| u.auth_info.as_mut()) {
+        if let Some(file) = auth.client_certificate.take()
+            && auth.client_certificate_data.is_none()
+        {
+            auth.client_certificate_data = Some(encode(read("client-certificate", &file)?));
+        }
+        if let Some(file) = auth.client_key.take()
+            && auth.client_key_data.is_none()
+        {
+            auth.client_key_data = Some(encode(read("client-key", &file)?).into());
+        }
+        if let Some(file) = auth.token_file.take()
+            && auth.token.is_none()
+        {
+            let token = String::from_utf8(read("tokenFile", &file)?)
+                .map_err(|_| "tokenFile: the file it names is not UTF-8".to_string())?;
+            auth.token = Some(token.trim().to_string().into());
+        }
+    }
+    let mut own = Kubeconfig::default();
+    own.api_version.clone_from(&kubeconfig.api_version);
+    own.kind.clone_from(&kubeconfig.kind);
+    own.clusters = vec![cluster];
+    own.auth_infos = user.into_iter().collect();
+    own.contexts = vec![context.clone()];
+    own.current_context = Some(context.name.clone());
+    Ok(own)
+}
+
+/// A file a kubeconfig names: a regular file of at most [`MAX_NAMED_FILE`] bytes (a FIFO
+/// or a device would block or never end). Blocking.
+fn read_named(path: &Path) -> Result<Vec<u8>, String> {
+    let cannot = |e: std::io::Error| format!("cannot read the file it names ({})", e.kind());
+    let meta = std::fs::metadata(path).map_err(cannot)?;
+    if !meta.is_file() {
+        return Err("the file it names is not a regular file".into());
+    }
+    let mut data = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_NAMED_FILE + 1).read_to_end(&mut data))
+        .map_err(cannot)?;
+    if data.len() as u64 > MAX_NAMED_FILE {
+        return Err(format!(
+            "the file it names is larger than {} KiB",
+            MAX_NAMED_FILE / 1024
+        ));
+    }
+    Ok(data)
+}
+
+// ----- Bringing the fleet in line with what was read -----
+
+/// What the provider holds for one file.
+#[derive(Default)]
+struct FileState {
+    contexts: BTreeMap<String, ContextState>,
+    /// The unusable version of the file last reported, and when to read it again.
+    unusable: Option<Failing>,
+}
+
+/// One context of a file.
+struct ContextState {
+    id: ClusterName,
+    /// The version engaged (of its standalone kubeconfig), if any.
+    engaged: Option<u64>,
+    /// The latest version, while it cannot be engaged.
+    failing: Option<Failing>,
+}
+
+/// A version that could not be used: reported once, tried again with backoff.
+struct Failing {
+    version: u64,
+    attempts: u32,
+    at: Instant,
+}
+
+impl Failing {
+    fn first(version: u64, retry: Duration) -> Self {
+        Failing {
+            version,
+            attempts: 1,
+            at: Instant::now() + retry,
+        }
     }
 
-    /// The clusters of one file, or why it cannot be used.
-    async fn load(&self, path: &Path, text: &str) -> Result<Vec<Cluster<ClusterName>>, String> {
-        let kubeconfig = Kubeconfig::from_yaml(text).map_err(|e| e.to_string())?;
-        let mut clusters = Vec::new();
-        for context in &kubeconfig.contexts {
-            let name = ClusterName::from((self.naming)(path, &context.name));
-            let cluster = super::cluster_from_kubeconfig(
-                name,
-                kubeconfig.clone(),
-                Some(context.name.clone()),
-            )
-            .await
-            .map_err(|e| format!("context {}: {e}", context.name))?;
-            clusters.push(cluster);
-        }
-        Ok(clusters)
+    /// Whether `version` is this one and its retry is not yet due.
+    fn waits(&self, version: u64) -> bool {
+        self.version == version && self.at > Instant::now()
+    }
+
+    /// Failed again: the next try waits twice as long.
+    fn again(&mut self, retry: Duration) -> Duration {
+        self.attempts = self.attempts.saturating_add(1);
+        let wait = retry
+            .saturating_mul(1 << self.attempts.saturating_sub(1).min(16))
+            .min(MAX_RETRY.max(retry));
+        self.at = Instant::now() + wait;
+        wait
     }
 }
 
-/// What was last read from one file.
-struct Loaded {
-    text: String,
-    clusters: Vec<ClusterName>,
+impl ContextState {
+    /// Records that `version` cannot be used: a WARN the first time for this version.
+    fn fail(&mut self, version: u64, problem: &str, retry: Duration) {
+        match &mut self.failing {
+            Some(failing) if failing.version == version => {
+                let wait = failing.again(retry);
+                tracing::debug!(cluster = %self.id, error = %problem, attempts = failing.attempts, next_in = ?wait, "kubeconfig context still unusable");
+            }
+            _ => {
+                if self.engaged.is_some() {
+                    tracing::warn!(cluster = %self.id, error = %problem, "kubeconfig context unusable; the cluster stays as it was");
+                } else {
+                    tracing::warn!(cluster = %self.id, error = %problem, "kubeconfig context unusable; not engaged");
+                }
+                self.failing = Some(Failing::first(version, retry));
+            }
+        }
+    }
 }
 
 impl Provider for File {
@@ -236,19 +490,39 @@ impl Provider for File {
                     let _ = tx.send(());
                 }
             })?;
-        for dir in self.watch_dirs() {
-            if let Err(error) = watcher.watch(&dir, RecursiveMode::NonRecursive) {
-                tracing::warn!(dir = %dir.display(), %error, "cannot watch; changes there are seen only on retries");
-            }
-        }
-        let mut loaded: HashMap<PathBuf, Loaded> = HashMap::new();
+        let mut watched: BTreeSet<PathBuf> = BTreeSet::new();
+        let mut state: BTreeMap<PathBuf, FileState> = BTreeMap::new();
         loop {
-            let failed = self.sync(&fleet, &mut loaded).await;
+            let sources = self.sources.clone();
+            let Ok(scan) = tokio::task::spawn_blocking(move || scan(&sources)).await else {
+                // Only a panic ends the blocking read early; the next round reads again.
+                tracing::warn!("reading the kubeconfig files failed; will retry");
+                tokio::time::sleep(self.retry).await;
+                continue;
+            };
+            for dir in watched.difference(&scan.dirs) {
+                let _ = watcher.unwatch(dir);
+            }
+            for dir in scan.dirs.difference(&watched) {
+                if let Err(error) = watcher.watch(dir, RecursiveMode::NonRecursive) {
+                    tracing::warn!(dir = %dir.display(), %error, "cannot watch; changes there are seen only on retries");
+                }
+            }
+            watched = scan.dirs.clone();
+            self.sync(&fleet, &mut state, scan.files).await;
+            let next = state
+                .values()
+                .flat_map(|f| {
+                    f.unusable
+                        .iter()
+                        .chain(f.contexts.values().filter_map(|c| c.failing.as_ref()))
+                })
+                .map(|f| f.at)
+                .min();
             let retry = async {
-                if failed {
-                    tokio::time::sleep(self.retry).await
-                } else {
-                    std::future::pending().await
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
                 }
             };
             tokio::select! {
@@ -269,70 +543,118 @@ impl Provider for File {
 }
 
 impl File {
-    /// Reads the sources and brings the fleet in line. Returns whether some file failed.
+    /// Brings the fleet in line with what the files hold.
     async fn sync(
         &self,
         fleet: &Fleet<ClusterName>,
-        loaded: &mut HashMap<PathBuf, Loaded>,
-    ) -> bool {
-        let files = self.files();
-        let mut failed = false;
+        state: &mut BTreeMap<PathBuf, FileState>,
+        files: Vec<(PathBuf, Read)>,
+    ) {
         // Files that are gone take their clusters with them.
-        let gone: Vec<PathBuf> = loaded
-            .keys()
-            .filter(|p| !files.contains(p))
-            .cloned()
-            .collect();
-        for path in gone {
-            if let Some(old) = loaded.remove(&path) {
-                for id in old.clusters {
-                    fleet.disengage(&id);
+        let present: BTreeSet<&PathBuf> = files.iter().map(|(p, _)| p).collect();
+        state.retain(|path, file| {
+            let keep = present.contains(path);
+            if !keep {
+                for context in file.contexts.values().filter(|c| c.engaged.is_some()) {
+                    fleet.disengage(&context.id);
                 }
             }
-        }
-        for path in files {
-            let text = match std::fs::read_to_string(&path) {
-                Ok(text) => text,
-                Err(error) => {
-                    tracing::warn!(file = %path.display(), %error, "cannot read kubeconfig; will retry");
-                    failed = true;
+            keep
+        });
+        let mut builds = Vec::new();
+        for (path, read) in files {
+            let file = state.entry(path.clone()).or_default();
+            let contexts = match read {
+                Read::Unusable { problem, version } => {
+                    let engaged = file
+                        .contexts
+                        .values()
+                        .filter(|c| c.engaged.is_some())
+                        .count();
+                    match &mut file.unusable {
+                        Some(failing) if failing.waits(version) => {}
+                        Some(failing) if failing.version == version => {
+                            failing.again(self.retry);
+                        }
+                        _ => {
+                            tracing::warn!(file = %path.display(), error = %problem, engaged, "kubeconfig file unusable; its clusters stay as they were");
+                            file.unusable = Some(Failing::first(version, self.retry));
+                        }
+                    }
                     continue;
                 }
+                Read::Contexts(contexts) => contexts,
             };
-            if loaded.get(&path).is_some_and(|l| l.text == text) {
-                continue;
-            }
-            match self.load(&path, &text).await {
-                Ok(clusters) => {
-                    let names: BTreeMap<ClusterName, ()> =
-                        clusters.iter().map(|c| (c.id().clone(), ())).collect();
-                    if let Some(old) = loaded.get(&path) {
-                        for id in old.clusters.iter().filter(|id| !names.contains_key(*id)) {
-                            fleet.disengage(id);
-                        }
-                    }
-                    for cluster in clusters {
-                        let id = cluster.id().clone();
-                        if let Err(error) = fleet.engage(cluster) {
-                            tracing::warn!(cluster = %id, %error, "could not engage");
-                        }
-                    }
-                    loaded.insert(
-                        path,
-                        Loaded {
-                            text,
-                            clusters: names.into_keys().collect(),
-                        },
-                    );
+            file.unusable = None;
+            // Contexts no longer in the file leave.
+            file.contexts.retain(|name, context| {
+                let keep = contexts.iter().any(|(n, _)| n == name);
+                if !keep && context.engaged.is_some() {
+                    fleet.disengage(&context.id);
                 }
-                Err(error) => {
-                    // Possibly half-written: keep what it gave before, try again later.
-                    tracing::warn!(file = %path.display(), %error, "malformed kubeconfig; its clusters stay as they were");
-                    failed = true;
+                keep
+            });
+            for (name, standalone) in contexts {
+                let context = file
+                    .contexts
+                    .entry(name.clone())
+                    .or_insert_with(|| ContextState {
+                        id: ClusterName::from((self.naming)(&path, &name)),
+                        engaged: None,
+                        failing: None,
+                    });
+                match standalone {
+                    Err(problem) => {
+                        let version = version_of(&problem);
+                        if !context.failing.as_ref().is_some_and(|f| f.waits(version)) {
+                            context.fail(version, &problem, self.retry);
+                        }
+                    }
+                    Ok(kubeconfig) => {
+                        let version = version_of(&serde_json::to_string(&kubeconfig).ok());
+                        if context.engaged == Some(version) {
+                            context.failing = None;
+                        } else if !context.failing.as_ref().is_some_and(|f| f.waits(version)) {
+                            builds.push((
+                                path.clone(),
+                                name,
+                                context.id.clone(),
+                                version,
+                                kubeconfig,
+                            ));
+                        }
+                    }
                 }
             }
         }
-        failed
+        // Clients are built a few at once, each on a blocking thread and bounded in time
+        // (see `cluster_from_kubeconfig`): one slow credential plugin delays nobody else.
+        let built: Vec<_> = futures::stream::iter(builds)
+            .map(|(path, name, id, version, kubeconfig)| async move {
+                let cluster =
+                    super::cluster_from_kubeconfig(id, kubeconfig, Some(name.clone())).await;
+                (path, name, version, cluster)
+            })
+            .buffer_unordered(BUILDS_AT_ONCE)
+            .collect()
+            .await;
+        for (path, name, version, cluster) in built {
+            let Some(context) = state.get_mut(&path).and_then(|f| f.contexts.get_mut(&name)) else {
+                continue;
+            };
+            match cluster {
+                Ok(cluster) => match fleet.engage(cluster) {
+                    Ok(_) => {
+                        context.engaged = Some(version);
+                        context.failing = None;
+                    }
+                    Err(error) => {
+                        tracing::warn!(cluster = %context.id, %error, "could not engage");
+                    }
+                },
+                Err(problem) => context.fail(version, &problem, self.retry),
+            }
+        }
     }
 }
 
@@ -347,7 +669,7 @@ mod tests {
             std::fs::write(dir.path().join(name), "").unwrap();
         }
         let names = |file: File| -> Vec<String> {
-            file.files()
+            expand(&file.sources)
                 .iter()
                 .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
                 .collect()
@@ -362,11 +684,11 @@ mod tests {
             ["y.yml"]
         );
         assert_eq!(
-            File::new([dir.path().join("*.yaml")]).watch_dirs(),
+            source_dirs(&File::new([dir.path().join("*.yaml")]).sources),
             [dir.path().to_path_buf()]
         );
         assert_eq!(
-            File::new([dir.path().join("y.yml")]).watch_dirs(),
+            source_dirs(&File::new([dir.path().join("y.yml")]).sources),
             [dir.path().to_path_buf()]
         );
     }

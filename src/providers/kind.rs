@@ -4,7 +4,6 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kube::config::Kubeconfig;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -99,8 +98,7 @@ impl Kind {
     }
 
     async fn cluster(name: &str, yaml: &str) -> Result<Cluster<ClusterName>, String> {
-        let kubeconfig =
-            Kubeconfig::from_yaml(yaml).map_err(|e| format!("invalid kubeconfig: {e}"))?;
+        let kubeconfig = super::kubeconfig::parse(yaml)?;
         super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
     }
 }

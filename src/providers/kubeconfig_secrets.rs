@@ -224,16 +224,25 @@ pub(crate) struct Trust {
 /// neither runs commands (exec plugins, auth-providers) nor reads local files.
 pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, String> {
     let text = std::str::from_utf8(data).map_err(|_| "the kubeconfig is not UTF-8".to_string())?;
-    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|e| format!("invalid kubeconfig: {e}"))?;
-    for user in &kubeconfig.auth_infos {
+    let kubeconfig = super::kubeconfig::parse(text)?;
+    // Entries are named by position: their names are the Secret's content too.
+    for (i, user) in kubeconfig.auth_infos.iter().enumerate() {
         let Some(auth) = &user.auth_info else {
             continue;
         };
-        if !trust.exec && (auth.exec.is_some() || auth.auth_provider.is_some()) {
-            return Err(format!(
-                "user {:?} needs an exec credential plugin or auth-provider, which kubeconfigs from Secrets may not run (see KubeconfigSecrets::allow_exec)",
-                user.name
-            ));
+        if !trust.exec {
+            let field = if auth.exec.is_some() {
+                Some("exec")
+            } else if auth.auth_provider.is_some() {
+                Some("auth-provider")
+            } else {
+                None
+            };
+            if let Some(field) = field {
+                return Err(format!(
+                    "users[{i}].user.{field}: kubeconfigs from Secrets may not run exec credential plugins or auth-providers (see KubeconfigSecrets::allow_exec)"
+                ));
+            }
         }
         let files = [
             ("tokenFile", &auth.token_file),
@@ -244,12 +253,11 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
             && let Some((field, _)) = files.iter().find(|(_, f)| f.is_some())
         {
             return Err(format!(
-                "user {:?} reads a local file ({field}), which kubeconfigs from Secrets may not do: it would send or use the controller's own files (see KubeconfigSecrets::allow_local_files)",
-                user.name
+                "users[{i}].user.{field}: kubeconfigs from Secrets may not read local files, it would send or use the controller's own files (see KubeconfigSecrets::allow_local_files)"
             ));
         }
     }
-    for cluster in &kubeconfig.clusters {
+    for (i, cluster) in kubeconfig.clusters.iter().enumerate() {
         if !trust.local_files
             && cluster
                 .cluster
@@ -257,8 +265,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
                 .is_some_and(|c| c.certificate_authority.is_some())
         {
             return Err(format!(
-                "cluster {:?} reads a local file (certificate-authority), which kubeconfigs from Secrets may not do (see KubeconfigSecrets::allow_local_files)",
-                cluster.name
+                "clusters[{i}].cluster.certificate-authority: kubeconfigs from Secrets may not read local files (see KubeconfigSecrets::allow_local_files)"
             ));
         }
     }

@@ -16,6 +16,7 @@ mod clusters;
 mod file;
 #[cfg(feature = "kind")]
 mod kind;
+mod kubeconfig;
 mod kubeconfig_secrets;
 mod multi;
 mod namespace;
@@ -27,6 +28,8 @@ pub use clusters::Clusters;
 pub use file::{File, Naming};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
+#[cfg(feature = "fuzzing")]
+pub(crate) use kubeconfig::describe_client;
 pub use kubeconfig_secrets::{
     DEFAULT_KEY as KUBECONFIG_SECRET_KEY, DEFAULT_LABEL as KUBECONFIG_SECRET_LABEL,
     KubeconfigSecrets,
@@ -41,8 +44,8 @@ pub use nop::Nop;
 pub use single::SingleProvider;
 
 /// The client configuration of `context` of `kubeconfig` (its current context if `None`);
-/// the error says what is wrong in words fit for a log line. Reads the files the
-/// kubeconfig names; runs nothing.
+/// the error says what is wrong in words fit for a log line, and holds nothing of the
+/// kubeconfig. Reads the files the kubeconfig names; runs nothing.
 pub(crate) async fn config_from_kubeconfig(
     kubeconfig: kube::config::Kubeconfig,
     context: Option<String>,
@@ -53,7 +56,7 @@ pub(crate) async fn config_from_kubeconfig(
     };
     kube::Config::from_custom_kubeconfig(kubeconfig, &options)
         .await
-        .map_err(|e| format!("unusable kubeconfig: {e}"))
+        .map_err(|e| kubeconfig::describe(&e))
 }
 
 /// How long building a client may take: kube-client runs exec credential plugins
@@ -61,7 +64,8 @@ pub(crate) async fn config_from_kubeconfig(
 const CLIENT_BUILD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The cluster `name`, reached through `context` of `kubeconfig` (its current context if
-/// `None`); the error says what is wrong in words fit for a log line.
+/// `None`); the error says what is wrong in words fit for a log line, and holds nothing
+/// of the kubeconfig.
 pub(crate) async fn cluster_from_kubeconfig(
     name: crate::ClusterName,
     kubeconfig: kube::config::Kubeconfig,
@@ -73,7 +77,7 @@ pub(crate) async fn cluster_from_kubeconfig(
     let build = tokio::task::spawn_blocking(move || crate::Cluster::from_config(name, config));
     match tokio::time::timeout(CLIENT_BUILD_TIMEOUT, build).await {
         Ok(Ok(Ok(cluster))) => Ok(cluster),
-        Ok(Ok(Err(e))) => Err(format!("cannot build a client: {e}")),
+        Ok(Ok(Err(e))) => Err(kubeconfig::describe_client(&e)),
         Ok(Err(e)) => Err(format!("building a client failed: {e}")),
         Err(_) => Err(format!(
             "building a client took more than {} s (a credential plugin that does not return?)",

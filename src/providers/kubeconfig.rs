@@ -1,0 +1,215 @@
+//! Kubeconfigs from outside input (files, Secrets, CLIs): parsing and building, with errors
+//! that say where and what kind of problem, and never copy a byte of the kubeconfig.
+//!
+//! A kubeconfig holds tokens, client keys and passwords, and the line a parser trips over is
+//! as likely as any other to be one of them. The errors of the libraries underneath quote
+//! what they read: serde's "invalid type: string \"…\"", the YAML parser's source snippet,
+//! an exec plugin's output, base64's offending byte. Those texts go to logs and to Events
+//! that anyone with `view` on a namespace can read, so none of them is passed on: every
+//! error is mapped here to fixed words, a position, a field path or a count.
+
+use kube::config::{KubeconfigError, LoadDataError};
+
+/// Parses `text` (YAML or JSON, one or more documents, merged like kubectl does).
+pub(crate) fn parse(text: &str) -> Result<kube::config::Kubeconfig, String> {
+    kube::config::Kubeconfig::from_yaml(text).map_err(|e| describe(&e))
+}
+
+/// What is wrong, in words that hold nothing of the kubeconfig.
+pub(crate) fn describe(error: &KubeconfigError) -> String {
+    match error {
+        KubeconfigError::Parse(e) => describe_syntax(e),
+        KubeconfigError::CurrentContextNotSet => "no current-context is set".into(),
+        KubeconfigError::KindMismatch | KubeconfigError::ApiVersionMismatch => {
+            "its documents differ in kind or apiVersion and cannot be merged".into()
+        }
+        KubeconfigError::LoadContext(_) => "the context is not defined".into(),
+        KubeconfigError::LoadClusterOfContext(_) => {
+            "the cluster the context names is not defined".into()
+        }
+        KubeconfigError::FindPath => "no kubeconfig path".into(),
+        KubeconfigError::ReadConfig(e, _) => format!("cannot read the kubeconfig ({})", e.kind()),
+        KubeconfigError::MissingClusterUrl => "the cluster has no server".into(),
+        KubeconfigError::ParseClusterUrl(_) => "the cluster's server is not a valid URL".into(),
+        KubeconfigError::ParseProxyUrl(_) => "the cluster's proxy-url is not a valid URL".into(),
+        KubeconfigError::LoadCertificateAuthority(e) => describe_data("certificate-authority", e),
+        KubeconfigError::LoadClientCertificate(e) => describe_data("client-certificate", e),
+        KubeconfigError::LoadClientKey(e) => describe_data("client-key", e),
+        KubeconfigError::ParseCertificates(_) => {
+            "certificate-authority: not PEM-encoded certificates".into()
+        }
+        // Variants behind kube features this crate does not enable (another crate in the
+        // build may).
+        #[allow(unreachable_patterns)]
+        _ => "unusable kubeconfig".into(),
+    }
+}
+
+fn describe_data(field: &str, error: &LoadDataError) -> String {
+    match error {
+        LoadDataError::DecodeBase64(_) => format!("{field}-data: not valid base64"),
+        LoadDataError::ReadFile(e, _) => {
+            format!("{field}: cannot read the file it names ({})", e.kind())
+        }
+        LoadDataError::NoBase64DataOrFile => format!("{field}: neither data nor a file"),
+    }
+}
+
+/// A syntax or schema error: its kind and position. (The parser's own message and snippet
+/// quote the text.)
+fn describe_syntax(error: &serde_saphyr::Error) -> String {
+    use serde_saphyr::Error as E;
+    let mut inner = error;
+    while let E::WithSnippet { error, .. } | E::AliasError { error, .. } = inner {
+        inner = error;
+    }
+    let kind = match inner {
+        E::Eof { .. } => "the text ends before the document does".to_string(),
+        E::InvalidUtf8Input => "not UTF-8".to_string(),
+        E::ExternalMessage { .. }
+        | E::IndentationError { .. }
+        | E::ContainerEndMismatch { .. }
+        | E::UnexpectedSequenceEnd { .. }
+        | E::UnexpectedMappingEnd { .. }
+        | E::UnexpectedContainerEndWhileReadingKeyNode { .. }
+        | E::UnexpectedContainerEndWhileSkippingNode { .. }
+        | E::FoldedBlockScalarMustIndentContent { .. } => "not valid YAML or JSON".to_string(),
+        E::SerdeMissingField { field, .. } if KNOWN_FIELDS.contains(field) => {
+            format!("the required field {field} is missing")
+        }
+        E::SerdeMissingField { .. } => "a required field is missing".to_string(),
+        E::DuplicateMappingKey { .. } => "a key appears twice in one mapping".to_string(),
+        E::UnknownAnchor { .. } => "an alias names an anchor that is not defined".to_string(),
+        E::AliasReplayCounterOverflow { .. }
+        | E::AliasReplayLimitExceeded { .. }
+        | E::AliasExpansionLimitExceeded { .. }
+        | E::AliasReplayStackDepthExceeded { .. }
+        | E::Budget { .. } => {
+            "it exceeds the parser's limits (aliases, nesting or size)".to_string()
+        }
+        _ => "a value does not fit the kubeconfig schema".to_string(),
+    };
+    match error.location() {
+        Some(at) if at.line() > 0 => {
+            format!(
+                "not a kubeconfig: {kind} (line {}, column {})",
+                at.line(),
+                at.column()
+            )
+        }
+        _ => format!("not a kubeconfig: {kind}"),
+    }
+}
+
+/// The kubeconfig fields serde may report missing by name (names of the schema, not of
+/// the text).
+const KNOWN_FIELDS: &[&str] = &[
+    "name", "cluster", "user", "context", "clusters", "users", "contexts",
+];
+
+/// Why a client could not be built from a valid configuration, without the credential
+/// plugin's output or command line.
+pub(crate) fn describe_client(error: &kube::Error) -> String {
+    use kube::client::AuthError as A;
+    match error {
+        kube::Error::Auth(auth) => match auth {
+            A::InvalidBasicAuth(_) => "the username and password cannot form an HTTP header".into(),
+            A::InvalidBearerToken(_) => "the token cannot form an HTTP header".into(),
+            A::UnrefreshableTokenResponse => {
+                "the credential plugin returned a token that cannot be refreshed".into()
+            }
+            A::ExecPluginFailed => "the exec credential plugin returned no status".into(),
+            A::MalformedTokenExpirationDate(_) => {
+                "the exec credential plugin returned a malformed expiration time".into()
+            }
+            A::AuthExecStart(e) => {
+                format!(
+                    "the exec credential plugin cannot be started ({})",
+                    e.kind()
+                )
+            }
+            A::AuthExecRun { out, .. } => match out.status.code() {
+                Some(code) => format!("the exec credential plugin exited with status {code}"),
+                None => "the exec credential plugin was killed by a signal".into(),
+            },
+            A::AuthExecParse(_) | A::AuthExec(_) => {
+                "the exec credential plugin's output is not a usable ExecCredential".into()
+            }
+            A::AuthExecSerialize(_) => {
+                "the exec credential plugin's input cannot be written".into()
+            }
+            A::ReadTokenFile(e, _) => {
+                format!("tokenFile: cannot read the file it names ({})", e.kind())
+            }
+            A::ParseTokenKey(_) => "the token key is not valid".into(),
+            A::MissingCommand => "the exec credential plugin has no command".into(),
+            A::ExecMissingClusterInfo => {
+                "the exec credential plugin asks for cluster info, which the cluster lacks".into()
+            }
+            A::NoValidNativeRootCA(_) => "no usable root certificates on this machine".into(),
+            #[allow(unreachable_patterns)]
+            _ => "the credentials cannot be used".into(),
+        },
+        kube::Error::RustlsTls(tls) => {
+            use kube::client::RustlsTlsError as T;
+            match tls {
+                T::InvalidIdentityPem(_) => "the client certificate and key are not valid PEM",
+                T::MissingPrivateKey => "no client key (it must be PKCS8 or RSA/PKCS1)",
+                T::MissingCertificate => "no client certificate",
+                T::InvalidPrivateKey(_) => "the client key is not valid",
+                T::UnknownPrivateKeyFormat => "the client key's format is unknown",
+                T::AddRootCertificate(_) => "the certificate-authority certificate is not valid",
+                T::NoValidNativeRootCA(_) => "no usable root certificates on this machine",
+                T::InvalidServerName(_) => {
+                    "the server's host or tls-server-name is not a valid name"
+                }
+            }
+            .into()
+        }
+        kube::Error::TlsRequired => "the server is https, and no TLS stack is built in".into(),
+        kube::Error::ProxyProtocolUnsupported { .. }
+        | kube::Error::ProxyProtocolDisabled { .. } => {
+            "the proxy-url's protocol is not supported".into()
+        }
+        _ => "the client cannot be built".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MARKER: &str = "tok3n-MARKER-5ecret";
+
+    #[test]
+    fn a_broken_line_holding_a_secret_is_reported_by_position_only() {
+        let yaml = format!(
+            "apiVersion: v1\nkind: Config\nusers:\n- name: u\n  user:\n    token: \"{MARKER}\n    oops: [\n"
+        );
+        let error = parse(&yaml).unwrap_err();
+        assert!(!error.contains(MARKER), "{error}");
+        assert!(error.contains("line "), "{error}");
+
+        // A value of the wrong type: serde would quote it.
+        let yaml = format!("apiVersion: v1\nkind: Config\nusers: {MARKER}\n");
+        let error = parse(&yaml).unwrap_err();
+        assert!(!error.contains(MARKER), "{error}");
+        assert!(error.contains("line 3"), "{error}");
+
+        let json = format!(
+            r#"{{"apiVersion": "v1", "users": [{{"name": "u", "user": {{"token": "{MARKER}" "oops"}}}}]}}"#
+        );
+        let error = parse(&json).unwrap_err();
+        assert!(!error.contains(MARKER), "{error}");
+        assert!(error.contains("line 1"), "{error}");
+    }
+
+    #[test]
+    fn a_missing_field_is_named_when_it_is_one_of_the_schema() {
+        let error = parse("contexts:\n- context: {cluster: c, user: u}\n").unwrap_err();
+        assert!(
+            error.contains("the required field name is missing"),
+            "{error}"
+        );
+    }
+}
