@@ -617,3 +617,145 @@ async fn a_broken_kubeconfig_file_leaves_no_byte_in_logs() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+#[tokio::test]
+async fn kubeconfig_secrets_build_side_by_side_so_a_hanging_plugin_delays_no_other() {
+    use k8s_openapi::api::core::v1::Secret;
+    use multicluster_runtime::providers::KubeconfigSecrets;
+    use std::os::unix::fs::PermissionsExt;
+
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = host.client().unwrap();
+    create_namespace(&hc, "side").await;
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "side");
+    let pp = PostParams::default();
+
+    // A credential plugin that hangs until the test lets it go.
+    let dir = tempfile::tempdir().unwrap();
+    let (started, release) = (dir.path().join("started"), dir.path().join("release"));
+    let plugin = dir.path().join("plugin.sh");
+    std::fs::write(
+        &plugin,
+        format!(
+            // It also ends when the test's directory is removed.
+            "#!/bin/sh\ntouch '{s}'\nwhile [ -f '{s}' ] && [ ! -f '{r}' ]; do sleep 0.05; done\nexit 1\n",
+            s = started.display(),
+            r = release.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Whatever happens, the plugin ends with the test (the runtime waits for its thread).
+    struct Release(std::path::PathBuf);
+    impl Drop for Release {
+        fn drop(&mut self) {
+            let _ = std::fs::write(&self.0, "");
+        }
+    }
+    let _release = Release(release.clone());
+    let slow = c1.kubeconfig().replace(
+        "    client-certificate-data:",
+        &format!(
+            "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: {}\n      interactiveMode: Never\n    client-certificate-data:",
+            plugin.display()
+        ),
+    );
+    secrets
+        .create(&pp, &kubeconfig_secret("slow", &slow, true))
+        .await
+        .unwrap();
+    let manager = Arc::new(Manager::new(
+        KubeconfigSecrets::new(hc.clone(), "side").allow_exec(true),
+    ));
+    let run = spawn_manager(&manager);
+    eventually(30, "the slow plugin started", async || started.exists()).await;
+
+    // While it hangs, another Secret's cluster is built and engaged.
+    secrets
+        .create(&pp, &kubeconfig_secret("fast", c1.kubeconfig(), true))
+        .await
+        .unwrap();
+    eventually(20, "fast engaged while slow still builds", async || {
+        manager.cluster(&name("fast")).is_some()
+    })
+    .await;
+    assert!(!release.exists() && manager.cluster(&name("slow")).is_none());
+    std::fs::write(&release, "").unwrap();
+    eventually(40, "slow refused once its plugin failed", async || {
+        has_event(
+            &hc,
+            "side",
+            "KubeconfigRefused",
+            "slow",
+            "exited with status 1",
+        )
+        .await
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn kubeconfig_secrets_refuse_each_content_once() {
+    use k8s_openapi::api::core::v1::Secret;
+    use kube::api::{Patch, PatchParams};
+    use multicluster_runtime::providers::KubeconfigSecrets;
+
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let hc = env.cluster(0).unwrap().client().unwrap();
+    create_namespace(&hc, "once").await;
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "once");
+    let pp = PostParams::default();
+    secrets
+        .create(&pp, &kubeconfig_secret("garbled", "clusters: [ {", true))
+        .await
+        .unwrap();
+    let manager = Arc::new(Manager::new(KubeconfigSecrets::new(hc.clone(), "once")));
+    let run = spawn_manager(&manager);
+    // The garbled Secret is refused once; a change to another field is no new content.
+    eventually(30, "garbled refused", async || {
+        has_event(&hc, "once", "KubeconfigRefused", "garbled", "line 1").await
+    })
+    .await;
+    let touch = serde_json::json!({ "metadata": { "annotations": { "touched": "yes" } } });
+    secrets
+        .patch("garbled", &PatchParams::default(), &Patch::Merge(&touch))
+        .await
+        .unwrap();
+    // Sync point: a Secret written after that patch has been handled (one watch, in order).
+    secrets
+        .create(&pp, &kubeconfig_secret("after", "users: [ {", true))
+        .await
+        .unwrap();
+    eventually(30, "after refused", async || {
+        has_event(&hc, "once", "KubeconfigRefused", "after", "line 1").await
+    })
+    .await;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(hc.clone(), "once");
+    let about_garbled: Vec<_> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("garbled"))
+        .collect();
+    assert_eq!(about_garbled.len(), 1, "{about_garbled:?}");
+    assert!(
+        about_garbled[0].series.is_none(),
+        "recorded once, not as a series: {:?}",
+        about_garbled[0].series
+    );
+    assert_eq!(
+        logs.lines(&["WARN", "cluster=garbled ", "refused"]).len(),
+        1,
+        "logged once"
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+}

@@ -1,10 +1,11 @@
 //! [`KubeconfigSecrets`]: clusters from kubeconfigs stored in labelled Secrets of the host
 //! cluster.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::pin::pin;
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use k8s_openapi::api::core::v1::Secret;
 use kube::config::Kubeconfig;
 use kube::{Api, Client, Resource, ResourceExt};
@@ -129,6 +130,17 @@ impl KubeconfigSecrets {
     }
 }
 
+/// How many clients are built at once (each may run a credential plugin, for up to 30 s).
+const BUILDS_AT_ONCE: usize = 4;
+
+/// One version of a Secret's kubeconfig, told apart by a hash of its data.
+fn version_of(data: Option<&[u8]>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    data.hash(&mut hasher);
+    hasher.finish()
+}
+
 impl Provider for KubeconfigSecrets {
     type Id = ClusterName;
 
@@ -144,13 +156,51 @@ impl Provider for KubeconfigSecrets {
             Reporter::from("multicluster-runtime-kubeconfig-secrets"),
         );
         let mut events = pin!(watcher::watcher(api, selector).default_backoff());
-        // The Secrets of a listing in progress, to disengage those that vanished meanwhile.
+        // The Secrets of a listing in progress, to forget those that vanished meanwhile.
         let mut listing: BTreeSet<String> = BTreeSet::new();
-        // Clusters engaged from Secrets, by Secret name, with the data they came from.
-        let mut engaged: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        // By Secret name: the version engaged, the version refused (each refused once),
+        // and the version wanted while its client is built or waits to be.
+        let mut engaged: BTreeMap<String, u64> = BTreeMap::new();
+        let mut refused: BTreeMap<String, u64> = BTreeMap::new();
+        let mut wanted: BTreeMap<String, u64> = BTreeMap::new();
+        // Builds run a few at once; the rest wait their turn in arrival order.
+        let mut building = FuturesUnordered::new();
+        let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
         loop {
+            while building.len() < BUILDS_AT_ONCE
+                && let Some((version, secret)) = waiting.pop_front()
+            {
+                if wanted.get(&secret.name_any()) == Some(&version) {
+                    building.push(async move {
+                        let cluster = self.cluster(&secret).await;
+                        (version, secret, cluster)
+                    });
+                }
+            }
             let event = tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
+                Some((version, secret, cluster)) = building.next(), if !building.is_empty() => {
+                    let name = secret.name_any();
+                    // A newer version, or a deletion, came while this one was built.
+                    if wanted.get(&name) != Some(&version) {
+                        continue;
+                    }
+                    wanted.remove(&name);
+                    match cluster {
+                        Ok(cluster) => match fleet.engage(cluster) {
+                            Ok(_) => {
+                                refused.remove(&name);
+                                engaged.insert(name, version);
+                            }
+                            Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
+                        },
+                        Err(reason) => {
+                            refused.insert(name, version);
+                            self.refuse(&recorder, &secret, &reason).await;
+                        }
+                    }
+                    continue;
+                }
                 event = events.next() => event,
             };
             let secret = match event {
@@ -164,22 +214,24 @@ impl Provider for KubeconfigSecrets {
                     continue;
                 }
                 Some(Ok(WatchEvent::InitDone)) => {
-                    let vanished: Vec<String> = engaged
+                    let known: BTreeSet<String> = engaged
                         .keys()
-                        .filter(|n| !listing.contains(*n))
+                        .chain(refused.keys())
+                        .chain(wanted.keys())
                         .cloned()
                         .collect();
-                    for name in vanished {
-                        engaged.remove(&name);
-                        fleet.disengage(&ClusterName::from(name));
+                    for name in known.difference(&listing) {
+                        self.forget(&fleet, name, [&mut engaged, &mut refused, &mut wanted]);
                     }
                     continue;
                 }
                 Some(Ok(WatchEvent::Delete(secret))) => {
                     // Deleted, or the label was removed (it left the selection).
-                    let name = secret.name_any();
-                    engaged.remove(&name);
-                    fleet.disengage(&ClusterName::from(name));
+                    self.forget(
+                        &fleet,
+                        &secret.name_any(),
+                        [&mut engaged, &mut refused, &mut wanted],
+                    );
                     continue;
                 }
                 Some(Ok(WatchEvent::InitApply(secret))) => {
@@ -189,25 +241,37 @@ impl Provider for KubeconfigSecrets {
                 Some(Ok(WatchEvent::Apply(secret))) => secret,
             };
             let name = secret.name_any();
-            let data = secret
-                .data
-                .as_ref()
-                .and_then(|d| d.get(&self.key))
-                .map(|b| b.0.clone())
-                .unwrap_or_default();
-            if engaged.get(&name) == Some(&data) {
+            let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
+            let version = version_of(data.map(|b| b.0.as_slice()));
+            // Unchanged (another field of the Secret changed, or a relist): nothing to do,
+            // and a refusal is not repeated.
+            let settled = match wanted.get(&name) {
+                Some(building) => *building == version,
+                None => {
+                    engaged.get(&name) == Some(&version) || refused.get(&name) == Some(&version)
+                }
+            };
+            if settled {
                 continue;
             }
-            match self.cluster(&secret).await {
-                Ok(cluster) => match fleet.engage(cluster) {
-                    Ok(_) => {
-                        engaged.insert(name, data);
-                    }
-                    Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
-                },
-                Err(reason) => self.refuse(&recorder, &secret, &reason).await,
-            }
+            wanted.insert(name, version);
+            waiting.push_back((version, secret));
         }
+    }
+}
+
+impl KubeconfigSecrets {
+    /// A Secret is gone: its cluster leaves, and whatever was known of it is forgotten.
+    fn forget(
+        &self,
+        fleet: &Fleet<ClusterName>,
+        name: &str,
+        maps: [&mut BTreeMap<String, u64>; 3],
+    ) {
+        for map in maps {
+            map.remove(name);
+        }
+        fleet.disengage(&ClusterName::from(name.to_string()));
     }
 }
 
