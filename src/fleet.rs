@@ -237,6 +237,17 @@ impl<C: ClusterId> Fleet<C> {
         self.state().remove(id)
     }
 
+    /// Disengages `cluster` if it is the one engaged under its id (not a cluster engaged
+    /// under the same id since). Returns whether it was.
+    pub(crate) fn disengage_instance(&self, cluster: &Cluster<C>) -> bool {
+        let mut state = self.state();
+        let ours = state
+            .members
+            .get(cluster.id())
+            .is_some_and(|m| m.engagement.cluster.same_instance(cluster));
+        ours && state.remove(cluster.id())
+    }
+
     /// The engaged cluster with this id.
     pub fn get(&self, id: &C) -> Option<Cluster<C>> {
         let state = self.state();

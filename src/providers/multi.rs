@@ -2,21 +2,24 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::fleet::FleetEvent;
-use crate::{ClusterId, ClusterName, Fleet, Provider, ProviderError};
+use crate::fleet::{Engaged, FleetEvent};
+use crate::{Cluster, ClusterId, ClusterName, Fleet, Provider, ProviderError};
 
 /// The default separator between a child provider's name and its cluster's id.
 pub const DEFAULT_SEPARATOR: &str = "#";
 
 /// Composes providers: each child is added under a name, and its cluster `c` joins the fleet
 /// as `<name><separator><c>` (separator `#` by default). Children can be added and removed
-/// while the manager runs; removing one disengages all of its clusters. A child that fails
-/// is reported (naming it) and its clusters are disengaged; the others carry on.
+/// while the manager runs; removing one disengages all of its clusters. A child whose run
+/// returns an error is reported (naming it), its clusters are disengaged, and it runs
+/// again after a wait (1 s, doubling with each failure in a row up to 60 s); the others
+/// carry on.
 ///
 /// Field indexes registered on the manager apply to every child's clusters, once.
 ///
@@ -277,6 +280,14 @@ trait ErasedProvider: Send + Sync {
 
 struct Wrapped<P>(P);
 
+/// The first wait before a failed child runs again; it doubles with each failure in a
+/// row, up to [`MAX_RESTART_DELAY`].
+const RESTART_DELAY: Duration = Duration::from_secs(1);
+/// The longest wait before a failed child runs again.
+const MAX_RESTART_DELAY: Duration = Duration::from_secs(60);
+/// A run at least this long counts as healthy: the next failure waits [`RESTART_DELAY`].
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
 impl<P: Provider> ErasedProvider for Wrapped<P> {
     fn run(
         self: Arc<Self>,
@@ -290,53 +301,73 @@ impl<P: Provider> ErasedProvider for Wrapped<P> {
             // the parent, not those of a child added again under the same name meanwhile.
             let engagements = CancellationToken::new();
             let _disengage_on_exit = engagements.clone().drop_guard();
-            let own = Fleet::<P::Id>::new();
-            let mut events = own.subscribe();
-            let mut run = std::pin::pin!(self.0.run(own.clone(), token.clone()));
+            let mut failures: u32 = 0;
             loop {
-                tokio::select! {
-                    result = &mut run => {
-                        match result {
-                            Ok(()) if token.is_cancelled() => {}
-                            // A provider may engage its clusters and return; they stay.
-                            Ok(()) => {
-                                drain(&mut events, &parent, &prefix, &engagements);
-                                token.cancelled().await;
+                let started = tokio::time::Instant::now();
+                let own = Fleet::<P::Id>::new();
+                let mut events = own.subscribe();
+                // The parent's clusters this run engaged, by name.
+                let mut mirrored = Mirrored::new();
+                let mut run = std::pin::pin!(self.0.run(own.clone(), token.clone()));
+                let failure = loop {
+                    tokio::select! {
+                        result = &mut run => {
+                            match result {
+                                Ok(()) if token.is_cancelled() => {}
+                                // A provider may engage its clusters and return; they stay.
+                                Ok(()) => {
+                                    while let Ok(event) = events.try_recv() {
+                                        forward(&parent, &prefix, &engagements, &mut mirrored, event);
+                                    }
+                                    token.cancelled().await;
+                                }
+                                Err(error) => break Some(error),
                             }
-                            Err(error) => {
-                                tracing::error!(provider = %name, %error, "provider failed; its clusters are disengaged");
-                            }
+                            break None;
                         }
-                        break;
+                        // Once removed, the child engages nothing more in the parent.
+                        Some(event) = events.recv(), if !token.is_cancelled() => {
+                            forward(&parent, &prefix, &engagements, &mut mirrored, event);
+                        }
                     }
-                    // Once removed, the child engages nothing more in the parent.
-                    Some(event) = events.recv(), if !token.is_cancelled() => {
-                        forward(&parent, &prefix, &engagements, event);
-                    }
+                };
+                own.clear();
+                let Some(error) = failure else { return };
+                // Its clusters leave with the failed run; the next run engages them again.
+                for cluster in mirrored.values() {
+                    parent.disengage_instance(cluster);
                 }
+                failures = if started.elapsed() >= HEALTHY_RUN {
+                    1
+                } else {
+                    failures.saturating_add(1)
+                };
+                let wait = RESTART_DELAY
+                    .saturating_mul(1 << (failures - 1).min(16))
+                    .min(MAX_RESTART_DELAY);
+                tracing::error!(provider = %name, %error, failures, restart_in = ?wait, "provider failed; its clusters are disengaged until it runs again");
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+                tracing::info!(provider = %name, "provider restarting");
             }
-            own.clear();
         }
         .boxed()
     }
 }
 
-fn drain<C: ClusterId>(
-    events: &mut tokio::sync::mpsc::UnboundedReceiver<FleetEvent<C>>,
-    parent: &Fleet<ClusterName>,
-    prefix: &str,
-    engagements: &CancellationToken,
-) {
-    while let Ok(event) = events.try_recv() {
-        forward(parent, prefix, engagements, event);
-    }
-}
+/// The parent's clusters a child's run engaged, by their names in the parent.
+type Mirrored = BTreeMap<ClusterName, Cluster<ClusterName>>;
 
-/// Mirrors one change of a child's fleet into the parent fleet.
+/// Mirrors one change of a child's fleet into the parent fleet. A disengagement removes
+/// the cluster this child engaged under that name, never one engaged since by another
+/// child of the same name.
 fn forward<C: ClusterId>(
     parent: &Fleet<ClusterName>,
     prefix: &str,
     engagements: &CancellationToken,
+    mirrored: &mut Mirrored,
     event: FleetEvent<C>,
 ) {
     match event {
@@ -346,14 +377,20 @@ fn forward<C: ClusterId>(
             // The same client, config (so that an unchanged re-engagement stays a no-op in
             // the parent too) and watch source (a namespace-cluster keeps sharing its
             // host's watches).
-            if let Err(error) =
-                parent.engage_until(cluster.renamed(name.clone()), engagements.clone())
-            {
-                tracing::warn!(cluster = %name, %error, "could not engage");
+            let renamed = cluster.renamed(name.clone());
+            match parent.engage_until(renamed.clone(), engagements.clone()) {
+                Ok(Engaged::New | Engaged::Replaced) => {
+                    mirrored.insert(name, renamed);
+                }
+                Ok(Engaged::Unchanged) => {}
+                Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
             }
         }
         FleetEvent::Disengaged(engaged) => {
-            parent.disengage(&ClusterName::from(format!("{prefix}{}", engaged.id())));
+            let name = ClusterName::from(format!("{prefix}{}", engaged.id()));
+            if let Some(cluster) = mirrored.remove(&name) {
+                parent.disengage_instance(&cluster);
+            }
         }
     }
 }
@@ -481,5 +518,104 @@ mod tests {
 
         shutdown.cancel();
         run.await.unwrap();
+    }
+
+    /// Engages `x` and fails, `failures` times; then engages `x` and runs until shut down.
+    /// Records when each run started.
+    struct Flaky {
+        failures: usize,
+        starts: Arc<Mutex<Vec<tokio::time::Instant>>>,
+    }
+
+    impl Provider for Flaky {
+        type Id = ClusterName;
+
+        async fn run(
+            &self,
+            fleet: Fleet<ClusterName>,
+            shutdown: CancellationToken,
+        ) -> Result<(), ProviderError> {
+            let run = {
+                let mut starts = self.starts.lock().unwrap();
+                starts.push(tokio::time::Instant::now());
+                starts.len()
+            };
+            fleet.engage(cluster("x", 1)).unwrap();
+            if run <= self.failures {
+                tokio::task::yield_now().await;
+                return Err(ProviderError::from(format!("run {run} fails")));
+            }
+            shutdown.cancelled().await;
+            Ok(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_child_runs_again_after_growing_waits_and_its_clusters_return() {
+        let starts = Arc::new(Mutex::new(Vec::new()));
+        let multi = Multi::new();
+        multi
+            .add(
+                "flaky",
+                Flaky {
+                    failures: 3,
+                    starts: starts.clone(),
+                },
+            )
+            .unwrap();
+        let fleet = Fleet::new();
+        let shutdown = CancellationToken::new();
+        let run = tokio::spawn({
+            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
+            async move { multi.run(fleet, shutdown).await.unwrap() }
+        });
+        // The fourth run's cluster joins (a failed run's leaves before the next run starts).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        while starts.lock().unwrap().len() < 4 || fleet.ids() != [ClusterName::from("flaky#x")] {
+            assert!(tokio::time::Instant::now() < deadline, "never ran again");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(multi.names(), ["flaky"]);
+        let starts = starts.lock().unwrap().clone();
+        let waits: Vec<Duration> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(
+            waits,
+            [1, 2, 4].map(Duration::from_secs),
+            "waits double between failures"
+        );
+        shutdown.cancel();
+        run.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_disengagement_from_a_removed_child_leaves_the_new_childs_cluster_alone() {
+        // The old child's task may still forward an event after `remove` and `add`: it must
+        // not take the new child's cluster of the same name with it.
+        let parent = Fleet::new();
+        let engagements = CancellationToken::new();
+        let old_child = Fleet::<ClusterName>::new();
+        let mut old_events = old_child.subscribe();
+        let mut old_mirrored = Mirrored::new();
+        old_child.engage(cluster("x", 1)).unwrap();
+        let engaged = old_events.try_recv().unwrap();
+        forward(&parent, "a#", &engagements, &mut old_mirrored, engaged);
+        assert_eq!(parent.ids(), [ClusterName::from("a#x")]);
+
+        // Removed and added again: the new child engages a#x, elsewhere.
+        parent.disengage(&ClusterName::from("a#x"));
+        let new_cluster = cluster("a#x", 2);
+        parent.engage(new_cluster.clone()).unwrap();
+
+        // The old child's late disengagement of x.
+        old_child.disengage(&ClusterName::from("x"));
+        let disengaged = old_events.try_recv().unwrap();
+        assert!(matches!(disengaged, FleetEvent::Disengaged(_)));
+        forward(&parent, "a#", &engagements, &mut old_mirrored, disengaged);
+        assert!(
+            parent
+                .get(&ClusterName::from("a#x"))
+                .is_some_and(|c| c.same_instance(&new_cluster)),
+            "the new child's a#x stays"
+        );
     }
 }
