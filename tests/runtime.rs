@@ -163,17 +163,72 @@ async fn the_same_reconciler_runs_in_single_cluster_mode() {
         })
         .await;
     }
-    // Reconciled for the listing and again for its own patch; printed with the empty id.
+    // Every object reconciled, printed with the empty id; only animals fed.
+    for ns in NAMESPACES {
+        for name in ["elephant", "keeper", "rock"] {
+            let request = format!("cluster:///{ns}/{name}");
+            eventually(30, &format!("{request} reconciled"), async || {
+                seen.count(&request) >= 1
+            })
+            .await;
+        }
+        assert!(!is_fed(&client, ns, "keeper").await && !is_fed(&client, ns, "rock").await);
+    }
     assert!(
-        seen.count("cluster:///zoo/elephant") >= 1,
-        "{:?}",
-        seen.requests.lock().unwrap()
+        seen.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|r| r.starts_with("cluster:///")),
+        "the single cluster's requests have the empty id"
     );
     manager.shutdown();
     tokio::time::timeout(Duration::from_secs(40), run)
         .await
         .unwrap()
         .unwrap();
+}
+
+#[tokio::test]
+async fn both_modes_log_a_reconcile_with_the_same_span_fields() {
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let c = env.cluster(0).unwrap();
+    let client = c.client().unwrap();
+    fixture(&client).await;
+    let single = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let fleet = Arc::new(Manager::new(Clusters::new()));
+    fleet
+        .provider()
+        .add(Cluster::new(name("spans-fleet"), client.clone()))
+        .unwrap();
+    let seen = Arc::new(Seen::default());
+    uniform_controller(&single, &seen);
+    uniform_controller(&fleet, &seen);
+    let (run_single, run_fleet) = (spawn_manager(&single), spawn_manager(&fleet));
+    for cluster in ["single", "spans-fleet"] {
+        eventually(30, &format!("{cluster} logged"), async || {
+            !logs
+                .lines(&["feed_animals reconciling", &format!(" cluster={cluster} ")])
+                .is_empty()
+        })
+        .await;
+        for line in logs.lines(&["feed_animals reconciling", &format!(" cluster={cluster} ")]) {
+            let span = line
+                .split_once("reconcile{")
+                .and_then(|(_, rest)| rest.split_once('}'))
+                .map(|(fields, _)| fields.to_string())
+                .unwrap_or_else(|| panic!("no reconcile span: {line}"));
+            for field in ["controller=", " cluster=", " object=", " reason="] {
+                assert!(span.contains(field), "{field} missing: {line}");
+            }
+            assert!(!span.contains("cluster= "), "an empty cluster: {line}");
+        }
+    }
+    single.shutdown();
+    fleet.shutdown();
+    run_single.await.unwrap();
+    run_fleet.await.unwrap();
 }
 
 #[tokio::test]

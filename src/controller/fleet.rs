@@ -446,7 +446,7 @@ where
     let span = tracing::info_span!(
         "reconcile",
         controller = %spec.name,
-        cluster = %req.cluster,
+        cluster = %super::ClusterField(&req.cluster),
         object = %ObjectKey(&req),
         reason = %reason,
     );

@@ -48,6 +48,20 @@ impl fmt::Display for ReconcileReason {
     }
 }
 
+/// A cluster id as a span field: the single cluster's empty text form reads `single`, so
+/// that both modes' spans name a cluster.
+pub(crate) struct ClusterField<'a, C>(pub(crate) &'a C);
+
+impl<C: ClusterId> fmt::Display for ClusterField<'_, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if std::any::TypeId::of::<C>() == std::any::TypeId::of::<crate::SingleCluster>() {
+            f.write_str("single")
+        } else {
+            fmt::Display::fmt(self.0, f)
+        }
+    }
+}
+
 /// A request and why it was made.
 pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
 

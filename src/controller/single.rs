@@ -8,8 +8,10 @@ use kube::{Api, Resource};
 use kube_runtime::{Controller, WatchStreamExt, watcher};
 use tokio_util::task::TaskTracker;
 
+use tracing::Instrument;
+
 use super::context::Shared;
-use super::{Env, Spec};
+use super::{ClusterField, Env, Spec};
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
 
 /// What the runner hands to each call: everything a [`Context`] needs, behind the one `Arc`
@@ -23,6 +25,8 @@ struct Single<C: ClusterId, S, F, EP> {
     /// kube-runtime spawns each reconcile as a task; the tracker tells when the ones it
     /// cancelled at shutdown are really gone.
     tracker: TaskTracker,
+    /// The controller's name, for the reconcile's span.
+    name: Arc<str>,
 }
 
 impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
@@ -93,6 +97,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         reconcile,
         error_policy,
         tracker: tracker.clone(),
+        name: spec.name.clone(),
     });
     let running = controller
         .with_config(config)
@@ -100,11 +105,20 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(
             |obj, single| {
+                // The same span as fleet mode's. kube-runtime keeps the trigger's reason to
+                // itself (its enclosing span has it as `object.reason`).
+                let span = tracing::info_span!(
+                    "reconcile",
+                    controller = %single.name,
+                    cluster = %ClusterField(single.cluster.id()),
+                    object = %ObjectName(obj.meta()),
+                    reason = "unknown",
+                );
                 let ctx = single.context(&obj);
                 let fut = (single.reconcile)(obj, ctx);
-                single
-                    .tracker
-                    .track_future(async move { fut.await.map(KubeAction::from) })
+                single.tracker.track_future(
+                    async move { fut.await.map(KubeAction::from) }.instrument(span),
+                )
             },
             |obj, error, single| {
                 let ctx = single.context(&obj);
@@ -140,4 +154,17 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     // gone, so nothing of this controller runs once it has returned.
     tracker.close();
     tracker.wait().await;
+}
+
+/// `namespace/name` or `name`, as fleet mode's spans write an object.
+struct ObjectName<'a>(&'a kube::api::ObjectMeta);
+
+impl std::fmt::Display for ObjectName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = self.0.name.as_deref().unwrap_or_default();
+        match &self.0.namespace {
+            Some(ns) => write!(f, "{ns}/{name}"),
+            None => f.write_str(name),
+        }
+    }
 }

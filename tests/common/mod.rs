@@ -103,6 +103,7 @@ pub async fn feed_animals<C: ClusterId>(
         .lock()
         .unwrap()
         .push(ctx.request().to_string());
+    tracing::debug!("feed_animals reconciling");
     let is_animal = cm
         .metadata
         .labels
@@ -323,8 +324,10 @@ impl Logs {
         LOGS.get_or_init(|| {
             let logs = Logs(Arc::default());
             let writer = logs.clone();
+            // This crate's lines, and the test binary's own (`<binary>::common`).
+            let binary = module_path!().split("::").next().unwrap_or_default();
             tracing_subscriber::fmt()
-                .with_env_filter("multicluster_runtime=debug")
+                .with_env_filter(format!("multicluster_runtime=debug,{binary}=debug"))
                 .with_ansi(false)
                 .with_writer(move || writer.clone())
                 .init();
