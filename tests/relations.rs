@@ -71,18 +71,37 @@ async fn a_change_to_an_owned_object_reconciles_its_owner() {
         seen.count(owner) == 2
     })
     .await;
-    // A secret without an owner reconciles nothing.
-    Api::<Secret>::namespaced(client, "zoo")
+    // A secret without an owner reconciles nothing. Sync point: a secret owned by the
+    // keeper, created after it in the same watch, reconciles the keeper; a request for the
+    // elephant would have been queued before.
+    let secrets = Api::<Secret>::namespaced(client.clone(), "zoo");
+    secrets
         .create(&PostParams::default(), &secret("zoo", "loose", None))
         .await
         .unwrap();
-    settle(1500).await;
-    assert_eq!(seen.count(owner), 2);
-    assert_eq!(
-        seen.total(),
-        9 + 1,
-        "nine initial reconciles and one for the child"
-    );
+    let keeper = Api::<ConfigMap>::namespaced(client.clone(), "zoo")
+        .get("keeper")
+        .await
+        .unwrap();
+    let keeper_ref = OwnerReference {
+        api_version: "v1".into(),
+        kind: "ConfigMap".into(),
+        name: "keeper".into(),
+        uid: keeper.metadata.uid.unwrap(),
+        ..Default::default()
+    };
+    secrets
+        .create(
+            &PostParams::default(),
+            &secret("zoo", "badge", Some(keeper_ref)),
+        )
+        .await
+        .unwrap();
+    eventually(30, "the keeper reconciled for its secret", async || {
+        seen.count("cluster://c0/zoo/keeper") == 2
+    })
+    .await;
+    assert_eq!(seen.count(owner), 2, "the loose secret reconciled nobody");
     manager.shutdown();
     run.await.unwrap();
 }
@@ -117,7 +136,13 @@ async fn a_mapper_can_enqueue_requests_for_another_cluster() {
     let run = spawn_manager(&manager);
 
     let target = "cluster://cluster-1/jungle/elephant";
-    eventually(30, "initial reconciles", async || seen.total() == 18).await;
+    for c in env.clusters() {
+        let client = c.client().unwrap();
+        eventually(30, "initial reconciles", async || {
+            seen.reconciled_at_latest(c.name(), &client).await
+        })
+        .await;
+    }
     assert_eq!(seen.count(target), 1);
     let c0 = env.cluster(0).unwrap().client().unwrap();
     Api::<Secret>::namespaced(c0, "jungle")
@@ -128,13 +153,12 @@ async fn a_mapper_can_enqueue_requests_for_another_cluster() {
         seen.count(target) == 2
     })
     .await;
-    settle(1000).await;
+    // The request went to cluster-1 only: the same secret event would have queued both.
     assert_eq!(
         seen.count("cluster://cluster-0/jungle/elephant"),
         1,
         "the watched cluster's own object is untouched"
     );
-    assert_eq!(seen.total(), 19);
     manager.shutdown();
     run.await.unwrap();
 }
@@ -156,7 +180,12 @@ async fn a_cluster_reengaged_with_new_credentials_is_not_reconciled_twice() {
         seen.clone(),
     );
     let run = spawn_manager(&manager);
-    eventually(30, "initial reconciles", async || seen.total() == 9).await;
+    let client = c.client().unwrap();
+    eventually(30, "initial reconciles", async || {
+        seen.reconciled_at_latest("c0", &client).await
+    })
+    .await;
+    let initial = seen.requests.lock().unwrap().clone();
 
     // The same config again changes nothing; new credentials replace the cluster.
     assert_eq!(
@@ -177,14 +206,10 @@ async fn a_cluster_reengaged_with_new_credentials_is_not_reconciled_twice() {
             .is_ok_and(|s| s.len() == 9)
     })
     .await;
-    settle(1500).await;
-    assert_eq!(
-        seen.total(),
-        9,
-        "unchanged objects are not reconciled again after the switch"
-    );
 
-    let cms: Api<ConfigMap> = Api::namespaced(c.client().unwrap(), "island");
+    // Sync point: a change made after the switch is reconciled through the new cluster,
+    // after whatever the switch itself queued.
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "island");
     let patch = serde_json::json!({ "data": { "changed": "yes" } });
     cms.patch("rock", &PatchParams::default(), &Patch::Merge(&patch))
         .await
@@ -193,13 +218,13 @@ async fn a_cluster_reengaged_with_new_credentials_is_not_reconciled_twice() {
         seen.count("cluster://c0/island/rock") == 2
     })
     .await;
-    settle(1500).await;
+    let mut expected = initial;
+    expected.push("cluster://c0/island/rock".to_string());
     assert_eq!(
-        seen.count("cluster://c0/island/rock"),
-        2,
-        "one change, one reconcile"
+        *seen.requests.lock().unwrap(),
+        expected,
+        "unchanged objects are not reconciled again after the switch; one change, one reconcile"
     );
-    assert_eq!(seen.total(), 10);
     manager.shutdown();
     run.await.unwrap();
 }
@@ -225,6 +250,8 @@ async fn flaky(cm: Arc<ConfigMap>, ctx: Context<ClusterName, Flaky>) -> Result<A
     match (name.as_str(), n) {
         ("elephant", 1 | 2) => Err(NotYet),
         ("elephant", 3..=5) => Ok(Action::requeue(Duration::from_millis(300))),
+        // A timer set later and longer than the elephant's: once it fired, theirs had.
+        ("clock", 1) => Ok(Action::requeue(Duration::from_millis(900))),
         _ => Ok(Action::await_change()),
     }
 }
@@ -265,23 +292,42 @@ async fn errors_are_retried_by_the_error_policy_and_requeues_come_back() {
             .unwrap_or(0)
     };
     eventually(30, "two failures and three requeues", async || calls() == 6).await;
-    settle(1500).await;
+    cms.create(
+        &PostParams::default(),
+        &config_map("default", "clock", "thing"),
+    )
+    .await
+    .unwrap();
+    let clock = || {
+        state
+            .calls
+            .lock()
+            .unwrap()
+            .get("clock")
+            .copied()
+            .unwrap_or(0)
+    };
+    eventually(30, "the clock's requeue fired", async || clock() == 2).await;
     assert_eq!(calls(), 6, "after await_change nothing more");
     assert_eq!(policy_calls.load(Ordering::SeqCst), 2);
     manager.shutdown();
     run.await.unwrap();
 }
 
-#[derive(Default)]
-struct Slow {
+/// Reconciles that start and then wait for the gate, which the test opens after it asked
+/// the manager to shut down.
+struct Gated {
     started: AtomicUsize,
     finished: AtomicUsize,
+    gate: tokio::sync::watch::Receiver<bool>,
 }
 
-async fn slow(_: Arc<ConfigMap>, ctx: Context<ClusterName, Slow>) -> Result<Action, kube::Error> {
-    ctx.state().started.fetch_add(1, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    ctx.state().finished.fetch_add(1, Ordering::SeqCst);
+async fn gated(_: Arc<ConfigMap>, ctx: Context<ClusterName, Gated>) -> Result<Action, kube::Error> {
+    let state = ctx.state();
+    state.started.fetch_add(1, Ordering::SeqCst);
+    let mut gate = state.gate.clone();
+    let _ = gate.wait_for(|open| *open).await;
+    state.finished.fetch_add(1, Ordering::SeqCst);
     Ok(Action::await_change())
 }
 
@@ -292,33 +338,48 @@ async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
     let client = c.client().unwrap();
     fixture(&client).await;
     let clusters = Clusters::new();
-    clusters.add(Cluster::new(name("c0"), client)).unwrap();
+    clusters
+        .add(Cluster::new(name("c0"), client.clone()))
+        .unwrap();
     let manager = Arc::new(Manager::new(clusters));
-    let state = Arc::new(Slow::default());
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let state = Arc::new(Gated {
+        started: AtomicUsize::new(0),
+        finished: AtomicUsize::new(0),
+        gate,
+    });
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
-        .concurrency(2)
+        .concurrency(3)
+        .max_in_flight_per_cluster(3)
         .start(
-            slow,
-            |_, _: &kube::Error, _: &Context<ClusterName, Slow>| Action::await_change(),
+            gated,
+            |_, _: &kube::Error, _: &Context<ClusterName, Gated>| Action::await_change(),
             state.clone(),
         );
     let run = spawn_manager(&manager);
-    eventually(30, "reconciles started", async || {
-        state.started.load(Ordering::SeqCst) == 2
+    eventually(30, "three reconciles started", async || {
+        state.started.load(Ordering::SeqCst) == 3
     })
     .await;
+    // Six more are due. Shut down, change an object, then let the three finish: slots
+    // free up while requests wait, so a manager that went on dispatching would start more.
     manager.shutdown();
+    Api::<ConfigMap>::namespaced(client, "zoo")
+        .create(&PostParams::default(), &config_map("zoo", "late", "thing"))
+        .await
+        .unwrap();
+    open.send(true).unwrap();
     run.await.unwrap();
     assert_eq!(
         state.finished.load(Ordering::SeqCst),
-        2,
+        3,
         "in-flight reconciles ran to the end"
     );
     // No wait needed: when `run` has returned, nothing the manager started runs on.
     assert_eq!(
         state.started.load(Ordering::SeqCst),
-        2,
-        "nothing new started after shutdown (9 were due)"
+        3,
+        "nothing new started after shutdown (six were due, and one more came)"
     );
 }
 

@@ -60,13 +60,46 @@ pub async fn fixture(client: &kube::Client) {
     }
 }
 
-/// What the reconciler saw: every request, as text.
+/// What the reconciler saw: every request, as text (and, for [`record`], the object's
+/// resourceVersion at each reconcile).
 #[derive(Default)]
 pub struct Seen {
     pub requests: Mutex<Vec<String>>,
+    pub versions: Mutex<BTreeMap<String, Vec<String>>>,
 }
 
 impl Seen {
+    /// Whether `request` was reconciled with its object at `version` ([`record`] only).
+    pub fn reconciled_at(&self, request: &str, version: &str) -> bool {
+        self.versions
+            .lock()
+            .unwrap()
+            .get(request)
+            .is_some_and(|v| v.iter().any(|seen| seen == version))
+    }
+
+    /// Whether every fixture object `client` reaches now was reconciled, as cluster
+    /// `cluster`, at its current resourceVersion (what users care about, whatever relists
+    /// added on the way).
+    pub async fn reconciled_at_latest(&self, cluster: &str, client: &kube::Client) -> bool {
+        let cms: Api<ConfigMap> = Api::all(client.clone());
+        let listed = cms
+            .list(&kube::api::ListParams::default().labels("type"))
+            .await
+            .unwrap();
+        listed.items.iter().all(|cm| {
+            let request = format!(
+                "cluster://{cluster}/{}/{}",
+                cm.metadata.namespace.as_deref().unwrap_or_default(),
+                cm.metadata.name.as_deref().unwrap_or_default()
+            );
+            self.reconciled_at(
+                &request,
+                cm.metadata.resource_version.as_deref().unwrap_or_default(),
+            )
+        })
+    }
+
     pub fn count(&self, request: &str) -> usize {
         self.requests
             .lock()
@@ -163,16 +196,21 @@ pub async fn is_fed(client: &kube::Client, ns: &str, name: &str) -> bool {
     }
 }
 
-/// A reconciler (of any kind) that only records what it was asked to reconcile.
-pub async fn record<K, C: ClusterId>(
-    _: Arc<K>,
+/// A reconciler (of any kind) that only records what it was asked to reconcile, and the
+/// object's resourceVersion.
+pub async fn record<K: kube::Resource, C: ClusterId>(
+    object: Arc<K>,
     ctx: Context<C, Seen>,
 ) -> Result<Action, kube::Error> {
+    let request = ctx.request().to_string();
     ctx.state()
-        .requests
+        .versions
         .lock()
         .unwrap()
-        .push(ctx.request().to_string());
+        .entry(request.clone())
+        .or_default()
+        .push(object.meta().resource_version.clone().unwrap_or_default());
+    ctx.state().requests.lock().unwrap().push(request);
     Ok(Action::await_change())
 }
 
