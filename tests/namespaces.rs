@@ -78,8 +78,15 @@ async fn every_namespace_is_a_cluster_fed_by_one_watch_per_kind() {
         .await;
         assert!(seen.count(&format!("cluster://{ns}/{ns}/elephant")) >= 1);
     }
-    settle(500).await;
+    // Sync point: the keeper's and the rock's reconciles ran; they fed nobody.
     for ns in NAMESPACES {
+        for other in ["keeper", "rock"] {
+            let request = format!("cluster://{ns}/{ns}/{other}");
+            eventually(30, &format!("{request} reconciled"), async || {
+                seen.count(&request) >= 1
+            })
+            .await;
+        }
         assert!(!is_fed(&host, ns, "keeper").await && !is_fed(&host, ns, "rock").await);
     }
     // Each cluster sees its own namespace only.
@@ -572,7 +579,13 @@ async fn the_host_restarting_holds_nobody_up_for_long() {
     })
     .await;
     create(&host, config_map("zoo", "lion", "animal")).await;
-    settle(1000).await;
+    // Sync point: a lion created after it in a namespace still engaged, delivered by the
+    // same host watch, is fed; zoo's would have been queued first.
+    create(&host, config_map("jungle", "lion", "animal")).await;
+    eventually(30, "jungle's lion fed", async || {
+        is_fed(&host, "jungle", "lion").await
+    })
+    .await;
     assert!(!is_fed(&host, "zoo", "lion").await);
     assert_eq!(seen.count("cluster://zoo/zoo/lion"), 0);
 

@@ -94,12 +94,22 @@ async fn multi_composes_providers_added_and_removed_while_controllers_run() {
         is_fed(&client1, "zoo", "lion").await
     })
     .await;
-    settle(1000).await;
-    assert!(
-        !is_fed(&client0, "zoo", "lion").await,
+    // Sync point: cluster-0 under a new child sees the lion; the removed child never did.
+    let d = Clusters::new();
+    d.add(Cluster::new(name("x"), c0.client().unwrap()))
+        .unwrap();
+    multi.add("d", d).unwrap();
+    eventually(
+        30,
+        "cluster-0's lion reconciled through child d",
+        async || seen.count("cluster://d#x/zoo/lion") >= 1,
+    )
+    .await;
+    assert_eq!(
+        seen.count("cluster://a#x/zoo/lion"),
+        0,
         "a removed child's cluster is not reconciled"
     );
-    assert_eq!(seen.count("cluster://a#x/zoo/lion"), 0);
 
     manager.shutdown();
     run.await.unwrap();
@@ -179,10 +189,18 @@ async fn kind_clusters_come_and_go_with_the_cli_and_a_bad_one_holds_nobody_up() 
         "the prefix keeps `other` out"
     );
 
-    // A malformed kubeconfig is reported and retried; the others go on.
+    // A malformed kubeconfig is reported and retried; the others go on. Sync point: a
+    // cluster added after it, listed by the same CLI call, is engaged.
     std::fs::write(dir.join("kind-c"), "this: is: not a kubeconfig").unwrap();
-    settle(1000).await;
-    assert_eq!(manager.fleet().len(), 2);
+    std::fs::write(dir.join("kind-d"), c0.kubeconfig()).unwrap();
+    eventually(30, "kind-d engaged", async || {
+        manager.cluster(&name("kind-d")).is_some()
+    })
+    .await;
+    assert!(manager.cluster(&name("kind-c")).is_none());
+    assert!(
+        manager.cluster(&name("kind-a")).is_some() && manager.cluster(&name("kind-b")).is_some()
+    );
     std::fs::write(dir.join("kind-c"), c1.kubeconfig()).unwrap();
     eventually(70, "kind-c engaged once fixed", async || {
         manager.cluster(&name("kind-c")).is_some()
@@ -261,11 +279,23 @@ async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
     .await;
     assert!(manager.cluster(&id_b).is_some());
 
-    // Half-written: reported, retried; the others run on.
+    // Half-written: reported, retried; the others run on. Sync point: a file written
+    // after it is read in the same pass or a later one.
     let c = dir.path().join("c.yaml");
     std::fs::write(&c, "apiVersion: v1\nkind: Config\nclusters: [ {").unwrap();
-    settle(1000).await;
-    assert_eq!(manager.fleet().len(), 2);
+    let s1 = dir.path().join("s1.yaml");
+    std::fs::write(&s1, c1.kubeconfig()).unwrap();
+    let id_s1 = name(&format!("{}+cluster-1", s1.display()));
+    eventually(30, "s1.yaml engaged", async || {
+        manager.cluster(&id_s1).is_some()
+    })
+    .await;
+    assert!(manager.cluster(&id_a).is_some() && manager.cluster(&id_b).is_some());
+    assert!(
+        manager
+            .cluster(&name(&format!("{}+cluster-1", c.display())))
+            .is_none()
+    );
     std::fs::write(&c, c1.kubeconfig()).unwrap();
     let id_c = name(&format!("{}+cluster-1", c.display()));
     eventually(30, "c.yaml's cluster once complete", async || {
@@ -276,7 +306,13 @@ async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
     // Rewritten with the same endpoint and credentials: the cluster stays as it is.
     let before = manager.cluster(&id_a).unwrap();
     std::fs::write(&a, format!("{}\n# touched\n", c0.kubeconfig())).unwrap();
-    settle(1000).await;
+    let s2 = dir.path().join("s2.yaml");
+    std::fs::write(&s2, c1.kubeconfig()).unwrap();
+    let id_s2 = name(&format!("{}+cluster-1", s2.display()));
+    eventually(30, "s2.yaml engaged", async || {
+        manager.cluster(&id_s2).is_some()
+    })
+    .await;
     assert!(
         manager.cluster(&id_a).unwrap().same_instance(&before),
         "no replacement without a change"
@@ -317,7 +353,7 @@ async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
         manager.cluster(&id_b).is_none()
     })
     .await;
-    assert_eq!(manager.fleet().len(), 2);
+    assert_eq!(manager.fleet().ids().len(), 4, "a, c, s1 and s2 stay");
 
     manager.shutdown();
     run.await.unwrap();
@@ -449,7 +485,11 @@ async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugi
         has_event(&hc, "fleet", "KubeconfigRefused", "leaky", "tokenFile").await
     })
     .await;
-    settle(1000).await;
+    // Sync point: the three Secrets have been handled.
+    eventually(30, "a Warning Event on the malformed Secret", async || {
+        has_event(&hc, "fleet", "KubeconfigRefused", "broken", "line").await
+    })
+    .await;
     assert!(manager.cluster(&name("evil")).is_none() && manager.cluster(&name("broken")).is_none());
     assert!(manager.cluster(&name("leaky")).is_none());
     assert!(!marker.exists(), "the exec plugin must never run");

@@ -319,8 +319,15 @@ async fn local_provider_and_filtered_clusters_and_predicates_decide_what_is_reco
         .engage_provider(false)
         .start(record, retry_soon, only_local.clone());
     let only_cluster1 = Arc::new(Seen::default());
+    let asked = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
-        .cluster_filter(|c| c.id() == "cluster-1")
+        .cluster_filter({
+            let asked = asked.clone();
+            move |c| {
+                asked.lock().unwrap().push(c.id().to_string());
+                c.id() == "cluster-1"
+            }
+        })
         .start(record, retry_soon, only_cluster1.clone());
     let label_changes = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -328,38 +335,38 @@ async fn local_provider_and_filtered_clusters_and_predicates_decide_what_is_reco
         .start(record, retry_soon, label_changes.clone());
     let run = spawn_manager(&manager);
 
-    eventually(30, "local reconciles", async || only_local.total() >= 9).await;
+    let (c0, c1) = (
+        env.cluster(0).unwrap().client().unwrap(),
+        env.cluster(1).unwrap().client().unwrap(),
+    );
+    let host = local.client().unwrap();
+    eventually(30, "local reconciles", async || {
+        only_local.reconciled_at_latest("host", &host).await
+    })
+    .await;
     eventually(30, "cluster-1 reconciles", async || {
-        only_cluster1.total() >= 9
+        only_cluster1.reconciled_at_latest("cluster-1", &c1).await
     })
     .await;
     eventually(30, "provider clusters reconciled", async || {
-        label_changes.total() >= 18
+        label_changes.reconciled_at_latest("cluster-0", &c0).await
+            && label_changes.reconciled_at_latest("cluster-1", &c1).await
     })
     .await;
-    settle(500).await;
-    assert_eq!(
-        only_local.total(),
-        9,
-        "{:?}",
-        only_local.requests.lock().unwrap()
-    );
-    assert_eq!(
-        only_cluster1.total(),
-        9,
-        "{:?}",
-        only_cluster1.requests.lock().unwrap()
-    );
-    assert_eq!(
-        label_changes.total(),
-        18,
-        "{:?}",
-        label_changes.requests.lock().unwrap()
-    );
+    // Sync point for the filter: it was asked about cluster-0 (and said no).
+    eventually(30, "the filter asked about cluster-0", async || {
+        asked.lock().unwrap().iter().any(|id| id == "cluster-0")
+    })
+    .await;
     assert_eq!(only_local.clusters(), ["host".to_string()].into());
     assert_eq!(only_cluster1.clusters(), ["cluster-1".to_string()].into());
+    assert_eq!(
+        label_changes.clusters(),
+        ["cluster-0".to_string(), "cluster-1".to_string()].into(),
+        "the local cluster is not engaged unless asked for"
+    );
 
-    let cms: Api<ConfigMap> = Api::namespaced(env.cluster(0).unwrap().client().unwrap(), "zoo");
+    let cms: Api<ConfigMap> = Api::namespaced(c0.clone(), "zoo");
     let data = serde_json::json!({ "data": { "note": "same labels" } });
     cms.patch(
         "rock",
@@ -376,17 +383,16 @@ async fn local_provider_and_filtered_clusters_and_predicates_decide_what_is_reco
     )
     .await
     .unwrap();
+    // Sync point: the keeper's change came after the rock's in the same watch.
     eventually(30, "the label change reconciled", async || {
         label_changes.count("cluster://cluster-0/zoo/keeper") == 2
     })
     .await;
-    settle(1000).await;
     assert_eq!(
         label_changes.count("cluster://cluster-0/zoo/rock"),
         1,
         "a data-only change is filtered out"
     );
-    assert_eq!(only_local.total(), 9);
     manager.shutdown();
     run.await.unwrap();
 }

@@ -214,11 +214,6 @@ pub async fn record<K: kube::Resource, C: ClusterId>(
     Ok(Action::await_change())
 }
 
-/// Settles for `ms` milliseconds (for asserting that nothing more happens).
-pub async fn settle(ms: u64) {
-    tokio::time::sleep(Duration::from_millis(ms)).await;
-}
-
 /// A fleet cluster name.
 pub fn name(s: &str) -> multicluster_runtime::ClusterName {
     multicluster_runtime::ClusterName::from(s)
