@@ -396,3 +396,222 @@ async fn local_provider_and_filtered_clusters_and_predicates_decide_what_is_reco
     manager.shutdown();
     run.await.unwrap();
 }
+
+#[tokio::test]
+async fn debounce_folds_a_burst_of_changes_into_one_reconcile_in_fleet_mode() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    fixture(&client).await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("c0"), client.clone()))
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .debounce(Duration::from_secs(1))
+        .start(record, retry_soon, seen.clone());
+    let run = spawn_manager(&manager);
+    eventually(30, "initial reconciles", async || {
+        seen.reconciled_at_latest("c0", &client).await
+    })
+    .await;
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "zoo");
+    let mut versions = Vec::new();
+    for n in 0..3 {
+        let patch = serde_json::json!({ "data": { "n": n.to_string() } });
+        let patched = cms
+            .patch(
+                "rock",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+            .unwrap();
+        versions.push(patched.metadata.resource_version.unwrap());
+    }
+    let last = versions.pop().unwrap();
+    eventually(30, "reconciled at the last version", async || {
+        seen.reconciled_at("cluster://c0/zoo/rock", &last)
+    })
+    .await;
+    for skipped in &versions {
+        assert!(!seen.reconciled_at("cluster://c0/zoo/rock", skipped));
+    }
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+/// Waits in every reconcile until the context is cancelled, then notes it.
+#[derive(Default)]
+struct Waiting {
+    started: std::sync::atomic::AtomicUsize,
+    cancelled: std::sync::atomic::AtomicUsize,
+}
+
+async fn wait_for_cancel(
+    _: Arc<ConfigMap>,
+    ctx: multicluster_runtime::Context<multicluster_runtime::ClusterName, Waiting>,
+) -> Result<multicluster_runtime::Action, kube::Error> {
+    use std::sync::atomic::Ordering;
+    ctx.state().started.fetch_add(1, Ordering::SeqCst);
+    ctx.cancelled().await;
+    assert!(ctx.is_cancelled());
+    ctx.state().cancelled.fetch_add(1, Ordering::SeqCst);
+    Ok(multicluster_runtime::Action::await_change())
+}
+
+#[tokio::test]
+async fn a_reconcile_waiting_on_its_context_is_told_when_its_cluster_leaves() {
+    use std::sync::atomic::Ordering;
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    fixture(&client).await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("c0"), client.clone()))
+        .unwrap();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let state = Arc::new(Waiting::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .concurrency(2)
+        .max_in_flight_per_cluster(2)
+        .start(
+            wait_for_cancel,
+            |_, _: &kube::Error, _: &multicluster_runtime::Context<_, Waiting>| {
+                multicluster_runtime::Action::await_change()
+            },
+            state.clone(),
+        );
+    let run = spawn_manager(&manager);
+    eventually(30, "two reconciles waiting", async || {
+        state.started.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    assert_eq!(state.cancelled.load(Ordering::SeqCst), 0);
+    clusters.remove(&name("c0"));
+    eventually(30, "both told their cluster left", async || {
+        state.cancelled.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+/// Engages one cluster until the test cancels its token.
+struct Until {
+    cluster: Cluster<multicluster_runtime::ClusterName>,
+    token: tokio_util::sync::CancellationToken,
+}
+
+impl Provider for Until {
+    type Id = multicluster_runtime::ClusterName;
+
+    async fn run(
+        &self,
+        fleet: multicluster_runtime::Fleet<multicluster_runtime::ClusterName>,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Result<(), multicluster_runtime::ProviderError> {
+        fleet.engage_until(self.cluster.clone(), self.token.clone())?;
+        shutdown.cancelled().await;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_cluster_engaged_until_a_token_leaves_when_the_token_is_cancelled() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    fixture(&client).await;
+    let token = tokio_util::sync::CancellationToken::new();
+    let manager = Arc::new(Manager::new(Until {
+        cluster: Cluster::new(name("until"), client.clone()),
+        token: token.clone(),
+    }));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        record,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+    eventually(30, "reconciled while engaged", async || {
+        seen.reconciled_at_latest("until", &client).await
+    })
+    .await;
+    let engaged = manager.cluster(&name("until")).unwrap();
+    token.cancel();
+    eventually(30, "disengaged with the token", async || {
+        manager.cluster(&name("until")).is_none()
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(30), engaged.disengaged())
+        .await
+        .expect("the cluster's handle sees the end of its engagement");
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_provider_cluster_with_the_local_clusters_id_is_refused_by_the_controller() {
+    let logs = Logs::capture();
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (local, other) = (
+        env.cluster(0).unwrap().client().unwrap(),
+        env.cluster(1).unwrap().client().unwrap(),
+    );
+    let cms = |c: &kube::Client| Api::<ConfigMap>::namespaced(c.clone(), "default");
+    cms(&local)
+        .create(
+            &PostParams::default(),
+            &config_map("default", "only-local", "thing"),
+        )
+        .await
+        .unwrap();
+    cms(&other)
+        .create(
+            &PostParams::default(),
+            &config_map("default", "only-other", "thing"),
+        )
+        .await
+        .unwrap();
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("twin"), other.clone()))
+        .unwrap();
+    let manager =
+        Arc::new(Manager::new(clusters).with_local(Cluster::new(name("twin"), local.clone())));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .named("twins")
+        .engage_local(true)
+        .start(record, retry_soon, seen.clone());
+    let run = spawn_manager(&manager);
+    let (a, b) = (
+        "cluster://twin/default/only-local",
+        "cluster://twin/default/only-other",
+    );
+    eventually(
+        30,
+        "one twin reconciled and the other refused",
+        async || {
+            (seen.count(a) + seen.count(b)) >= 1
+                && !logs
+                    .lines(&[
+                        "ERROR",
+                        "controller=twins",
+                        "cluster=twin",
+                        "two clusters with one id",
+                    ])
+                    .is_empty()
+        },
+    )
+    .await;
+    assert!(
+        seen.count(a) == 0 || seen.count(b) == 0,
+        "only the first of the two is reconciled: {:?}",
+        seen.requests.lock().unwrap()
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}
