@@ -1,7 +1,6 @@
 //! [`File`]: clusters from kubeconfig files, directories and glob patterns, hot-reloaded.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::hash::{Hash, Hasher};
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,6 +13,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::kubeconfig::version_of;
 use crate::{ClusterName, Fleet, Provider, ProviderError};
 
 /// Names a cluster after the file and the context it comes from.
@@ -241,12 +241,6 @@ fn source_dirs(sources: &[PathBuf]) -> Vec<PathBuf> {
     dirs.sort();
     dirs.dedup();
     dirs
-}
-
-fn version_of(value: &impl Hash) -> u64 {
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    value.hash(&mut hasher);
-    hasher.finish()
 }
 
 /// Reads one kubeconfig file, adding the directories of the files it names to `dirs`.

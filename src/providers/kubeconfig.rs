@@ -10,6 +10,15 @@
 
 use kube::config::{KubeconfigError, LoadDataError};
 
+/// A short stand-in for one version of some input (a kubeconfig's bytes, a problem), to
+/// tell whether it changed and to report a version once, without keeping it.
+pub(crate) fn version_of(value: &impl std::hash::Hash) -> u64 {
+    use std::hash::Hasher;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Parses `text` (YAML or JSON, one or more documents, merged like kubectl does).
 pub(crate) fn parse(text: &str) -> Result<kube::config::Kubeconfig, String> {
     kube::config::Kubeconfig::from_yaml(text).map_err(|e| describe(&e))

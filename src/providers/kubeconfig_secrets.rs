@@ -14,6 +14,7 @@ use kube_runtime::events::{Event, EventType, Recorder, Reporter};
 use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio_util::sync::CancellationToken;
 
+use super::kubeconfig::version_of;
 use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError};
 
 /// The label that marks a Secret as holding a cluster's kubeconfig (value `true`).
@@ -133,14 +134,6 @@ impl KubeconfigSecrets {
 /// How many clients are built at once (each may run a credential plugin, for up to 30 s).
 const BUILDS_AT_ONCE: usize = 4;
 
-/// One version of a Secret's kubeconfig, told apart by a hash of its data.
-fn version_of(data: Option<&[u8]>) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    data.hash(&mut hasher);
-    hasher.finish()
-}
-
 impl Provider for KubeconfigSecrets {
     type Id = ClusterName;
 
@@ -242,7 +235,7 @@ impl Provider for KubeconfigSecrets {
             };
             let name = secret.name_any();
             let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
-            let version = version_of(data.map(|b| b.0.as_slice()));
+            let version = version_of(&data.map(|b| b.0.as_slice()));
             // Unchanged (another field of the Secret changed, or a relist): nothing to do,
             // and a refusal is not repeated.
             let settled = match wanted.get(&name) {
