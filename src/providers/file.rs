@@ -717,4 +717,76 @@ mod tests {
         assert_eq!(File::split_name("/p+bad%2"), None);
         assert_eq!(File::split_name("/p+bad%41"), None);
     }
+
+    #[test]
+    fn only_an_explicit_empty_contexts_list_says_a_file_has_no_clusters() {
+        assert!(says_no_contexts(
+            "apiVersion: v1\nkind: Config\ncontexts: []\n"
+        ));
+        assert!(says_no_contexts(r#"{"kind": "Config", "contexts": []}"#));
+        for cut_short in [
+            "",
+            "apiVersion: v1\nkind: Config\nclusters: []\n",
+            "apiVersion: v1\ncontexts:\n",
+            "clusters: [ {",
+        ] {
+            assert!(!says_no_contexts(cut_short), "{cut_short:?}");
+        }
+    }
+
+    #[test]
+    fn a_context_stands_alone_with_the_files_it_names_read_relative_to_its_kubeconfig() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("certs")).unwrap();
+        std::fs::write(dir.path().join("certs/ca.crt"), "CA").unwrap();
+        std::fs::write(dir.path().join("certs/token"), "tok\n").unwrap();
+        let kubeconfig = crate::providers::kubeconfig::parse(
+            r#"
+clusters:
+- {name: c, cluster: {server: "https://127.0.0.1:1", certificate-authority: certs/ca.crt}}
+- {name: other, cluster: {server: "https://127.0.0.1:2"}}
+users:
+- {name: u, user: {tokenFile: certs/token}}
+contexts:
+- {name: a, context: {cluster: c, user: u}}
+- {name: b, context: {cluster: c, user: ghost}}
+- {name: d, context: {cluster: missing, user: u}}
+"#,
+        )
+        .unwrap();
+        let mut dirs = BTreeSet::new();
+        let own = standalone(&kubeconfig, &kubeconfig.contexts[0], dir.path(), &mut dirs).unwrap();
+        assert_eq!(own.clusters.len(), 1, "only its own cluster");
+        let cluster = own.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.certificate_authority, None);
+        assert_eq!(cluster.certificate_authority_data.as_deref(), Some("Q0E="));
+        let auth = own.auth_infos[0].auth_info.as_ref().unwrap();
+        assert_eq!(auth.token_file, None);
+        use secrecy::ExposeSecret;
+        assert_eq!(auth.token.as_ref().map(|t| t.expose_secret()), Some("tok"));
+        assert_eq!(dirs, BTreeSet::from([dir.path().join("certs")]));
+        assert_eq!(
+            standalone(&kubeconfig, &kubeconfig.contexts[1], dir.path(), &mut dirs).unwrap_err(),
+            "the user the context names is not defined"
+        );
+        assert_eq!(
+            standalone(&kubeconfig, &kubeconfig.contexts[2], dir.path(), &mut dirs).unwrap_err(),
+            "the cluster the context names is not defined"
+        );
+        std::fs::remove_file(dir.path().join("certs/ca.crt")).unwrap();
+        std::fs::create_dir(dir.path().join("certs/ca.crt")).unwrap();
+        assert_eq!(
+            standalone(&kubeconfig, &kubeconfig.contexts[0], dir.path(), &mut dirs).unwrap_err(),
+            "certificate-authority: the file it names is not a regular file"
+        );
+    }
+
+    #[test]
+    fn retry_waits_double_up_to_five_minutes() {
+        let mut failing = Failing::first(1, Duration::from_secs(5));
+        let waits: Vec<u64> = (0..9)
+            .map(|_| failing.again(Duration::from_secs(5)).as_secs())
+            .collect();
+        assert_eq!(waits, [10, 20, 40, 80, 160, 300, 300, 300, 300]);
+    }
 }
