@@ -36,8 +36,13 @@ pub const DEFAULT_KEY: &str = "kubeconfig";
 /// plugin or an `auth-provider` is therefore refused unless
 /// [`KubeconfigSecrets::allow_exec`] is set, and one naming a local file (CA, client
 /// certificate or key, token file) unless [`KubeconfigSecrets::allow_local_files`] is; the
-/// refusal is logged and recorded as a Warning Event on the Secret. Malformed kubeconfigs are reported the
-/// same way, naming the Secret; the other clusters are not affected.
+/// refusal is logged and recorded as a Warning Event (`KubeconfigRefused`) on the Secret.
+/// Malformed kubeconfigs are reported the same way, naming the Secret; the other clusters
+/// are not affected. Each content of a Secret is reported once (a write to another field,
+/// or a relist, repeats nothing), and the report holds no byte of the kubeconfig: the kind
+/// of problem, its line and column, a field path. A refused update leaves a cluster engaged
+/// from an earlier version as it was. Clients are built four at once, so a credential
+/// plugin that hangs (up to 30 s) delays no other Secret.
 #[derive(Clone)]
 pub struct KubeconfigSecrets {
     host: Client,
