@@ -314,23 +314,6 @@ async fn errors_are_retried_by_the_error_policy_and_requeues_come_back() {
     run.await.unwrap();
 }
 
-/// Reconciles that start and then wait for the gate, which the test opens after it asked
-/// the manager to shut down.
-struct Gated {
-    started: AtomicUsize,
-    finished: AtomicUsize,
-    gate: tokio::sync::watch::Receiver<bool>,
-}
-
-async fn gated(_: Arc<ConfigMap>, ctx: Context<ClusterName, Gated>) -> Result<Action, kube::Error> {
-    let state = ctx.state();
-    state.started.fetch_add(1, Ordering::SeqCst);
-    let mut gate = state.gate.clone();
-    let _ = gate.wait_for(|open| *open).await;
-    state.finished.fetch_add(1, Ordering::SeqCst);
-    Ok(Action::await_change())
-}
-
 #[tokio::test]
 async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
     let env = TestEnv::start().await.unwrap();
@@ -342,17 +325,13 @@ async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
         .add(Cluster::new(name("c0"), client.clone()))
         .unwrap();
     let manager = Arc::new(Manager::new(clusters));
-    let (open, gate) = tokio::sync::watch::channel(false);
-    let state = Arc::new(Gated {
-        started: AtomicUsize::new(0),
-        finished: AtomicUsize::new(0),
-        gate,
-    });
+    // The gate opens after the manager was asked to shut down.
+    let (open, state) = Gated::new();
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
         .concurrency(3)
         .max_in_flight_per_cluster(3)
         .start(
-            gated,
+            gated::<ClusterName>,
             |_, _: &kube::Error, _: &Context<ClusterName, Gated>| Action::await_change(),
             state.clone(),
         );

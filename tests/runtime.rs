@@ -12,7 +12,10 @@ use kube::api::{Api, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{Clusters, SingleProvider};
 use multicluster_runtime::testenv::TestEnv;
-use multicluster_runtime::{Builder, Cluster, Manager, Provider};
+use multicluster_runtime::{
+    Action, Builder, Cluster, ClusterName, Context, Fleet, Manager, Provider, ProviderError,
+};
+use tokio_util::sync::CancellationToken;
 
 fn uniform_controller<P: Provider>(manager: &Manager<P>, seen: &Arc<Seen>) {
     Builder::<_, ConfigMap>::new(manager, watcher::Config::default()).start(
@@ -451,14 +454,14 @@ struct Waiting {
 
 async fn wait_for_cancel(
     _: Arc<ConfigMap>,
-    ctx: multicluster_runtime::Context<multicluster_runtime::ClusterName, Waiting>,
-) -> Result<multicluster_runtime::Action, kube::Error> {
+    ctx: Context<ClusterName, Waiting>,
+) -> Result<Action, kube::Error> {
     use std::sync::atomic::Ordering;
     ctx.state().started.fetch_add(1, Ordering::SeqCst);
     ctx.cancelled().await;
     assert!(ctx.is_cancelled());
     ctx.state().cancelled.fetch_add(1, Ordering::SeqCst);
-    Ok(multicluster_runtime::Action::await_change())
+    Ok(Action::await_change())
 }
 
 #[tokio::test]
@@ -478,9 +481,7 @@ async fn a_reconcile_waiting_on_its_context_is_told_when_its_cluster_leaves() {
         .max_in_flight_per_cluster(2)
         .start(
             wait_for_cancel,
-            |_, _: &kube::Error, _: &multicluster_runtime::Context<_, Waiting>| {
-                multicluster_runtime::Action::await_change()
-            },
+            |_, _: &kube::Error, _: &Context<_, Waiting>| Action::await_change(),
             state.clone(),
         );
     let run = spawn_manager(&manager);
@@ -500,18 +501,18 @@ async fn a_reconcile_waiting_on_its_context_is_told_when_its_cluster_leaves() {
 
 /// Engages one cluster until the test cancels its token.
 struct Until {
-    cluster: Cluster<multicluster_runtime::ClusterName>,
-    token: tokio_util::sync::CancellationToken,
+    cluster: Cluster<ClusterName>,
+    token: CancellationToken,
 }
 
 impl Provider for Until {
-    type Id = multicluster_runtime::ClusterName;
+    type Id = ClusterName;
 
     async fn run(
         &self,
-        fleet: multicluster_runtime::Fleet<multicluster_runtime::ClusterName>,
-        shutdown: tokio_util::sync::CancellationToken,
-    ) -> Result<(), multicluster_runtime::ProviderError> {
+        fleet: Fleet<ClusterName>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProviderError> {
         fleet.engage_until(self.cluster.clone(), self.token.clone())?;
         shutdown.cancelled().await;
         Ok(())
@@ -523,7 +524,7 @@ async fn a_cluster_engaged_until_a_token_leaves_when_the_token_is_cancelled() {
     let env = TestEnv::start().await.unwrap();
     let client = env.cluster(0).unwrap().client().unwrap();
     fixture(&client).await;
-    let token = tokio_util::sync::CancellationToken::new();
+    let token = CancellationToken::new();
     let manager = Arc::new(Manager::new(Until {
         cluster: Cluster::new(name("until"), client.clone()),
         token: token.clone(),

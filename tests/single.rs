@@ -50,6 +50,15 @@ async fn owner_ref(client: &kube::Client, name: &str) -> OwnerReference {
     }
 }
 
+/// A control plane with the fixture, and a manager of its single cluster.
+async fn single_cluster() -> (TestEnv, kube::Client, Arc<Manager<SingleProvider>>) {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    fixture(&client).await;
+    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    (env, client, manager)
+}
+
 async fn patch(client: &kube::Client, name: &str, patch: serde_json::Value) -> String {
     Api::<ConfigMap>::namespaced(client.clone(), "zoo")
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -62,10 +71,7 @@ async fn patch(client: &kube::Client, name: &str, patch: serde_json::Value) -> S
 
 #[tokio::test]
 async fn owned_and_watched_objects_reconcile_their_owner_and_mapped_object() {
-    let env = TestEnv::start().await.unwrap();
-    let client = env.cluster(0).unwrap().client().unwrap();
-    fixture(&client).await;
-    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let (_env, client, manager) = single_cluster().await;
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
         .owns::<Secret>(watcher::Config::default())
@@ -112,10 +118,7 @@ async fn owned_and_watched_objects_reconcile_their_owner_and_mapped_object() {
 
 #[tokio::test]
 async fn a_predicate_filters_changes_it_does_not_care_about() {
-    let env = TestEnv::start().await.unwrap();
-    let client = env.cluster(0).unwrap().client().unwrap();
-    fixture(&client).await;
-    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let (_env, client, manager) = single_cluster().await;
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
         .with_predicate(kube_runtime::predicates::labels)
@@ -153,10 +156,7 @@ async fn a_predicate_filters_changes_it_does_not_care_about() {
 
 #[tokio::test]
 async fn a_cluster_filter_that_refuses_the_cluster_leaves_its_controller_idle() {
-    let env = TestEnv::start().await.unwrap();
-    let client = env.cluster(0).unwrap().client().unwrap();
-    fixture(&client).await;
-    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let (_env, client, manager) = single_cluster().await;
     let (refused, everything) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
     let asked = Arc::new(AtomicUsize::new(0));
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -192,10 +192,7 @@ async fn a_cluster_filter_that_refuses_the_cluster_leaves_its_controller_idle() 
 
 #[tokio::test]
 async fn debounce_folds_a_burst_of_changes_into_one_reconcile() {
-    let env = TestEnv::start().await.unwrap();
-    let client = env.cluster(0).unwrap().client().unwrap();
-    fixture(&client).await;
-    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let (_env, client, manager) = single_cluster().await;
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
         .debounce(Duration::from_secs(1))
@@ -232,57 +229,11 @@ async fn debounce_folds_a_burst_of_changes_into_one_reconcile() {
     run.await.unwrap();
 }
 
-/// Reconciles that start and wait for a gate the test controls.
-struct Gated {
-    started: AtomicUsize,
-    finished: AtomicUsize,
-    dropped: AtomicUsize,
-    gate: tokio::sync::watch::Receiver<bool>,
-}
-
-impl Gated {
-    fn new() -> (tokio::sync::watch::Sender<bool>, Arc<Gated>) {
-        let (open, gate) = tokio::sync::watch::channel(false);
-        let state = Gated {
-            started: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
-            dropped: AtomicUsize::new(0),
-            gate,
-        };
-        (open, Arc::new(state))
-    }
-}
-
-/// Counts a reconcile dropped before it finished.
-struct Unfinished<'a>(&'a AtomicUsize, bool);
-
-impl Drop for Unfinished<'_> {
-    fn drop(&mut self) {
-        if !self.1 {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-}
-
-async fn gated(
-    _: Arc<ConfigMap>,
-    ctx: Context<SingleCluster, Gated>,
-) -> Result<Action, kube::Error> {
-    let state = ctx.state();
-    state.started.fetch_add(1, Ordering::SeqCst);
-    let mut guard = Unfinished(&state.dropped, false);
-    let mut gate = state.gate.clone();
-    let _ = gate.wait_for(|open| *open).await;
-    state.finished.fetch_add(1, Ordering::SeqCst);
-    guard.1 = true;
-    Ok(Action::await_change())
-}
-
 fn gated_controller(manager: &Manager<SingleProvider>, state: &Arc<Gated>) {
     Builder::<_, ConfigMap>::new(manager, fixture_objects())
         .concurrency(3)
         .start(
-            gated,
+            gated::<SingleCluster>,
             |_, _: &kube::Error, _: &Context<SingleCluster, Gated>| Action::await_change(),
             state.clone(),
         );
@@ -290,10 +241,7 @@ fn gated_controller(manager: &Manager<SingleProvider>, state: &Arc<Gated>) {
 
 #[tokio::test]
 async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
-    let env = TestEnv::start().await.unwrap();
-    let client = env.cluster(0).unwrap().client().unwrap();
-    fixture(&client).await;
-    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    let (_env, client, manager) = single_cluster().await;
     let (open, state) = Gated::new();
     gated_controller(&manager, &state);
     let run = spawn_manager(&manager);

@@ -29,7 +29,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -447,7 +446,10 @@ where
         "reconcile",
         controller = %spec.name,
         cluster = %super::ClusterField(&req.cluster),
-        object = %ObjectKey(&req),
+        object = %super::ObjectField {
+            namespace: req.namespace.as_deref(),
+            name: &req.name,
+        },
         reason = %reason,
     );
     let reconcile = reconcile.clone();
@@ -480,18 +482,6 @@ where
     }
     .instrument(span)
     .boxed()
-}
-
-/// `namespace/name` or `name`.
-struct ObjectKey<'a, C: ClusterId>(&'a Request<C>);
-
-impl<C: ClusterId> fmt::Display for ObjectKey<'_, C> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0.namespace {
-            Some(ns) => write!(f, "{ns}/{}", self.0.name),
-            None => f.write_str(&self.0.name),
-        }
-    }
 }
 
 async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {

@@ -62,6 +62,21 @@ impl<C: ClusterId> fmt::Display for ClusterField<'_, C> {
     }
 }
 
+/// An object as a span field, `namespace/name` or `name`, in both modes.
+pub(crate) struct ObjectField<'a> {
+    pub(crate) namespace: Option<&'a str>,
+    pub(crate) name: &'a str,
+}
+
+impl fmt::Display for ObjectField<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.namespace {
+            Some(ns) => write!(f, "{ns}/{}", self.name),
+            None => f.write_str(self.name),
+        }
+    }
+}
+
 /// A request and why it was made.
 pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
 

@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::context::Shared;
-use super::{ClusterField, Env, Spec};
+use super::{ClusterField, Env, ObjectField, Spec};
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
 
 /// What the runner hands to each call: everything a [`Context`] needs, behind the one `Arc`
@@ -111,7 +111,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     "reconcile",
                     controller = %single.name,
                     cluster = %ClusterField(single.cluster.id()),
-                    object = %ObjectName(obj.meta()),
+                    object = %ObjectField {
+                        namespace: obj.meta().namespace.as_deref(),
+                        name: obj.meta().name.as_deref().unwrap_or_default(),
+                    },
                     reason = "unknown",
                 );
                 let ctx = single.context(&obj);
@@ -154,17 +157,4 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     // gone, so nothing of this controller runs once it has returned.
     tracker.close();
     tracker.wait().await;
-}
-
-/// `namespace/name` or `name`, as fleet mode's spans write an object.
-struct ObjectName<'a>(&'a kube::api::ObjectMeta);
-
-impl std::fmt::Display for ObjectName<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = self.0.name.as_deref().unwrap_or_default();
-        match &self.0.namespace {
-            Some(ns) => write!(f, "{ns}/{name}"),
-            None => f.write_str(name),
-        }
-    }
 }

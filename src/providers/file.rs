@@ -412,12 +412,40 @@ struct Failing {
     at: Instant,
 }
 
+/// What noting a failure did.
+enum Noted {
+    /// A version not seen failing before: to be reported.
+    First,
+    /// A due retry failed again; the next waits this long.
+    Again(Duration),
+    /// The same version, its retry not yet due: nothing to do.
+    Waiting,
+}
+
 impl Failing {
-    fn first(version: u64, retry: Duration) -> Self {
-        Failing {
-            version,
-            attempts: 1,
-            at: Instant::now() + retry,
+    /// Notes that `version` failed, in `slot`: a new version is tried again after `retry`,
+    /// a due retry of the same version that failed again waits twice as long as before (up
+    /// to [`MAX_RETRY`]), one not yet due is left alone.
+    fn note(slot: &mut Option<Failing>, version: u64, retry: Duration) -> Noted {
+        let now = Instant::now();
+        match slot {
+            Some(failing) if failing.version == version && failing.at > now => Noted::Waiting,
+            Some(failing) if failing.version == version => {
+                failing.attempts = failing.attempts.saturating_add(1);
+                let wait = retry
+                    .saturating_mul(1 << failing.attempts.saturating_sub(1).min(16))
+                    .min(MAX_RETRY.max(retry));
+                failing.at = now + wait;
+                Noted::Again(wait)
+            }
+            _ => {
+                *slot = Some(Failing {
+                    version,
+                    attempts: 1,
+                    at: now + retry,
+                });
+                Noted::First
+            }
         }
     }
 
@@ -425,34 +453,24 @@ impl Failing {
     fn waits(&self, version: u64) -> bool {
         self.version == version && self.at > Instant::now()
     }
-
-    /// Failed again: the next try waits twice as long.
-    fn again(&mut self, retry: Duration) -> Duration {
-        self.attempts = self.attempts.saturating_add(1);
-        let wait = retry
-            .saturating_mul(1 << self.attempts.saturating_sub(1).min(16))
-            .min(MAX_RETRY.max(retry));
-        self.at = Instant::now() + wait;
-        wait
-    }
 }
 
 impl ContextState {
-    /// Records that `version` cannot be used: a WARN the first time for this version.
+    /// Notes that `version` cannot be used: a WARN the first time for this version, a
+    /// DEBUG for each retry that fails again.
     fn fail(&mut self, version: u64, problem: &str, retry: Duration) {
-        match &mut self.failing {
-            Some(failing) if failing.version == version => {
-                let wait = failing.again(retry);
-                tracing::debug!(cluster = %self.id, error = %problem, attempts = failing.attempts, next_in = ?wait, "kubeconfig context still unusable");
+        match Failing::note(&mut self.failing, version, retry) {
+            Noted::First if self.engaged.is_some() => {
+                tracing::warn!(cluster = %self.id, error = %problem, "kubeconfig context unusable; the cluster stays as it was");
             }
-            _ => {
-                if self.engaged.is_some() {
-                    tracing::warn!(cluster = %self.id, error = %problem, "kubeconfig context unusable; the cluster stays as it was");
-                } else {
-                    tracing::warn!(cluster = %self.id, error = %problem, "kubeconfig context unusable; not engaged");
-                }
-                self.failing = Some(Failing::first(version, retry));
+            Noted::First => {
+                tracing::warn!(cluster = %self.id, error = %problem, "kubeconfig context unusable; not engaged");
             }
+            Noted::Again(wait) => {
+                let attempts = self.failing.as_ref().map_or(0, |f| f.attempts);
+                tracing::debug!(cluster = %self.id, error = %problem, attempts, next_in = ?wait, "kubeconfig context still unusable");
+            }
+            Noted::Waiting => {}
         }
     }
 }
@@ -565,15 +583,8 @@ impl File {
                         .values()
                         .filter(|c| c.engaged.is_some())
                         .count();
-                    match &mut file.unusable {
-                        Some(failing) if failing.waits(version) => {}
-                        Some(failing) if failing.version == version => {
-                            failing.again(self.retry);
-                        }
-                        _ => {
-                            tracing::warn!(file = %path.display(), error = %problem, engaged, "kubeconfig file unusable; its clusters stay as they were");
-                            file.unusable = Some(Failing::first(version, self.retry));
-                        }
+                    if let Noted::First = Failing::note(&mut file.unusable, version, self.retry) {
+                        tracing::warn!(file = %path.display(), error = %problem, engaged, "kubeconfig file unusable; its clusters stay as they were");
                     }
                     continue;
                 }
@@ -598,12 +609,7 @@ impl File {
                         failing: None,
                     });
                 match standalone {
-                    Err(problem) => {
-                        let version = version_of(&problem);
-                        if !context.failing.as_ref().is_some_and(|f| f.waits(version)) {
-                            context.fail(version, &problem, self.retry);
-                        }
-                    }
+                    Err(problem) => context.fail(version_of(&problem), &problem, self.retry),
                     Ok(kubeconfig) => {
                         let version = version_of(&serde_json::to_string(&kubeconfig).ok());
                         if context.engaged == Some(version) {
@@ -783,9 +789,21 @@ contexts:
 
     #[test]
     fn retry_waits_double_up_to_five_minutes() {
-        let mut failing = Failing::first(1, Duration::from_secs(5));
+        let retry = Duration::from_secs(5);
+        let mut slot = None;
+        assert!(matches!(Failing::note(&mut slot, 1, retry), Noted::First));
+        assert!(matches!(Failing::note(&mut slot, 1, retry), Noted::Waiting));
         let waits: Vec<u64> = (0..9)
-            .map(|_| failing.again(Duration::from_secs(5)).as_secs())
+            .map(|_| {
+                // The retry comes due, and fails again.
+                if let Some(failing) = slot.as_mut() {
+                    failing.at = Instant::now();
+                }
+                match Failing::note(&mut slot, 1, retry) {
+                    Noted::Again(wait) => wait.as_secs(),
+                    _ => panic!("a due retry that failed again"),
+                }
+            })
             .collect();
         assert_eq!(waits, [10, 20, 40, 80, 160, 300, 300, 300, 300]);
     }

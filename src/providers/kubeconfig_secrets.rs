@@ -156,11 +156,7 @@ impl Provider for KubeconfigSecrets {
         let mut events = pin!(watcher::watcher(api, selector).default_backoff());
         // The Secrets of a listing in progress, to forget those that vanished meanwhile.
         let mut listing: BTreeSet<String> = BTreeSet::new();
-        // By Secret name: the version engaged, the version refused (each refused once),
-        // and the version wanted while its client is built or waits to be.
-        let mut engaged: BTreeMap<String, u64> = BTreeMap::new();
-        let mut refused: BTreeMap<String, u64> = BTreeMap::new();
-        let mut wanted: BTreeMap<String, u64> = BTreeMap::new();
+        let mut known: BTreeMap<String, Known> = BTreeMap::new();
         // Builds run a few at once; the rest wait their turn in arrival order.
         let mut building = FuturesUnordered::new();
         let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
@@ -168,7 +164,7 @@ impl Provider for KubeconfigSecrets {
             while building.len() < BUILDS_AT_ONCE
                 && let Some((version, secret)) = waiting.pop_front()
             {
-                if wanted.get(&secret.name_any()) == Some(&version) {
+                if known.get(&secret.name_any()).and_then(|k| k.wanted) == Some(version) {
                     building.push(async move {
                         let cluster = self.cluster(&secret).await;
                         (version, secret, cluster)
@@ -180,20 +176,20 @@ impl Provider for KubeconfigSecrets {
                 Some((version, secret, cluster)) = building.next(), if !building.is_empty() => {
                     let name = secret.name_any();
                     // A newer version, or a deletion, came while this one was built.
-                    if wanted.get(&name) != Some(&version) {
+                    let Some(entry) = known.get_mut(&name).filter(|k| k.wanted == Some(version)) else {
                         continue;
-                    }
-                    wanted.remove(&name);
+                    };
+                    entry.wanted = None;
                     match cluster {
                         Ok(cluster) => match fleet.engage(cluster) {
                             Ok(_) => {
-                                refused.remove(&name);
-                                engaged.insert(name, version);
+                                entry.refused = None;
+                                entry.engaged = Some(version);
                             }
                             Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
                         },
                         Err(reason) => {
-                            refused.insert(name, version);
+                            entry.refused = Some(version);
                             self.refuse(&recorder, &secret, &reason).await;
                         }
                     }
@@ -212,24 +208,20 @@ impl Provider for KubeconfigSecrets {
                     continue;
                 }
                 Some(Ok(WatchEvent::InitDone)) => {
-                    let known: BTreeSet<String> = engaged
-                        .keys()
-                        .chain(refused.keys())
-                        .chain(wanted.keys())
-                        .cloned()
-                        .collect();
-                    for name in known.difference(&listing) {
-                        self.forget(&fleet, name, [&mut engaged, &mut refused, &mut wanted]);
-                    }
+                    // Secrets gone while the watch was away: forgotten, their clusters leave.
+                    known.retain(|name, _| {
+                        listing.contains(name) || {
+                            fleet.disengage(&ClusterName::from(name.clone()));
+                            false
+                        }
+                    });
                     continue;
                 }
                 Some(Ok(WatchEvent::Delete(secret))) => {
                     // Deleted, or the label was removed (it left the selection).
-                    self.forget(
-                        &fleet,
-                        &secret.name_any(),
-                        [&mut engaged, &mut refused, &mut wanted],
-                    );
+                    let name = secret.name_any();
+                    known.remove(&name);
+                    fleet.disengage(&ClusterName::from(name));
                     continue;
                 }
                 Some(Ok(WatchEvent::InitApply(secret))) => {
@@ -243,33 +235,35 @@ impl Provider for KubeconfigSecrets {
             let version = version_of(&data.map(|b| b.0.as_slice()));
             // Unchanged (another field of the Secret changed, or a relist): nothing to do,
             // and a refusal is not repeated.
-            let settled = match wanted.get(&name) {
-                Some(building) => *building == version,
-                None => {
-                    engaged.get(&name) == Some(&version) || refused.get(&name) == Some(&version)
-                }
-            };
-            if settled {
+            let entry = known.entry(name).or_default();
+            if entry.settled(version) {
                 continue;
             }
-            wanted.insert(name, version);
+            entry.wanted = Some(version);
             waiting.push_back((version, secret));
         }
     }
 }
 
-impl KubeconfigSecrets {
-    /// A Secret is gone: its cluster leaves, and whatever was known of it is forgotten.
-    fn forget(
-        &self,
-        fleet: &Fleet<ClusterName>,
-        name: &str,
-        maps: [&mut BTreeMap<String, u64>; 3],
-    ) {
-        for map in maps {
-            map.remove(name);
+/// What the provider knows of one Secret, by versions (hashes) of its kubeconfig.
+#[derive(Default)]
+struct Known {
+    /// The version its engaged cluster came from.
+    engaged: Option<u64>,
+    /// The version last refused (each version is refused, and reported, once).
+    refused: Option<u64>,
+    /// The version whose client is being built or waits to be.
+    wanted: Option<u64>,
+}
+
+impl Known {
+    /// Whether `version` needs nothing done: it is being built, or it is the one engaged
+    /// or the one refused.
+    fn settled(&self, version: u64) -> bool {
+        match self.wanted {
+            Some(wanted) => wanted == version,
+            None => self.engaged == Some(version) || self.refused == Some(version),
         }
-        fleet.disengage(&ClusterName::from(name.to_string()));
     }
 }
 

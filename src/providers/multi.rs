@@ -406,6 +406,22 @@ mod tests {
         Cluster::from_config(ClusterName::from(name), config).unwrap()
     }
 
+    /// `multi` running in a task, into a fleet of its own, until the token is cancelled.
+    fn running(
+        multi: &Multi,
+    ) -> (
+        Fleet<ClusterName>,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (fleet, shutdown) = (Fleet::new(), CancellationToken::new());
+        let run = tokio::spawn({
+            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
+            async move { multi.run(fleet, shutdown).await.unwrap() }
+        });
+        (fleet, shutdown, run)
+    }
+
     async fn settle() {
         for _ in 0..20 {
             tokio::task::yield_now().await;
@@ -451,12 +467,7 @@ mod tests {
         let first = Clusters::new();
         first.add(cluster("x", 1)).unwrap();
         multi.add("first", first.clone()).unwrap();
-        let fleet = Fleet::new();
-        let shutdown = CancellationToken::new();
-        let run = tokio::spawn({
-            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
-            async move { multi.run(fleet, shutdown).await.unwrap() }
-        });
+        let (fleet, shutdown, run) = running(&multi);
         settle().await;
         assert_eq!(fleet.ids(), [ClusterName::from("first#x")]);
 
@@ -490,12 +501,7 @@ mod tests {
         let old = Clusters::new();
         old.add(cluster("x", 1)).unwrap();
         multi.add("a", old).unwrap();
-        let fleet = Fleet::new();
-        let shutdown = CancellationToken::new();
-        let run = tokio::spawn({
-            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
-            async move { multi.run(fleet, shutdown).await.unwrap() }
-        });
+        let (fleet, shutdown, run) = running(&multi);
         settle().await;
         assert_eq!(fleet.ids(), [ClusterName::from("a#x")]);
 
@@ -563,12 +569,7 @@ mod tests {
                 },
             )
             .unwrap();
-        let fleet = Fleet::new();
-        let shutdown = CancellationToken::new();
-        let run = tokio::spawn({
-            let (multi, fleet, shutdown) = (multi.clone(), fleet.clone(), shutdown.clone());
-            async move { multi.run(fleet, shutdown).await.unwrap() }
-        });
+        let (fleet, shutdown, run) = running(&multi);
         // The fourth run's cluster joins (a failed run's leaves before the next run starts).
         let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
         while starts.lock().unwrap().len() < 4 || fleet.ids() != [ClusterName::from("flaky#x")] {

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -413,3 +414,53 @@ spec:
             properties:
               size: {type: integer}
 "#;
+
+/// The state of [`gated`] reconciles, which start and then wait for a gate the test
+/// controls.
+pub struct Gated {
+    pub started: AtomicUsize,
+    pub finished: AtomicUsize,
+    /// Reconciles dropped before they finished.
+    pub dropped: AtomicUsize,
+    gate: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Gated {
+    /// A closed gate (open it by sending `true`) and the state.
+    pub fn new() -> (tokio::sync::watch::Sender<bool>, Arc<Gated>) {
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let state = Gated {
+            started: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+            dropped: AtomicUsize::new(0),
+            gate,
+        };
+        (open, Arc::new(state))
+    }
+}
+
+/// Counts a reconcile dropped before it finished.
+struct Unfinished<'a>(&'a AtomicUsize, bool);
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Counts itself started, waits for the gate, counts itself finished.
+pub async fn gated<C: ClusterId>(
+    _: Arc<ConfigMap>,
+    ctx: Context<C, Gated>,
+) -> Result<Action, kube::Error> {
+    let state = ctx.state();
+    state.started.fetch_add(1, Ordering::SeqCst);
+    let mut guard = Unfinished(&state.dropped, false);
+    let mut gate = state.gate.clone();
+    let _ = gate.wait_for(|open| *open).await;
+    state.finished.fetch_add(1, Ordering::SeqCst);
+    guard.1 = true;
+    Ok(Action::await_change())
+}
