@@ -5,7 +5,7 @@
 //! cargo bench --features testenv --bench runtime -- callgrind    # zero cost of single-cluster mode
 //! cargo bench --features testenv --bench runtime -- throughput [--runs N]   # fleet vs single vs kube-runtime
 //! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
-//! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters
+//! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
 //! ```
 //!
 //! Workload for `callgrind` and `throughput`: 5,000 ConfigMaps in one testenv cluster, created
@@ -95,7 +95,10 @@ fn main() {
             let namespaces = arg_after(&args, "--namespaces")
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(1000);
-            namespaces_as_clusters(namespaces).await;
+            let nodes = arg_after(&args, "--nodes")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(100);
+            namespaces_as_clusters(namespaces, nodes).await;
         }
     });
 }
@@ -404,8 +407,89 @@ async fn scale(n: usize) {
     let _ = run.await;
 }
 
-async fn namespaces_as_clusters(n: usize) {
-    println!("\n== namespaces: {n} namespaces of one apiserver as clusters (Namespaces provider)");
+/// What the namespace-clusters reconciled: per cluster, its ConfigMap seen, which Nodes were
+/// seen, and which Nodes were seen at the update round's version (bit i: `node-i`).
+#[derive(Default)]
+struct NamespaceSeen {
+    by_cluster: Mutex<HashMap<ClusterName, (bool, u128, u128)>>,
+    /// How many clusters have seen everything of the first listing / the update round.
+    listed: AtomicUsize,
+    updated: AtomicUsize,
+    nodes: usize,
+    notify: tokio::sync::Notify,
+}
+
+impl NamespaceSeen {
+    fn all_nodes(&self) -> u128 {
+        if self.nodes >= 128 {
+            u128::MAX
+        } else {
+            (1u128 << self.nodes) - 1
+        }
+    }
+
+    fn note(&self, cluster: &ClusterName, configmap: bool, node: Option<(usize, bool)>) {
+        let all = self.all_nodes();
+        let Ok(mut seen) = self.by_cluster.lock() else {
+            return;
+        };
+        let entry = seen.entry(cluster.clone()).or_default();
+        let before = (entry.0 && entry.1 == all, entry.2 == all);
+        entry.0 |= configmap;
+        if let Some((i, updated)) = node {
+            entry.1 |= 1 << i;
+            if updated {
+                entry.2 |= 1 << i;
+            }
+        }
+        let after = (entry.0 && entry.1 == all, entry.2 == all);
+        if after.0 && !before.0 {
+            self.listed.fetch_add(1, Ordering::SeqCst);
+        }
+        if after.1 && !before.1 {
+            self.updated.fetch_add(1, Ordering::SeqCst);
+        }
+        drop(seen);
+        self.notify.notify_waiters();
+    }
+
+    async fn wait(&self, counter: &AtomicUsize, n: usize) {
+        loop {
+            let notified = self.notify.notified();
+            if counter.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+        }
+    }
+}
+
+/// CPU time (user + system) this process has used.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which ends with ')'): utime and stime are the 12th and
+    // 13th of them, in clock ticks (100 per second on Linux).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
+        .sum();
+    Duration::from_millis(ticks * 10)
+}
+
+/// `n` namespaces labelled `bench=ns`, each with one ConfigMap carrying 1 KiB of data, and
+/// `nodes` Nodes carrying 4 KiB of annotations (about the size of a small real Node), all on
+/// one apiserver; then the Namespaces provider with a ConfigMap and a Node controller. The
+/// Nodes are cluster-scoped, so every namespace-cluster sees all of them.
+async fn namespaces_as_clusters(n: usize, nodes: usize) {
+    use k8s_openapi::api::core::v1::Node;
+    assert!(nodes <= 128, "--nodes is at most 128");
+    println!(
+        "\n== namespaces: {n} namespaces of one apiserver as clusters (Namespaces provider), {nodes} Nodes"
+    );
     let env = TestEnv::start().await.expect("testenv");
     let tc = env.cluster(0).expect("cluster");
     let host = tc.client().expect("client");
@@ -433,6 +517,7 @@ async fn namespaces_as_clusters(n: usize) {
                         labels: Some(BTreeMap::from([("bench".to_string(), "scale".to_string())])),
                         ..Default::default()
                     },
+                    data: Some(BTreeMap::from([("payload".to_string(), "x".repeat(1024))])),
                     ..Default::default()
                 };
                 Api::<ConfigMap>::namespaced(host, &name)
@@ -442,8 +527,27 @@ async fn namespaces_as_clusters(n: usize) {
             }
         })
         .await;
+    let node_api = Api::<Node>::all(host.clone());
+    for i in 0..nodes {
+        let annotations = (0..16)
+            .map(|j| (format!("bench.example/a{j:02}"), format!("{j}").repeat(256)))
+            .collect();
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some(format!("node-{i:03}")),
+                labels: Some(BTreeMap::from([("bench".to_string(), "node".to_string())])),
+                annotations: Some(annotations),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        node_api
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("node");
+    }
     println!(
-        "created {n} namespaces with a ConfigMap each in {:.1?}",
+        "created {n} namespaces with a ConfigMap each and {nodes} Nodes in {:.1?}",
         created.elapsed()
     );
     let cluster_watches = tc
@@ -459,33 +563,82 @@ async fn namespaces_as_clusters(n: usize) {
     let base = rss_kib("self");
     let provider = Namespaces::new(host.clone()).labels("bench=ns");
     let manager = Arc::new(Manager::new(provider.clone()));
-    let seen = Arc::new(FirstSeen::default());
+    let seen = Arc::new(NamespaceSeen {
+        nodes,
+        ..Default::default()
+    });
     Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("bench=scale")).start(
-        note,
-        |_, _: &kube::Error, _: &Context<ClusterName, FirstSeen>| Action::await_change(),
+        |_, ctx: Context<ClusterName, NamespaceSeen>| async move {
+            ctx.state().note(ctx.cluster_id(), true, None);
+            Ok::<_, kube::Error>(Action::await_change())
+        },
+        |_, _: &kube::Error, _: &Context<ClusterName, NamespaceSeen>| Action::await_change(),
+        seen.clone(),
+    );
+    Builder::<_, Node>::new(&manager, watcher::Config::default().labels("bench=node")).start(
+        |node: Arc<Node>, ctx: Context<ClusterName, NamespaceSeen>| async move {
+            let index = node
+                .metadata
+                .name
+                .as_deref()
+                .and_then(|name| name.strip_prefix("node-")?.parse::<usize>().ok());
+            let updated = node
+                .metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.get("round").map(String::as_str) == Some("1"));
+            if let Some(i) = index {
+                ctx.state()
+                    .note(ctx.cluster_id(), false, Some((i, updated)));
+            }
+            Ok::<_, kube::Error>(Action::await_change())
+        },
+        |_, _: &kube::Error, _: &Context<ClusterName, NamespaceSeen>| Action::await_change(),
         seen.clone(),
     );
     let started = Instant::now();
+    let cpu = cpu_time();
     let run = {
         let manager = manager.clone();
         tokio::spawn(async move { manager.run().await })
     };
-    loop {
-        let notified = seen.notify.notified();
-        if seen.at.lock().map(|m| m.len()).unwrap_or(0) >= n {
-            break;
-        }
-        let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
-    }
+    seen.wait(&seen.listed, n).await;
     let all = started.elapsed();
+    let all_cpu = cpu_time() - cpu;
     tokio::time::sleep(Duration::from_secs(10)).await;
     let after = rss_kib("self");
-    println!("all {n} namespace-clusters engaged and reconciled once in {all:.1?}");
     println!(
-        "RSS: {} MiB before, {} MiB after; {} KiB per namespace-cluster (each caching 1 ConfigMap)",
+        "all {n} namespace-clusters engaged, each reconciled its ConfigMap and {nodes} Nodes, in {all:.1?} ({all_cpu:.1?} CPU)"
+    );
+    println!(
+        "RSS: {} MiB before, {} MiB after; {} KiB per namespace-cluster (each caching 1 ConfigMap and {nodes} Nodes)",
         base / 1024,
         after / 1024,
         after.saturating_sub(base) / n as u64
+    );
+
+    // One update of every Node, seen by every namespace-cluster.
+    let round = Instant::now();
+    let cpu = cpu_time();
+    for i in 0..nodes {
+        node_api
+            .patch(
+                &format!("node-{i:03}"),
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(
+                    serde_json::json!({"metadata": {"labels": {"round": "1"}}}),
+                ),
+            )
+            .await
+            .expect("patch node");
+    }
+    seen.wait(&seen.updated, n).await;
+    let round_time = round.elapsed();
+    let round_cpu = cpu_time() - cpu;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    println!(
+        "{nodes} Node updates reconciled in all {n} namespace-clusters in {round_time:.1?} ({round_cpu:.1?} CPU); RSS after: {} MiB",
+        rss_kib("self") / 1024
     );
     println!(
         "host watches kept by the provider: {}; apiserver: +{} cluster-wide ConfigMap watches, +{} per-namespace ones",
