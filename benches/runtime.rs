@@ -618,6 +618,33 @@ async fn namespaces_as_clusters(n: usize, nodes: usize) {
     );
 
     // One update of every Node, seen by every namespace-cluster.
+    if nodes > 0 {
+        node_round(&node_api, &seen, n, nodes).await;
+    }
+    println!(
+        "host watches kept by the provider: {}; apiserver: +{} cluster-wide ConfigMap watches, +{} per-namespace ones",
+        provider.host_watches(),
+        tc.served_watches("configmaps", true)
+            .await
+            .expect("metrics")
+            - cluster_watches,
+        tc.served_watches("configmaps", false)
+            .await
+            .expect("metrics")
+            - namespace_watches,
+    );
+    manager.shutdown();
+    let _ = run.await;
+}
+
+/// Updates every Node once and waits until each of the `n` namespace-clusters reconciled
+/// every Node at its new version.
+async fn node_round(
+    node_api: &Api<k8s_openapi::api::core::v1::Node>,
+    seen: &NamespaceSeen,
+    n: usize,
+    nodes: usize,
+) {
     let round = Instant::now();
     let cpu = cpu_time();
     for i in 0..nodes {
@@ -640,18 +667,4 @@ async fn namespaces_as_clusters(n: usize, nodes: usize) {
         "{nodes} Node updates reconciled in all {n} namespace-clusters in {round_time:.1?} ({round_cpu:.1?} CPU); RSS after: {} MiB",
         rss_kib("self") / 1024
     );
-    println!(
-        "host watches kept by the provider: {}; apiserver: +{} cluster-wide ConfigMap watches, +{} per-namespace ones",
-        provider.host_watches(),
-        tc.served_watches("configmaps", true)
-            .await
-            .expect("metrics")
-            - cluster_watches,
-        tc.served_watches("configmaps", false)
-            .await
-            .expect("metrics")
-            - namespace_watches,
-    );
-    manager.shutdown();
-    let _ = run.await;
 }

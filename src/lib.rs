@@ -33,7 +33,7 @@ mod sync;
 pub use action::Action;
 pub use cluster::{
     Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterName, Fault, InvalidClusterId,
-    SingleCluster, WatchBackoff, WeakCluster,
+    SingleCluster, Store, WatchBackoff, WeakCluster,
 };
 pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, Watchable};
 pub use fleet::{EngageError, Engaged, Fleet, FleetView};

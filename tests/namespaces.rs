@@ -10,12 +10,13 @@ use common::*;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
 };
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node};
 use k8s_openapi::api::rbac::v1::ClusterRole;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use kube_runtime::events::{Event, EventType, Recorder, Reporter};
 use kube_runtime::finalizer::{Event as Finalizer, finalizer};
+use kube_runtime::reflector::ObjectRef;
 use multicluster_runtime::providers::{ClusterScopedWrite, Namespaces, UnscopableRequest};
 use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, ClusterName, Context, Manager};
@@ -680,6 +681,104 @@ async fn a_host_watch_lives_as_long_as_a_cluster_needs_it_also_under_multi() {
         3
     );
 
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn namespace_clusters_share_the_hosts_copy_of_each_object() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let host = tc.client().unwrap();
+    fixture(&host).await;
+    let nodes: Api<Node> = Api::all(host.clone());
+    let node = Node {
+        metadata: ObjectMeta {
+            name: Some("shared".into()),
+            labels: Some([("fleet".to_string(), "shared".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    nodes.create(&PostParams::default(), &node).await.unwrap();
+    let node_config = kube_runtime::watcher::Config::default().labels("fleet=shared");
+
+    // One provider under two names: each namespace is two clusters, all fed by one hub.
+    let provider = Namespaces::new(host.clone());
+    let multi = multicluster_runtime::providers::Multi::new();
+    multi.add("a", provider.clone()).unwrap();
+    multi.add("b", provider.clone()).unwrap();
+    let manager = Arc::new(Manager::new(multi));
+    let run = spawn_manager(&manager);
+    let ids = ["a#zoo", "a#jungle", "b#zoo"];
+    eventually(30, "the namespaces engaged under both names", async || {
+        ids.iter().all(|id| manager.cluster(&name(id)).is_some())
+    })
+    .await;
+    let mut node_caches = Vec::new();
+    let mut animal_caches = Vec::new();
+    for id in ids {
+        let cluster = manager.cluster(&name(id)).unwrap();
+        node_caches.push(cluster.cache::<Node>(&node_config).await.unwrap());
+        animal_caches.push(
+            cluster
+                .cache::<ConfigMap>(&fixture_objects())
+                .await
+                .unwrap(),
+        );
+    }
+    let node_ref = ObjectRef::new("shared");
+    let versions = |caches: &[multicluster_runtime::Cache<Node>]| -> Vec<Option<String>> {
+        caches
+            .iter()
+            .map(|c| c.store().get(&node_ref)?.resource_version())
+            .collect()
+    };
+    let one_copy = |caches: &[multicluster_runtime::Cache<Node>]| {
+        let first = caches[0].store().get(&node_ref).unwrap();
+        caches
+            .iter()
+            .all(|c| Arc::ptr_eq(&c.store().get(&node_ref).unwrap(), &first))
+    };
+    // A cluster-scoped object: one copy for every namespace-cluster, not one each.
+    assert!(
+        one_copy(&node_caches),
+        "the Node copied per namespace-cluster"
+    );
+    // A namespaced one: the same namespace under two names holds the same copy.
+    let elephant = ObjectRef::new("elephant").within("zoo");
+    let a_zoo = animal_caches[0].store().get(&elephant).unwrap();
+    let b_zoo = animal_caches[2].store().get(&elephant).unwrap();
+    assert!(
+        Arc::ptr_eq(&a_zoo, &b_zoo),
+        "the ConfigMap copied per cluster"
+    );
+    assert!(animal_caches[1].store().get(&elephant).is_none());
+
+    // A change is shared the same way.
+    let changed = nodes
+        .patch(
+            "shared",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "metadata": { "labels": { "round": "2" } } })),
+        )
+        .await
+        .unwrap();
+    eventually(30, "every cache has the changed Node", async || {
+        versions(&node_caches)
+            .iter()
+            .all(|v| *v == changed.resource_version())
+    })
+    .await;
+    assert!(
+        one_copy(&node_caches),
+        "the changed Node copied per namespace-cluster"
+    );
+
+    nodes
+        .delete("shared", &DeleteParams::default())
+        .await
+        .unwrap();
     manager.shutdown();
     run.await.unwrap();
 }

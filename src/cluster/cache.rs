@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kube_runtime::reflector::Store;
+use super::store::Store;
 
 use super::watch::SharedWatch;
 use crate::Watchable;
@@ -77,7 +77,8 @@ impl<K: Watchable> Cache<K> {
         Self { watch }
     }
 
-    /// The reflector store (kube-runtime's), for `get`, `state`, `find` and the like.
+    /// The store, for `get`, `state`, `find` and the like (kube-runtime's reflector store's
+    /// read API, over objects shared rather than copied).
     pub fn store(&self) -> &Store<K> {
         &self.watch.store
     }

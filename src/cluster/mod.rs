@@ -9,6 +9,7 @@ mod cache;
 mod id;
 mod index;
 mod source;
+mod store;
 mod watch;
 
 use std::any::Any;
@@ -19,7 +20,6 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use futures::future::Either;
 use kube::{Api, Client};
-use kube_runtime::reflector::Store;
 use kube_runtime::watcher::{self, watcher};
 use tokio_util::sync::CancellationToken;
 
@@ -28,7 +28,10 @@ pub use backoff::WatchBackoff;
 pub use cache::{Cache, CacheError};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub(crate) use index::Indexer;
+#[cfg(test)]
+pub(crate) use source::map_event;
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
+pub use store::Store;
 pub use watch::Fault;
 use watch::WatchState;
 pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message};
@@ -437,7 +440,7 @@ impl<C: ClusterId> Cluster<C> {
         status
     }
 
-    /// The reflector store of `K` objects matching `config`, started on first use and shared
+    /// The store of `K` objects matching `config`, started on first use and shared
     /// by every controller of this process that asks for the same type and configuration.
     ///
     /// It returns at once, so the store may not have listed yet (it is empty then): a
@@ -508,10 +511,13 @@ impl<C: ClusterId> Cluster<C> {
         })?;
         let stop = session.token.child_token();
         let events = match &self.inner.source {
-            None => Either::Left(backoff::Retrying::new(
-                watcher(Api::<K>::all(self.client()), config.clone()),
-                session.settings.backoff.delays(),
-            )),
+            None => Either::Left(
+                backoff::Retrying::new(
+                    watcher(Api::<K>::all(self.client()), config.clone()),
+                    session.settings.backoff.delays(),
+                )
+                .map(|event| event.map(|event| source::map_event(event, Arc::new))),
+            ),
             Some(source) => {
                 Either::Right(source::events_from::<K>(&**source, config, &session.token).map(Ok))
             }

@@ -81,7 +81,7 @@ pub(crate) fn events_from<K: Watchable>(
     source: &dyn WatchSource,
     config: &watcher::Config,
     engagement: &CancellationToken,
-) -> BoxStream<'static, Event<K>> {
+) -> BoxStream<'static, Event<Arc<K>>> {
     let watch_config = config.clone();
     let open = move |client: Client| -> SharedEvents {
         watcher(Api::<K>::all(client), watch_config.clone())
@@ -98,15 +98,15 @@ pub(crate) fn events_from<K: Watchable>(
         })
         .filter_map(|event| {
             std::future::ready(try_map_event(event, |o| {
-                let typed = o.into_any().downcast::<K>().ok()?;
-                Some(Arc::unwrap_or_clone(typed))
+                // The source's own Arc: the cluster's store shares the object, not a copy.
+                o.into_any().downcast::<K>().ok()
             }))
         })
         .boxed()
 }
 
 /// `event` with its object mapped by `f`.
-fn map_event<A, B>(event: Event<A>, f: impl FnOnce(A) -> B) -> Event<B> {
+pub(crate) fn map_event<A, B>(event: Event<A>, f: impl FnOnce(A) -> B) -> Event<B> {
     match event {
         Event::Apply(o) => Event::Apply(f(o)),
         Event::Delete(o) => Event::Delete(f(o)),

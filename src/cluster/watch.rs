@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex, Weak};
 
 use futures::{Stream, StreamExt};
 use kube::Resource;
-use kube_runtime::reflector::{ObjectRef, Store, store::Writer};
+use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::index::{FieldIndexes, Indexer};
+use super::store::{Store, Writer};
 use super::{CacheError, WatchBackoff};
 use crate::Watchable;
 use crate::sync::lock;
@@ -138,14 +139,14 @@ where
 {
     /// A watch of `events` for `cluster`, running on `runtime` until `stop` is cancelled.
     pub(crate) fn start(
-        events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send + 'static,
+        events: impl Stream<Item = Result<Event<Arc<K>>, watcher::Error>> + Send + 'static,
         cluster: Arc<str>,
         stop: CancellationToken,
         indexers: &[Indexer],
         faults: Option<mpsc::UnboundedSender<Fault>>,
         runtime: &tokio::runtime::Handle,
     ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
-        let writer = Writer::<K>::default();
+        let writer = Writer::<K>::new();
         let watch = Arc::new(Self {
             store: writer.as_reader(),
             subscribers: Mutex::new(Subscribers {
@@ -305,7 +306,7 @@ struct Listing<K: Resource<DynamicType = ()>> {
 
 /// Drives one shared watch until it stops or nobody holds it.
 async fn run<K: Watchable>(
-    events: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
+    events: impl Stream<Item = Result<Event<Arc<K>>, watcher::Error>> + Send,
     mut writer: Writer<K>,
     shared: Weak<SharedWatch<K>>,
 ) {
@@ -387,17 +388,13 @@ async fn run<K: Watchable>(
 fn step<K: Watchable>(
     shared: &SharedWatch<K>,
     writer: &mut Writer<K>,
-    event: Event<K>,
+    event: Event<Arc<K>>,
     listing: &mut Listing<K>,
 ) {
     let store = &shared.store;
     match event {
         Event::Apply(obj) => {
-            let key = ObjectRef::from_obj(&obj);
-            writer.apply_watcher_event(&Event::Apply(obj));
-            let Some(obj) = store.get(&key) else {
-                return;
-            };
+            writer.apply(obj.clone());
             index(shared, |ix| ix.apply(&obj));
             shared.notify(Change {
                 object: obj,
@@ -406,25 +403,21 @@ fn step<K: Watchable>(
             });
         }
         Event::Delete(obj) => {
-            let event = Event::Delete(obj);
-            writer.apply_watcher_event(&event);
-            let Event::Delete(obj) = event else {
-                return;
-            };
+            writer.delete(&obj);
             index(shared, |ix| ix.delete(&obj));
             shared.notify(Change {
-                object: Arc::new(obj),
+                object: obj,
                 deleted: true,
                 initial: false,
             });
         }
         Event::Init => {
             listing.refs.clear();
-            writer.apply_watcher_event(&Event::Init);
+            writer.init();
         }
         Event::InitApply(obj) => {
-            listing.refs.push(ObjectRef::from_obj(&obj));
-            writer.apply_watcher_event(&Event::InitApply(obj));
+            listing.refs.push(ObjectRef::from_obj(&*obj));
+            writer.init_apply(obj);
         }
         Event::InitDone => {
             let before = if listing.first {
@@ -432,14 +425,15 @@ fn step<K: Watchable>(
             } else {
                 store.state()
             };
-            writer.apply_watcher_event(&Event::InitDone);
+            writer.init_done();
             index(shared, |ix| ix.rebuild(store.state().iter().map(|o| &**o)));
             // Synced before the listing is announced: whoever handles an announced object
             // finds the store synced.
             shared
                 .state
                 .send_replace(WatchState::Synced { error: None });
-            for obj_ref in listing.refs.drain(..) {
+            // Taken, not drained: a big listing's buffer is not kept for the next one.
+            for obj_ref in std::mem::take(&mut listing.refs) {
                 if let Some(object) = store.get(&obj_ref) {
                     shared.notify(Change {
                         object,
@@ -503,7 +497,11 @@ mod tests {
         indexers: &[Indexer],
         faults: Option<mpsc::UnboundedSender<Fault>>,
     ) -> Arc<SharedWatch<ConfigMap>> {
-        let events = futures::stream::iter(events.into_iter().map(Ok));
+        let events = futures::stream::iter(
+            events
+                .into_iter()
+                .map(|e| Ok(crate::cluster::map_event(e, Arc::new))),
+        );
         let events = if end {
             events.boxed()
         } else {

@@ -33,11 +33,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::cluster::Store;
 use futures::stream::{BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
 use kube::Resource;
 use kube_runtime::controller::trigger_self;
-use kube_runtime::reflector::Store;
 use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -516,9 +516,13 @@ mod tests {
     }
 
     fn watch(events: Vec<Event<Deployment>>) -> Arc<SharedWatch<Deployment>> {
-        let events = futures::stream::iter(events.into_iter().map(Ok))
-            .chain(futures::stream::pending())
-            .boxed();
+        let events = futures::stream::iter(
+            events
+                .into_iter()
+                .map(|e| Ok(crate::cluster::map_event(e, Arc::new))),
+        )
+        .chain(futures::stream::pending())
+        .boxed();
         SharedWatch::start(
             events,
             Arc::from("c0"),

@@ -116,6 +116,13 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             self.rotation.push_back(entry.key().clone());
         }
         self.queued.remove(&req);
+        if self.queued.is_empty() && self.queued.capacity() > 1024 {
+            // A backlog (a thousand clusters' first listings) drained: its tables are not
+            // kept at their peak size.
+            self.queued.shrink_to_fit();
+            self.queues.shrink_to_fit();
+            self.rotation.shrink_to_fit();
+        }
         self.in_flight.insert(req.clone());
         *self
             .in_flight_per_cluster
@@ -336,6 +343,30 @@ mod tests {
         assert_eq!(q.pop().map(|(r, ())| r).unwrap().cluster, "noisy");
         assert_eq!(q.pop().map(|(r, ())| r).unwrap(), req("quiet", "only"));
         assert_eq!(q.pop().map(|(r, ())| r).unwrap().cluster, "noisy");
+    }
+
+    #[test]
+    fn a_drained_backlog_does_not_keep_its_tables_at_peak_size() {
+        let mut q = FairQueue::default();
+        for c in 0..1_000 {
+            for i in 0..10 {
+                q.push_(req(&format!("c{c}"), &format!("o{i}")));
+            }
+        }
+        let peak = q.queued.capacity();
+        assert!(peak >= 10_000);
+        while let Some((r, ())) = q.pop() {
+            q.done(&r);
+        }
+        assert!(
+            q.queued.capacity() < 1_000 && q.queues.capacity() < 1_000,
+            "capacity kept: queued {} (peak {peak}), queues {}",
+            q.queued.capacity(),
+            q.queues.capacity()
+        );
+        // Still a working queue.
+        q.push_(req("a", "x"));
+        assert_eq!(q.pop().map(|(r, ())| r), Some(req("a", "x")));
     }
 
     #[test]

@@ -5,11 +5,12 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use crate::cluster::Store;
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
 use kube::{Api, Resource};
 use kube_runtime::controller::trigger_with;
-use kube_runtime::reflector::{ObjectRef, Store};
+use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher;
 
 use super::{ReconcileReason, Trigger};

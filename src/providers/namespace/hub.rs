@@ -1,7 +1,7 @@
 //! The host's shared watches: one watch per kind across the host, its events handed to each
 //! namespace-cluster for its namespace.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context as TaskContext, Poll};
@@ -92,13 +92,40 @@ impl WatchSource for NamespaceSlice {
     }
 }
 
+/// One namespace's objects of one kind (or the cluster-scoped ones), by name.
+type Objects = BTreeMap<String, SharedObject>;
+
+/// What a host watch sends one namespace-cluster.
+enum Delivery {
+    /// A complete listing: the namespace's objects and the cluster-scoped ones, as the host
+    /// held them (the host's maps themselves, shared: sending one costs the same for a
+    /// namespace of one object as of ten thousand).
+    Listing {
+        own: Option<Arc<Objects>>,
+        cluster_scoped: Option<Arc<Objects>>,
+    },
+    /// A change: `Apply` or `Delete`.
+    Change(Event<SharedObject>),
+}
+
 /// A subscription to a host watch: the events of one namespace.
-pub(crate) struct Receiver(mpsc::UnboundedReceiver<Event<SharedObject>>);
+pub(crate) struct Receiver {
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    /// The rest of a listing being handed out.
+    pending: VecDeque<Event<SharedObject>>,
+}
 
 impl Receiver {
+    fn new(rx: mpsc::UnboundedReceiver<Delivery>) -> Self {
+        Self {
+            rx,
+            pending: VecDeque::new(),
+        }
+    }
+
     /// A subscription that has already ended.
     fn closed() -> Self {
-        Self(mpsc::unbounded_channel().1)
+        Self::new(mpsc::unbounded_channel().1)
     }
 }
 
@@ -106,10 +133,38 @@ impl Stream for Receiver {
     type Item = Event<SharedObject>;
 
     fn poll_next(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut TaskContext<'_>,
     ) -> Poll<Option<Event<SharedObject>>> {
-        self.0.poll_recv(cx)
+        let this = self.get_mut();
+        loop {
+            if let Some(event) = this.pending.pop_front() {
+                if this.pending.is_empty() && this.pending.capacity() > 64 {
+                    // A listing handed out: its buffer is not kept for the next one.
+                    this.pending = VecDeque::new();
+                }
+                return Poll::Ready(Some(event));
+            }
+            match std::task::ready!(this.rx.poll_recv(cx)) {
+                None => return Poll::Ready(None),
+                Some(Delivery::Change(event)) => return Poll::Ready(Some(event)),
+                Some(Delivery::Listing {
+                    own,
+                    cluster_scoped,
+                }) => {
+                    // Unpacked here, in the namespace-cluster's own task: the host task
+                    // only passed two pointers.
+                    this.pending.push_back(Event::Init);
+                    let objects = own.iter().chain(cluster_scoped.iter());
+                    this.pending.extend(
+                        objects
+                            .flat_map(|m| m.values())
+                            .map(|o| Event::InitApply(o.clone())),
+                    );
+                    this.pending.push_back(Event::InitDone);
+                }
+            }
+        }
     }
 }
 
@@ -139,8 +194,9 @@ impl HostWatch {
 }
 
 /// One namespace-cluster's subscription.
+#[derive(Clone)]
 struct Subscriber {
-    tx: mpsc::UnboundedSender<Event<SharedObject>>,
+    tx: mpsc::UnboundedSender<Delivery>,
     /// The cluster's engagement: cancelled when it is disengaged.
     engagement: CancellationToken,
 }
@@ -151,6 +207,13 @@ impl Subscriber {
     }
 }
 
+/// Subscribers by namespace.
+type Subscribers = HashMap<String, Vec<Subscriber>>;
+
+/// The host watch's state. The maps are shared copy-on-write: the watch task takes a
+/// snapshot (two pointer copies) under the lock and sends to the subscribers after letting
+/// go of it, so a relist's fan-out to a thousand namespaces never holds the lock (a cluster
+/// subscribing meanwhile waits for nothing, and gets the new listing itself).
 #[derive(Default)]
 struct HostState {
     /// Whether a complete listing is known.
@@ -158,44 +221,82 @@ struct HostState {
     /// The watch has stopped (no subscriber was left); it takes no new ones.
     stopped: bool,
     /// The current objects by namespace ("" for cluster-scoped ones) and name.
-    objects: HashMap<String, BTreeMap<String, SharedObject>>,
+    objects: Arc<HashMap<String, Arc<Objects>>>,
     /// A listing in progress; swapped in at its end.
-    listing: Option<HashMap<String, BTreeMap<String, SharedObject>>>,
-    /// Subscribers by namespace.
-    subscribers: HashMap<String, Vec<Subscriber>>,
+    listing: Option<HashMap<String, Objects>>,
+    subscribers: Arc<Subscribers>,
 }
 
 impl HostState {
-    /// Sends `namespace`'s objects (and the cluster-scoped ones) as a complete listing.
-    fn send_listing(
-        &self,
-        namespace: &str,
-        tx: &mpsc::UnboundedSender<Event<SharedObject>>,
-    ) -> bool {
-        let mut ok = tx.send(Event::Init).is_ok();
-        let own = self.objects.get(namespace).into_iter();
-        let cluster_scoped = self.objects.get("").into_iter();
-        for object in own.chain(cluster_scoped).flat_map(|m| m.values()) {
-            ok &= tx.send(Event::InitApply(object.clone())).is_ok();
+    /// `namespace`'s listing (with the cluster-scoped objects) from `objects`.
+    fn listing_of(objects: &HashMap<String, Arc<Objects>>, namespace: &str) -> Delivery {
+        Delivery::Listing {
+            own: objects.get(namespace).cloned(),
+            cluster_scoped: objects.get("").cloned(),
         }
-        ok && tx.send(Event::InitDone).is_ok()
     }
 
-    /// Delivers a change to the subscribers of `namespace` (all of them for cluster-scoped
-    /// objects), dropping those that went away.
-    fn deliver(&mut self, namespace: &str, event: &Event<SharedObject>) {
-        let send = |subs: &mut Vec<Subscriber>| {
-            subs.retain(|s| s.alive() && s.tx.send(event.clone()).is_ok());
+    /// Drops the subscriptions whose clusters were disengaged or whose receivers went away.
+    fn prune(&mut self, namespace: Option<&str>) {
+        let subscribers = Arc::make_mut(&mut self.subscribers);
+        let prune = |subs: &mut Vec<Subscriber>| subs.retain(Subscriber::alive);
+        match namespace {
+            Some(ns) => subscribers.get_mut(ns).into_iter().for_each(prune),
+            None => subscribers.values_mut().for_each(prune),
+        }
+        subscribers.retain(|_, subs| !subs.is_empty());
+    }
+}
+
+/// What the watch task sends once it has let go of the lock.
+enum Fanout {
+    /// A new listing, to every subscriber.
+    Listing {
+        objects: Arc<HashMap<String, Arc<Objects>>>,
+        subscribers: Arc<Subscribers>,
+    },
+    /// A change in `namespace` ("" for a cluster-scoped object: to everyone).
+    Change {
+        namespace: String,
+        event: Event<SharedObject>,
+        subscribers: Arc<Subscribers>,
+    },
+}
+
+impl Fanout {
+    /// Sends; false if some subscriber has gone (to be pruned).
+    fn send(self) -> bool {
+        let mut all_alive = true;
+        let mut send = |sub: &Subscriber, delivery: Delivery| {
+            all_alive &= sub.alive() && sub.tx.send(delivery).is_ok();
         };
-        if namespace.is_empty() {
-            self.subscribers.values_mut().for_each(send);
-            self.subscribers.retain(|_, subs| !subs.is_empty());
-        } else if let Some(subs) = self.subscribers.get_mut(namespace) {
-            send(subs);
-            if subs.is_empty() {
-                self.subscribers.remove(namespace);
+        match self {
+            Fanout::Listing {
+                objects,
+                subscribers,
+            } => {
+                for (ns, subs) in subscribers.iter() {
+                    for sub in subs {
+                        send(sub, HostState::listing_of(&objects, ns));
+                    }
+                }
+            }
+            Fanout::Change {
+                namespace,
+                event,
+                subscribers,
+            } => {
+                let subs: Box<dyn Iterator<Item = &Subscriber>> = if namespace.is_empty() {
+                    Box::new(subscribers.values().flatten())
+                } else {
+                    Box::new(subscribers.get(&namespace).into_iter().flatten())
+                };
+                for sub in subs {
+                    send(sub, Delivery::Change(event.clone()));
+                }
             }
         }
+        all_alive
     }
 }
 
@@ -212,12 +313,14 @@ impl HostWatch {
         if state.stopped {
             return None;
         }
-        // Under the lock the host task cannot deliver in between: nothing is lost or
-        // delivered before the listing.
+        // Under the lock the host task cannot take a snapshot in between: the new subscriber
+        // gets this listing, then every change after it, and no listing twice.
         if state.ready {
-            state.send_listing(namespace, &tx);
+            let _ = tx.send(HostState::listing_of(&state.objects, namespace));
         }
-        let subs = state.subscribers.entry(namespace.to_string()).or_default();
+        let subs = Arc::make_mut(&mut state.subscribers)
+            .entry(namespace.to_string())
+            .or_default();
         subs.retain(Subscriber::alive);
         subs.push(Subscriber {
             tx,
@@ -226,19 +329,14 @@ impl HostWatch {
         let _ = self
             .joined
             .send((namespace.to_string(), engagement.clone()));
-        Some(Receiver(rx))
+        Some(Receiver::new(rx))
     }
 
     /// Drops the subscriptions of `namespace` whose clusters were disengaged; true if the
     /// watch has no subscriber left and stopped.
     fn forget(&self, namespace: &str) -> bool {
         let mut state = lock(&self.state);
-        if let Some(subs) = state.subscribers.get_mut(namespace) {
-            subs.retain(Subscriber::alive);
-            if subs.is_empty() {
-                state.subscribers.remove(namespace);
-            }
-        }
+        state.prune(Some(namespace));
         self.stop_if_idle(&mut state)
     }
 
@@ -247,11 +345,75 @@ impl HostWatch {
         if state.subscribers.is_empty() {
             state.stopped = true;
             // What the watch cached is of no use to anybody now.
-            state.objects.clear();
+            state.objects = Arc::default();
             state.listing = None;
             self.stop.cancel();
         }
         state.stopped
+    }
+
+    /// Applies one event of the host's watch to the state; what is to be sent, if anything.
+    fn apply(&self, event: Event<SharedObject>) -> Option<Fanout> {
+        let mut state = lock(&self.state);
+        match event {
+            Event::Init => {
+                state.listing = Some(HashMap::new());
+                None
+            }
+            Event::InitApply(object) => {
+                let ns = object.meta().namespace.clone().unwrap_or_default();
+                state
+                    .listing
+                    .get_or_insert_default()
+                    .entry(ns)
+                    .or_default()
+                    .insert(name_of(&object), object);
+                None
+            }
+            Event::InitDone => {
+                let listing = state.listing.take().unwrap_or_default();
+                state.objects = Arc::new(
+                    listing
+                        .into_iter()
+                        .map(|(ns, objects)| (ns, Arc::new(objects)))
+                        .collect(),
+                );
+                state.ready = true;
+                Some(Fanout::Listing {
+                    objects: state.objects.clone(),
+                    subscribers: state.subscribers.clone(),
+                })
+            }
+            Event::Apply(object) => {
+                let ns = object.meta().namespace.clone().unwrap_or_default();
+                // Copies a namespace's map only while a listing that shares it is still
+                // being handed out; the outer map is never shared at this point.
+                let objects = Arc::make_mut(&mut state.objects);
+                Arc::make_mut(objects.entry(ns.clone()).or_default())
+                    .insert(name_of(&object), object.clone());
+                Some(Fanout::Change {
+                    namespace: ns,
+                    event: Event::Apply(object),
+                    subscribers: state.subscribers.clone(),
+                })
+            }
+            Event::Delete(object) => {
+                let ns = object.meta().namespace.clone().unwrap_or_default();
+                let objects = Arc::make_mut(&mut state.objects);
+                if let Some(in_ns) = objects.get_mut(&ns) {
+                    let in_ns = Arc::make_mut(in_ns);
+                    in_ns.remove(&name_of(&object));
+                    if in_ns.is_empty() {
+                        objects.remove(&ns);
+                    }
+                }
+                Some(Fanout::Change {
+                    namespace: ns,
+                    event: Event::Delete(object),
+                    subscribers: state.subscribers.clone(),
+                })
+            }
+        }
     }
 }
 
@@ -290,54 +452,24 @@ async fn run_host_watch(
         let Some(watch) = watch.upgrade() else {
             break;
         };
-        let mut state = lock(&watch.state);
-        match event {
+        let event = match event {
             None => break,
             Some(Err(error)) => {
                 tracing::warn!(cluster = "host", %kind, %error, "namespace provider: the host watch failed; retrying");
+                continue;
             }
-            Some(Ok(Event::Init)) => state.listing = Some(HashMap::new()),
-            Some(Ok(Event::InitApply(object))) => {
-                let ns = object.meta().namespace.clone().unwrap_or_default();
-                state
-                    .listing
-                    .get_or_insert_default()
-                    .entry(ns)
-                    .or_default()
-                    .insert(name_of(&object), object);
+            Some(Ok(event)) => event,
+        };
+        // The lock is held to update the state and snapshot it, not while sending.
+        let Some(fanout) = watch.apply(event) else {
+            continue;
+        };
+        if !fanout.send() {
+            let mut state = lock(&watch.state);
+            state.prune(None);
+            if watch.stop_if_idle(&mut state) {
+                break;
             }
-            Some(Ok(Event::InitDone)) => {
-                state.objects = state.listing.take().unwrap_or_default();
-                state.ready = true;
-                let mut subscribers = std::mem::take(&mut state.subscribers);
-                for (ns, subs) in &mut subscribers {
-                    subs.retain(|s| s.alive() && state.send_listing(ns, &s.tx));
-                }
-                subscribers.retain(|_, subs| !subs.is_empty());
-                state.subscribers = subscribers;
-            }
-            Some(Ok(Event::Apply(object))) => {
-                let ns = object.meta().namespace.clone().unwrap_or_default();
-                state
-                    .objects
-                    .entry(ns.clone())
-                    .or_default()
-                    .insert(name_of(&object), object.clone());
-                state.deliver(&ns, &Event::Apply(object));
-            }
-            Some(Ok(Event::Delete(object))) => {
-                let ns = object.meta().namespace.clone().unwrap_or_default();
-                if let Some(objects) = state.objects.get_mut(&ns) {
-                    objects.remove(&name_of(&object));
-                    if objects.is_empty() {
-                        state.objects.remove(&ns);
-                    }
-                }
-                state.deliver(&ns, &Event::Delete(object));
-            }
-        }
-        if watch.stop_if_idle(&mut state) {
-            break;
         }
     }
     tracing::debug!(cluster = "host", %kind, "namespace provider: host watch stopped");
@@ -519,5 +651,89 @@ mod tests {
         }
         let mut island = watch.subscribe("island", &token).unwrap();
         assert_eq!(drain(&mut island), ["init", "list n1", "list n2", "done"]);
+    }
+
+    fn versioned(ns: &str, version: u64) -> SharedObject {
+        let mut cm = cm(ns, "only");
+        cm.metadata.resource_version = Some(version.to_string());
+        obj(cm)
+    }
+
+    /// Checks one subscription's events: a listing first, then never an older version of its
+    /// namespace's object after a newer one; returns once it has seen `last`.
+    async fn in_order(mut events: Receiver, last: u64) -> Result<(), String> {
+        let mut newest = 0u64;
+        let mut first = true;
+        while let Some(event) = events.next().await {
+            if first && !matches!(event, Event::Init) {
+                return Err(format!("began with {}", describe(&event)));
+            }
+            first = false;
+            let (Event::InitApply(o) | Event::Apply(o)) = event else {
+                continue;
+            };
+            let version: u64 = o
+                .meta()
+                .resource_version
+                .as_deref()
+                .unwrap()
+                .parse()
+                .unwrap();
+            if version < newest {
+                return Err(format!("version {version} after {newest}"));
+            }
+            newest = version;
+            if version == last {
+                return Ok(());
+            }
+        }
+        Err(format!("ended at version {newest}"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn subscribers_joining_during_relists_and_changes_see_each_in_order() {
+        let (feed, watch, _task) = host_watch();
+        let token = CancellationToken::new();
+        let namespaces: Vec<String> = (0..100).map(|i| format!("ns-{i}")).collect();
+        let mut checks = Vec::new();
+        for ns in &namespaces[..50] {
+            let events = watch.subscribe(ns, &token).unwrap();
+            checks.push(tokio::spawn(in_order(events, 1_000)));
+        }
+        // Subscribers join from another thread while the host relists and changes objects.
+        let joining = {
+            let (watch, token, namespaces) = (watch.clone(), token.clone(), namespaces.clone());
+            tokio::spawn(async move {
+                let mut checks = Vec::new();
+                for round in 0..1_000 {
+                    let ns = &namespaces[round % namespaces.len()];
+                    let events = watch.subscribe(ns, &token).unwrap();
+                    checks.push(tokio::spawn(in_order(events, 1_000)));
+                    tokio::task::yield_now().await;
+                }
+                checks
+            })
+        };
+        for round in 1..=50u64 {
+            feed.send(Event::Init).unwrap();
+            for ns in &namespaces {
+                feed.send(Event::InitApply(versioned(ns, round * 10)))
+                    .unwrap();
+            }
+            feed.send(Event::InitDone).unwrap();
+            for ns in &namespaces {
+                feed.send(Event::Apply(versioned(ns, round * 10 + 5)))
+                    .unwrap();
+                tokio::task::yield_now().await;
+            }
+        }
+        checks.extend(joining.await.unwrap());
+        // The sync point: a last change to every namespace, which every subscriber waits for.
+        for ns in &namespaces {
+            feed.send(Event::Apply(versioned(ns, 1_000))).unwrap();
+        }
+        for check in checks {
+            check.await.unwrap().unwrap();
+        }
     }
 }
