@@ -24,6 +24,7 @@ mod fleet;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod leader;
 mod manager;
 mod provider;
 pub mod providers;
@@ -37,6 +38,7 @@ pub use cluster::{
 };
 pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, Watchable};
 pub use fleet::{EngageError, Engaged, Fleet, FleetView};
+pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};
@@ -59,3 +61,8 @@ struct TestenvDocDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/providers.md")]
 struct ProvidersDocDoctests;
+
+/// The code samples of `docs/operations.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/operations.md")]
+struct OperationsDocDoctests;

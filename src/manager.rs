@@ -3,17 +3,27 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::cluster::{Fault, WatchSettings};
+use crate::leader::{Attempt, Elector, InvalidLeaderElection, LeaderElection, OnLoss};
 use crate::sync::lock;
 use crate::{Cluster, Fleet, Provider, ProviderError, WatchBackoff};
 
 type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// What a running manager is told.
+enum Job {
+    /// A task from [`Manager::add`].
+    Task(Task),
+    /// A controller was added to the list: start it if controllers are running.
+    Controller,
+}
 
 /// What a run hands each controller it starts.
 pub(crate) type ControllerFactory<C> = Arc<dyn Fn(crate::controller::Env<C>) -> Task + Send + Sync>;
@@ -39,8 +49,12 @@ pub struct Manager<P: Provider> {
     backoff: WatchBackoff,
     /// Controllers from [`Builder::start`](crate::Builder::start), started in every run.
     controllers: Mutex<Vec<ControllerFactory<P::Id>>>,
-    /// While running, where new controllers and tasks go; otherwise `None`.
-    running: Mutex<Option<mpsc::UnboundedSender<Task>>>,
+    /// While running, where new controllers and tasks are announced; otherwise `None`.
+    running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
+    /// Controllers run only while this replica holds the lease, if set.
+    leader_election: Option<LeaderElection>,
+    /// Whether controllers may run now: leading, or running without leader election.
+    leading: tokio::sync::watch::Sender<bool>,
     /// Tasks from [`Manager::add`] waiting for the next run.
     pending: Mutex<Vec<Task>>,
 }
@@ -62,6 +76,18 @@ pub enum ManagerError {
     /// `run` was called while a run was going on.
     #[error("the manager is already running")]
     AlreadyRunning,
+    /// The leader election settings cannot work.
+    #[error("{0}")]
+    InvalidLeaderElection(#[source] InvalidLeaderElection),
+    /// This replica lost its lease (with [`OnLoss::Exit`]); its controllers were stopped
+    /// without waiting for reconciles in flight.
+    #[error("leadership of lease {lease} lost: {reason}")]
+    LeadershipLost {
+        /// The lease, as `namespace/name`.
+        lease: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl<P: Provider> std::fmt::Debug for Manager<P> {
@@ -90,7 +116,32 @@ impl<P: Provider> Manager<P> {
             controllers: Mutex::new(Vec::new()),
             running: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
+            leader_election: None,
+            leading: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Runs controllers only while this replica holds the Lease `election` names (on the
+    /// host cluster); the provider and tasks from [`Manager::add`] run on every replica. See
+    /// [`LeaderElection`] for the protocol and [`Manager::elected`] for work of your own that
+    /// must run on the leader only.
+    #[must_use]
+    pub fn leader_election(mut self, election: LeaderElection) -> Self {
+        self.leader_election = Some(election);
+        self
+    }
+
+    /// Completes once controllers may run: this replica leads (with leader election), or a
+    /// run has started (without). Like controller-runtime's `Elected()`.
+    pub async fn elected(&self) {
+        let mut leading = self.leading.subscribe();
+        let _ = leading.wait_for(|leading| *leading).await;
+    }
+
+    /// Whether controllers run now: this replica leads, or (without leader election) a run
+    /// is going on.
+    pub fn is_leader(&self) -> bool {
+        *self.leading.borrow()
     }
 
     /// Sets the local (host) cluster, the one the controller runs in or is configured for.
@@ -175,12 +226,27 @@ impl<P: Provider> Manager<P> {
         lock(&self.shutdown).cancel();
     }
 
+    /// What a controller run by hand ([`Builder::run`](crate::Builder::run)) gets: the
+    /// current (or next) run's shutdown, never aborted.
     pub(crate) fn env(&self) -> crate::controller::Env<P::Id> {
+        self.term_env(self.shutdown_token(), CancellationToken::new())
+    }
+
+    /// What controllers of one term get: `stop` ends the term, `abort` drops reconciles in
+    /// flight instead of awaiting them.
+    fn term_env(
+        &self,
+        stop: CancellationToken,
+        abort: CancellationToken,
+    ) -> crate::controller::Env<P::Id> {
         crate::controller::Env {
             fleet: self.fleet.clone(),
             local: self.local.clone(),
-            shutdown: self.shutdown_token(),
-            graceful: self.graceful_timeout,
+            shutdown: stop,
+            grace: crate::controller::Grace {
+                timeout: self.graceful_timeout,
+                abort,
+            },
             backoff: self.backoff.clone(),
         }
     }
@@ -192,9 +258,10 @@ impl<P: Provider> Manager<P> {
         let task: Task = Box::pin(task);
         let running = lock(&self.running);
         let task = match &*running {
-            Some(tx) => match tx.send(task) {
+            Some(tx) => match tx.send(Job::Task(task)) {
                 Ok(()) => return,
-                Err(mpsc::error::SendError(task)) => task,
+                Err(mpsc::error::SendError(Job::Task(task))) => task,
+                Err(mpsc::error::SendError(Job::Controller)) => return,
             },
             None => task,
         };
@@ -204,9 +271,9 @@ impl<P: Provider> Manager<P> {
     /// Adds a controller: started in the current run (if any) and in every later one.
     pub(crate) fn add_controller(&self, factory: ControllerFactory<P::Id>) {
         let running = lock(&self.running);
-        lock(&self.controllers).push(factory.clone());
+        lock(&self.controllers).push(factory);
         if let Some(tx) = &*running {
-            let _ = tx.send(factory(self.env()));
+            let _ = tx.send(Job::Controller);
         }
     }
 
@@ -215,14 +282,29 @@ impl<P: Provider> Manager<P> {
     /// timeout and returns. When it returns, every task it started has ended (tasks still
     /// running at the deadline are dropped), every cluster is disengaged and its watches have
     /// stopped; the manager can run again.
+    ///
+    /// With [`Manager::leader_election`], controllers run only while this replica holds the
+    /// lease: they start when it is won and stop when it is lost (reconciles in flight are
+    /// dropped then, not awaited), and the run returns
+    /// [`ManagerError::LeadershipLost`] or campaigns again, as [`OnLoss`] says. A graceful
+    /// shutdown keeps renewing until the controllers have stopped, then gives the lease up.
     pub async fn run(&self) -> Result<(), ManagerError> {
-        let (tasks_tx, mut tasks_rx) = mpsc::unbounded_channel();
+        let election = match &self.leader_election {
+            Some(election) => {
+                election
+                    .validate()
+                    .map_err(ManagerError::InvalidLeaderElection)?;
+                Some(election.clone())
+            }
+            None => None,
+        };
+        let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel();
         let shutdown = {
             let mut running = lock(&self.running);
             if running.is_some() {
                 return Err(ManagerError::AlreadyRunning);
             }
-            *running = Some(tasks_tx);
+            *running = Some(jobs_tx);
             self.shutdown_token()
         };
         // If the run is dropped before it returns (or the provider panics), what it started
@@ -248,16 +330,28 @@ impl<P: Provider> Manager<P> {
         let local = self.local.as_ref().map(|local| local.attach(&settings));
 
         let mut tasks = JoinSet::new();
-        {
-            let _running = lock(&self.running);
-            let env = self.env();
-            for factory in lock(&self.controllers).iter() {
-                tasks.spawn(factory(env.clone()));
-            }
-            for task in lock(&self.pending).drain(..) {
-                tasks.spawn(task);
-            }
+        for task in lock(&self.pending).drain(..) {
+            tasks.spawn(task);
         }
+        let mut term = Term::default();
+        // Leadership: without an election, controllers run from the start.
+        let (leadership_tx, mut leadership) = mpsc::unbounded_channel();
+        let campaign_stop = CancellationToken::new();
+        let campaign = match &election {
+            Some(election) => Some(AbortOnDropHandle::new(tokio::spawn(campaign(
+                Elector::new(election.clone()),
+                leadership_tx,
+                campaign_stop.clone(),
+            )))),
+            None => {
+                let _ = leadership_tx.send(Leadership::Acquired);
+                None
+            }
+        };
+        let lease = election
+            .as_ref()
+            .map(|e| format!("{}/{}", e.namespace, e.name))
+            .unwrap_or_default();
         let provider = self
             .provider
             .run(self.fleet.clone(), shutdown.child_token());
@@ -275,15 +369,39 @@ impl<P: Provider> Manager<P> {
                         break;
                     }
                 }
-                Some(task) = tasks_rx.recv() => {
-                    tasks.spawn(task);
-                }
+                Some(job) = jobs_rx.recv() => match job {
+                    Job::Task(task) => {
+                        tasks.spawn(task);
+                    }
+                    Job::Controller => term.start_new(self),
+                },
+                Some(event) = leadership.recv() => match event {
+                    Leadership::Acquired => {
+                        if election.is_some() {
+                            tracing::info!(lease = %lease, "leading: starting the controllers");
+                        }
+                        term.begin(self, &shutdown);
+                        self.leading.send_replace(true);
+                    }
+                    Leadership::Lost(reason) => {
+                        tracing::error!(lease = %lease, %reason, "leadership lost: stopping the controllers now");
+                        self.leading.send_replace(false);
+                        term.abort().await;
+                        if election.as_ref().is_none_or(|e| e.on_loss == OnLoss::Exit) {
+                            result = Err(ManagerError::LeadershipLost { lease: lease.clone(), reason });
+                            break;
+                        }
+                    }
+                },
                 Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
-                    if let Err(error) = joined && error.is_panic() {
-                        // A controller that died would leave its clusters unreconciled while
-                        // everything looks alive; stop instead, loudly.
-                        tracing::error!(%error, "a controller panicked; shutting down");
-                        result = Err(ManagerError::ControllerPanicked(panic_text(error)));
+                    if let Err(panic) = controller_panic(joined) {
+                        result = Err(panic);
+                        break;
+                    }
+                }
+                Some(joined) = term.controllers.join_next(), if !term.controllers.is_empty() => {
+                    if let Err(panic) = controller_panic(joined) {
+                        result = Err(panic);
                         break;
                     }
                 }
@@ -299,29 +417,75 @@ impl<P: Provider> Manager<P> {
             // From now on, added tasks wait for the next run.
             *lock(&self.running) = None;
             let mut pending = lock(&self.pending);
-            while let Ok(task) = tasks_rx.try_recv() {
-                pending.push(task);
+            while let Ok(job) = jobs_rx.try_recv() {
+                if let Job::Task(task) = job {
+                    pending.push(task);
+                }
             }
         }
         // Controllers see the same token and wind down on their own, each within the graceful
         // timeout, and the provider gets as long for its cleanup; whatever is left after a
-        // little more than that is dropped.
+        // little more than that is dropped. A leader keeps renewing meanwhile: if it loses
+        // the lease, its reconciles are dropped at once.
+        let abort = term.abort.clone();
         let drain = async {
             let provider = async {
                 if !provider_done {
                     let _ = (&mut provider).await;
                 }
             };
-            let controllers = async { while tasks.join_next().await.is_some() {} };
-            futures::join!(provider, controllers);
+            let tasks = async { while tasks.join_next().await.is_some() {} };
+            let controllers = async { while term.controllers.join_next().await.is_some() {} };
+            futures::join!(provider, tasks, controllers);
+        };
+        let lost_meanwhile = async {
+            while let Some(event) = leadership.recv().await {
+                if let Leadership::Lost(reason) = event {
+                    tracing::error!(lease = %lease, %reason, "leadership lost while shutting down: dropping reconciles in flight");
+                    abort.cancel();
+                    return true;
+                }
+            }
+            std::future::pending().await
         };
         let bound = self.graceful_timeout.saturating_add(Duration::from_secs(1));
-        if tokio::time::timeout(bound, drain).await.is_err() {
+        let mut lost = false;
+        let drained = tokio::time::timeout(bound, async {
+            tokio::pin!(drain);
+            tokio::select! {
+                () = &mut drain => {}
+                true = lost_meanwhile => {
+                    lost = true;
+                    drain.await;
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
             tracing::warn!(
-                remaining = tasks.len(),
+                remaining = tasks.len() + term.controllers.len(),
                 "tasks did not stop within the graceful timeout; dropping them"
             );
             tasks.shutdown().await;
+            term.controllers.shutdown().await;
+        }
+        self.leading.send_replace(false);
+        if let Some(campaign) = campaign {
+            campaign_stop.cancel();
+            if let Ok(mut elector) = campaign.await
+                && !lost
+                && elector.config().release_on_shutdown
+            {
+                match tokio::time::timeout(Duration::from_secs(5), elector.release()).await {
+                    Ok(Ok(())) => tracing::info!(lease = %lease, "lease released"),
+                    Ok(Err(error)) => {
+                        tracing::warn!(lease = %lease, %error, "could not release the lease; it expires on its own");
+                    }
+                    Err(_) => {
+                        tracing::warn!(lease = %lease, "releasing the lease timed out; it expires on its own")
+                    }
+                }
+            }
         }
         self.fleet.close().await;
         if let Some(local) = local
@@ -333,6 +497,160 @@ impl<P: Provider> Manager<P> {
         *lock(&self.shutdown) = CancellationToken::new();
         abandoned.armed = false;
         result
+    }
+}
+
+/// The controllers of one term: from winning the lease (or the start of a run, without
+/// leader election) to losing it or the run's end.
+#[derive(Default)]
+struct Term {
+    controllers: JoinSet<()>,
+    /// Ends the term (a child of the run's shutdown).
+    stop: CancellationToken,
+    /// Drops reconciles in flight instead of awaiting them.
+    abort: CancellationToken,
+    /// How many of the manager's controllers run in this term; `None` between terms.
+    started: Option<usize>,
+}
+
+impl Term {
+    /// Starts every controller.
+    fn begin<P: Provider>(&mut self, manager: &Manager<P>, shutdown: &CancellationToken) {
+        self.stop = shutdown.child_token();
+        self.abort = CancellationToken::new();
+        self.started = Some(0);
+        self.start_new(manager);
+    }
+
+    /// Starts the controllers added since the term began, if one is going on.
+    fn start_new<P: Provider>(&mut self, manager: &Manager<P>) {
+        let Some(started) = self.started else {
+            return;
+        };
+        let controllers = lock(&manager.controllers);
+        let env = manager.term_env(self.stop.clone(), self.abort.clone());
+        for factory in controllers.iter().skip(started) {
+            self.controllers.spawn(factory(env.clone()));
+        }
+        self.started = Some(controllers.len());
+    }
+
+    /// Ends the term at once: controllers stop taking work and drop reconciles in flight.
+    async fn abort(&mut self) {
+        self.started = None;
+        self.abort.cancel();
+        self.stop.cancel();
+        while self.controllers.join_next().await.is_some() {}
+    }
+}
+
+/// What the campaign tells the run.
+enum Leadership {
+    Acquired,
+    Lost(String),
+}
+
+/// Campaigns for the lease and, once held, renews it, until `stop`; returns the elector (to
+/// release the lease with).
+async fn campaign(
+    mut elector: Elector,
+    events: mpsc::UnboundedSender<Leadership>,
+    stop: CancellationToken,
+) -> Elector {
+    let lease = format!("{}/{}", elector.config().namespace, elector.config().name);
+    let identity = elector.config().identity.clone();
+    let renew_deadline = elector.config().renew_deadline;
+    loop {
+        // A candidate: try every retry period until the lease is ours.
+        let mut holder_seen: Option<String> = None;
+        let mut failing = false;
+        // When the last successful attempt began: the others' lease clocks start no earlier
+        // (they start when they see the write), so the renew deadline counts from here.
+        let mut renewed;
+        loop {
+            renewed = Instant::now();
+            let attempt = tokio::select! {
+                () = stop.cancelled() => return elector,
+                attempt = elector.try_acquire_or_renew() => attempt,
+            };
+            match attempt {
+                Ok(Attempt::Held) => break,
+                Ok(Attempt::HeldBy(holder)) => {
+                    if holder_seen.as_ref() != Some(&holder) {
+                        tracing::info!(lease = %lease, %identity, %holder, "another replica leads; waiting for the lease");
+                        holder_seen = Some(holder);
+                    }
+                    failing = false;
+                }
+                Err(error) => {
+                    if !failing {
+                        tracing::warn!(lease = %lease, %identity, %error, "cannot read or take the lease; retrying");
+                        failing = true;
+                    }
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return elector,
+                () = tokio::time::sleep(elector.config().jittered_retry()) => {}
+            }
+        }
+        tracing::info!(lease = %lease, %identity, transitions = elector.transitions(), "lease acquired");
+        if events.send(Leadership::Acquired).is_err() {
+            return elector;
+        }
+        // The leader: renew every retry period; give up once the renew deadline has passed
+        // since the last renewal, whatever the reason.
+        let reason = loop {
+            tokio::select! {
+                () = stop.cancelled() => return elector,
+                () = tokio::time::sleep(elector.config().jittered_retry()) => {}
+            }
+            let left = renew_deadline.saturating_sub(renewed.elapsed());
+            let began = Instant::now();
+            let attempt = tokio::select! {
+                () = stop.cancelled() => return elector,
+                attempt = tokio::time::timeout(left, elector.try_acquire_or_renew()) => attempt,
+            };
+            match attempt {
+                Ok(Ok(Attempt::Held)) => renewed = began,
+                Ok(Ok(Attempt::HeldBy(holder))) => break format!("{holder} holds the lease now"),
+                Ok(Err(error)) => {
+                    if renewed.elapsed() >= renew_deadline {
+                        break format!(
+                            "not renewed within the renew deadline ({renew_deadline:?}); last error: {error}"
+                        );
+                    }
+                    tracing::warn!(lease = %lease, %error, "renewing the lease failed; retrying");
+                }
+                Err(_) => {
+                    break format!(
+                        "not renewed within the renew deadline ({renew_deadline:?}): no answer in time"
+                    );
+                }
+            }
+            if renewed.elapsed() >= renew_deadline {
+                break format!("not renewed within the renew deadline ({renew_deadline:?})");
+            }
+        };
+        if events.send(Leadership::Lost(reason)).is_err() {
+            return elector;
+        }
+        if elector.config().on_loss == OnLoss::Exit {
+            stop.cancelled().await;
+            return elector;
+        }
+    }
+}
+
+/// A joined task: an error if it panicked (a controller that died would leave its clusters
+/// unreconciled while everything looks alive; the run stops instead, loudly).
+fn controller_panic(joined: Result<(), tokio::task::JoinError>) -> Result<(), ManagerError> {
+    match joined {
+        Err(error) if error.is_panic() => {
+            tracing::error!(%error, "a controller panicked; shutting down");
+            Err(ManagerError::ControllerPanicked(panic_text(error)))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -350,6 +668,7 @@ impl<P: Provider> Drop for Abandoned<'_, P> {
             return;
         }
         let manager = self.manager;
+        manager.leading.send_replace(false);
         lock(&manager.shutdown).cancel();
         manager.fleet.clear();
         if let Some(local) = &manager.local {
@@ -468,6 +787,23 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn without_leader_election_a_run_is_elected_from_its_start_to_its_end() {
+        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        assert!(!manager.is_leader());
+        let run = {
+            let manager = manager.clone();
+            tokio::spawn(async move { manager.run().await })
+        };
+        tokio::time::timeout(Duration::from_secs(10), manager.elected())
+            .await
+            .unwrap();
+        assert!(manager.is_leader());
+        manager.shutdown();
+        run.await.unwrap().unwrap();
+        assert!(!manager.is_leader());
     }
 
     #[tokio::test(start_paused = true)]

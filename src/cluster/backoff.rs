@@ -105,6 +105,14 @@ impl WatchBackoff {
     }
 }
 
+/// A random number in [0, 1), for jitter (not for anything secret).
+pub(crate) fn random_unit() -> f64 {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (RandomState::new().hash_one(seed) >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// The delays of one watch; kube-runtime's `StreamBackoff` resets them after each success.
 pub(crate) struct Delays {
     policy: WatchBackoff,

@@ -23,8 +23,8 @@ use kube::{Api, Client};
 use kube_runtime::watcher::{self, watcher};
 use tokio_util::sync::CancellationToken;
 
-pub(crate) use backoff::Retrying;
 pub use backoff::WatchBackoff;
+pub(crate) use backoff::{Retrying, random_unit};
 pub use cache::{Cache, CacheError};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub(crate) use index::Indexer;

@@ -194,8 +194,11 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
     // Graceful shutdown: take no new work; let reconciles in flight finish, within bounds.
     tracing::debug!(controller = %spec.name, in_flight = running.len(), "controller shutting down");
     let drain = async { while running.next().await.is_some() {} };
-    if tokio::time::timeout(env.graceful, drain).await.is_err() {
-        tracing::warn!(controller = %spec.name, "reconciles still running after the graceful timeout were dropped");
+    tokio::select! {
+        () = drain => {}
+        () = env.grace.over() => {
+            tracing::warn!(controller = %spec.name, "reconciles still running after the graceful timeout (or an abort) were dropped");
+        }
     }
 }
 

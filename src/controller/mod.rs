@@ -121,8 +121,28 @@ pub(crate) struct Env<C: ClusterId> {
     pub(crate) fleet: Fleet<C>,
     pub(crate) local: Option<Cluster<C>>,
     pub(crate) shutdown: CancellationToken,
-    pub(crate) graceful: Duration,
+    pub(crate) grace: Grace,
     pub(crate) backoff: WatchBackoff,
+}
+
+/// How long reconciles in flight at shutdown are awaited.
+#[derive(Clone)]
+pub(crate) struct Grace {
+    pub(crate) timeout: Duration,
+    /// Cancelled when they are to be dropped at once instead (leadership lost: another
+    /// replica may be acting already).
+    pub(crate) abort: CancellationToken,
+}
+
+impl Grace {
+    /// Completes when reconciles still in flight are no longer awaited: the graceful timeout
+    /// has passed, or the run aborts.
+    pub(crate) async fn over(&self) {
+        tokio::select! {
+            () = tokio::time::sleep(self.timeout) => {}
+            () = self.abort.cancelled() => {}
+        }
+    }
 }
 
 impl<C: ClusterId> Clone for Env<C> {
@@ -131,7 +151,7 @@ impl<C: ClusterId> Clone for Env<C> {
             fleet: self.fleet.clone(),
             local: self.local.clone(),
             shutdown: self.shutdown.clone(),
-            graceful: self.graceful,
+            grace: self.grace.clone(),
             backoff: self.backoff.clone(),
         }
     }

@@ -84,6 +84,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
         .debounce(spec.debounce);
     let shutdown = env.shutdown.clone();
+    let grace = env.grace.clone();
     let name = spec.name.clone();
     let tracker = TaskTracker::new();
     let single = Arc::new(Single {
@@ -145,7 +146,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     // kube-runtime's graceful shutdown waits for reconciles in flight without a bound.
     let deadline = async {
         shutdown.cancelled().await;
-        tokio::time::sleep(env.graceful).await;
+        grace.over().await;
     };
     tokio::select! {
         () = running => {}
