@@ -79,6 +79,9 @@ pub enum ManagerError {
     /// The leader election settings cannot work.
     #[error("{0}")]
     InvalidLeaderElection(#[source] InvalidLeaderElection),
+    /// The process's signals could not be listened to ([`Manager::run_until_signal`]).
+    #[error("cannot listen for signals: {0}")]
+    Signals(#[source] std::io::Error),
     /// This replica lost its lease (with [`OnLoss::Exit`]); its controllers were stopped
     /// without waiting for reconciles in flight.
     #[error("leadership of lease {lease} lost: {reason}")]
@@ -274,6 +277,32 @@ impl<P: Provider> Manager<P> {
         lock(&self.controllers).push(factory);
         if let Some(tx) = &*running {
             let _ = tx.send(Job::Controller);
+        }
+    }
+
+    /// [`Manager::run`] until the process gets SIGTERM or SIGINT (Ctrl-C), then a graceful
+    /// shutdown (kube-runtime's `shutdown_on_signal`): reconciles in flight get the graceful
+    /// timeout, a leader gives its lease up. A second signal during that stops at once:
+    /// everything is dropped without waiting (the lease then expires on its own).
+    pub async fn run_until_signal(&self) -> Result<(), ManagerError> {
+        // Listening before the run starts: a signal from then on is never the default
+        // action (the process killed).
+        let mut signals = Signals::listen().map_err(ManagerError::Signals)?;
+        let run = self.run();
+        tokio::pin!(run);
+        tokio::select! {
+            result = &mut run => return result,
+            signal = signals.next() => {
+                tracing::info!(%signal, "signal received: shutting down gracefully (a second one stops at once)");
+                self.shutdown();
+            }
+        }
+        tokio::select! {
+            result = &mut run => result,
+            signal = signals.next() => {
+                tracing::warn!(%signal, "second signal: stopping now, without waiting for reconciles");
+                Ok(())
+            }
         }
     }
 
@@ -497,6 +526,45 @@ impl<P: Provider> Manager<P> {
         *lock(&self.shutdown) = CancellationToken::new();
         abandoned.armed = false;
         result
+    }
+}
+
+/// SIGTERM and SIGINT (Ctrl-C where there are no Unix signals).
+struct Signals {
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn listen() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                terminate: signal(SignalKind::terminate())?,
+                interrupt: signal(SignalKind::interrupt())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// The next signal's name.
+    async fn next(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.terminate.recv() => "SIGTERM",
+                _ = self.interrupt.recv() => "SIGINT",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
     }
 }
 

@@ -24,6 +24,8 @@ struct Reconcile {
     replica: &'static str,
     start: Instant,
     end: Option<Instant>,
+    /// Whether it ran to its end (not dropped).
+    completed: bool,
 }
 
 #[derive(Default)]
@@ -85,6 +87,8 @@ impl Drop for Running {
 struct Replica {
     name: &'static str,
     audit: Arc<Audit>,
+    /// While set, reconciles started from then on never end on their own.
+    hang: Arc<std::sync::atomic::AtomicBool>,
 }
 
 async fn reconcile(
@@ -98,6 +102,7 @@ async fn reconcile(
             replica: state.name,
             start: Instant::now(),
             end: None,
+            completed: false,
         });
         reconciles.len() - 1
     };
@@ -107,6 +112,10 @@ async fn reconcile(
     };
     // Long enough that a leader losing its lease is likely caught mid-reconcile.
     tokio::time::sleep(Duration::from_millis(50)).await;
+    if state.hang.load(std::sync::atomic::Ordering::SeqCst) {
+        std::future::pending::<()>().await;
+    }
+    state.audit.reconciles.lock().unwrap()[index].completed = true;
     Ok(Action::requeue(Duration::from_millis(100)))
 }
 
@@ -155,6 +164,17 @@ fn replica(
     election: LeaderElection,
     audit: &Arc<Audit>,
 ) -> Arc<Manager<Clusters<ClusterName>>> {
+    replica_hanging_on(name, tc, election, audit, Arc::default())
+}
+
+/// A replica whose reconciles hang once `hang` is set.
+fn replica_hanging_on(
+    name: &'static str,
+    tc: &TestCluster,
+    election: LeaderElection,
+    audit: &Arc<Audit>,
+    hang: Arc<std::sync::atomic::AtomicBool>,
+) -> Arc<Manager<Clusters<ClusterName>>> {
     let clusters = Clusters::new();
     clusters
         .add(Cluster::new(common::name("member"), tc.client().unwrap()))
@@ -166,6 +186,7 @@ fn replica(
         Arc::new(Replica {
             name,
             audit: audit.clone(),
+            hang,
         }),
     );
     manager
@@ -359,4 +380,86 @@ async fn settings_that_cannot_work_are_refused_before_anything_runs() {
         "{result:?}"
     );
     assert!(!a.is_leader());
+}
+
+#[tokio::test]
+async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_stops_at_once() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let (_env, tc, host) = control_plane().await;
+    let audit = Arc::new(Audit::default());
+    let long = |identity| {
+        election(host.clone(), identity)
+            .lease_duration(Duration::from_secs(60))
+            .renew_deadline(Duration::from_secs(40))
+    };
+    let a = replica("a", &tc, long("a"), &audit);
+    let a_run = {
+        let a = a.clone();
+        tokio::spawn(async move { a.run_until_signal().await })
+    };
+    elected(&a, 30, "a leads").await;
+    // A reconcile is in flight when SIGTERM arrives.
+    eventually(30, "a reconcile in flight", async || {
+        audit.of("a").iter().any(|r| r.end.is_none())
+    })
+    .await;
+    kill(Pid::this(), Signal::SIGTERM).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), a_run)
+        .await
+        .expect("a stops on SIGTERM")
+        .unwrap()
+        .unwrap();
+    let reconciles = audit.of("a");
+    assert!(
+        reconciles.iter().all(|r| r.completed),
+        "every reconcile of a ran to its end: {reconciles:?}"
+    );
+    // The lease was given up: b leads long before it could have expired.
+    let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let b = replica_hanging_on("b", &tc, long("b"), &audit, hang.clone());
+    let b_run = {
+        let b = b.clone();
+        tokio::spawn(async move { b.run_until_signal().await })
+    };
+    elected(&b, 30, "b leads within 30 s of a 60 s lease").await;
+    reconciled_by(&audit, "b", 3).await;
+    audit.assert_before("a", "b");
+
+    // b's reconciles hang from now on: SIGINT starts a graceful shutdown that would wait for
+    // them (the graceful timeout is 30 s), and a second signal ends it at once.
+    hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    let so_far = audit.of("b").len();
+    eventually(30, "a hung reconcile of b", async || {
+        audit.of("b")[so_far..].iter().any(|r| r.end.is_none())
+    })
+    .await;
+    kill(Pid::this(), Signal::SIGINT).unwrap();
+    // The graceful shutdown is under way once the manager's token is cancelled.
+    eventually(30, "b's graceful shutdown under way", async || {
+        b.shutdown_token().is_cancelled()
+    })
+    .await;
+    let signalled = Instant::now();
+    kill(Pid::this(), Signal::SIGINT).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), b_run)
+        .await
+        .expect("b stops at the second signal, long before the graceful timeout")
+        .unwrap()
+        .unwrap();
+    let stopped_after = signalled.elapsed();
+    let hung: Vec<_> = audit.of("b")[so_far..]
+        .iter()
+        .filter(|r| !r.completed)
+        .cloned()
+        .collect();
+    assert!(!hung.is_empty(), "the hung reconcile never completed");
+    // Dropped without waiting: the runtime drops the aborted tasks' futures soon after.
+    eventually(30, "the hung reconciles dropped", async || {
+        audit.of("b")[so_far..]
+            .iter()
+            .all(|r| r.completed || r.end.is_some())
+    })
+    .await;
+    println!("stopped {stopped_after:?} after the second signal");
 }
