@@ -189,6 +189,14 @@ impl LeaderElection {
         }
     }
 
+    /// The lease duration as the Lease records it: whole seconds, rounded up (rounding down
+    /// would let the others take over before this replica's renew deadline).
+    pub(crate) fn lease_seconds(&self) -> i32 {
+        let d = self.lease_duration;
+        let seconds = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+        i32::try_from(seconds.max(1)).unwrap_or(i32::MAX)
+    }
+
     /// The retry period, jittered by up to 20 %.
     pub(crate) fn jittered_retry(&self) -> Duration {
         self.retry_period
@@ -250,8 +258,7 @@ impl Elector {
     /// Tries once to acquire the Lease, or to renew it if this replica holds it.
     pub(crate) async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
         let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
-        let duration_seconds =
-            i32::try_from(self.config.lease_duration.as_secs().max(1)).unwrap_or(i32::MAX);
+        let duration_seconds = self.config.lease_seconds();
         let existing = match self.api.get_opt(&self.config.name).await? {
             Some(lease) => lease,
             None => {
@@ -324,7 +331,10 @@ impl Elector {
                 self.observe(&updated);
                 Ok(Attempt::Held)
             }
-            Err(kube::Error::Api(e)) if e.code == 409 => {
+            // Someone else wrote in between. Taking over, that means another candidate won;
+            // renewing, it may be anything (a label added to the Lease): retried until the
+            // renew deadline, as any failed renewal.
+            Err(kube::Error::Api(e)) if e.code == 409 && !mine => {
                 Ok(Attempt::HeldBy(holder.unwrap_or_else(|| {
                     "another replica (it wrote first)".to_string()
                 })))

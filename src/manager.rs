@@ -53,8 +53,9 @@ pub struct Manager<P: Provider> {
     running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
     /// Controllers run only while this replica holds the lease, if set.
     leader_election: Option<LeaderElection>,
-    /// Whether controllers may run now: leading, or running without leader election.
-    leading: tokio::sync::watch::Sender<bool>,
+    /// While controllers may run (leading, or running without leader election), the token
+    /// that ends their term.
+    leading: tokio::sync::watch::Sender<Option<CancellationToken>>,
     /// Tasks from [`Manager::add`] waiting for the next run.
     pending: Mutex<Vec<Task>>,
 }
@@ -120,7 +121,7 @@ impl<P: Provider> Manager<P> {
             running: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             leader_election: None,
-            leading: tokio::sync::watch::Sender::new(false),
+            leading: tokio::sync::watch::Sender::new(None),
         }
     }
 
@@ -135,16 +136,42 @@ impl<P: Provider> Manager<P> {
     }
 
     /// Completes once controllers may run: this replica leads (with leader election), or a
-    /// run has started (without). Like controller-runtime's `Elected()`.
-    pub async fn elected(&self) {
+    /// run has started (without); like controller-runtime's `Elected()`. The token it returns
+    /// is cancelled when that ends (the lease lost, or the run shutting down): leader-only
+    /// work of your own stops on it.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{Manager, providers::Clusters, ClusterName};
+    /// # async fn f(manager: std::sync::Arc<Manager<Clusters<ClusterName>>>) {
+    /// let m = manager.clone();
+    /// manager.add(async move {
+    ///     let shutdown = m.shutdown_token();
+    ///     while !shutdown.is_cancelled() {
+    ///         let term = m.elected().await;
+    ///         // Leader-only work here, until the term ends.
+    ///         term.cancelled().await;
+    ///     }
+    /// });
+    /// # }
+    /// ```
+    pub async fn elected(&self) -> CancellationToken {
         let mut leading = self.leading.subscribe();
-        let _ = leading.wait_for(|leading| *leading).await;
+        let term = leading
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|term| term.clone());
+        match term {
+            Some(term) => term,
+            // The sender lives as long as the manager.
+            None => std::future::pending().await,
+        }
     }
 
     /// Whether controllers run now: this replica leads, or (without leader election) a run
     /// is going on.
     pub fn is_leader(&self) -> bool {
-        *self.leading.borrow()
+        self.leading.borrow().is_some()
     }
 
     /// Sets the local (host) cluster, the one the controller runs in or is configured for.
@@ -381,6 +408,7 @@ impl<P: Provider> Manager<P> {
             .as_ref()
             .map(|e| format!("{}/{}", e.namespace, e.name))
             .unwrap_or_default();
+        let mut campaigning = true;
         let provider = self
             .provider
             .run(self.fleet.clone(), shutdown.child_token());
@@ -404,22 +432,34 @@ impl<P: Provider> Manager<P> {
                     }
                     Job::Controller => term.start_new(self),
                 },
-                Some(event) = leadership.recv() => match event {
-                    Leadership::Acquired => {
+                event = leadership.recv(), if campaigning => match event {
+                    Some(Leadership::Acquired) => {
                         if election.is_some() {
                             tracing::info!(lease = %lease, "leading: starting the controllers");
                         }
                         term.begin(self, &shutdown);
-                        self.leading.send_replace(true);
+                        self.leading.send_replace(Some(term.stop.clone()));
                     }
-                    Leadership::Lost(reason) => {
+                    Some(Leadership::Lost(reason)) => {
                         tracing::error!(lease = %lease, %reason, "leadership lost: stopping the controllers now");
-                        self.leading.send_replace(false);
+                        self.leading.send_replace(None);
                         term.abort().await;
                         if election.as_ref().is_none_or(|e| e.on_loss == OnLoss::Exit) {
                             result = Err(ManagerError::LeadershipLost { lease: lease.clone(), reason });
                             break;
                         }
+                    }
+                    // Without leader election nothing more comes.
+                    None if election.is_none() => campaigning = false,
+                    None => {
+                        // The election task died (it never ends on its own before the run's
+                        // end): leading or not, this replica can no longer take part.
+                        let reason = "the election task ended unexpectedly".to_string();
+                        tracing::error!(lease = %lease, %reason, "stopping");
+                        self.leading.send_replace(None);
+                        term.abort().await;
+                        result = Err(ManagerError::LeadershipLost { lease: lease.clone(), reason });
+                        break;
                     }
                 },
                 Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
@@ -498,7 +538,7 @@ impl<P: Provider> Manager<P> {
             tasks.shutdown().await;
             term.controllers.shutdown().await;
         }
-        self.leading.send_replace(false);
+        self.leading.send_replace(None);
         if let Some(campaign) = campaign {
             campaign_stop.cancel();
             if let Ok(mut elector) = campaign.await
@@ -666,38 +706,45 @@ async fn campaign(
         if events.send(Leadership::Acquired).is_err() {
             return elector;
         }
-        // The leader: renew every retry period; give up once the renew deadline has passed
-        // since the last renewal, whatever the reason.
+        // The leader: renew every retry period; give up the moment the renew deadline has
+        // passed since the last renewal began, whatever the reason (never sleeping past it).
+        let mut last_error = None;
         let reason = loop {
+            let deadline = renewed + renew_deadline;
+            let wake = (Instant::now() + elector.config().jittered_retry()).min(deadline);
             tokio::select! {
                 () = stop.cancelled() => return elector,
-                () = tokio::time::sleep(elector.config().jittered_retry()) => {}
+                () = tokio::time::sleep_until(wake.into()) => {}
             }
-            let left = renew_deadline.saturating_sub(renewed.elapsed());
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break match last_error.take() {
+                    Some(error) => format!(
+                        "not renewed within the renew deadline ({renew_deadline:?}); last error: {error}"
+                    ),
+                    None => format!("not renewed within the renew deadline ({renew_deadline:?})"),
+                };
+            }
             let began = Instant::now();
             let attempt = tokio::select! {
                 () = stop.cancelled() => return elector,
                 attempt = tokio::time::timeout(left, elector.try_acquire_or_renew()) => attempt,
             };
             match attempt {
-                Ok(Ok(Attempt::Held)) => renewed = began,
+                Ok(Ok(Attempt::Held)) => {
+                    renewed = began;
+                    last_error = None;
+                }
                 Ok(Ok(Attempt::HeldBy(holder))) => break format!("{holder} holds the lease now"),
                 Ok(Err(error)) => {
-                    if renewed.elapsed() >= renew_deadline {
-                        break format!(
-                            "not renewed within the renew deadline ({renew_deadline:?}); last error: {error}"
-                        );
-                    }
-                    tracing::warn!(lease = %lease, %error, "renewing the lease failed; retrying");
+                    tracing::warn!(lease = %lease, %error, "renewing the lease failed; retrying until the renew deadline");
+                    last_error = Some(error);
                 }
                 Err(_) => {
                     break format!(
                         "not renewed within the renew deadline ({renew_deadline:?}): no answer in time"
                     );
                 }
-            }
-            if renewed.elapsed() >= renew_deadline {
-                break format!("not renewed within the renew deadline ({renew_deadline:?})");
             }
         };
         if events.send(Leadership::Lost(reason)).is_err() {
@@ -736,7 +783,7 @@ impl<P: Provider> Drop for Abandoned<'_, P> {
             return;
         }
         let manager = self.manager;
-        manager.leading.send_replace(false);
+        manager.leading.send_replace(None);
         lock(&manager.shutdown).cancel();
         manager.fleet.clear();
         if let Some(local) = &manager.local {

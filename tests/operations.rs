@@ -87,8 +87,8 @@ impl Drop for Running {
 struct Replica {
     name: &'static str,
     audit: Arc<Audit>,
-    /// While set, reconciles started from then on never end on their own.
-    hang: Arc<std::sync::atomic::AtomicBool>,
+    /// While set, reconciles wait before they end.
+    hold: Arc<std::sync::atomic::AtomicBool>,
 }
 
 async fn reconcile(
@@ -112,8 +112,8 @@ async fn reconcile(
     };
     // Long enough that a leader losing its lease is likely caught mid-reconcile.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    if state.hang.load(std::sync::atomic::Ordering::SeqCst) {
-        std::future::pending::<()>().await;
+    while state.hold.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     state.audit.reconciles.lock().unwrap()[index].completed = true;
     Ok(Action::requeue(Duration::from_millis(100)))
@@ -148,11 +148,12 @@ async fn control_plane() -> (TestEnv, Arc<TestCluster>, kube::Client) {
     (env, tc, host)
 }
 
-/// Short timings so failover takes seconds: lease 3 s, renew deadline 2 s, retry 0.5 s.
+/// Short timings so failover takes seconds: lease 4 s, renew deadline 2 s (a 2 s margin for
+/// a loaded machine), retry 0.5 s.
 fn election(client: kube::Client, identity: &str) -> LeaderElection {
     LeaderElection::new(client, "default", "operations-leader")
         .identity(identity)
-        .lease_duration(Duration::from_secs(3))
+        .lease_duration(Duration::from_secs(4))
         .renew_deadline(Duration::from_secs(2))
         .retry_period(Duration::from_millis(500))
 }
@@ -164,16 +165,16 @@ fn replica(
     election: LeaderElection,
     audit: &Arc<Audit>,
 ) -> Arc<Manager<Clusters<ClusterName>>> {
-    replica_hanging_on(name, tc, election, audit, Arc::default())
+    replica_holding_on(name, tc, election, audit, Arc::default())
 }
 
-/// A replica whose reconciles hang once `hang` is set.
-fn replica_hanging_on(
+/// A replica whose reconciles wait before they end while `hold` is set.
+fn replica_holding_on(
     name: &'static str,
     tc: &TestCluster,
     election: LeaderElection,
     audit: &Arc<Audit>,
-    hang: Arc<std::sync::atomic::AtomicBool>,
+    hold: Arc<std::sync::atomic::AtomicBool>,
 ) -> Arc<Manager<Clusters<ClusterName>>> {
     let clusters = Clusters::new();
     clusters
@@ -186,7 +187,7 @@ fn replica_hanging_on(
         Arc::new(Replica {
             name,
             audit: audit.clone(),
-            hang,
+            hold,
         }),
     );
     manager
@@ -237,7 +238,7 @@ async fn only_the_leader_reconciles_and_a_dead_leader_is_replaced_within_the_lea
     let died = Instant::now();
     let _ = a_run.await;
     assert!(!a.is_leader());
-    elected(&b, 3 + 5, "b leads within the lease duration + 5 s").await;
+    elected(&b, 4 + 5, "b leads within the lease duration + 5 s").await;
     let takeover = died.elapsed();
     reconciled_by(&audit, "b", 3).await;
     let (by_a, by_b) = audit.assert_before("a", "b");
@@ -247,85 +248,191 @@ async fn only_the_leader_reconciles_and_a_dead_leader_is_replaced_within_the_lea
     b_run.await.unwrap().unwrap();
 }
 
+/// A user of its own for a replica's lease, allowed Leases in `default` by a RoleBinding
+/// that [`LeaseRights::revoke`] deletes and [`LeaseRights::grant`] creates again.
+struct LeaseRights {
+    bindings: Api<RoleBinding>,
+    user: multicluster_runtime::testenv::TestUser,
+}
+
+impl LeaseRights {
+    async fn new(host: &kube::Client, tc: &TestCluster, user: &str) -> Self {
+        let roles: Api<Role> = Api::namespaced(host.clone(), "default");
+        let role = Role {
+            metadata: ObjectMeta {
+                name: Some("leases".into()),
+                ..Default::default()
+            },
+            rules: Some(vec![PolicyRule {
+                api_groups: Some(vec!["coordination.k8s.io".into()]),
+                resources: Some(vec!["leases".into()]),
+                verbs: vec!["get".into(), "create".into(), "update".into()],
+                ..Default::default()
+            }]),
+        };
+        roles.create(&PostParams::default(), &role).await.unwrap();
+        let rights = Self {
+            bindings: Api::namespaced(host.clone(), "default"),
+            user: tc.add_user(user, &[]).unwrap(),
+        };
+        rights.grant().await;
+        rights
+    }
+
+    fn binding(&self) -> String {
+        format!("{}-leases", self.user.name())
+    }
+
+    async fn grant(&self) {
+        let binding = RoleBinding {
+            metadata: ObjectMeta {
+                name: Some(self.binding()),
+                ..Default::default()
+            },
+            role_ref: RoleRef {
+                api_group: Some("rbac.authorization.k8s.io".into()),
+                kind: "Role".into(),
+                name: "leases".into(),
+            },
+            subjects: Some(vec![Subject {
+                kind: "User".into(),
+                name: self.user.name().into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
+                ..Default::default()
+            }]),
+        };
+        self.bindings
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap();
+    }
+
+    async fn revoke(&self) {
+        self.bindings
+            .delete(&self.binding(), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+}
+
+/// When `manager` next leads, by a task that watches for it.
+fn when_elected(manager: &Arc<Manager<Clusters<ClusterName>>>) -> tokio::task::JoinHandle<Instant> {
+    let manager = manager.clone();
+    tokio::spawn(async move {
+        manager.elected().await;
+        Instant::now()
+    })
+}
+
 #[tokio::test]
 async fn a_leader_that_cannot_renew_stops_before_another_takes_over() {
     let (_env, tc, host) = control_plane().await;
-    // a renews through a user of its own, allowed Leases by a RoleBinding the test revokes.
-    let roles: Api<Role> = Api::namespaced(host.clone(), "default");
-    roles
-        .create(
-            &PostParams::default(),
-            &Role {
-                metadata: ObjectMeta {
-                    name: Some("leases".into()),
-                    ..Default::default()
-                },
-                rules: Some(vec![PolicyRule {
-                    api_groups: Some(vec!["coordination.k8s.io".into()]),
-                    resources: Some(vec!["leases".into()]),
-                    verbs: vec!["get".into(), "create".into(), "update".into()],
-                    ..Default::default()
-                }]),
-            },
-        )
-        .await
-        .unwrap();
-    let bindings: Api<RoleBinding> = Api::namespaced(host.clone(), "default");
-    let binding = RoleBinding {
-        metadata: ObjectMeta {
-            name: Some("replica-a-leases".into()),
-            ..Default::default()
-        },
-        role_ref: RoleRef {
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            kind: "Role".into(),
-            name: "leases".into(),
-        },
-        subjects: Some(vec![Subject {
-            kind: "User".into(),
-            name: "replica-a".into(),
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            ..Default::default()
-        }]),
-    };
-    bindings
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap();
-    let a_user = tc.add_user("replica-a", &[]).unwrap();
+    // a renews as a user of its own, whose Lease rights the test revokes.
+    let rights = LeaseRights::new(&host, &tc, "replica-a").await;
     let audit = Arc::new(Audit::default());
-    let a = replica("a", &tc, election(a_user.client().unwrap(), "a"), &audit);
+    let a = replica(
+        "a",
+        &tc,
+        election(rights.user.client().unwrap(), "a"),
+        &audit,
+    );
     let a_run = run(&a);
     // RBAC takes effect through the apiserver's informers: wait for a to win.
     elected(&a, 30, "a leads").await;
     reconciled_by(&audit, "a", 3).await;
     let b = replica("b", &tc, election(host.clone(), "b"), &audit);
+    let b_elected = when_elected(&b);
     let b_run = run(&b);
     let a_so_far = audit.of("a").len();
     reconciled_by(&audit, "a", a_so_far + 10).await;
 
     // a can no longer renew: it stops its controllers at the renew deadline, before the
     // lease expires for b, and its run reports why.
-    bindings
-        .delete("replica-a-leases", &DeleteParams::default())
-        .await
-        .unwrap();
+    rights.revoke().await;
     let result = tokio::time::timeout(Duration::from_secs(30), a_run)
         .await
         .expect("a's run ends")
         .unwrap();
+    let a_stopped = Instant::now();
     assert!(
         matches!(&result, Err(ManagerError::LeadershipLost { lease, reason }) if lease == "default/operations-leader" && reason.contains("renew deadline")),
         "{result:?}"
     );
     assert!(!a.is_leader());
-    elected(&b, 30, "b leads").await;
+    let b_elected = tokio::time::timeout(Duration::from_secs(30), b_elected)
+        .await
+        .expect("b leads")
+        .unwrap();
+    // a had stopped, its reconciles dropped, before b started leading.
+    assert!(
+        a_stopped < b_elected,
+        "a stopped {:?} after b was elected",
+        a_stopped - b_elected
+    );
+    let last_of_a = audit.of("a").iter().filter_map(|r| r.end).max().unwrap();
+    assert!(last_of_a < b_elected);
     reconciled_by(&audit, "b", 3).await;
     let (by_a, by_b) = audit.assert_before("a", "b");
-    println!("reconciles: a {by_a}, b {by_b}");
+    println!(
+        "a stopped {:?} before b led; reconciles: a {by_a}, b {by_b}",
+        b_elected - a_stopped
+    );
 
     b.shutdown();
     b_run.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_candidate_that_lost_its_lease_leads_again_in_the_same_run() {
+    let (_env, tc, host) = control_plane().await;
+    let rights = LeaseRights::new(&host, &tc, "replica-a").await;
+    let audit = Arc::new(Audit::default());
+    let a = replica(
+        "a",
+        &tc,
+        election(rights.user.client().unwrap(), "a").on_loss(OnLoss::Candidate),
+        &audit,
+    );
+    let a_run = run(&a);
+    elected(&a, 30, "a leads").await;
+    let term = a.elected().await;
+    reconciled_by(&audit, "a", 3).await;
+    let b = replica("b", &tc, election(host.clone(), "b"), &audit);
+    let b_elected = when_elected(&b);
+    let b_run = run(&b);
+
+    // a loses the lease: its term ends (the token elected() gave is cancelled), its run
+    // goes on as a candidate, and b takes over.
+    rights.revoke().await;
+    tokio::time::timeout(Duration::from_secs(30), term.cancelled())
+        .await
+        .expect("a's term ends");
+    let a_stopped = Instant::now();
+    let b_elected = tokio::time::timeout(Duration::from_secs(30), b_elected)
+        .await
+        .expect("b leads")
+        .unwrap();
+    assert!(a_stopped < b_elected);
+    reconciled_by(&audit, "b", 3).await;
+    audit.assert_before("a", "b");
+    assert!(!a_run.is_finished(), "a campaigns on");
+
+    // a may renew again; b gives the lease up: a leads again in the same run, with its
+    // controllers started afresh.
+    rights.grant().await;
+    let a_again = when_elected(&a);
+    b.shutdown();
+    b_run.await.unwrap().unwrap();
+    let b_stopped = Instant::now();
+    let a_again = tokio::time::timeout(Duration::from_secs(30), a_again)
+        .await
+        .expect("a leads again")
+        .unwrap();
+    assert!(b_stopped <= a_again);
+    let before = audit.of("a").len();
+    reconciled_by(&audit, "a", before + 3).await;
+    a.shutdown();
+    a_run.await.unwrap().unwrap();
 }
 
 #[tokio::test]
@@ -386,6 +493,7 @@ async fn settings_that_cannot_work_are_refused_before_anything_runs() {
 async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_stops_at_once() {
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
+    use std::sync::atomic::{AtomicBool, Ordering};
     let (_env, tc, host) = control_plane().await;
     let audit = Arc::new(Audit::default());
     let long = |identity| {
@@ -393,18 +501,28 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
             .lease_duration(Duration::from_secs(60))
             .renew_deadline(Duration::from_secs(40))
     };
-    let a = replica("a", &tc, long("a"), &audit);
+    let hold_a = Arc::new(AtomicBool::new(false));
+    let a = replica_holding_on("a", &tc, long("a"), &audit, hold_a.clone());
     let a_run = {
         let a = a.clone();
         tokio::spawn(async move { a.run_until_signal().await })
     };
     elected(&a, 30, "a leads").await;
-    // A reconcile is in flight when SIGTERM arrives.
-    eventually(30, "a reconcile in flight", async || {
-        audit.of("a").iter().any(|r| r.end.is_none())
+    reconciled_by(&audit, "a", 3).await;
+    // A reconcile is held in flight when SIGTERM arrives, and let go once the graceful
+    // shutdown is under way (the manager's token cancelled).
+    hold_a.store(true, Ordering::SeqCst);
+    let so_far = audit.of("a").len();
+    eventually(30, "a reconcile of a in flight", async || {
+        audit.of("a")[so_far..].iter().any(|r| r.end.is_none())
     })
     .await;
     kill(Pid::this(), Signal::SIGTERM).unwrap();
+    eventually(30, "a's graceful shutdown under way", async || {
+        a.shutdown_token().is_cancelled()
+    })
+    .await;
+    hold_a.store(false, Ordering::SeqCst);
     tokio::time::timeout(Duration::from_secs(30), a_run)
         .await
         .expect("a stops on SIGTERM")
@@ -415,9 +533,10 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
         reconciles.iter().all(|r| r.completed),
         "every reconcile of a ran to its end: {reconciles:?}"
     );
+
     // The lease was given up: b leads long before it could have expired.
-    let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let b = replica_hanging_on("b", &tc, long("b"), &audit, hang.clone());
+    let hold_b = Arc::new(AtomicBool::new(false));
+    let b = replica_holding_on("b", &tc, long("b"), &audit, hold_b.clone());
     let b_run = {
         let b = b.clone();
         tokio::spawn(async move { b.run_until_signal().await })
@@ -426,16 +545,15 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
     reconciled_by(&audit, "b", 3).await;
     audit.assert_before("a", "b");
 
-    // b's reconciles hang from now on: SIGINT starts a graceful shutdown that would wait for
-    // them (the graceful timeout is 30 s), and a second signal ends it at once.
-    hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    // b's reconciles are held and never let go: SIGINT starts a graceful shutdown that
+    // would wait for them (the graceful timeout is 30 s), and a second signal ends it at once.
+    hold_b.store(true, Ordering::SeqCst);
     let so_far = audit.of("b").len();
-    eventually(30, "a hung reconcile of b", async || {
+    eventually(30, "a held reconcile of b", async || {
         audit.of("b")[so_far..].iter().any(|r| r.end.is_none())
     })
     .await;
     kill(Pid::this(), Signal::SIGINT).unwrap();
-    // The graceful shutdown is under way once the manager's token is cancelled.
     eventually(30, "b's graceful shutdown under way", async || {
         b.shutdown_token().is_cancelled()
     })
@@ -448,14 +566,14 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
         .unwrap()
         .unwrap();
     let stopped_after = signalled.elapsed();
-    let hung: Vec<_> = audit.of("b")[so_far..]
+    let held: Vec<_> = audit.of("b")[so_far..]
         .iter()
         .filter(|r| !r.completed)
         .cloned()
         .collect();
-    assert!(!hung.is_empty(), "the hung reconcile never completed");
+    assert!(!held.is_empty(), "the held reconcile never completed");
     // Dropped without waiting: the runtime drops the aborted tasks' futures soon after.
-    eventually(30, "the hung reconciles dropped", async || {
+    eventually(30, "the held reconciles dropped", async || {
         audit.of("b")[so_far..]
             .iter()
             .all(|r| r.completed || r.end.is_some())

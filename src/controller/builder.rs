@@ -163,7 +163,9 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
 
     /// The controller as a future that runs until the manager shuts down. Spawn it or await
     /// it yourself; [`Builder::start`] is the usual way. It is bound to the manager's current
-    /// (or next) run: it engages the local cluster only if that run has started.
+    /// (or next) run: it engages the local cluster only if that run has started. It does not
+    /// follow leader election: to run it on the leader only, start it after
+    /// [`Manager::elected`](crate::Manager::elected) and stop it with the token that returns.
     pub fn run<S, F, Fut, E, EP>(
         self,
         reconcile: F,
