@@ -401,6 +401,9 @@ impl<C: ClusterId> State<C> {
 
     fn broadcast(&mut self, event: FleetEvent<C>) {
         self.subscribers.retain(|tx| tx.send(event.clone()).is_ok());
+        if let Some(metrics) = &self.settings.metrics {
+            metrics.engaged_clusters(self.members.len());
+        }
     }
 }
 

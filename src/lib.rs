@@ -26,9 +26,11 @@ mod fleet;
 pub mod fuzzing;
 mod leader;
 mod manager;
+mod metrics;
 mod provider;
 pub mod providers;
 mod request;
+mod serve;
 mod sync;
 
 pub use action::Action;
@@ -40,8 +42,10 @@ pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, Watchable};
 pub use fleet::{EngageError, Engaged, Fleet, FleetView};
 pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
+pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};
+pub use serve::Endpoints;
 
 #[cfg(feature = "testenv")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testenv")))]

@@ -12,6 +12,8 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::cluster::{Fault, WatchSettings};
 use crate::leader::{Attempt, Elector, InvalidLeaderElection, LeaderElection, OnLoss};
+use crate::metrics::Metrics;
+use crate::serve::Endpoints;
 use crate::sync::lock;
 use crate::{Cluster, Fleet, Provider, ProviderError, WatchBackoff};
 
@@ -53,6 +55,10 @@ pub struct Manager<P: Provider> {
     running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
     /// Controllers run only while this replica holds the lease, if set.
     leader_election: Option<LeaderElection>,
+    metrics: Option<Metrics>,
+    endpoints: Option<Endpoints>,
+    /// Where the endpoints are served in the current run.
+    served_at: Mutex<Option<std::net::SocketAddr>>,
     /// While controllers may run (leading, or running without leader election), the token
     /// that ends their term.
     leading: tokio::sync::watch::Sender<Option<CancellationToken>>,
@@ -80,6 +86,15 @@ pub enum ManagerError {
     /// The leader election settings cannot work.
     #[error("{0}")]
     InvalidLeaderElection(#[source] InvalidLeaderElection),
+    /// The endpoints could not listen on their address ([`Manager::serve`]).
+    #[error("cannot serve the endpoints on {addr}: {error}")]
+    Serve {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        error: std::io::Error,
+    },
     /// The process's signals could not be listened to ([`Manager::run_until_signal`]).
     #[error("cannot listen for signals: {0}")]
     Signals(#[source] std::io::Error),
@@ -121,6 +136,9 @@ impl<P: Provider> Manager<P> {
             running: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             leader_election: None,
+            metrics: None,
+            endpoints: None,
+            served_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
         }
     }
@@ -133,6 +151,28 @@ impl<P: Provider> Manager<P> {
     pub fn leader_election(mut self, election: LeaderElection) -> Self {
         self.leader_election = Some(election);
         self
+    }
+
+    /// Keeps Prometheus metrics of the controllers, the fleet and the leader election in
+    /// `metrics`; see [`Metrics`] for the series.
+    #[must_use]
+    pub fn metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Serves `/metrics`, `/healthz` and `/readyz` while the manager runs (on every replica,
+    /// leading or not); see [`Endpoints`].
+    #[must_use]
+    pub fn serve(mut self, endpoints: Endpoints) -> Self {
+        self.endpoints = Some(endpoints);
+        self
+    }
+
+    /// The address the endpoints listen on in the current run (the port chosen, if the
+    /// address had port 0); `None` when not running or not serving.
+    pub fn served_at(&self) -> Option<std::net::SocketAddr> {
+        *lock(&self.served_at)
     }
 
     /// Completes once controllers may run: this replica leads (with leader election), or a
@@ -278,6 +318,7 @@ impl<P: Provider> Manager<P> {
                 abort,
             },
             backoff: self.backoff.clone(),
+            metrics: self.metrics.clone(),
         }
     }
 
@@ -369,10 +410,22 @@ impl<P: Provider> Manager<P> {
             manager: self,
             armed: true,
         };
+        // Bound before anything starts; a failure ends the run (the guard cleans up).
+        let listener =
+            match &self.endpoints {
+                Some(endpoints) => Some(crate::serve::bind(endpoints).await.map_err(|error| {
+                    ManagerError::Serve {
+                        addr: endpoints.addr,
+                        error,
+                    }
+                })?),
+                None => None,
+            };
         let (faults_tx, mut faults_rx) = mpsc::unbounded_channel();
         let settings = WatchSettings {
             backoff: self.backoff.clone(),
             faults: Some(faults_tx),
+            metrics: self.metrics.clone(),
         };
         self.fleet.open(settings.clone());
         // A single-cluster provider's cluster is engaged before any controller starts, so a
@@ -389,6 +442,26 @@ impl<P: Provider> Manager<P> {
         for task in lock(&self.pending).drain(..) {
             tasks.spawn(task);
         }
+        let endpoints_stop = CancellationToken::new();
+        let server = match (listener, &self.endpoints) {
+            (Some(listener), Some(endpoints)) => {
+                let addr = listener.local_addr().ok();
+                *lock(&self.served_at) = addr;
+                tracing::info!(addr = ?addr, "serving /metrics, /healthz and /readyz");
+                let served = Arc::new(crate::serve::Served {
+                    fleet: self.fleet.clone(),
+                    local: self.local.clone(),
+                    registry: endpoints.registry.clone(),
+                    strict: endpoints.strict,
+                });
+                Some(AbortOnDropHandle::new(tokio::spawn(crate::serve::serve(
+                    listener,
+                    served,
+                    endpoints_stop.clone(),
+                ))))
+            }
+            _ => None,
+        };
         let mut term = Term::default();
         // Leadership: without an election, controllers run from the start.
         let (leadership_tx, mut leadership) = mpsc::unbounded_channel();
@@ -439,10 +512,16 @@ impl<P: Provider> Manager<P> {
                         }
                         term.begin(self, &shutdown);
                         self.leading.send_replace(Some(term.stop.clone()));
+                        if let Some(metrics) = self.metrics.as_ref().filter(|_| election.is_some()) {
+                            metrics.leading(&lease, true);
+                        }
                     }
                     Some(Leadership::Lost(reason)) => {
                         tracing::error!(lease = %lease, %reason, "leadership lost: stopping the controllers now");
                         self.leading.send_replace(None);
+                        if let Some(metrics) = &self.metrics {
+                            metrics.leading(&lease, false);
+                        }
                         term.abort().await;
                         if election.as_ref().is_none_or(|e| e.on_loss == OnLoss::Exit) {
                             result = Err(ManagerError::LeadershipLost { lease: lease.clone(), reason });
@@ -539,6 +618,9 @@ impl<P: Provider> Manager<P> {
             term.controllers.shutdown().await;
         }
         self.leading.send_replace(None);
+        if let Some(metrics) = self.metrics.as_ref().filter(|_| election.is_some()) {
+            metrics.leading(&lease, false);
+        }
         if let Some(campaign) = campaign {
             campaign_stop.cancel();
             if let Ok(mut elector) = campaign.await
@@ -561,6 +643,11 @@ impl<P: Provider> Manager<P> {
             && let Some(session) = local.cluster.detach()
         {
             session.stopped().await;
+        }
+        if let Some(server) = server {
+            endpoints_stop.cancel();
+            let _ = server.await;
+            *lock(&self.served_at) = None;
         }
         // The next run gets a token of its own.
         *lock(&self.shutdown) = CancellationToken::new();
@@ -904,10 +991,10 @@ mod tests {
             .unwrap();
     }
 
-    #[tokio::test]
-    async fn without_leader_election_a_run_is_elected_from_its_start_to_its_end() {
-        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
-        assert!(!manager.is_leader());
+    /// `manager`'s run, spawned, once its controllers may run.
+    async fn running(
+        manager: &Arc<Manager<Clusters<crate::ClusterName>>>,
+    ) -> tokio::task::JoinHandle<Result<(), ManagerError>> {
         let run = {
             let manager = manager.clone();
             tokio::spawn(async move { manager.run().await })
@@ -915,6 +1002,35 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), manager.elected())
             .await
             .unwrap();
+        run
+    }
+
+    #[tokio::test]
+    async fn endpoints_that_cannot_listen_fail_the_run_naming_the_address() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let manager =
+            Manager::new(Clusters::<crate::ClusterName>::new()).serve(crate::Endpoints::new(addr));
+        let result = manager.run().await;
+        assert!(
+            matches!(&result, Err(ManagerError::Serve { addr: a, .. }) if *a == addr),
+            "{result:?}"
+        );
+        assert!(result.unwrap_err().to_string().contains(&addr.to_string()));
+        // The failed run left nothing behind: once the port is free, it runs.
+        drop(taken);
+        let manager = Arc::new(manager);
+        let run = running(&manager).await;
+        assert_eq!(manager.served_at(), Some(addr));
+        manager.shutdown();
+        run.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn without_leader_election_a_run_is_elected_from_its_start_to_its_end() {
+        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        assert!(!manager.is_leader());
+        let run = running(&manager).await;
         assert!(manager.is_leader());
         manager.shutdown();
         run.await.unwrap().unwrap();

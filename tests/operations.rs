@@ -581,3 +581,346 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
     .await;
     println!("stopped {stopped_after:?} after the second signal");
 }
+
+/// The value of the series `name` whose labels include `labels`, in Prometheus text.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        let (label_text, value) = match rest.strip_prefix('{') {
+            Some(rest) => rest.split_once("} ")?,
+            None => ("", rest.strip_prefix(' ')?),
+        };
+        labels
+            .iter()
+            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")))
+            .then(|| value.trim().parse().ok())?
+    })
+}
+
+fn scrape(registry: &prometheus_client::registry::Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text
+}
+
+#[derive(Debug)]
+struct Told;
+
+impl std::fmt::Display for Told {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("told to fail")
+    }
+}
+
+impl std::error::Error for Told {}
+
+/// Fails the reconcile of objects labelled `fail=yes` (the error policy requeues them soon).
+async fn fail_some(cm: Arc<ConfigMap>, _: Context<ClusterName, ()>) -> Result<Action, Told> {
+    if cm.labels_contain("fail", "yes") {
+        return Err(Told);
+    }
+    Ok(Action::await_change())
+}
+
+trait Labelled {
+    fn labels_contain(&self, key: &str, value: &str) -> bool;
+}
+
+impl Labelled for ConfigMap {
+    fn labels_contain(&self, key: &str, value: &str) -> bool {
+        self.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(key))
+            .is_some_and(|v| v == value)
+    }
+}
+
+#[tokio::test]
+async fn metrics_carry_the_cluster_follow_reconciles_and_leave_with_a_disengaged_cluster() {
+    let (_env, tc, host) = control_plane().await;
+    let api: Api<ConfigMap> = Api::namespaced(host.clone(), "default");
+    let failing = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("failing".into()),
+            labels: Some(BTreeMap::from([
+                ("audit".into(), "yes".into()),
+                ("fail".into(), "yes".into()),
+            ])),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &failing).await.unwrap();
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = multicluster_runtime::Metrics::new(&mut registry);
+    // One apiserver under two cluster names.
+    let clusters = Clusters::new();
+    for name in ["east", "west"] {
+        clusters
+            .add(Cluster::new(common::name(name), tc.client().unwrap()))
+            .unwrap();
+    }
+    let manager = Arc::new(
+        Manager::new(clusters.clone())
+            .metrics(metrics)
+            .leader_election(election(host.clone(), "metrics")),
+    );
+    Builder::<_, ConfigMap>::new(&manager, labelled())
+        .named("audited")
+        .concurrency(3)
+        .start(
+            fail_some,
+            |_, _: &Told, _: &Context<ClusterName, ()>| Action::requeue(Duration::from_millis(200)),
+            Arc::new(()),
+        );
+    let run = spawn_manager(&manager);
+    let reconciled = |text: &str, cluster: &str, result: &str| {
+        sample(
+            text,
+            "controller_runtime_reconcile_total",
+            &[
+                ("controller", "audited"),
+                ("cluster", cluster),
+                ("result", result),
+            ],
+        )
+        .unwrap_or(0.0)
+    };
+    // The three audited objects reconciled in both clusters, the failing one failing and
+    // retried in both.
+    eventually(30, "reconciles counted per cluster", async || {
+        let text = scrape(&registry);
+        ["east", "west"].iter().all(|c| {
+            reconciled(&text, c, "success") >= 3.0
+                && reconciled(&text, c, "error") >= 2.0
+                && sample(
+                    &text,
+                    "workqueue_retries_total",
+                    &[("name", "audited"), ("cluster", c)],
+                )
+                .unwrap_or(0.0)
+                    >= 2.0
+        })
+    })
+    .await;
+    let text = scrape(&registry);
+    for cluster in ["east", "west"] {
+        let errors = sample(
+            &text,
+            "controller_runtime_reconcile_errors_total",
+            &[("controller", "audited"), ("cluster", cluster)],
+        )
+        .unwrap();
+        assert!(errors >= 2.0, "{cluster}: {errors}");
+        let adds = sample(
+            &text,
+            "workqueue_adds_total",
+            &[("name", "audited"), ("cluster", cluster)],
+        )
+        .unwrap();
+        assert!(adds >= 4.0, "{cluster}: adds {adds}");
+        let timed = sample(
+            &text,
+            "controller_runtime_reconcile_time_seconds_count",
+            &[("controller", "audited"), ("cluster", cluster)],
+        )
+        .unwrap();
+        assert!(timed >= 5.0, "{cluster}: timed {timed}");
+        assert!(
+            sample(
+                &text,
+                "workqueue_queue_duration_seconds_count",
+                &[("name", "audited"), ("cluster", cluster)]
+            )
+            .unwrap()
+                >= 5.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "workqueue_depth",
+                &[("name", "audited"), ("cluster", cluster)]
+            )
+            .map(|d| d >= 0.0),
+            Some(true)
+        );
+    }
+    assert_eq!(
+        sample(
+            &text,
+            "controller_runtime_max_concurrent_reconciles",
+            &[("controller", "audited")]
+        ),
+        Some(3.0)
+    );
+    assert_eq!(
+        sample(&text, "multicluster_runtime_engaged_clusters", &[]),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "leader_election_master_status",
+            &[("name", "default/operations-leader")]
+        ),
+        Some(1.0)
+    );
+
+    // A change is counted where it happened... both names are one apiserver: in both.
+    let before = reconciled(&scrape(&registry), "east", "success");
+    let patch = serde_json::json!({ "data": { "round": "2" } });
+    api.patch(
+        "audited-0",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&patch),
+    )
+    .await
+    .unwrap();
+    eventually(30, "the change counted", async || {
+        reconciled(&scrape(&registry), "east", "success") > before
+    })
+    .await;
+
+    // A disengaged cluster's series go; the other's stay.
+    clusters.remove(&common::name("west"));
+    eventually(30, "west's series removed", async || {
+        let text = scrape(&registry);
+        !text.contains("cluster=\"west\"")
+            && sample(&text, "multicluster_runtime_engaged_clusters", &[]) == Some(1.0)
+    })
+    .await;
+    assert!(reconciled(&scrape(&registry), "east", "success") >= before);
+
+    manager.shutdown();
+    run.await.unwrap();
+    let text = scrape(&registry);
+    assert_eq!(
+        sample(
+            &text,
+            "leader_election_master_status",
+            &[("name", "default/operations-leader")]
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        sample(&text, "multicluster_runtime_engaged_clusters", &[]),
+        Some(0.0)
+    );
+}
+
+/// GET `path` from `addr` over plain HTTP/1.1: the status code and the body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test]
+async fn readyz_follows_a_clusters_apiserver_and_metrics_are_served_over_http() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (steady, flaky) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    for tc in [&steady, &flaky] {
+        audited_objects(&tc.client().unwrap()).await;
+    }
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = multicluster_runtime::Metrics::new(&mut registry);
+    let registry = Arc::new(registry);
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(
+            common::name("steady"),
+            steady.client().unwrap(),
+        ))
+        .unwrap();
+    clusters
+        .add(Cluster::new(common::name("flaky"), flaky.client().unwrap()))
+        .unwrap();
+    // Strict: a failing cluster makes the pod unready (the default only reports it).
+    let endpoints = multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+        .metrics(registry.clone())
+        .strict(true);
+    let manager = Arc::new(Manager::new(clusters).metrics(metrics).serve(endpoints));
+    Builder::<_, ConfigMap>::new(&manager, labelled())
+        .named("probed")
+        .start(
+            |_, _: Context<ClusterName, ()>| async { Ok::<_, kube::Error>(Action::await_change()) },
+            |_, _: &kube::Error, _: &Context<ClusterName, ()>| Action::await_change(),
+            Arc::new(()),
+        );
+    let run = spawn_manager(&manager);
+    eventually(30, "the endpoints listening", async || {
+        manager.served_at().is_some()
+    })
+    .await;
+    let addr = manager.served_at().unwrap();
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    eventually(30, "ready", async || {
+        http_get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+    let (_, verbose) = http_get(addr, "/readyz?verbose").await;
+    assert!(
+        verbose.contains("cluster steady: ok") && verbose.contains("cluster flaky: ok"),
+        "{verbose}"
+    );
+
+    // Scraped over HTTP: reconciles counted per cluster.
+    eventually(30, "reconciles in both clusters scraped", async || {
+        let (status, text) = http_get(addr, "/metrics").await;
+        status == 200
+            && ["steady", "flaky"].iter().all(|c| {
+                sample(
+                    &text,
+                    "controller_runtime_reconcile_total",
+                    &[
+                        ("controller", "probed"),
+                        ("cluster", c),
+                        ("result", "success"),
+                    ],
+                )
+                .unwrap_or(0.0)
+                    >= 3.0
+            })
+    })
+    .await;
+
+    // flaky's apiserver stops: not ready, and the detail names the cluster; steady is fine.
+    flaky.stop().await;
+    eventually(60, "unready while flaky is down", async || {
+        http_get(addr, "/readyz").await.0 == 503
+    })
+    .await;
+    let (_, verbose) = http_get(addr, "/readyz?verbose").await;
+    assert!(verbose.contains("cluster steady: ok"), "{verbose}");
+    assert!(verbose.contains("cluster flaky: ConfigMap"), "{verbose}");
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    // Back: ready again.
+    flaky.start().await.unwrap();
+    eventually(60, "ready again", async || {
+        http_get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
+    assert!(manager.served_at().is_none());
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "the port is closed after the run"
+    );
+}

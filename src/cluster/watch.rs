@@ -25,6 +25,8 @@ pub(crate) struct WatchSettings {
     pub(crate) backoff: WatchBackoff,
     /// The running manager's fault channel; `None` outside a manager.
     pub(crate) faults: Option<mpsc::UnboundedSender<Fault>>,
+    /// The manager's metrics, if it keeps any.
+    pub(crate) metrics: Option<crate::Metrics>,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index

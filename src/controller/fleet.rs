@@ -134,7 +134,13 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         spec: spec.clone(),
         slots: HashMap::new(),
         triggers: SelectAll::new(),
-        queue: FleetQueue::new(spec.concurrency, spec.per_cluster_cap(), spec.debounce),
+        queue: {
+            let queue = FleetQueue::new(spec.concurrency, spec.per_cluster_cap(), spec.debounce);
+            match &env.metrics {
+                Some(metrics) => queue.with_metrics(metrics.clone(), spec.name.clone()),
+                None => queue,
+            }
+        },
         syncs: FuturesUnordered::new(),
         epoch: 0,
     };

@@ -123,6 +123,7 @@ pub(crate) struct Env<C: ClusterId> {
     pub(crate) shutdown: CancellationToken,
     pub(crate) grace: Grace,
     pub(crate) backoff: WatchBackoff,
+    pub(crate) metrics: Option<crate::Metrics>,
 }
 
 /// How long reconciles in flight at shutdown are awaited.
@@ -153,6 +154,7 @@ impl<C: ClusterId> Clone for Env<C> {
             shutdown: self.shutdown.clone(),
             grace: self.grace.clone(),
             backoff: self.backoff.clone(),
+            metrics: self.metrics.clone(),
         }
     }
 }

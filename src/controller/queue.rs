@@ -10,6 +10,7 @@ use std::collections::{HashMap, HashSet, VecDeque, hash_map::Entry};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,7 +19,10 @@ use kube_runtime::scheduler::{ScheduleRequest, Scheduler, debounced_scheduler};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use prometheus_client::metrics::gauge::Gauge;
+
 use super::ReconcileReason;
+use crate::metrics::{Metrics, Outcome, Series};
 use crate::{Action, ClusterId, Request};
 
 /// Ready requests grouped by cluster, served round-robin, with at most `cap` of one cluster in
@@ -80,14 +84,14 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     }
 
     /// Adds a request that is due. A request already queued is not added twice; one in
-    /// flight is queued again when it is done.
-    pub(crate) fn push(&mut self, req: Request<C>, payload: R) {
+    /// flight is queued again when it is done. True if it was queued now.
+    pub(crate) fn push(&mut self, req: Request<C>, payload: R) -> bool {
         if self.in_flight.contains(&req) {
             self.dirty.entry(req).or_insert(payload);
-            return;
+            return false;
         }
         if self.queued.contains(&req) {
-            return;
+            return false;
         }
         self.queued.insert(req.clone());
         match self.queues.entry(req.cluster.clone()) {
@@ -97,6 +101,12 @@ impl<C: ClusterId, R> FairQueue<C, R> {
                 v.insert(VecDeque::from([(req, payload)]));
             }
         }
+        true
+    }
+
+    /// How many requests of `cluster` are queued (not in flight).
+    pub(crate) fn depth(&self, cluster: &C) -> usize {
+        self.queues.get(cluster).map_or(0, VecDeque::len)
     }
 
     /// Takes the next request: the oldest of the first cluster in turn that is under its cap
@@ -131,10 +141,11 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         Some((req, payload))
     }
 
-    /// Marks an in-flight request finished; if it was pushed meanwhile it is queued again.
-    pub(crate) fn done(&mut self, req: &Request<C>) {
+    /// Marks an in-flight request finished; if it was pushed meanwhile it is queued again
+    /// (true then).
+    pub(crate) fn done(&mut self, req: &Request<C>) -> bool {
         if !self.in_flight.remove(req) {
-            return;
+            return false;
         }
         if let Entry::Occupied(mut count) = self.in_flight_per_cluster.entry(req.cluster.clone()) {
             *count.get_mut() -= 1;
@@ -142,8 +153,9 @@ impl<C: ClusterId, R> FairQueue<C, R> {
                 count.remove();
             }
         }
-        if let Some((req, payload)) = self.dirty.remove_entry(req) {
-            self.push(req, payload);
+        match self.dirty.remove_entry(req) {
+            Some((req, payload)) => self.push(req, payload),
+            None => false,
         }
     }
 
@@ -206,10 +218,24 @@ type Requests<C> = Pin<Box<dyn Stream<Item = ScheduleRequest<Queued<C>>> + Send>
 pub(crate) struct FleetQueue<C: ClusterId> {
     schedule_tx: mpsc::UnboundedSender<ScheduleRequest<Queued<C>>>,
     scheduler: Pin<Box<Scheduler<Queued<C>, Requests<C>>>>,
-    ready: FairQueue<C, ReconcileReason>,
+    /// Each request with why it was queued and when it came due.
+    ready: FairQueue<C, (ReconcileReason, Instant)>,
     engaged: HashSet<C>,
     /// 0 for no limit.
     concurrency: usize,
+    metrics: Option<QueueMetrics<C>>,
+}
+
+/// The Prometheus series a fleet queue keeps up to date.
+struct QueueMetrics<C: ClusterId> {
+    metrics: Metrics,
+    controller: Arc<str>,
+    /// Per engaged cluster.
+    series: HashMap<C, Series>,
+    /// Reconciles running now.
+    active: Gauge,
+    /// When each request in flight started.
+    started: HashMap<Request<C>, Instant>,
 }
 
 impl<C: ClusterId> FleetQueue<C> {
@@ -225,19 +251,63 @@ impl<C: ClusterId> FleetQueue<C> {
             ready: FairQueue::with_cap(per_cluster),
             engaged: HashSet::new(),
             concurrency,
+            metrics: None,
         }
+    }
+
+    /// Keeps `controller`'s series in `metrics` up to date.
+    pub(crate) fn with_metrics(mut self, metrics: Metrics, controller: Arc<str>) -> Self {
+        let active = metrics.controller(&controller, self.concurrency);
+        self.metrics = Some(QueueMetrics {
+            metrics,
+            controller,
+            series: HashMap::new(),
+            active,
+            started: HashMap::new(),
+        });
+        self
     }
 
     /// Starts accepting requests for `cluster`.
     pub(crate) fn engage(&mut self, cluster: C) {
+        if let Some(m) = &mut self.metrics
+            && !m.series.contains_key(&cluster)
+        {
+            let series = m.metrics.series(&m.controller, &cluster.to_string(), true);
+            m.series.insert(cluster.clone(), series);
+        }
         self.engaged.insert(cluster);
     }
 
     /// Stops serving `cluster`: what is ready for it is dropped now, what is scheduled for
-    /// later is dropped when it comes due, and reconciles in flight are not requeued.
+    /// later is dropped when it comes due, and reconciles in flight are not requeued. Its
+    /// series are removed.
     pub(crate) fn disengage(&mut self, cluster: &C) {
         self.engaged.remove(cluster);
         self.ready.remove_cluster(cluster);
+        if let Some(m) = &mut self.metrics
+            && let Some(series) = m.series.remove(cluster)
+        {
+            m.metrics.forget(&series);
+        }
+    }
+
+    /// The series of `cluster`, if metrics are kept and it is engaged.
+    fn series(&self, cluster: &C) -> Option<&Series> {
+        self.metrics.as_ref()?.series.get(cluster)
+    }
+
+    /// Sets `cluster`'s depth gauge and the active workers.
+    fn gauge(&self, cluster: &C) {
+        if let Some(m) = &self.metrics {
+            if let Some(series) = m.series.get(cluster) {
+                series
+                    .depth
+                    .set(i64::try_from(self.ready.depth(cluster)).unwrap_or(i64::MAX));
+            }
+            m.active
+                .set(i64::try_from(self.ready.in_flight()).unwrap_or(i64::MAX));
+        }
     }
 
     /// Whether `cluster` is engaged.
@@ -262,7 +332,26 @@ impl<C: ClusterId> FleetQueue<C> {
     /// Marks `req`, handed out by [`FleetQueue::poll_next`], finished; schedules it again
     /// after the action's delay if its cluster is still engaged.
     pub(crate) fn finish(&mut self, req: Request<C>, action: Action, reason: ReconcileReason) {
-        self.ready.done(&req);
+        if let Some(m) = &mut self.metrics
+            && let Some(started) = m.started.remove(&req)
+            && let Some(series) = m.series.get(&req.cluster)
+        {
+            let outcome = if reason == ReconcileReason::ErrorPolicy {
+                Outcome::Error
+            } else if action.requeue_after().is_some() {
+                Outcome::RequeueAfter
+            } else {
+                Outcome::Success
+            };
+            let retried = outcome == Outcome::Error && action.requeue_after().is_some();
+            series.ended(outcome, started.elapsed(), retried);
+        }
+        if self.ready.done(&req)
+            && let Some(series) = self.series(&req.cluster)
+        {
+            series.adds.inc();
+        }
+        self.gauge(&req.cluster);
         if let Some(delay) = action.requeue_after()
             && self.engaged.contains(&req.cluster)
         {
@@ -283,7 +372,13 @@ impl<C: ClusterId> FleetQueue<C> {
         // that is due rather than in the order their delays ran out.
         while let Poll::Ready(Some(Queued(req, reason))) = self.scheduler.as_mut().poll_next(cx) {
             if self.engaged.contains(&req.cluster) {
-                self.ready.push(req, reason);
+                let cluster = req.cluster.clone();
+                if self.ready.push(req, (reason, Instant::now()))
+                    && let Some(series) = self.series(&cluster)
+                {
+                    series.adds.inc();
+                }
+                self.gauge(&cluster);
             } else {
                 tracing::debug!(request = %req, "dropping a request for a cluster that is not engaged");
             }
@@ -293,7 +388,16 @@ impl<C: ClusterId> FleetQueue<C> {
             return Poll::Pending;
         }
         match self.ready.pop() {
-            Some(next) => Poll::Ready(next),
+            Some((req, (reason, due))) => {
+                if let Some(m) = &mut self.metrics {
+                    if let Some(series) = m.series.get(&req.cluster) {
+                        series.started(due.elapsed());
+                    }
+                    m.started.insert(req.clone(), Instant::now());
+                }
+                self.gauge(&req.cluster);
+                Poll::Ready((req, reason))
+            }
             None => Poll::Pending,
         }
     }

@@ -12,7 +12,9 @@ use tracing::Instrument;
 
 use super::context::Shared;
 use super::{ClusterField, Env, ObjectField, Spec};
+use crate::metrics::{Outcome, Series};
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
+use prometheus_client::metrics::gauge::Gauge;
 
 /// What the runner hands to each call: everything a [`Context`] needs, behind the one `Arc`
 /// kube-runtime passes around, so a call costs three reference-count increments and no
@@ -27,6 +29,24 @@ struct Single<C: ClusterId, S, F, EP> {
     tracker: TaskTracker,
     /// The controller's name, for the reconcile's span.
     name: Arc<str>,
+    /// Its metrics, if the manager keeps any.
+    metrics: Option<Arc<SingleMetrics>>,
+}
+
+/// A single-cluster controller's series: the reconcile ones and its workers (its queue is
+/// kube-runtime's, without metrics).
+struct SingleMetrics {
+    series: Series,
+    active: Gauge,
+}
+
+/// Counts a reconcile as active until dropped (finished or cancelled).
+struct Active(Gauge);
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
@@ -87,7 +107,14 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     let grace = env.grace.clone();
     let name = spec.name.clone();
     let tracker = TaskTracker::new();
+    let metrics = env.metrics.as_ref().map(|metrics| {
+        Arc::new(SingleMetrics {
+            series: metrics.series(&spec.name, &ClusterField(cluster.id()).to_string(), false),
+            active: metrics.controller(&spec.name, spec.concurrency),
+        })
+    });
     let single = Arc::new(Single {
+        metrics,
         cluster,
         shared: Arc::new(Shared {
             state,
@@ -120,8 +147,27 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 );
                 let ctx = single.context(&obj);
                 let fut = (single.reconcile)(obj, ctx);
+                let metrics = single.metrics.clone();
                 single.tracker.track_future(
-                    async move { fut.await.map(KubeAction::from) }.instrument(span),
+                    async move {
+                        let Some(metrics) = metrics else {
+                            return fut.await.map(KubeAction::from);
+                        };
+                        metrics.active.inc();
+                        let _active = Active(metrics.active.clone());
+                        let started = std::time::Instant::now();
+                        let result = fut.await;
+                        let outcome = match &result {
+                            Err(_) => Outcome::Error,
+                            Ok(action) if action.requeue_after().is_some() => {
+                                Outcome::RequeueAfter
+                            }
+                            Ok(_) => Outcome::Success,
+                        };
+                        metrics.series.reconciled(outcome, started.elapsed());
+                        result.map(KubeAction::from)
+                    }
+                    .instrument(span),
                 )
             },
             |obj, error, single| {

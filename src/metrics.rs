@@ -1,0 +1,382 @@
+//! [`Metrics`]: Prometheus metrics of a manager, under controller-runtime's names and labels
+//! so its dashboards and alerts work, with a `cluster` label on the reconcile and queue
+//! series.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReconcileLabels {
+    controller: Arc<str>,
+    cluster: Arc<str>,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ControllerClusterLabels {
+    controller: Arc<str>,
+    cluster: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ControllerLabels {
+    controller: Arc<str>,
+}
+
+/// client-go's workqueue metrics name the queue `name`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QueueLabels {
+    name: Arc<str>,
+    cluster: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeaseLabels {
+    name: Arc<str>,
+}
+
+/// The outcomes `controller_runtime_reconcile_total` counts, by its `result` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// `Ok`, not requeued.
+    Success,
+    /// `Err` (the error policy decided what next).
+    Error,
+    /// `Ok`, requeued after a delay.
+    RequeueAfter,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Success => "success",
+            Outcome::Error => "error",
+            Outcome::RequeueAfter => "requeue_after",
+        }
+    }
+}
+
+const OUTCOMES: [Outcome; 3] = [Outcome::Success, Outcome::Error, Outcome::RequeueAfter];
+
+fn duration_histogram() -> Histogram {
+    // 5 ms to about 82 s, doubling (controller-runtime's reconcile buckets span the same).
+    Histogram::new(exponential_buckets(0.005, 2.0, 15))
+}
+
+/// Prometheus metrics of a [`Manager`](crate::Manager) and its controllers, registered into
+/// a registry of yours (which you can extend with metrics of your own and serve).
+///
+/// | series | labels | what |
+/// | --- | --- | --- |
+/// | `controller_runtime_reconcile_total` | `controller`, `cluster`, `result` (`success`, `error`, `requeue_after`) | reconciles ended |
+/// | `controller_runtime_reconcile_errors_total` | `controller`, `cluster` | reconciles that returned an error |
+/// | `controller_runtime_reconcile_time_seconds` | `controller`, `cluster` | histogram of reconcile durations |
+/// | `controller_runtime_max_concurrent_reconciles` | `controller` | the concurrency limit (0: none) |
+/// | `controller_runtime_active_workers` | `controller` | reconciles running now |
+/// | `workqueue_depth` | `name`, `cluster` | requests due and waiting for a slot |
+/// | `workqueue_adds_total` | `name`, `cluster` | requests that came due and were queued |
+/// | `workqueue_queue_duration_seconds` | `name`, `cluster` | histogram of waits from due to started |
+/// | `workqueue_work_duration_seconds` | `name`, `cluster` | histogram of reconcile durations, as the queue sees them |
+/// | `workqueue_retries_total` | `name`, `cluster` | requeues decided by the error policy |
+/// | `leader_election_master_status` | `name` (the lease, `namespace/name`) | 1 while leading, else 0 |
+/// | `multicluster_runtime_engaged_clusters` | | clusters engaged in the fleet |
+///
+/// `cluster` is the cluster id as text (`single` for a single-cluster manager). The series of
+/// a cluster are removed when a controller stops following it, not left stale. For a very
+/// large fleet, [`Metrics::without_cluster_label`] aggregates them across clusters instead.
+/// Queue series exist in fleet mode; a single-cluster controller is kube-runtime's, whose
+/// queue has no metrics, so it reports the reconcile series only.
+///
+/// ```
+/// use prometheus_client::registry::Registry;
+/// let mut registry = Registry::default();
+/// let metrics = multicluster_runtime::Metrics::new(&mut registry);
+/// // Manager::new(provider).metrics(metrics); serve `registry` (prometheus_client's
+/// // text encoder) at /metrics.
+/// ```
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("cluster_label", &self.inner.cluster_label)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    cluster_label: bool,
+    reconcile_total: Family<ReconcileLabels, Counter>,
+    reconcile_errors: Family<ControllerClusterLabels, Counter>,
+    reconcile_time: Family<ControllerClusterLabels, Histogram, fn() -> Histogram>,
+    max_concurrent: Family<ControllerLabels, Gauge>,
+    active_workers: Family<ControllerLabels, Gauge>,
+    depth: Family<QueueLabels, Gauge>,
+    adds: Family<QueueLabels, Counter>,
+    queue_duration: Family<QueueLabels, Histogram, fn() -> Histogram>,
+    work_duration: Family<QueueLabels, Histogram, fn() -> Histogram>,
+    retries: Family<QueueLabels, Counter>,
+    leader: Family<LeaseLabels, Gauge>,
+    engaged: Gauge,
+}
+
+impl Metrics {
+    /// The metrics, registered into `registry`.
+    pub fn new(registry: &mut Registry) -> Self {
+        Self::build(registry, true)
+    }
+
+    /// As [`Metrics::new`], with the `cluster` label left out: each controller's series are
+    /// summed over its clusters (for fleets of many thousands of clusters, where a series per
+    /// cluster costs the Prometheus server too much).
+    pub fn without_cluster_label(registry: &mut Registry) -> Self {
+        Self::build(registry, false)
+    }
+
+    fn build(registry: &mut Registry, cluster_label: bool) -> Self {
+        let inner = Inner {
+            cluster_label,
+            reconcile_total: Family::default(),
+            reconcile_errors: Family::default(),
+            reconcile_time: Family::new_with_constructor(duration_histogram),
+            max_concurrent: Family::default(),
+            active_workers: Family::default(),
+            depth: Family::default(),
+            adds: Family::default(),
+            queue_duration: Family::new_with_constructor(duration_histogram),
+            work_duration: Family::new_with_constructor(duration_histogram),
+            retries: Family::default(),
+            leader: Family::default(),
+            engaged: Gauge::default(),
+        };
+        // prometheus-client adds `_total` to counters' names.
+        registry.register(
+            "controller_runtime_reconcile",
+            "Reconciles ended, per controller, cluster and result",
+            inner.reconcile_total.clone(),
+        );
+        registry.register(
+            "controller_runtime_reconcile_errors",
+            "Reconciles that returned an error, per controller and cluster",
+            inner.reconcile_errors.clone(),
+        );
+        registry.register(
+            "controller_runtime_reconcile_time_seconds",
+            "How long reconciles took, per controller and cluster",
+            inner.reconcile_time.clone(),
+        );
+        registry.register(
+            "controller_runtime_max_concurrent_reconciles",
+            "The most reconciles a controller runs at once (0: no limit)",
+            inner.max_concurrent.clone(),
+        );
+        registry.register(
+            "controller_runtime_active_workers",
+            "Reconciles running now, per controller",
+            inner.active_workers.clone(),
+        );
+        registry.register(
+            "workqueue_depth",
+            "Requests due and waiting for a reconcile slot, per controller and cluster",
+            inner.depth.clone(),
+        );
+        registry.register(
+            "workqueue_adds",
+            "Requests that came due and were queued, per controller and cluster",
+            inner.adds.clone(),
+        );
+        registry.register(
+            "workqueue_queue_duration_seconds",
+            "How long requests waited between coming due and starting",
+            inner.queue_duration.clone(),
+        );
+        registry.register(
+            "workqueue_work_duration_seconds",
+            "How long requests took from starting to finishing",
+            inner.work_duration.clone(),
+        );
+        registry.register(
+            "workqueue_retries",
+            "Requeues the error policy asked for, per controller and cluster",
+            inner.retries.clone(),
+        );
+        registry.register(
+            "leader_election_master_status",
+            "1 while this replica holds the lease, else 0",
+            inner.leader.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_engaged_clusters",
+            "Clusters engaged in the manager's fleet",
+            inner.engaged.clone(),
+        );
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    fn cluster(&self, cluster: &str) -> Arc<str> {
+        if self.inner.cluster_label {
+            Arc::from(cluster)
+        } else {
+            Arc::from("")
+        }
+    }
+
+    /// The series of `controller` in `cluster`, to update without a lookup per event; the
+    /// queue's only if `queue` (a single-cluster controller's queue is kube-runtime's).
+    pub(crate) fn series(&self, controller: &Arc<str>, cluster: &str, queue: bool) -> Series {
+        let cluster = self.cluster(cluster);
+        let both = ControllerClusterLabels {
+            controller: controller.clone(),
+            cluster: cluster.clone(),
+        };
+        let labels = QueueLabels {
+            name: controller.clone(),
+            cluster: cluster.clone(),
+        };
+        let outcomes = OUTCOMES.map(|outcome| {
+            self.inner
+                .reconcile_total
+                .get_or_create_owned(&ReconcileLabels {
+                    controller: controller.clone(),
+                    cluster: cluster.clone(),
+                    result: outcome.label(),
+                })
+        });
+        let errors = self.inner.reconcile_errors.get_or_create_owned(&both);
+        let time = self.inner.reconcile_time.get_or_create_owned(&both);
+        if !queue {
+            // Not registered: updates go nowhere.
+            return Series {
+                outcomes,
+                errors,
+                time,
+                depth: Gauge::default(),
+                adds: Counter::default(),
+                queue_duration: duration_histogram(),
+                work_duration: duration_histogram(),
+                retries: Counter::default(),
+                labels: Some((both, labels)),
+            };
+        }
+        Series {
+            outcomes,
+            errors,
+            time,
+            depth: self.inner.depth.get_or_create_owned(&labels),
+            adds: self.inner.adds.get_or_create_owned(&labels),
+            queue_duration: self.inner.queue_duration.get_or_create_owned(&labels),
+            work_duration: self.inner.work_duration.get_or_create_owned(&labels),
+            retries: self.inner.retries.get_or_create_owned(&labels),
+            labels: Some((both, labels)),
+        }
+    }
+
+    /// Removes the series of `series`' controller and cluster (unless they are shared by
+    /// every cluster, without the cluster label).
+    pub(crate) fn forget(&self, series: &Series) {
+        if !self.inner.cluster_label {
+            return;
+        }
+        let Some((both, queue)) = &series.labels else {
+            return;
+        };
+        for outcome in OUTCOMES {
+            self.inner.reconcile_total.remove(&ReconcileLabels {
+                controller: both.controller.clone(),
+                cluster: both.cluster.clone(),
+                result: outcome.label(),
+            });
+        }
+        self.inner.reconcile_errors.remove(both);
+        self.inner.reconcile_time.remove(both);
+        self.inner.depth.remove(queue);
+        self.inner.adds.remove(queue);
+        self.inner.queue_duration.remove(queue);
+        self.inner.work_duration.remove(queue);
+        self.inner.retries.remove(queue);
+    }
+
+    /// The gauges of `controller`: its concurrency limit and its reconciles running.
+    pub(crate) fn controller(&self, controller: &Arc<str>, concurrency: usize) -> Gauge {
+        let labels = ControllerLabels {
+            controller: controller.clone(),
+        };
+        self.inner
+            .max_concurrent
+            .get_or_create(&labels)
+            .set(i64::try_from(concurrency).unwrap_or(i64::MAX));
+        self.inner.active_workers.get_or_create_owned(&labels)
+    }
+
+    /// Whether this replica holds `lease` now.
+    pub(crate) fn leading(&self, lease: &str, leading: bool) {
+        self.inner
+            .leader
+            .get_or_create(&LeaseLabels {
+                name: Arc::from(lease),
+            })
+            .set(i64::from(leading));
+    }
+
+    /// How many clusters the fleet has engaged.
+    pub(crate) fn engaged_clusters(&self, n: usize) {
+        self.inner.engaged.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}
+
+/// One controller's series in one cluster.
+#[derive(Clone)]
+pub(crate) struct Series {
+    outcomes: [Counter; 3],
+    errors: Counter,
+    time: Histogram,
+    pub(crate) depth: Gauge,
+    pub(crate) adds: Counter,
+    queue_duration: Histogram,
+    work_duration: Histogram,
+    retries: Counter,
+    labels: Option<(ControllerClusterLabels, QueueLabels)>,
+}
+
+impl Series {
+    /// A request waited `waited` between coming due and starting.
+    pub(crate) fn started(&self, waited: Duration) {
+        self.queue_duration.observe(waited.as_secs_f64());
+    }
+
+    /// A reconcile ended after `took`.
+    pub(crate) fn ended(&self, outcome: Outcome, took: Duration, retried: bool) {
+        let index = OUTCOMES.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.outcomes[index].inc();
+        if outcome == Outcome::Error {
+            self.errors.inc();
+        }
+        if retried {
+            self.retries.inc();
+        }
+        self.time.observe(took.as_secs_f64());
+        self.work_duration.observe(took.as_secs_f64());
+    }
+
+    /// The reconcile series only (single-cluster mode: no queue of ours).
+    pub(crate) fn reconciled(&self, outcome: Outcome, took: Duration) {
+        let index = OUTCOMES.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.outcomes[index].inc();
+        if outcome == Outcome::Error {
+            self.errors.inc();
+        }
+        self.time.observe(took.as_secs_f64());
+    }
+}
