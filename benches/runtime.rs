@@ -3,7 +3,7 @@
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
 //! cargo bench --features testenv --bench runtime -- callgrind    # zero cost of single-cluster mode
-//! cargo bench --features testenv --bench runtime -- throughput [--runs N]   # fleet vs single vs kube-runtime
+//! cargo bench --features testenv --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
 //! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
 //! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
 //! ```
@@ -73,11 +73,19 @@ fn main() {
                 let runs = arg_after(&args, "--runs")
                     .and_then(|r| r.parse().ok())
                     .unwrap_or(3);
-                throughput(&kubeconfig, runs);
+                // `--metrics`: fleet mode with and without metrics, for their overhead.
+                let modes: &[&'static str] = if args.iter().any(|a| a == "--metrics") {
+                    &["fleet", "fleet-metrics"]
+                } else {
+                    &["kube", "single", "fleet"]
+                };
+                throughput(&kubeconfig, runs, modes);
             }
             if all || args.iter().any(|a| a == "callgrind") {
                 // `--fleet` adds fleet mode, to compare its instructions across commits.
-                let modes: &[&str] = if args.iter().any(|a| a == "--fleet") {
+                let modes: &[&str] = if args.iter().any(|a| a == "--metrics") {
+                    &["fleet", "fleet-metrics"]
+                } else if args.iter().any(|a| a == "--fleet") {
                     &["kube", "single", "fleet"]
                 } else {
                     &["kube", "single"]
@@ -164,14 +172,14 @@ fn run_child(mode: &str, kubeconfig: &str, under_callgrind: bool) -> (Duration, 
     (elapsed, instructions)
 }
 
-fn throughput(kubeconfig: &str, runs: usize) {
+fn throughput(kubeconfig: &str, runs: usize, modes: &[&'static str]) {
     println!(
         "\n== throughput: {OBJECTS} reconciles on one cluster, {runs} runs each, wall time of the child process"
     );
     let mut times: HashMap<&str, Vec<Duration>> = HashMap::new();
     for _ in 0..runs {
         // Alternating, so drift on the machine affects every mode alike.
-        for mode in ["kube", "single", "fleet"] {
+        for &mode in modes {
             times
                 .entry(mode)
                 .or_default()
@@ -179,7 +187,7 @@ fn throughput(kubeconfig: &str, runs: usize) {
         }
     }
     let mut medians = HashMap::new();
-    for mode in ["kube", "single", "fleet"] {
+    for &mode in modes {
         let mut times = times[mode].clone();
         times.sort();
         let median = times[times.len() / 2];
@@ -194,8 +202,14 @@ fn throughput(kubeconfig: &str, runs: usize) {
                 .collect::<Vec<_>>()
         );
     }
-    let ratio = medians["single"].as_secs_f64() / medians["fleet"].as_secs_f64();
-    println!("fleet throughput / single throughput = {ratio:.3}");
+    if let (Some(single), Some(fleet)) = (medians.get("single"), medians.get("fleet")) {
+        let ratio = single.as_secs_f64() / fleet.as_secs_f64();
+        println!("fleet throughput / single throughput = {ratio:.3}");
+    }
+    if let (Some(fleet), Some(metrics)) = (medians.get("fleet"), medians.get("fleet-metrics")) {
+        let ratio = fleet.as_secs_f64() / metrics.as_secs_f64();
+        println!("fleet throughput with metrics / without = {ratio:.3}");
+    }
 }
 
 fn callgrind(kubeconfig: &str, modes: &[&'static str]) {
@@ -222,12 +236,22 @@ fn callgrind(kubeconfig: &str, modes: &[&'static str]) {
     for &mode in modes {
         println!("{mode:<7} median {} runs {:?}", median(mode), counts[mode]);
     }
-    let (kube, single) = (median("kube"), median("single"));
-    println!(
-        "single / kube (medians) = {:.4}; difference {} instructions per reconcile",
-        single as f64 / kube as f64,
-        (single as i64 - kube as i64) / OBJECTS as i64
-    );
+    let ratio = |a: &str, b: &str| {
+        let (a, b) = (median(a), median(b));
+        println!(
+            " {:.4} (medians); difference {} instructions per reconcile",
+            a as f64 / b as f64,
+            (a as i64 - b as i64) / OBJECTS as i64
+        );
+    };
+    if modes.contains(&"single") {
+        print!("single / kube:");
+        ratio("single", "kube");
+    }
+    if modes.contains(&"fleet-metrics") {
+        print!("fleet-metrics / fleet:");
+        ratio("fleet-metrics", "fleet");
+    }
 }
 
 /// Counts reconciles and ends the process at `OBJECTS`.
@@ -282,12 +306,17 @@ async fn child(mode: &str, kubeconfig: &str) {
                 .run(count, never, Arc::new(Counter::default()))
                 .await
         }
-        "fleet" => {
+        "fleet" | "fleet-metrics" => {
             let clusters = Clusters::new();
             clusters
                 .add(Cluster::new(ClusterName::from("only"), client))
                 .expect("add");
-            let manager = Manager::new(clusters);
+            let mut registry = prometheus_client::registry::Registry::default();
+            let manager = if mode == "fleet-metrics" {
+                Manager::new(clusters).metrics(multicluster_runtime::Metrics::new(&mut registry))
+            } else {
+                Manager::new(clusters)
+            };
             let controller = Builder::<_, ConfigMap>::new(&manager, wc).run(
                 count,
                 never,

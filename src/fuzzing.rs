@@ -272,7 +272,7 @@ async fn queue_machine(data: &[u8]) {
                 if action.requeue_after().is_some() {
                     model.asked(&request);
                 }
-                queue.finish(request, action, ReconcileReason::Requeue);
+                queue.finish(request, action, ReconcileReason::Requeue, None);
             }
             _ => tokio::time::advance(Duration::from_millis(u64::from(arg) * 10)).await,
         }
@@ -280,7 +280,12 @@ async fn queue_machine(data: &[u8]) {
     // No loss: finish what runs, let an hour pass, and serve everything that comes due.
     loop {
         for request in std::mem::take(&mut model.in_flight) {
-            queue.finish(request, Action::await_change(), ReconcileReason::Requeue);
+            queue.finish(
+                request,
+                Action::await_change(),
+                ReconcileReason::Requeue,
+                None,
+            );
         }
         match tokio::time::timeout(Duration::from_secs(3600), queue.next()).await {
             Ok((request, _)) => model.started(request),

@@ -52,8 +52,21 @@ use crate::{Action, ClusterId, Context, FleetView, Request, Watchable};
 
 /// A reconcile in flight; it yields its request, what it asked for next, why, and whether the
 /// engagement it ran in had ended by the time it returned.
-type Reconciling<C> =
-    Pin<Box<dyn Future<Output = (Request<C>, Action, ReconcileReason, bool)> + Send>>;
+/// A reconcile: its request, what it asked for, why it runs next, whether its engagement
+/// ended meanwhile, and how long it took (timed only when metrics are kept).
+type Reconciling<C> = Pin<
+    Box<
+        dyn Future<
+                Output = (
+                    Request<C>,
+                    Action,
+                    ReconcileReason,
+                    bool,
+                    Option<std::time::Duration>,
+                ),
+            > + Send,
+    >,
+>;
 /// A primary cache that listed (or failed to): the id, the slot's epoch, the outcome.
 type Synced<C> = Pin<Box<dyn Future<Output = (C, u64, Result<(), CacheError>)> + Send>>;
 
@@ -177,21 +190,22 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             Some((req, reason)) = slots.triggers.next(), if !slots.triggers.is_empty() => {
                 slots.queue.trigger(req, reason);
             }
-            Some((req, action, reason, ended)) = running.next(), if !running.is_empty() => {
+            Some((req, action, reason, ended, took)) = running.next(), if !running.is_empty() => {
                 // A reconcile whose engagement ended while it ran (its cluster was replaced:
                 // the client it used stopped, its context was cancelled) may have been cut
                 // short: it runs again if the id is still followed, on the new engagement.
                 let rerun = ended && slots.slots.contains_key(&req.cluster);
                 if rerun {
-                    slots.queue.finish(req.clone(), action, reason.clone());
+                    slots.queue.finish(req.clone(), action, reason.clone(), took);
                     slots.queue.trigger(req, reason);
                 } else {
-                    slots.queue.finish(req, action, reason);
+                    slots.queue.finish(req, action, reason, took);
                 }
             }
             (req, reason) = slots.queue.next() => {
                 if let Some((object, engagement)) = slots.object_for(&req, &reason) {
-                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy));
+                    let timed = env.metrics.is_some();
+                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed));
                 }
             }
         }
@@ -344,7 +358,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
     ) -> Option<(Arc<K>, Engagement<C>)> {
         let Some(slot) = self.slots.get_mut(&req.cluster) else {
             self.queue
-                .finish(req.clone(), Action::await_change(), reason.clone());
+                .finish(req.clone(), Action::await_change(), reason.clone(), None);
             return None;
         };
         // A cache that has just listed serves at once, before its signal comes round.
@@ -361,7 +375,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
             tracing::debug!(controller = %self.spec.name, request = %req, "no cache to read yet; parked");
             slot.parked.insert(req.clone(), reason.clone());
             self.queue
-                .finish(req.clone(), Action::await_change(), reason.clone());
+                .finish(req.clone(), Action::await_change(), reason.clone(), None);
             return None;
         };
         let object = cache.get(&key);
@@ -370,7 +384,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
             None => {
                 tracing::debug!(controller = %self.spec.name, request = %req, "object not in the cache (deleted); skipping");
                 self.queue
-                    .finish(req.clone(), Action::await_change(), reason.clone());
+                    .finish(req.clone(), Action::await_change(), reason.clone(), None);
                 None
             }
         }
@@ -434,6 +448,7 @@ fn start<K, C, S, F, Fut, E, P>(
     shared: &Arc<Shared<C, S>>,
     reconcile: &Arc<F>,
     error_policy: &Arc<P>,
+    timed: bool,
 ) -> Reconciling<C>
 where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
@@ -465,6 +480,7 @@ where
     let error_policy = error_policy.clone();
     let grace = spec.disengage_grace;
     async move {
+        let began = timed.then(std::time::Instant::now);
         let work = async {
             match reconcile(object.clone(), ctx.clone()).await {
                 Ok(action) => (action, ReconcileReason::Requeue),
@@ -482,10 +498,13 @@ where
         // Biased: a reconcile that is done is not made to wait on the token first.
         tokio::select! {
             biased;
-            (action, reason) = work => (req, action, reason, token.is_cancelled()),
+            (action, reason) = work => {
+                let took = began.map(|b| b.elapsed());
+                (req, action, reason, token.is_cancelled(), took)
+            }
             () = abandoned => {
                 tracing::warn!(cluster = %req.cluster, ?grace, "reconcile dropped: its cluster was disengaged and it did not return within the grace period");
-                (req, Action::await_change(), reason, true)
+                (req, Action::await_change(), reason, true, began.map(|b| b.elapsed()))
             }
         }
     }

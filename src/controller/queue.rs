@@ -104,11 +104,6 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         true
     }
 
-    /// How many requests of `cluster` are queued (not in flight).
-    pub(crate) fn depth(&self, cluster: &C) -> usize {
-        self.queues.get(cluster).map_or(0, VecDeque::len)
-    }
-
     /// Takes the next request: the oldest of the first cluster in turn that is under its cap
     /// (a cluster at its cap keeps its place in the rotation). It counts as in flight until
     /// [`FairQueue::done`].
@@ -234,8 +229,6 @@ struct QueueMetrics<C: ClusterId> {
     series: HashMap<C, Series>,
     /// Reconciles running now.
     active: Gauge,
-    /// When each request in flight started.
-    started: HashMap<Request<C>, Instant>,
 }
 
 impl<C: ClusterId> FleetQueue<C> {
@@ -263,7 +256,6 @@ impl<C: ClusterId> FleetQueue<C> {
             controller,
             series: HashMap::new(),
             active,
-            started: HashMap::new(),
         });
         self
     }
@@ -297,16 +289,11 @@ impl<C: ClusterId> FleetQueue<C> {
         self.metrics.as_ref()?.series.get(cluster)
     }
 
-    /// Sets `cluster`'s depth gauge and the active workers.
-    fn gauge(&self, cluster: &C) {
-        if let Some(m) = &self.metrics {
-            if let Some(series) = m.series.get(cluster) {
-                series
-                    .depth
-                    .set(i64::try_from(self.ready.depth(cluster)).unwrap_or(i64::MAX));
-            }
-            m.active
-                .set(i64::try_from(self.ready.in_flight()).unwrap_or(i64::MAX));
+    /// A request of `cluster` was queued.
+    fn queued(&self, cluster: &C) {
+        if let Some(series) = self.series(cluster) {
+            series.adds.inc();
+            series.depth.inc();
         }
     }
 
@@ -331,10 +318,19 @@ impl<C: ClusterId> FleetQueue<C> {
 
     /// Marks `req`, handed out by [`FleetQueue::poll_next`], finished; schedules it again
     /// after the action's delay if its cluster is still engaged.
-    pub(crate) fn finish(&mut self, req: Request<C>, action: Action, reason: ReconcileReason) {
-        if let Some(m) = &mut self.metrics
-            && let Some(started) = m.started.remove(&req)
-            && let Some(series) = m.series.get(&req.cluster)
+    /// `took` is how long the reconcile ran, if it was timed (metrics are kept).
+    pub(crate) fn finish(
+        &mut self,
+        req: Request<C>,
+        action: Action,
+        reason: ReconcileReason,
+        took: Option<Duration>,
+    ) {
+        if let Some(m) = &self.metrics {
+            m.active.dec();
+        }
+        if let Some(took) = took
+            && let Some(series) = self.series(&req.cluster)
         {
             let outcome = if reason == ReconcileReason::ErrorPolicy {
                 Outcome::Error
@@ -344,14 +340,11 @@ impl<C: ClusterId> FleetQueue<C> {
                 Outcome::Success
             };
             let retried = outcome == Outcome::Error && action.requeue_after().is_some();
-            series.ended(outcome, started.elapsed(), retried);
+            series.ended(outcome, took, retried);
         }
-        if self.ready.done(&req)
-            && let Some(series) = self.series(&req.cluster)
-        {
-            series.adds.inc();
+        if self.ready.done(&req) {
+            self.queued(&req.cluster);
         }
-        self.gauge(&req.cluster);
         if let Some(delay) = action.requeue_after()
             && self.engaged.contains(&req.cluster)
         {
@@ -373,12 +366,9 @@ impl<C: ClusterId> FleetQueue<C> {
         while let Poll::Ready(Some(Queued(req, reason))) = self.scheduler.as_mut().poll_next(cx) {
             if self.engaged.contains(&req.cluster) {
                 let cluster = req.cluster.clone();
-                if self.ready.push(req, (reason, Instant::now()))
-                    && let Some(series) = self.series(&cluster)
-                {
-                    series.adds.inc();
+                if self.ready.push(req, (reason, Instant::now())) {
+                    self.queued(&cluster);
                 }
-                self.gauge(&cluster);
             } else {
                 tracing::debug!(request = %req, "dropping a request for a cluster that is not engaged");
             }
@@ -389,13 +379,13 @@ impl<C: ClusterId> FleetQueue<C> {
         }
         match self.ready.pop() {
             Some((req, (reason, due))) => {
-                if let Some(m) = &mut self.metrics {
+                if let Some(m) = &self.metrics {
+                    m.active.inc();
                     if let Some(series) = m.series.get(&req.cluster) {
+                        series.depth.dec();
                         series.started(due.elapsed());
                     }
-                    m.started.insert(req.clone(), Instant::now());
                 }
-                self.gauge(&req.cluster);
                 Poll::Ready((req, reason))
             }
             None => Poll::Pending,
@@ -585,13 +575,13 @@ mod tests {
             assert_eq!(first.cluster, "noisy");
             // The quiet cluster's only request arrives while the noisy backlog is due.
             q.trigger(req("quiet", "only"), ObjectChanged);
-            q.finish(first, Action::await_change(), why);
+            q.finish(first, Action::await_change(), why, None);
             let mut slots_before_quiet = 0;
             loop {
                 let (r, why) = q.next().await;
                 // Each reconcile takes 10 ms of (paused) time.
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                q.finish(r.clone(), Action::await_change(), why);
+                q.finish(r.clone(), Action::await_change(), why, None);
                 if r.cluster == "quiet" {
                     break;
                 }
@@ -608,7 +598,7 @@ mod tests {
             let mut q = queue(0, &["a"]);
             q.trigger(req("a", "x"), ObjectChanged);
             let (r, _) = q.next().await;
-            q.finish(r, Action::requeue(Duration::from_secs(30)), Requeue);
+            q.finish(r, Action::requeue(Duration::from_secs(30)), Requeue, None);
             assert_eq!(next_within(&mut q, 29).await, None);
             assert_eq!(next_within(&mut q, 2).await, Some(req("a", "x")));
         }
@@ -623,7 +613,7 @@ mod tests {
             let _r2 = q.next().await;
             assert_eq!(q.in_flight(), 2);
             assert_eq!(next_within(&mut q, 60).await, None, "a third may not start");
-            q.finish(r1, Action::await_change(), w1);
+            q.finish(r1, Action::await_change(), w1, None);
             assert!(next_within(&mut q, 1).await.is_some());
         }
 
@@ -634,7 +624,7 @@ mod tests {
             let (r, why) = q.next().await;
             q.trigger(req("a", "x"), ObjectChanged);
             assert_eq!(next_within(&mut q, 60).await, None);
-            q.finish(r, Action::await_change(), why);
+            q.finish(r, Action::await_change(), why, None);
             assert_eq!(next_within(&mut q, 1).await, Some(req("a", "x")));
         }
 
@@ -649,12 +639,13 @@ mod tests {
                 running.clone(),
                 Action::requeue(Duration::from_secs(5)),
                 why.clone(),
+                None,
             );
             let (running, why) = (q.next().await.0, why);
             q.disengage(&name("a"));
             assert!(!q.is_engaged(&name("a")));
             // The reconcile in flight finishes and asks for a requeue: refused.
-            q.finish(running, Action::requeue(Duration::from_secs(1)), why);
+            q.finish(running, Action::requeue(Duration::from_secs(1)), why, None);
             q.trigger(req("a", "late"), ObjectChanged);
             q.trigger(req("b", "other"), ObjectChanged);
             assert_eq!(next_within(&mut q, 60).await, Some(req("b", "other")));
@@ -670,7 +661,7 @@ mod tests {
             let mut q = queue(0, &["a"]);
             q.trigger(req("a", "x"), ObjectChanged);
             let (r, why) = q.next().await;
-            q.finish(r, Action::requeue(Duration::MAX), why);
+            q.finish(r, Action::requeue(Duration::MAX), why, None);
             assert_eq!(next_within(&mut q, 24 * 3600).await, None);
         }
     }
