@@ -368,16 +368,17 @@ async fn missing_binaries_are_reported_with_the_way_to_get_them() {
 
 const HELPER_ENV: &str = "MCR_TESTENV_ORPHAN_HELPER";
 
-/// Not a test of its own: `no_process_outlives_the_test_binary` runs this binary again with
+/// Not a test of its own: `no_process_or_directory_outlives_the_test_binary` runs this binary again with
 /// `HELPER_ENV` set, and this starts clusters, prints their process ids and ends as told.
 #[tokio::test]
-#[ignore = "helper process for no_process_outlives_the_test_binary"]
+#[ignore = "helper process for no_process_or_directory_outlives_the_test_binary"]
 async fn orphan_helper() {
     let Ok(mode) = std::env::var(HELPER_ENV) else {
         return;
     };
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
     let pids: Vec<String> = env.pids().iter().map(u32::to_string).collect();
+    println!("DIR {}", env.dir().display());
     println!("PIDS {}", pids.join(" "));
     match mode.as_str() {
         "abort" => std::process::abort(),
@@ -398,7 +399,8 @@ fn process_alive(pid: u32) -> bool {
     }
 }
 
-fn run_helper(mode: &str) -> Vec<u32> {
+/// The helper's process ids and its environment's directory.
+fn run_helper(mode: &str) -> (Vec<u32>, std::path::PathBuf) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -413,8 +415,12 @@ fn run_helper(mode: &str) -> Vec<u32> {
         .spawn()
         .unwrap();
     let mut pids = Vec::new();
+    let mut dir = std::path::PathBuf::new();
     for line in BufReader::new(child.stdout.take().unwrap()).lines() {
         let line = line.unwrap();
+        if let Some((_, path)) = line.split_once("DIR ") {
+            dir = path.trim().into();
+        }
         // The harness prints "test orphan_helper ... " on the same line first.
         if let Some((_, list)) = line.split_once("PIDS ") {
             pids = list
@@ -429,18 +435,29 @@ fn run_helper(mode: &str) -> Vec<u32> {
         3,
         "helper ({mode}) should report 2 apiservers and 1 etcd"
     );
-    pids
+    assert!(
+        !dir.as_os_str().is_empty(),
+        "helper ({mode}) reported no directory"
+    );
+    (pids, dir)
 }
 
 #[test]
-fn no_process_outlives_the_test_binary() {
+fn no_process_or_directory_outlives_the_test_binary() {
     for mode in ["return", "panic", "abort", "exit"] {
-        let pids = run_helper(mode);
-        // The guardian gives processes a grace period before SIGKILL; allow for it.
+        let (pids, dir) = run_helper(mode);
+        // The guardian gives processes a grace period before SIGKILL, then removes the
+        // directory (etcd's data: about 120 MiB); allow for it.
         let deadline = Instant::now() + Duration::from_secs(20);
-        while pids.iter().any(|&p| process_alive(p)) && Instant::now() < deadline {
+        while (pids.iter().any(|&p| process_alive(p)) || dir.exists()) && Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_millis(100));
         }
+        assert!(
+            !dir.exists(),
+            "after the helper ended by {mode}, its directory {} is left",
+            dir.display()
+        );
         let alive: Vec<u32> = pids.iter().copied().filter(|&p| process_alive(p)).collect();
         assert!(
             alive.is_empty(),

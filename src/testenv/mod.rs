@@ -33,7 +33,7 @@
 //! Dropping a [`TestEnv`] stops every process it started (SIGTERM, then SIGKILL after a grace
 //! period) and removes its temporary directory, also while a test panics. If the test binary
 //! dies without unwinding (killed, aborted, `exit`), a small guardian process it leaves behind
-//! stops the control plane instead.
+//! stops the control plane and removes the directory instead.
 
 mod assets;
 mod pki;
@@ -291,7 +291,8 @@ impl TestEnvBuilder {
             .prefix("mcr-testenv-")
             .tempdir()
             .map_err(io_err("create the temporary directory"))?;
-        let guardian = Arc::new(Guardian::spawn().map_err(io_err("start the guardian process"))?);
+        let guardian =
+            Arc::new(Guardian::spawn(root.path()).map_err(io_err("start the guardian process"))?);
         let shared_etcd = match self.layout {
             EtcdLayout::Shared => Some(
                 Etcd::start(

@@ -163,8 +163,11 @@ pub(crate) struct Guardian {
     child: Mutex<Option<Child>>,
 }
 
+/// `$1` is the environment's directory: removed once its processes are gone (a test binary
+/// that aborts never runs the directory's own cleanup).
 const GUARDIAN_SCRIPT: &str = r#"
 trap '' INT TERM HUP
+dir=$1
 pids=" "
 while IFS= read -r line; do
   case "$line" in
@@ -173,26 +176,30 @@ while IFS= read -r line; do
   esac
 done
 set -- $pids
-[ $# -eq 0 ] && exit 0
-kill -TERM "$@" 2>/dev/null
-i=0
-while [ $i -lt 50 ]; do
-  alive=0
-  for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
-  [ $alive -eq 0 ] && exit 0
-  sleep 0.1
-  i=$((i+1))
-done
-kill -KILL "$@" 2>/dev/null
+if [ $# -gt 0 ]; then
+  kill -TERM "$@" 2>/dev/null
+  i=0
+  while [ $i -lt 50 ]; do
+    alive=0
+    for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive -eq 0 ] && break
+    sleep 0.1
+    i=$((i+1))
+  done
+  [ $alive -eq 0 ] || { kill -KILL "$@" 2>/dev/null; sleep 0.2; }
+fi
+[ -n "$dir" ] && rm -rf -- "$dir"
 exit 0
 "#;
 
 impl Guardian {
-    /// Starts the guardian process.
-    pub(crate) fn spawn() -> io::Result<Self> {
+    /// Starts the guardian process for the environment in `dir`.
+    pub(crate) fn spawn(dir: &std::path::Path) -> io::Result<Self> {
         let mut child = Command::new("sh")
             .arg("-c")
             .arg(GUARDIAN_SCRIPT)
+            .arg("mcr-testenv-guardian")
+            .arg(dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
