@@ -411,16 +411,17 @@ impl<P: Provider> Manager<P> {
             armed: true,
         };
         // Bound before anything starts; a failure ends the run (the guard cleans up).
-        let listener =
-            match &self.endpoints {
-                Some(endpoints) => Some(crate::serve::bind(endpoints).await.map_err(|error| {
-                    ManagerError::Serve {
+        let listener = match &self.endpoints {
+            Some(endpoints) => Some(
+                tokio::net::TcpListener::bind(endpoints.addr)
+                    .await
+                    .map_err(|error| ManagerError::Serve {
                         addr: endpoints.addr,
                         error,
-                    }
-                })?),
-                None => None,
-            };
+                    })?,
+            ),
+            None => None,
+        };
         let (faults_tx, mut faults_rx) = mpsc::unbounded_channel();
         let settings = WatchSettings {
             backoff: self.backoff.clone(),

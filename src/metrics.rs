@@ -42,18 +42,31 @@ struct LeaseLabels {
     name: Arc<str>,
 }
 
-/// The outcomes `controller_runtime_reconcile_total` counts, by its `result` label.
+/// The outcomes `controller_runtime_reconcile_total` counts, by its `result` label (the
+/// discriminant indexes `OUTCOMES`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
     /// `Ok`, not requeued.
-    Success,
+    Success = 0,
     /// `Err` (the error policy decided what next).
-    Error,
+    Error = 1,
     /// `Ok`, requeued after a delay.
-    RequeueAfter,
+    RequeueAfter = 2,
 }
 
 impl Outcome {
+    /// A reconcile's outcome: whether it failed, and the action it (or the error policy)
+    /// asked for.
+    pub(crate) fn of(failed: bool, action: &crate::Action) -> Self {
+        if failed {
+            Outcome::Error
+        } else if action.requeue_after().is_some() {
+            Outcome::RequeueAfter
+        } else {
+            Outcome::Success
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Outcome::Success => "success",
@@ -254,32 +267,34 @@ impl Metrics {
                     result: outcome.label(),
                 })
         });
-        let errors = self.inner.reconcile_errors.get_or_create_owned(&both);
-        let time = self.inner.reconcile_time.get_or_create_owned(&both);
-        if !queue {
-            // Not registered: updates go nowhere.
-            return Series {
-                outcomes,
-                errors,
-                time,
-                depth: Gauge::default(),
-                adds: Counter::default(),
-                queue_duration: duration_histogram(),
-                work_duration: duration_histogram(),
-                retries: Counter::default(),
-                labels: Some((both, labels)),
-            };
-        }
+        // Without a queue of ours, its metrics are not registered: updates go nowhere.
+        let (depth, adds, queue_duration, work_duration, retries) = if queue {
+            (
+                self.inner.depth.get_or_create_owned(&labels),
+                self.inner.adds.get_or_create_owned(&labels),
+                self.inner.queue_duration.get_or_create_owned(&labels),
+                self.inner.work_duration.get_or_create_owned(&labels),
+                self.inner.retries.get_or_create_owned(&labels),
+            )
+        } else {
+            (
+                Gauge::default(),
+                Counter::default(),
+                duration_histogram(),
+                duration_histogram(),
+                Counter::default(),
+            )
+        };
         Series {
             outcomes,
-            errors,
-            time,
-            depth: self.inner.depth.get_or_create_owned(&labels),
-            adds: self.inner.adds.get_or_create_owned(&labels),
-            queue_duration: self.inner.queue_duration.get_or_create_owned(&labels),
-            work_duration: self.inner.work_duration.get_or_create_owned(&labels),
-            retries: self.inner.retries.get_or_create_owned(&labels),
-            labels: Some((both, labels)),
+            errors: self.inner.reconcile_errors.get_or_create_owned(&both),
+            time: self.inner.reconcile_time.get_or_create_owned(&both),
+            depth,
+            adds,
+            queue_duration,
+            work_duration,
+            retries,
+            labels: (both, labels),
         }
     }
 
@@ -289,9 +304,7 @@ impl Metrics {
         if !self.inner.cluster_label {
             return;
         }
-        let Some((both, queue)) = &series.labels else {
-            return;
-        };
+        let (both, queue) = &series.labels;
         for outcome in OUTCOMES {
             self.inner.reconcile_total.remove(&ReconcileLabels {
                 controller: both.controller.clone(),
@@ -347,7 +360,7 @@ pub(crate) struct Series {
     queue_duration: Histogram,
     work_duration: Histogram,
     retries: Counter,
-    labels: Option<(ControllerClusterLabels, QueueLabels)>,
+    labels: (ControllerClusterLabels, QueueLabels),
 }
 
 impl Series {
@@ -356,24 +369,19 @@ impl Series {
         self.queue_duration.observe(waited.as_secs_f64());
     }
 
-    /// A reconcile ended after `took`.
+    /// A reconcile of the fleet queue ended after `took`.
     pub(crate) fn ended(&self, outcome: Outcome, took: Duration, retried: bool) {
-        let index = OUTCOMES.iter().position(|o| *o == outcome).unwrap_or(0);
-        self.outcomes[index].inc();
-        if outcome == Outcome::Error {
-            self.errors.inc();
-        }
+        self.reconciled(outcome, took);
         if retried {
             self.retries.inc();
         }
-        self.time.observe(took.as_secs_f64());
         self.work_duration.observe(took.as_secs_f64());
     }
 
-    /// The reconcile series only (single-cluster mode: no queue of ours).
+    /// A reconcile ended after `took`: the reconcile series only (all there is in
+    /// single-cluster mode, whose queue is kube-runtime's).
     pub(crate) fn reconciled(&self, outcome: Outcome, took: Duration) {
-        let index = OUTCOMES.iter().position(|o| *o == outcome).unwrap_or(0);
-        self.outcomes[index].inc();
+        self.outcomes[outcome as usize].inc();
         if outcome == Outcome::Error {
             self.errors.inc();
         }

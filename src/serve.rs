@@ -70,11 +70,6 @@ pub(crate) struct Served<C: ClusterId> {
     pub(crate) strict: bool,
 }
 
-/// Binds `endpoints.addr`.
-pub(crate) async fn bind(endpoints: &Endpoints) -> std::io::Result<TcpListener> {
-    TcpListener::bind(endpoints.addr).await
-}
-
 /// Serves on `listener` until `stop`; connections open then are closed.
 pub(crate) async fn serve<C: ClusterId>(
     listener: TcpListener,

@@ -14,8 +14,8 @@ use std::hash::BuildHasher;
 use std::sync::{Arc, RwLock};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
-use kube::Resource;
 use kube::core::{Selector, SelectorExt};
+use kube::{Resource, ResourceExt};
 use kube_runtime::reflector::ObjectRef;
 
 use crate::sync::{read, write};
@@ -171,7 +171,7 @@ impl<K: Resource> Store<K> {
     /// The objects whose labels `selector` matches.
     #[must_use]
     pub fn state_filter_selector(&self, selector: &Selector) -> Vec<Arc<K>> {
-        self.state_filter(|o| selector.matches(o.meta().labels.as_ref().unwrap_or(&EMPTY)))
+        self.state_filter(|o| selector.matches(o.labels()))
     }
 
     /// How many objects the store holds.
@@ -186,8 +186,6 @@ impl<K: Resource> Store<K> {
         self.len() == 0
     }
 }
-
-static EMPTY: std::collections::BTreeMap<String, String> = std::collections::BTreeMap::new();
 
 /// What a watch applies its events to. A listing is gathered aside and swapped in whole at
 /// its end, so the store keeps serving the previous content while a relist runs.

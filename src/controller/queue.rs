@@ -332,13 +332,7 @@ impl<C: ClusterId> FleetQueue<C> {
         if let Some(took) = took
             && let Some(series) = self.series(&req.cluster)
         {
-            let outcome = if reason == ReconcileReason::ErrorPolicy {
-                Outcome::Error
-            } else if action.requeue_after().is_some() {
-                Outcome::RequeueAfter
-            } else {
-                Outcome::Success
-            };
+            let outcome = Outcome::of(reason == ReconcileReason::ErrorPolicy, &action);
             let retried = outcome == Outcome::Error && action.requeue_after().is_some();
             series.ended(outcome, took, retried);
         }

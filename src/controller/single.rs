@@ -41,11 +41,18 @@ struct SingleMetrics {
 }
 
 /// Counts a reconcile as active until dropped (finished or cancelled).
-struct Active(Gauge);
+struct Active(Arc<SingleMetrics>);
+
+impl Active {
+    fn new(metrics: Arc<SingleMetrics>) -> Self {
+        metrics.active.inc();
+        Self(metrics)
+    }
+}
 
 impl Drop for Active {
     fn drop(&mut self) {
-        self.0.dec();
+        self.0.active.dec();
     }
 }
 
@@ -153,18 +160,14 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                         let Some(metrics) = metrics else {
                             return fut.await.map(KubeAction::from);
                         };
-                        metrics.active.inc();
-                        let _active = Active(metrics.active.clone());
+                        let active = Active::new(metrics);
                         let started = std::time::Instant::now();
                         let result = fut.await;
                         let outcome = match &result {
                             Err(_) => Outcome::Error,
-                            Ok(action) if action.requeue_after().is_some() => {
-                                Outcome::RequeueAfter
-                            }
-                            Ok(_) => Outcome::Success,
+                            Ok(action) => Outcome::of(false, action),
                         };
-                        metrics.series.reconciled(outcome, started.elapsed());
+                        active.0.series.reconciled(outcome, started.elapsed());
                         result.map(KubeAction::from)
                     }
                     .instrument(span),

@@ -286,13 +286,15 @@ impl Fanout {
                 event,
                 subscribers,
             } => {
-                let subs: Box<dyn Iterator<Item = &Subscriber>> = if namespace.is_empty() {
-                    Box::new(subscribers.values().flatten())
-                } else {
-                    Box::new(subscribers.get(&namespace).into_iter().flatten())
+                let mut to_all = |subs: &Vec<Subscriber>| {
+                    for sub in subs {
+                        send(sub, Delivery::Change(event.clone()));
+                    }
                 };
-                for sub in subs {
-                    send(sub, Delivery::Change(event.clone()));
+                if namespace.is_empty() {
+                    subscribers.values().for_each(to_all);
+                } else if let Some(subs) = subscribers.get(&namespace) {
+                    to_all(subs);
                 }
             }
         }
