@@ -52,6 +52,8 @@ pub(crate) enum Outcome {
     Error = 1,
     /// `Ok`, requeued after a delay.
     RequeueAfter = 2,
+    /// The reconciler (or its error policy) panicked: counted as an error, and as a panic.
+    Panic = 3,
 }
 
 impl Outcome {
@@ -70,7 +72,7 @@ impl Outcome {
     fn label(self) -> &'static str {
         match self {
             Outcome::Success => "success",
-            Outcome::Error => "error",
+            Outcome::Error | Outcome::Panic => "error",
             Outcome::RequeueAfter => "requeue_after",
         }
     }
@@ -90,6 +92,7 @@ fn duration_histogram() -> Histogram {
 /// | --- | --- | --- |
 /// | `controller_runtime_reconcile_total` | `controller`, `cluster`, `result` (`success`, `error`, `requeue_after`) | reconciles ended |
 /// | `controller_runtime_reconcile_errors_total` | `controller`, `cluster` | reconciles that returned an error |
+/// | `controller_runtime_reconcile_panics_total` | `controller`, `cluster` | reconciles that panicked (caught; also counted as errors) |
 /// | `controller_runtime_reconcile_time_seconds` | `controller`, `cluster` | histogram of reconcile durations |
 /// | `controller_runtime_max_concurrent_reconciles` | `controller` | the concurrency limit (0: none) |
 /// | `controller_runtime_active_workers` | `controller` | reconciles running now |
@@ -131,6 +134,7 @@ struct Inner {
     cluster_label: bool,
     reconcile_total: Family<ReconcileLabels, Counter>,
     reconcile_errors: Family<ControllerClusterLabels, Counter>,
+    reconcile_panics: Family<ControllerClusterLabels, Counter>,
     reconcile_time: Family<ControllerClusterLabels, Histogram, fn() -> Histogram>,
     max_concurrent: Family<ControllerLabels, Gauge>,
     active_workers: Family<ControllerLabels, Gauge>,
@@ -161,6 +165,7 @@ impl Metrics {
             cluster_label,
             reconcile_total: Family::default(),
             reconcile_errors: Family::default(),
+            reconcile_panics: Family::default(),
             reconcile_time: Family::new_with_constructor(duration_histogram),
             max_concurrent: Family::default(),
             active_workers: Family::default(),
@@ -182,6 +187,11 @@ impl Metrics {
             "controller_runtime_reconcile_errors",
             "Reconciles that returned an error, per controller and cluster",
             inner.reconcile_errors.clone(),
+        );
+        registry.register(
+            "controller_runtime_reconcile_panics",
+            "Reconciles that panicked (also counted as errors), per controller and cluster",
+            inner.reconcile_panics.clone(),
         );
         registry.register(
             "controller_runtime_reconcile_time_seconds",
@@ -288,6 +298,7 @@ impl Metrics {
         Series {
             outcomes,
             errors: self.inner.reconcile_errors.get_or_create_owned(&both),
+            panics: self.inner.reconcile_panics.get_or_create_owned(&both),
             time: self.inner.reconcile_time.get_or_create_owned(&both),
             depth,
             adds,
@@ -313,6 +324,7 @@ impl Metrics {
             });
         }
         self.inner.reconcile_errors.remove(both);
+        self.inner.reconcile_panics.remove(both);
         self.inner.reconcile_time.remove(both);
         self.inner.depth.remove(queue);
         self.inner.adds.remove(queue);
@@ -354,6 +366,7 @@ impl Metrics {
 pub(crate) struct Series {
     outcomes: [Counter; 3],
     errors: Counter,
+    panics: Counter,
     time: Histogram,
     pub(crate) depth: Gauge,
     pub(crate) adds: Counter,
@@ -381,8 +394,15 @@ impl Series {
     /// A reconcile ended after `took`: the reconcile series only (all there is in
     /// single-cluster mode, whose queue is kube-runtime's).
     pub(crate) fn reconciled(&self, outcome: Outcome, took: Duration) {
-        self.outcomes[outcome as usize].inc();
-        if outcome == Outcome::Error {
+        // A panic is an error with a counter of its own, as controller-runtime counts it.
+        let counted = if outcome == Outcome::Panic {
+            self.panics.inc();
+            Outcome::Error
+        } else {
+            outcome
+        };
+        self.outcomes[counted as usize].inc();
+        if counted == Outcome::Error {
             self.errors.inc();
         }
         self.time.observe(took.as_secs_f64());

@@ -924,3 +924,166 @@ async fn readyz_follows_a_clusters_apiserver_and_metrics_are_served_over_http() 
         "the port is closed after the run"
     );
 }
+
+/// Reconciles seen, as (cluster, object name), by a reconciler that panics on objects
+/// labelled `panic=yes` in the cluster `panics_in`.
+struct Panicky {
+    panics_in: String,
+    seen: Mutex<Vec<(String, String)>>,
+}
+
+async fn panic_some<C: multicluster_runtime::ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Panicky>,
+) -> Result<Action, Told> {
+    let cluster = ctx.cluster_id().to_string();
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    ctx.state()
+        .seen
+        .lock()
+        .unwrap()
+        .push((cluster.clone(), name.clone()));
+    if cluster == ctx.state().panics_in && cm.labels_contain("panic", "yes") {
+        panic!("reconciler bug on {name}");
+    }
+    Ok(Action::await_change())
+}
+
+fn panicky(panics_in: &str) -> Arc<Panicky> {
+    Arc::new(Panicky {
+        panics_in: panics_in.into(),
+        seen: Mutex::default(),
+    })
+}
+
+fn labelled_cm(name: &str, labels: &[(&str, &str)]) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// How many reconciles of `name` in `cluster` `state` has seen.
+fn seen(state: &Panicky, cluster: &str, name: &str) -> usize {
+    state
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(c, n)| c == cluster && n == name)
+        .count()
+}
+
+#[tokio::test]
+async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster_or_object() {
+    let (_env, tc, host) = control_plane().await;
+    let api: Api<ConfigMap> = Api::namespaced(host.clone(), "default");
+    api.create(
+        &PostParams::default(),
+        &labelled_cm("bomb", &[("audit", "yes"), ("panic", "yes")]),
+    )
+    .await
+    .unwrap();
+
+    // Fleet mode: the panics are in east only.
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = multicluster_runtime::Metrics::new(&mut registry);
+    let clusters = Clusters::new();
+    for name in ["east", "west"] {
+        clusters
+            .add(Cluster::new(common::name(name), tc.client().unwrap()))
+            .unwrap();
+    }
+    let fleet = Arc::new(Manager::new(clusters).metrics(metrics));
+    let fleet_state = panicky("east");
+    Builder::<_, ConfigMap>::new(&fleet, labelled())
+        .named("panicky")
+        .start(
+            panic_some,
+            |_, _: &Told, _: &Context<ClusterName, Panicky>| Action::await_change(),
+            fleet_state.clone(),
+        );
+    let fleet_run = spawn_manager(&fleet);
+
+    // Single mode: the same reconciler on kube-runtime's controller.
+    let mut single_registry = prometheus_client::registry::Registry::default();
+    let single_metrics = multicluster_runtime::Metrics::new(&mut single_registry);
+    let single = Arc::new(
+        Manager::new(multicluster_runtime::providers::SingleProvider::new(
+            tc.client().unwrap(),
+        ))
+        .metrics(single_metrics),
+    );
+    let single_state = panicky("");
+    Builder::<_, ConfigMap>::new(&single, labelled())
+        .named("panicky")
+        .start(
+            panic_some,
+            |_, _: &Told, _: &Context<multicluster_runtime::SingleCluster, Panicky>| {
+                Action::await_change()
+            },
+            single_state.clone(),
+        );
+    let single_run = spawn_manager(&single);
+
+    // The panicking object is retried (after PANIC_REQUEUE, 10 s): the controller lived
+    // through the first panic.
+    eventually(60, "the bomb retried in east and in single mode", async || {
+        seen(&fleet_state, "east", "bomb") >= 2 && seen(&single_state, "", "bomb") >= 2
+    })
+    .await;
+    // A later object is reconciled everywhere: neither controller stopped, west never did.
+    api.create(
+        &PostParams::default(),
+        &labelled_cm("after-the-panics", &[("audit", "yes")]),
+    )
+    .await
+    .unwrap();
+    eventually(30, "the later object reconciled everywhere", async || {
+        seen(&fleet_state, "east", "after-the-panics") == 1
+            && seen(&fleet_state, "west", "after-the-panics") == 1
+            && seen(&single_state, "", "after-the-panics") == 1
+    })
+    .await;
+    assert_eq!(seen(&fleet_state, "west", "bomb"), 1, "west reconciled the bomb once");
+    for i in 0..3 {
+        let name = format!("audited-{i}");
+        assert_eq!(seen(&fleet_state, "east", &name), 1);
+        assert_eq!(seen(&fleet_state, "west", &name), 1);
+        assert_eq!(seen(&single_state, "", &name), 1);
+    }
+
+    let text = scrape(&registry);
+    let panics = |text: &str, cluster: &str| {
+        sample(
+            text,
+            "controller_runtime_reconcile_panics_total",
+            &[("controller", "panicky"), ("cluster", cluster)],
+        )
+    };
+    assert!(panics(&text, "east").unwrap() >= 2.0, "{text}");
+    assert_eq!(panics(&text, "west"), Some(0.0), "{text}");
+    let errors = sample(
+        &text,
+        "controller_runtime_reconcile_total",
+        &[("controller", "panicky"), ("cluster", "east"), ("result", "error")],
+    )
+    .unwrap();
+    assert!(errors >= 2.0, "a panic counts as an error: {text}");
+    let single_text = scrape(&single_registry);
+    assert!(panics(&single_text, "single").unwrap() >= 2.0, "{single_text}");
+
+    fleet.shutdown();
+    single.shutdown();
+    fleet_run.await.unwrap();
+    single_run.await.unwrap();
+}

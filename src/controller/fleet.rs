@@ -46,7 +46,7 @@ use super::context::Shared;
 use super::queue::FleetQueue;
 use super::relations::{Baseline, seen_before};
 use super::{Env, ReconcileReason, Spec, Trigger};
-use crate::cluster::{CacheError, Change, Engagement, SharedWatch};
+use crate::cluster::{CacheError, Change, Engagement, SharedWatch, panic_message};
 use crate::fleet::FleetEvent;
 use crate::{Action, ClusterId, Context, FleetView, Request, Watchable};
 
@@ -481,7 +481,9 @@ where
     let grace = spec.disengage_grace;
     async move {
         let began = timed.then(std::time::Instant::now);
-        let work = async {
+        // A panic of the reconciler or its error policy ends this reconcile only: the
+        // controller goes on with every other request and cluster.
+        let work = std::panic::AssertUnwindSafe(async {
             match reconcile(object.clone(), ctx.clone()).await {
                 Ok(action) => (action, ReconcileReason::Requeue),
                 Err(error) => {
@@ -490,7 +492,14 @@ where
                     (action, ReconcileReason::ErrorPolicy)
                 }
             }
-        };
+        })
+        .catch_unwind()
+        .map(|ended| {
+            ended.unwrap_or_else(|panic| {
+                tracing::error!(cluster = %req.cluster, panic = %panic_message(&*panic), "reconcile panicked");
+                (Action::requeue(super::PANIC_REQUEUE), ReconcileReason::Panicked)
+            })
+        });
         let abandoned = async {
             token.cancelled().await;
             tokio::time::sleep(grace).await;

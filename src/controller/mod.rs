@@ -35,6 +35,9 @@ pub(crate) enum ReconcileReason {
     Requeue,
     /// The previous reconcile failed and the error policy asked for a retry.
     ErrorPolicy,
+    /// The previous reconcile (or its error policy) panicked; it runs again after
+    /// [`PANIC_REQUEUE`].
+    Panicked,
 }
 
 impl fmt::Display for ReconcileReason {
@@ -44,6 +47,7 @@ impl fmt::Display for ReconcileReason {
             Self::RelatedObjectChanged(kind) => write!(f, "related {kind} changed"),
             Self::Requeue => f.write_str("requeue"),
             Self::ErrorPolicy => f.write_str("error policy requeue"),
+            Self::Panicked => f.write_str("panic requeue"),
         }
     }
 }
@@ -158,6 +162,12 @@ impl<C: ClusterId> Clone for Env<C> {
         }
     }
 }
+
+/// How long after a reconcile panicked it runs again. A panic is caught (the controller and
+/// every other cluster go on), logged at ERROR with its message and counted in
+/// `controller_runtime_reconcile_panics_total`; there is no error value for the error policy
+/// to decide on, so the request is retried after this delay, as an error would be.
+pub const PANIC_REQUEUE: Duration = Duration::from_secs(10);
 
 /// The default of [`Builder::disengage_grace`].
 pub const DEFAULT_DISENGAGE_GRACE: Duration = Duration::from_secs(10);

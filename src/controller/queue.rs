@@ -332,8 +332,13 @@ impl<C: ClusterId> FleetQueue<C> {
         if let Some(took) = took
             && let Some(series) = self.series(&req.cluster)
         {
-            let outcome = Outcome::of(reason == ReconcileReason::ErrorPolicy, &action);
-            let retried = outcome == Outcome::Error && action.requeue_after().is_some();
+            let outcome = match reason {
+                ReconcileReason::Panicked => Outcome::Panic,
+                ReconcileReason::ErrorPolicy => Outcome::Error,
+                _ => Outcome::of(false, &action),
+            };
+            let retried = matches!(outcome, Outcome::Error | Outcome::Panic)
+                && action.requeue_after().is_some();
             series.ended(outcome, took, retried);
         }
         if self.ready.done(&req) {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use kube::{Api, Resource};
 use kube_runtime::{Controller, WatchStreamExt, watcher};
 use tokio_util::task::TaskTracker;
@@ -13,6 +13,7 @@ use tracing::Instrument;
 use super::context::Shared;
 use super::{ClusterField, Env, ObjectField, Spec};
 use crate::metrics::{Outcome, Series};
+use crate::cluster::panic_message;
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
 use prometheus_client::metrics::gauge::Gauge;
 
@@ -53,6 +54,31 @@ impl Active {
 impl Drop for Active {
     fn drop(&mut self) {
         self.0.active.dec();
+    }
+}
+
+/// Why a single-cluster reconcile failed: the reconciler's error, or a panic caught.
+#[derive(Debug)]
+enum Failure<E> {
+    Failed(E),
+    Panicked(String),
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for Failure<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Failed(error) => error.fmt(f),
+            Self::Panicked(message) => write!(f, "the reconciler panicked: {message}"),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for Failure<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Failed(error) => Some(error),
+            Self::Panicked(_) => None,
+        }
     }
 }
 
@@ -155,6 +181,17 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 let ctx = single.context(&obj);
                 let fut = (single.reconcile)(obj, ctx);
                 let metrics = single.metrics.clone();
+                // A panic ends this reconcile only (kube-runtime would carry it into the
+                // controller's stream and end the controller).
+                let fut = std::panic::AssertUnwindSafe(fut).catch_unwind().map(|ended| {
+                    ended
+                        .map_err(|panic| {
+                            let message = panic_message(&*panic);
+                            tracing::error!(panic = %message, "reconcile panicked");
+                            Failure::Panicked(message)
+                        })
+                        .and_then(|result| result.map_err(Failure::Failed))
+                });
                 single.tracker.track_future(
                     async move {
                         let Some(metrics) = metrics else {
@@ -164,7 +201,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                         let started = std::time::Instant::now();
                         let result = fut.await;
                         let outcome = match &result {
-                            Err(_) => Outcome::Error,
+                            Err(Failure::Failed(_)) => Outcome::Error,
+                            Err(Failure::Panicked(_)) => Outcome::Panic,
                             Ok(action) => Outcome::of(false, action),
                         };
                         active.0.series.reconciled(outcome, started.elapsed());
@@ -173,9 +211,22 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     .instrument(span),
                 )
             },
-            |obj, error, single| {
-                let ctx = single.context(&obj);
-                (single.error_policy)(obj, error, &ctx).into()
+            |obj, error, single| match error {
+                Failure::Failed(error) => {
+                    let ctx = single.context(&obj);
+                    // The error policy's own panic is caught where kube-runtime calls it
+                    // (its runner), not here: it is the user's code, like the reconciler.
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        (single.error_policy)(obj, error, &ctx)
+                    })) {
+                        Ok(action) => action.into(),
+                        Err(panic) => {
+                            tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
+                            KubeAction::requeue(super::PANIC_REQUEUE)
+                        }
+                    }
+                }
+                Failure::Panicked(_) => KubeAction::requeue(super::PANIC_REQUEUE),
             },
             single,
         )
