@@ -36,9 +36,9 @@ mod sync;
 pub use action::Action;
 pub use cluster::{
     Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterName, Fault, InvalidClusterId,
-    SingleCluster, Store, WatchBackoff, WeakCluster,
+    InvalidRateLimit, RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster,
 };
-pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, Watchable};
+pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, PANIC_REQUEUE, Watchable};
 pub use fleet::{EngageError, Engaged, Fleet, FleetView};
 pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};

@@ -56,6 +56,7 @@ pub struct Manager<P: Provider> {
     /// Controllers run only while this replica holds the lease, if set.
     leader_election: Option<LeaderElection>,
     metrics: Option<Metrics>,
+    rate_limit: Option<crate::RateLimit>,
     endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
     served_at: Mutex<Option<std::net::SocketAddr>>,
@@ -137,6 +138,7 @@ impl<P: Provider> Manager<P> {
             pending: Mutex::new(Vec::new()),
             leader_election: None,
             metrics: None,
+            rate_limit: None,
             endpoints: None,
             served_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
@@ -158,6 +160,16 @@ impl<P: Provider> Manager<P> {
     #[must_use]
     pub fn metrics(mut self, metrics: Metrics) -> Self {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// Limits the API requests of each cluster's client the manager engages (the local
+    /// cluster's too) to `limit`, unless the cluster has a limit of its own
+    /// ([`Cluster::with_rate_limit`](crate::Cluster::with_rate_limit)); every provider's
+    /// clusters take it. Default: no limit, as kube-rs.
+    #[must_use]
+    pub fn client_rate_limit(mut self, limit: crate::RateLimit) -> Self {
+        self.rate_limit = Some(limit);
         self
     }
 
@@ -427,6 +439,7 @@ impl<P: Provider> Manager<P> {
             backoff: self.backoff.clone(),
             faults: Some(faults_tx),
             metrics: self.metrics.clone(),
+            rate_limit: self.rate_limit,
         };
         self.fleet.open(settings.clone());
         // A single-cluster provider's cluster is engaged before any controller starts, so a

@@ -37,6 +37,14 @@ struct QueueLabels {
     cluster: Arc<str>,
 }
 
+/// client-go's request counter labels, with the cluster.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    cluster: Arc<str>,
+    code: String,
+    method: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LeaseLabels {
     name: Arc<str>,
@@ -103,6 +111,7 @@ fn duration_histogram() -> Histogram {
 /// | `workqueue_retries_total` | `name`, `cluster` | requeues decided by the error policy |
 /// | `leader_election_master_status` | `name` (the lease, `namespace/name`) | 1 while leading, else 0 |
 /// | `multicluster_runtime_engaged_clusters` | | clusters engaged in the fleet |
+/// | `rest_client_requests_total` | `cluster`, `code` (`<error>`: no response), `method` | API requests of each engaged cluster's client, the controllers' and the reconcilers' |
 ///
 /// `cluster` is the cluster id as text (`single` for a single-cluster manager). The series of
 /// a cluster are removed when a controller stops following it, not left stale. For a very
@@ -145,6 +154,7 @@ struct Inner {
     retries: Family<QueueLabels, Counter>,
     leader: Family<LeaseLabels, Gauge>,
     engaged: Gauge,
+    requests: Family<RequestLabels, Counter>,
 }
 
 impl Metrics {
@@ -176,6 +186,7 @@ impl Metrics {
             retries: Family::default(),
             leader: Family::default(),
             engaged: Gauge::default(),
+            requests: Family::default(),
         };
         // prometheus-client adds `_total` to counters' names.
         registry.register(
@@ -243,8 +254,49 @@ impl Metrics {
             "Clusters engaged in the manager's fleet",
             inner.engaged.clone(),
         );
+        registry.register(
+            "rest_client_requests",
+            "API requests made by each cluster's client, per cluster, status code and method",
+            inner.requests.clone(),
+        );
         Self {
             inner: Arc::new(inner),
+        }
+    }
+
+    fn request_labels(&self, cluster: &str, code: u16, method: &http::Method) -> RequestLabels {
+        RequestLabels {
+            cluster: self.cluster(cluster),
+            // client-go's label for a request that got no response.
+            code: if code == 0 {
+                "<error>".to_string()
+            } else {
+                code.to_string()
+            },
+            method: method.as_str().to_string(),
+        }
+    }
+
+    /// The request counter of `cluster` for `code` (0: no response) and `method`.
+    pub(crate) fn request_counter(&self, cluster: &str, code: u16, method: &http::Method) -> Counter {
+        self.inner
+            .requests
+            .get_or_create_owned(&self.request_labels(cluster, code, method))
+    }
+
+    /// Removes the request counters of `cluster` (unless shared, without the cluster label).
+    pub(crate) fn forget_requests<'a>(
+        &self,
+        cluster: &str,
+        keys: impl Iterator<Item = &'a (u16, http::Method)>,
+    ) {
+        if !self.inner.cluster_label {
+            return;
+        }
+        for (code, method) in keys {
+            self.inner
+                .requests
+                .remove(&self.request_labels(cluster, *code, method));
         }
     }
 

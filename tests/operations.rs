@@ -1087,3 +1087,103 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
     fleet_run.await.unwrap();
     single_run.await.unwrap();
 }
+
+/// `n` GETs at once through `cluster`'s client; how long until all had their answers.
+async fn burst_of_gets(cluster: &Cluster<ClusterName>, n: usize) -> Duration {
+    let api: Api<ConfigMap> = Api::namespaced(cluster.client(), "default");
+    let started = Instant::now();
+    let gets = (0..n).map(|_| api.get("audited-0"));
+    for result in futures::future::join_all(gets).await {
+        result.unwrap();
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn each_clusters_client_keeps_its_rate_limit_and_its_requests_are_counted() {
+    use multicluster_runtime::RateLimit;
+    let (_env, tc, _host) = control_plane().await;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = multicluster_runtime::Metrics::new(&mut registry);
+    // One apiserver under three names: the manager's default limit, one of the cluster's
+    // own, none.
+    let slow = Cluster::new(common::name("slow"), tc.client().unwrap());
+    let fast = Cluster::new(common::name("fast"), tc.client().unwrap())
+        .with_rate_limit(Some(RateLimit::new(20.0, 1).unwrap()));
+    let free = Cluster::new(common::name("free"), tc.client().unwrap()).with_rate_limit(None);
+    let clusters = Clusters::new();
+    for cluster in [&slow, &fast, &free] {
+        clusters.add(cluster.clone()).unwrap();
+    }
+    let manager = Arc::new(
+        Manager::new(clusters.clone())
+            .metrics(metrics)
+            .client_rate_limit(RateLimit::new(5.0, 1).unwrap()),
+    );
+    let state = panicky("nowhere");
+    Builder::<_, ConfigMap>::new(&manager, labelled()).start(
+        panic_some,
+        |_, _: &Told, _: &Context<ClusterName, Panicky>| Action::await_change(),
+        state.clone(),
+    );
+    let run = spawn_manager(&manager);
+    // Engaged, the watches listed (they were rate limited too).
+    eventually(30, "the three clusters reconciled", async || {
+        ["slow", "fast", "free"]
+            .iter()
+            .all(|c| seen(&state, c, "audited-0") == 1)
+    })
+    .await;
+    assert_eq!(slow.rate_limit(), RateLimit::new(5.0, 1).ok(), "inherited");
+    assert_eq!(fast.rate_limit(), RateLimit::new(20.0, 1).ok(), "its own");
+    assert_eq!(free.rate_limit(), None);
+
+    // 20 requests at once on each: at 5 a second with a burst of 1, the last can go 3.8 s
+    // after the first; at 20 a second, 0.95 s after.
+    let n = 20;
+    let (slow_took, fast_took, free_took) = tokio::join!(
+        burst_of_gets(&slow, n),
+        burst_of_gets(&fast, n),
+        burst_of_gets(&free, n)
+    );
+    println!("{n} GETs took: slow {slow_took:?}, fast {fast_took:?}, free {free_took:?}");
+    let rate = |took: Duration| (n - 1) as f64 / took.as_secs_f64();
+    assert!(rate(slow_took) <= 5.0 * 1.02, "slow: {} a second", rate(slow_took));
+    assert!(rate(fast_took) <= 20.0 * 1.02, "fast: {} a second", rate(fast_took));
+    assert!(fast_took < slow_took, "each cluster has its own bucket");
+    assert!(free_took < slow_took, "no limit on free");
+
+    // Counted per cluster, code and method, a 404 apart.
+    let api: Api<ConfigMap> = Api::namespaced(fast.client(), "default");
+    assert!(api.get_opt("not-there").await.unwrap().is_none());
+    let requests = |text: &str, cluster: &str, code: &str| {
+        sample(
+            text,
+            "rest_client_requests_total",
+            &[("cluster", cluster), ("code", code), ("method", "GET")],
+        )
+        .unwrap_or(0.0)
+    };
+    let text = scrape(&registry);
+    for cluster in ["slow", "fast", "free"] {
+        // The burst, and the watch's list (GET as well).
+        assert!(requests(&text, cluster, "200") >= (n + 1) as f64, "{cluster}: {text}");
+    }
+    assert_eq!(requests(&text, "fast", "404"), 1.0, "{text}");
+    assert_eq!(requests(&text, "slow", "404"), 0.0, "{text}");
+
+    // A disengaged cluster's request series are gone.
+    assert!(clusters.remove(&common::name("free")));
+    // The request series go at the disengagement, the controller's when it lets go.
+    eventually(30, "free disengaged", async || !free.is_engaged()).await;
+    assert!(!scrape(&registry).contains("rest_client_requests_total{cluster=\"free\""));
+    eventually(30, "no series of free left", async || {
+        !scrape(&registry).contains("cluster=\"free\"")
+    })
+    .await;
+    let text = scrape(&registry);
+    assert!(requests(&text, "slow", "200") >= (n + 1) as f64, "{text}");
+
+    manager.shutdown();
+    run.await.unwrap();
+}

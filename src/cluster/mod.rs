@@ -6,6 +6,7 @@
 
 mod backoff;
 mod cache;
+mod client;
 mod id;
 mod index;
 mod source;
@@ -26,6 +27,8 @@ use tokio_util::sync::CancellationToken;
 pub use backoff::WatchBackoff;
 pub(crate) use backoff::{Retrying, random_unit};
 pub use cache::{Cache, CacheError};
+pub use client::{InvalidRateLimit, RateLimit};
+use client::{ClientLayer, ClientState, Forward};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub(crate) use index::Indexer;
 #[cfg(test)]
@@ -51,7 +54,9 @@ pub struct Cluster<C: ClusterId> {
 
 struct Inner<C: ClusterId> {
     id: C,
+    /// Behind `client_state`'s layer (rate limit, request metrics).
     client: Client,
+    client_state: Arc<ClientState>,
     config: Option<kube::Config>,
     /// Field indexes registered for this cluster; every watch of their kind maintains them.
     indexers: Mutex<Vec<Indexer>>,
@@ -237,49 +242,99 @@ impl<C: ClusterId> Engagement<C> {
 }
 
 impl<C: ClusterId> Cluster<C> {
-    /// A cluster reached through `client`.
+    /// A cluster reached through `client`. Its requests pass through the cluster's rate
+    /// limit and request metrics ([`Cluster::with_rate_limit`]) on their way to `client`.
     pub fn new(id: C, client: Client) -> Self {
-        Self::build(id, client, None)
+        let state = Arc::new(ClientState::default());
+        let layered = Client::new(
+            tower_layer::Layer::layer(&ClientLayer(state.clone()), Forward(client.clone())),
+            client.default_namespace(),
+        )
+        .with_valid_until(*client.valid_until());
+        Self::build(id, layered, state, None, None)
     }
 
     /// A cluster built from `config`, which is kept: re-engaging the same id with a config
     /// that differs in endpoint or credentials replaces the cluster, an equal one is a no-op.
     pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
-        let client = Client::try_from(config.clone())?;
-        Ok(Self::build(id, client, Some(config)))
+        let state = Arc::new(ClientState::default());
+        let client = kube::client::ClientBuilder::try_from(config.clone())?
+            .with_layer(&ClientLayer(state.clone()))
+            .build();
+        Ok(Self::build(id, client, state, Some(config), None))
     }
 
-    /// A cluster whose watches get their events from `source` (a provider's shared
-    /// watches) rather than from watches of their own.
-    pub(crate) fn with_source(id: C, client: Client, source: Arc<dyn WatchSource>) -> Self {
-        let mut cluster = Self::build(id, client, None);
-        if let Some(inner) = Arc::get_mut(&mut cluster.inner) {
-            inner.source = Some(source);
-        }
-        cluster
+    /// A cluster whose requests go to `service` (through the cluster's layer) and whose
+    /// watches get their events from `source` (a provider's shared watches) rather than
+    /// from watches of their own.
+    pub(crate) fn with_source<S, B>(
+        id: C,
+        service: S,
+        default_namespace: &str,
+        source: Arc<dyn WatchSource>,
+    ) -> Self
+    where
+        S: tower_service::Service<http::Request<kube::client::Body>, Response = http::Response<B>>
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let state = Arc::new(ClientState::default());
+        let client = Client::new(
+            tower_layer::Layer::layer(&ClientLayer(state.clone()), service),
+            default_namespace,
+        );
+        Self::build(id, client, state, None, Some(source))
     }
 
     /// The same cluster under another id (for providers that rename their children's
-    /// clusters): same client, config and watch source; its own engagement and caches.
+    /// clusters): same client (and so the same rate limit), config and watch source; its
+    /// own engagement and caches.
     pub(crate) fn renamed<D: ClusterId>(&self, id: D) -> Cluster<D> {
-        let mut renamed = Cluster::build(id, self.client(), self.inner.config.clone());
-        if let Some(inner) = Arc::get_mut(&mut renamed.inner) {
-            inner.source = self.inner.source.clone();
-        }
-        renamed
+        Cluster::build(
+            id,
+            self.inner.client.clone(),
+            self.inner.client_state.clone(),
+            self.inner.config.clone(),
+            self.inner.source.clone(),
+        )
     }
 
-    fn build(id: C, client: Client, config: Option<kube::Config>) -> Self {
+    fn build(
+        id: C,
+        client: Client,
+        client_state: Arc<ClientState>,
+        config: Option<kube::Config>,
+        source: Option<Arc<dyn WatchSource>>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 id,
                 client,
+                client_state,
                 config,
                 indexers: Mutex::new(Vec::new()),
-                source: None,
+                source,
                 attachment: Mutex::new(Attachment::default()),
             }),
         }
+    }
+
+    /// Limits the requests of this cluster's client (every request: the controllers'
+    /// watches and the reconcilers' calls); `None` for no limit. A limit set here wins over
+    /// the manager's default ([`Manager::client_rate_limit`](crate::Manager::client_rate_limit));
+    /// without one, the cluster takes the default of the manager that engages it.
+    pub fn with_rate_limit(self, limit: Option<RateLimit>) -> Self {
+        self.inner.client_state.set_limit(limit);
+        self
+    }
+
+    /// The rate limit in force on the cluster's client, if any.
+    pub fn rate_limit(&self) -> Option<RateLimit> {
+        self.inner.client_state.limit()
     }
 
     /// The cluster's id.
@@ -366,7 +421,16 @@ impl<C: ClusterId> Cluster<C> {
         attachment.fleets += 1;
         let session = attachment
             .session
-            .get_or_insert_with(|| Arc::new(Session::new(settings.clone())))
+            .get_or_insert_with(|| {
+                // The first engagement sets the client's defaults and starts its metrics.
+                let state = &self.inner.client_state;
+                state.inherit(settings.rate_limit);
+                if let Some(metrics) = &settings.metrics {
+                    let label = crate::controller::ClusterField(&self.inner.id).to_string();
+                    state.measure(metrics, label);
+                }
+                Arc::new(Session::new(settings.clone()))
+            })
             .clone();
         Engagement {
             cluster: self.clone(),
@@ -384,6 +448,7 @@ impl<C: ClusterId> Cluster<C> {
         }
         let session = attachment.session.take()?;
         session.token.cancel();
+        self.inner.client_state.unmeasure();
         Some(session)
     }
 

@@ -27,6 +27,8 @@ pub(crate) struct WatchSettings {
     pub(crate) faults: Option<mpsc::UnboundedSender<Fault>>,
     /// The manager's metrics, if it keeps any.
     pub(crate) metrics: Option<crate::Metrics>,
+    /// The manager's default limit on each cluster's client requests.
+    pub(crate) rate_limit: Option<crate::RateLimit>,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index

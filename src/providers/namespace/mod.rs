@@ -110,10 +110,10 @@ impl Namespaces {
             namespace: Arc::from(namespace),
             discovery: self.hub.discovery.clone(),
         };
-        let client = Client::new(service, namespace);
         Cluster::with_source(
             ClusterName::from(namespace),
-            client,
+            service,
+            namespace,
             Arc::new(NamespaceSlice {
                 hub: self.hub.clone(),
                 namespace: Arc::from(namespace),
