@@ -205,13 +205,18 @@ impl LeaderElection {
 }
 
 /// The host name, then `_` and eight random hex digits.
-fn default_identity() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+/// The machine's host name: a pod's name in a cluster.
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "replica".to_string());
+        .unwrap_or_else(|| "replica".to_string())
+}
+
+fn default_identity() -> String {
+    let host = host_name();
     let suffix = (crate::cluster::random_unit() * f64::from(u32::MAX)) as u32;
     format!("{host}_{suffix:08x}")
 }

@@ -331,6 +331,10 @@ impl<P: Provider> Manager<P> {
             },
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
+            instance: Arc::from(match &self.leader_election {
+                Some(election) => election.identity.clone(),
+                None => crate::leader::host_name(),
+            }),
         }
     }
 

@@ -278,7 +278,12 @@ impl Metrics {
     }
 
     /// The request counter of `cluster` for `code` (0: no response) and `method`.
-    pub(crate) fn request_counter(&self, cluster: &str, code: u16, method: &http::Method) -> Counter {
+    pub(crate) fn request_counter(
+        &self,
+        cluster: &str,
+        code: u16,
+        method: &http::Method,
+    ) -> Counter {
         self.inner
             .requests
             .get_or_create_owned(&self.request_labels(cluster, code, method))

@@ -1037,9 +1037,11 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
 
     // The panicking object is retried (after PANIC_REQUEUE, 10 s): the controller lived
     // through the first panic.
-    eventually(60, "the bomb retried in east and in single mode", async || {
-        seen(&fleet_state, "east", "bomb") >= 2 && seen(&single_state, "", "bomb") >= 2
-    })
+    eventually(
+        60,
+        "the bomb retried in east and in single mode",
+        async || seen(&fleet_state, "east", "bomb") >= 2 && seen(&single_state, "", "bomb") >= 2,
+    )
     .await;
     // A later object is reconciled everywhere: neither controller stopped, west never did.
     api.create(
@@ -1054,7 +1056,11 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
             && seen(&single_state, "", "after-the-panics") == 1
     })
     .await;
-    assert_eq!(seen(&fleet_state, "west", "bomb"), 1, "west reconciled the bomb once");
+    assert_eq!(
+        seen(&fleet_state, "west", "bomb"),
+        1,
+        "west reconciled the bomb once"
+    );
     for i in 0..3 {
         let name = format!("audited-{i}");
         assert_eq!(seen(&fleet_state, "east", &name), 1);
@@ -1075,12 +1081,19 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
     let errors = sample(
         &text,
         "controller_runtime_reconcile_total",
-        &[("controller", "panicky"), ("cluster", "east"), ("result", "error")],
+        &[
+            ("controller", "panicky"),
+            ("cluster", "east"),
+            ("result", "error"),
+        ],
     )
     .unwrap();
     assert!(errors >= 2.0, "a panic counts as an error: {text}");
     let single_text = scrape(&single_registry);
-    assert!(panics(&single_text, "single").unwrap() >= 2.0, "{single_text}");
+    assert!(
+        panics(&single_text, "single").unwrap() >= 2.0,
+        "{single_text}"
+    );
 
     fleet.shutdown();
     single.shutdown();
@@ -1148,8 +1161,16 @@ async fn each_clusters_client_keeps_its_rate_limit_and_its_requests_are_counted(
     );
     println!("{n} GETs took: slow {slow_took:?}, fast {fast_took:?}, free {free_took:?}");
     let rate = |took: Duration| (n - 1) as f64 / took.as_secs_f64();
-    assert!(rate(slow_took) <= 5.0 * 1.02, "slow: {} a second", rate(slow_took));
-    assert!(rate(fast_took) <= 20.0 * 1.02, "fast: {} a second", rate(fast_took));
+    assert!(
+        rate(slow_took) <= 5.0 * 1.02,
+        "slow: {} a second",
+        rate(slow_took)
+    );
+    assert!(
+        rate(fast_took) <= 20.0 * 1.02,
+        "fast: {} a second",
+        rate(fast_took)
+    );
     assert!(fast_took < slow_took, "each cluster has its own bucket");
     assert!(free_took < slow_took, "no limit on free");
 
@@ -1167,7 +1188,10 @@ async fn each_clusters_client_keeps_its_rate_limit_and_its_requests_are_counted(
     let text = scrape(&registry);
     for cluster in ["slow", "fast", "free"] {
         // The burst, and the watch's list (GET as well).
-        assert!(requests(&text, cluster, "200") >= (n + 1) as f64, "{cluster}: {text}");
+        assert!(
+            requests(&text, cluster, "200") >= (n + 1) as f64,
+            "{cluster}: {text}"
+        );
     }
     assert_eq!(requests(&text, "fast", "404"), 1.0, "{text}");
     assert_eq!(requests(&text, "slow", "404"), 0.0, "{text}");
@@ -1183,6 +1207,132 @@ async fn each_clusters_client_keeps_its_rate_limit_and_its_requests_are_counted(
     .await;
     let text = scrape(&registry);
     assert!(requests(&text, "slow", "200") >= (n + 1) as f64, "{text}");
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+/// Publishes a `Seen` Event about each object it reconciles, twice (it asks for one requeue).
+async fn record_seen(
+    cm: Arc<ConfigMap>,
+    ctx: Context<ClusterName, Mutex<Vec<(String, String)>>>,
+) -> Result<Action, kube::Error> {
+    use kube::Resource;
+    use kube_runtime::events::{Event, EventType};
+    let cluster = ctx.cluster_id().to_string();
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    let event = Event {
+        type_: EventType::Normal,
+        reason: "Seen".into(),
+        note: Some(format!("seen in {cluster}")),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    ctx.recorder().publish(&event, &cm.object_ref(&())).await?;
+    let mut seen = ctx.state().lock().unwrap();
+    seen.push((cluster.clone(), name.clone()));
+    let times = seen
+        .iter()
+        .filter(|s| **s == (cluster.clone(), name.clone()))
+        .count();
+    Ok(if times < 2 {
+        Action::requeue(Duration::from_millis(100))
+    } else {
+        Action::await_change()
+    })
+}
+
+/// The `Seen` Events of namespace default in `client`'s cluster: (object, note, series count,
+/// reporting controller, reporting instance).
+async fn seen_events(client: &kube::Client) -> Vec<(String, String, i32, String, String)> {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Seen"))
+        .map(|e| {
+            (
+                e.regarding.and_then(|r| r.name).unwrap_or_default(),
+                e.note.unwrap_or_default(),
+                e.series.map_or(1, |s| s.count),
+                e.reporting_controller.unwrap_or_default(),
+                e.reporting_instance.unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_recorder_puts_events_in_the_objects_cluster_and_counts_repeats_across_reconciles() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (east, west) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let (east_client, west_client) = (east.client().unwrap(), west.client().unwrap());
+    // "shared" in both clusters, "east-only" in east.
+    for (client, names) in [
+        (&east_client, &["shared", "east-only"][..]),
+        (&west_client, &["shared"][..]),
+    ] {
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+        for name in names {
+            api.create(
+                &PostParams::default(),
+                &labelled_cm(name, &[("audit", "yes")]),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(common::name("east"), east_client.clone()))
+        .unwrap();
+    clusters
+        .add(Cluster::new(common::name("west"), west_client.clone()))
+        .unwrap();
+    let manager = Arc::new(
+        Manager::new(clusters).leader_election(election(east_client.clone(), "recorder-replica")),
+    );
+    Builder::<_, ConfigMap>::new(&manager, labelled())
+        .named("seen-recorder")
+        .start(
+            record_seen,
+            |_, _: &kube::Error, _: &Context<ClusterName, _>| {
+                Action::requeue(Duration::from_secs(1))
+            },
+            Arc::new(Mutex::new(Vec::new())),
+        );
+    let run = spawn_manager(&manager);
+
+    // Each object's two reconciles made one Event with a series of 2, in its own cluster.
+    let expected = |name: &str, cluster: &str| {
+        (
+            name.to_string(),
+            format!("seen in {cluster}"),
+            2,
+            "seen-recorder".to_string(),
+            "recorder-replica".to_string(),
+        )
+    };
+    eventually(30, "east's Events", async || {
+        let mut events = seen_events(&east_client).await;
+        events.sort();
+        events == vec![expected("east-only", "east"), expected("shared", "east")]
+    })
+    .await;
+    eventually(30, "west's Events", async || {
+        seen_events(&west_client).await == vec![expected("shared", "west")]
+    })
+    .await;
+    // Both of east's were complete before the wait above ended, and no Event of east's
+    // objects went to west (the list would have shown it).
+    assert_eq!(
+        seen_events(&west_client).await,
+        vec![expected("shared", "west")]
+    );
 
     manager.shutdown();
     run.await.unwrap();

@@ -34,7 +34,9 @@ pub struct RateLimit {
 /// A [`RateLimit`] that cannot work: a rate that is not a positive finite number, or a
 /// burst of 0.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("a rate limit needs a positive, finite rate and a burst of at least 1 (got {qps} a second, burst {burst})")]
+#[error(
+    "a rate limit needs a positive, finite rate and a burst of at least 1 (got {qps} a second, burst {burst})"
+)]
 pub struct InvalidRateLimit {
     qps: f64,
     burst: u32,
@@ -161,7 +163,8 @@ impl ClientState {
     pub(crate) fn measure(&self, metrics: &crate::Metrics, cluster: String) {
         let mut requests = lock(&self.requests);
         if let Some(old) = requests.take() {
-            old.metrics.forget_requests(&old.cluster, old.counters.keys());
+            old.metrics
+                .forget_requests(&old.cluster, old.counters.keys());
         }
         *requests = Some(Requests {
             metrics: metrics.clone(),
@@ -173,7 +176,8 @@ impl ClientState {
     /// Stops counting and removes the series counted.
     pub(crate) fn unmeasure(&self) {
         if let Some(old) = lock(&self.requests).take() {
-            old.metrics.forget_requests(&old.cluster, old.counters.keys());
+            old.metrics
+                .forget_requests(&old.cluster, old.counters.keys());
         }
     }
 
@@ -334,7 +338,13 @@ mod tests {
 
     #[test]
     fn limits_that_cannot_work_are_refused() {
-        for (qps, burst) in [(0.0, 1), (-1.0, 1), (f64::NAN, 1), (f64::INFINITY, 1), (1.0, 0)] {
+        for (qps, burst) in [
+            (0.0, 1),
+            (-1.0, 1),
+            (f64::NAN, 1),
+            (f64::INFINITY, 1),
+            (1.0, 0),
+        ] {
             assert!(RateLimit::new(qps, burst).is_err(), "{qps} {burst}");
         }
         assert!(RateLimit::new(0.5, 1).is_ok());

@@ -21,14 +21,15 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use futures::future::Either;
 use kube::{Api, Client};
+use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher::{self, watcher};
 use tokio_util::sync::CancellationToken;
 
 pub use backoff::WatchBackoff;
 pub(crate) use backoff::{Retrying, random_unit};
 pub use cache::{Cache, CacheError};
-pub use client::{InvalidRateLimit, RateLimit};
 use client::{ClientLayer, ClientState, Forward};
+pub use client::{InvalidRateLimit, RateLimit};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub(crate) use index::Indexer;
 #[cfg(test)]
@@ -65,6 +66,9 @@ struct Inner<C: ClusterId> {
     /// by the host's one watch per kind).
     source: Option<Arc<dyn WatchSource>>,
     attachment: Mutex<Attachment>,
+    /// Event recorders by reporter, made on first use; they keep their series of repeated
+    /// Events for as long as the cluster instance lives.
+    recorders: Mutex<HashMap<Reporter, Recorder>>,
 }
 
 /// How many fleets hold the cluster engaged, and the engagement they share.
@@ -319,6 +323,7 @@ impl<C: ClusterId> Cluster<C> {
                 indexers: Mutex::new(Vec::new()),
                 source,
                 attachment: Mutex::new(Attachment::default()),
+                recorders: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -330,6 +335,16 @@ impl<C: ClusterId> Cluster<C> {
     pub fn with_rate_limit(self, limit: Option<RateLimit>) -> Self {
         self.inner.client_state.set_limit(limit);
         self
+    }
+
+    /// An Event recorder of this cluster for `reporter`, kept with the cluster so that its
+    /// record of Events already sent (repeats are counted into a series) lasts between
+    /// reconciles. Its Events are created in the cluster, through its client.
+    pub fn recorder(&self, reporter: &Reporter) -> Recorder {
+        lock(&self.inner.recorders)
+            .entry(reporter.clone())
+            .or_insert_with(|| Recorder::new(self.client(), reporter.clone()))
+            .clone()
     }
 
     /// The rate limit in force on the cluster's client, if any.

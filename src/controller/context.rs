@@ -1,5 +1,6 @@
 //! [`Context`]: what a reconciler gets besides the object.
 
+use kube_runtime::events::{Recorder, Reporter};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
@@ -45,6 +46,8 @@ pub(crate) struct Shared<C: ClusterId, S> {
     pub(crate) fleet: FleetView<C>,
     pub(crate) local: Option<Cluster<C>>,
     pub(crate) shutdown: CancellationToken,
+    /// The controller and replica, as its Events name them.
+    pub(crate) reporter: Reporter,
 }
 
 /// Object metadata behind a type-erased pointer.
@@ -135,6 +138,40 @@ impl<C: ClusterId, S> Context<C, S> {
     /// A client for the cluster the object lives in.
     pub fn client(&self) -> Client {
         self.cluster.client()
+    }
+
+    /// An Event recorder for the cluster the object lives in (kube-runtime's `Recorder`),
+    /// reporting as this controller ([`Builder::named`](crate::Builder::named)) and this
+    /// replica (the leader election identity, or the host name: the pod's name). One is kept
+    /// per cluster and controller, so repeats of an Event are counted into one series, as
+    /// the Events API intends, across reconciles.
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use k8s_openapi::api::core::v1::ConfigMap;
+    /// # use kube::Resource;
+    /// # use kube_runtime::events::{Event, EventType};
+    /// # use multicluster_runtime::{Action, ClusterName, Context};
+    /// async fn reconcile(cm: Arc<ConfigMap>, ctx: Context<ClusterName, ()>) -> Result<Action, kube::Error> {
+    ///     let event = Event {
+    ///         type_: EventType::Normal,
+    ///         reason: "Copied".into(),
+    ///         note: Some(format!("copied into {}", ctx.cluster_id())),
+    ///         action: "Copy".into(),
+    ///         secondary: None,
+    ///     };
+    ///     ctx.recorder().publish(&event, &cm.object_ref(&())).await?;
+    ///     Ok(Action::await_change())
+    /// }
+    /// ```
+    pub fn recorder(&self) -> Recorder {
+        self.cluster.recorder(&self.shared.reporter)
+    }
+
+    /// An Event recorder for `cluster` (another cluster of the fleet: a multi-cluster-aware
+    /// controller that acts there), reporting as [`Context::recorder`] does.
+    pub fn recorder_in(&self, cluster: &Cluster<C>) -> Recorder {
+        cluster.recorder(&self.shared.reporter)
     }
 
     /// The state given to the controller.

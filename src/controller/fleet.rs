@@ -38,6 +38,7 @@ use futures::stream::{BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
 use kube::Resource;
 use kube_runtime::controller::trigger_self;
+use kube_runtime::events::Reporter;
 use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -141,6 +142,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         fleet: FleetView::new(env.fleet.clone()),
         local: env.local.clone(),
         shutdown: env.shutdown.clone(),
+        reporter: Reporter {
+            controller: spec.name.to_string(),
+            instance: Some(env.instance.to_string()),
+        },
     });
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut slots = Slots {

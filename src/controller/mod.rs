@@ -128,6 +128,9 @@ pub(crate) struct Env<C: ClusterId> {
     pub(crate) grace: Grace,
     pub(crate) backoff: WatchBackoff,
     pub(crate) metrics: Option<crate::Metrics>,
+    /// Who this replica is, in the Events it records (the leader election identity, or the
+    /// host name: the pod's name in a cluster).
+    pub(crate) instance: Arc<str>,
 }
 
 /// How long reconciles in flight at shutdown are awaited.
@@ -159,6 +162,7 @@ impl<C: ClusterId> Clone for Env<C> {
             grace: self.grace.clone(),
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
+            instance: self.instance.clone(),
         }
     }
 }

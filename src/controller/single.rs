@@ -12,8 +12,8 @@ use tracing::Instrument;
 
 use super::context::Shared;
 use super::{ClusterField, Env, ObjectField, Spec};
-use crate::metrics::{Outcome, Series};
 use crate::cluster::panic_message;
+use crate::metrics::{Outcome, Series};
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
 use prometheus_client::metrics::gauge::Gauge;
 
@@ -154,6 +154,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             fleet: FleetView::new(env.fleet),
             local: env.local,
             shutdown: env.shutdown,
+            reporter: kube_runtime::events::Reporter {
+                controller: spec.name.to_string(),
+                instance: Some(env.instance.to_string()),
+            },
         }),
         reconcile,
         error_policy,
