@@ -38,7 +38,9 @@ pub use cluster::{
     Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterName, Fault, InvalidClusterId,
     InvalidRateLimit, RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster,
 };
-pub use controller::{Builder, Context, DEFAULT_DISENGAGE_GRACE, PANIC_REQUEUE, Watchable};
+pub use controller::{
+    Builder, Context, DEFAULT_DISENGAGE_GRACE, Failure, PANIC_REQUEUE, Reconciled, Watchable,
+};
 pub use fleet::{EngageError, Engaged, Fleet, FleetView};
 pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};

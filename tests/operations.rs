@@ -14,7 +14,8 @@ use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use multicluster_runtime::providers::Clusters;
 use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{
-    Action, Builder, Cluster, ClusterName, Context, LeaderElection, Manager, ManagerError, OnLoss,
+    Action, Builder, Cluster, ClusterName, Context, Failure, LeaderElection, Manager, ManagerError,
+    OnLoss,
 };
 
 /// One reconcile: which replica ran it, and when it started and ended (ended includes
@@ -946,6 +947,9 @@ async fn panic_some<C: multicluster_runtime::ClusterId>(
     if cluster == ctx.state().panics_in && cm.labels_contain("panic", "yes") {
         panic!("reconciler bug on {name}");
     }
+    if cm.labels_contain("fail", "yes") {
+        return Err(Told);
+    }
     Ok(Action::await_change())
 }
 
@@ -983,6 +987,23 @@ fn seen(state: &Panicky, cluster: &str, name: &str) -> usize {
         .count()
 }
 
+/// Every result, as the controllers report them: (cluster, object, failure, action).
+type Results = Arc<Mutex<Vec<(String, String, Option<Failure>, Action)>>>;
+
+fn observer<C: multicluster_runtime::ClusterId>(
+    results: &Results,
+) -> impl Fn(multicluster_runtime::Reconciled<C>) + Send + Sync + 'static {
+    let results = results.clone();
+    move |r| {
+        results.lock().unwrap().push((
+            r.request.cluster.to_string(),
+            r.request.name,
+            r.failure,
+            r.action,
+        ))
+    }
+}
+
 #[tokio::test]
 async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster_or_object() {
     let (_env, tc, host) = control_plane().await;
@@ -993,6 +1014,14 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
     )
     .await
     .unwrap();
+    api.create(
+        &PostParams::default(),
+        &labelled_cm("dud", &[("audit", "yes"), ("fail", "yes")]),
+    )
+    .await
+    .unwrap();
+    let fleet_results = Results::default();
+    let single_results = Results::default();
 
     // Fleet mode: the panics are in east only.
     let mut registry = prometheus_client::registry::Registry::default();
@@ -1007,6 +1036,7 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
     let fleet_state = panicky("east");
     Builder::<_, ConfigMap>::new(&fleet, labelled())
         .named("panicky")
+        .on_result(observer(&fleet_results))
         .start(
             panic_some,
             |_, _: &Told, _: &Context<ClusterName, Panicky>| Action::await_change(),
@@ -1026,6 +1056,7 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
     let single_state = panicky("");
     Builder::<_, ConfigMap>::new(&single, labelled())
         .named("panicky")
+        .on_result(observer(&single_results))
         .start(
             panic_some,
             |_, _: &Told, _: &Context<multicluster_runtime::SingleCluster, Panicky>| {
@@ -1094,6 +1125,46 @@ async fn a_panicking_reconcile_is_counted_and_retried_and_stops_no_other_cluster
         panics(&single_text, "single").unwrap() >= 2.0,
         "{single_text}"
     );
+
+    // The result callbacks saw each outcome, with the cluster, in both modes.
+    let panic = Some(Failure::Panic("reconciler bug on bomb".into()));
+    let error = Some(Failure::Error("told to fail".into()));
+    let requeue = Action::requeue(multicluster_runtime::PANIC_REQUEUE);
+    for (results, cluster, bomb) in [
+        (&fleet_results, "east", (panic.clone(), requeue)),
+        (&fleet_results, "west", (None, Action::await_change())),
+        (&single_results, "", (panic.clone(), requeue)),
+    ] {
+        let results = results.lock().unwrap();
+        let of = |name: &str| -> Vec<(Option<Failure>, Action)> {
+            results
+                .iter()
+                .filter(|r| r.0 == cluster && r.1 == name)
+                .map(|r| (r.2.clone(), r.3))
+                .collect()
+        };
+        let expected_bombs = if cluster == "west" { 1 } else { 2 };
+        assert!(
+            of("bomb").len() >= expected_bombs,
+            "{cluster}: {:?}",
+            of("bomb")
+        );
+        assert!(
+            of("bomb").iter().all(|r| *r == bomb),
+            "{cluster}: {:?}",
+            of("bomb")
+        );
+        assert_eq!(
+            of("dud"),
+            vec![(error.clone(), Action::await_change())],
+            "{cluster}"
+        );
+        assert_eq!(
+            of("audited-0"),
+            vec![(None, Action::await_change())],
+            "{cluster}"
+        );
+    }
 
     fleet.shutdown();
     single.shutdown();

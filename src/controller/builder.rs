@@ -59,6 +59,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 per_cluster: None,
                 debounce: Duration::ZERO,
                 disengage_grace: DEFAULT_DISENGAGE_GRACE,
+                observer: None,
             },
         }
     }
@@ -158,6 +159,34 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// Waits `debounce` for further changes before reconciling (default: none).
     pub fn debounce(mut self, debounce: Duration) -> Self {
         self.spec.debounce = debounce;
+        self
+    }
+
+    /// Calls `observer` at the end of every reconcile with its request, the action that
+    /// follows, the failure if any and how long it ran: kube-runtime's `Controller::run`
+    /// stream, as a callback (in both modes). It runs on the controller's task: keep it
+    /// quick, or send the result into a channel to have a stream:
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use k8s_openapi::api::core::v1::ConfigMap;
+    /// # use multicluster_runtime::{providers::Clusters, Action, Builder, ClusterName, Context, Manager};
+    /// # let manager = Manager::new(Clusters::<ClusterName>::new());
+    /// let (tx, mut results) = tokio::sync::mpsc::unbounded_channel();
+    /// Builder::<_, ConfigMap>::new(&manager, Default::default())
+    ///     .on_result(move |reconciled| { let _ = tx.send(reconciled); })
+    ///     .start(
+    ///         |_, _: Context<ClusterName, ()>| async { Ok::<_, kube::Error>(Action::await_change()) },
+    ///         |_, _, _| Action::await_change(),
+    ///         Arc::new(()),
+    ///     );
+    /// // results.recv().await: Some(Reconciled { request, action, failure, took, .. })
+    /// ```
+    pub fn on_result(
+        mut self,
+        observer: impl Fn(super::Reconciled<P::Id>) + Send + Sync + 'static,
+    ) -> Self {
+        self.spec.observer = Some(Arc::new(observer));
         self
     }
 

@@ -484,26 +484,49 @@ where
     let reconcile = reconcile.clone();
     let error_policy = error_policy.clone();
     let grace = spec.disengage_grace;
+    let observer = spec.observer.clone();
     async move {
-        let began = timed.then(std::time::Instant::now);
+        let began = (timed || observer.is_some()).then(std::time::Instant::now);
         // A panic of the reconciler or its error policy ends this reconcile only: the
         // controller goes on with every other request and cluster.
         let work = std::panic::AssertUnwindSafe(async {
             match reconcile(object.clone(), ctx.clone()).await {
-                Ok(action) => (action, ReconcileReason::Requeue),
+                Ok(action) => (action, ReconcileReason::Requeue, None),
                 Err(error) => {
                     tracing::warn!(cluster = %req.cluster, %error, "reconcile failed");
                     let action = error_policy(object, &error, &ctx);
-                    (action, ReconcileReason::ErrorPolicy)
+                    let failure = observer
+                        .is_some()
+                        .then(|| super::Failure::Error(error.to_string()));
+                    (action, ReconcileReason::ErrorPolicy, failure)
                 }
             }
         })
         .catch_unwind()
         .map(|ended| {
             ended.unwrap_or_else(|panic| {
-                tracing::error!(cluster = %req.cluster, panic = %panic_message(&*panic), "reconcile panicked");
-                (Action::requeue(super::PANIC_REQUEUE), ReconcileReason::Panicked)
+                let message = panic_message(&*panic);
+                tracing::error!(cluster = %req.cluster, panic = %message, "reconcile panicked");
+                (
+                    Action::requeue(super::PANIC_REQUEUE),
+                    ReconcileReason::Panicked,
+                    Some(super::Failure::Panic(message)),
+                )
             })
+        })
+        .map(|(action, reason, failure)| {
+            if let Some(observer) = &observer {
+                super::observe(
+                    observer,
+                    super::Reconciled {
+                        request: req.clone(),
+                        action,
+                        failure,
+                        took: began.map(|b| b.elapsed()).unwrap_or_default(),
+                    },
+                );
+            }
+            (action, reason)
         });
         let abandoned = async {
             token.cancelled().await;
@@ -578,6 +601,7 @@ mod tests {
 
     fn spec(predicate: Option<PredicateFn<Deployment>>) -> Spec<Deployment, ClusterName> {
         Spec {
+            observer: None,
             name: Arc::from("test"),
             watcher_config: watcher::Config::default(),
             relations: Vec::new(),

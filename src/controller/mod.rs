@@ -81,6 +81,45 @@ impl fmt::Display for ObjectField<'_> {
     }
 }
 
+/// How a reconcile ended, as [`Builder::on_result`] reports it: kube-runtime's
+/// `Controller::run` stream items, with the cluster.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Reconciled<C: ClusterId> {
+    /// What was reconciled.
+    pub request: Request<C>,
+    /// What comes next: the reconciler's action, or the error policy's after an error
+    /// ([`PANIC_REQUEUE`] after a panic).
+    pub action: crate::Action,
+    /// Why it failed, if it did.
+    pub failure: Option<Failure>,
+    /// How long it ran.
+    pub took: Duration,
+}
+
+/// Why a reconcile failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Failure {
+    /// The reconciler returned an error (its text).
+    Error(String),
+    /// The reconciler or its error policy panicked (the panic's message).
+    Panic(String),
+}
+
+/// A callback given every reconcile's end.
+pub(crate) type Observer<C> = Arc<dyn Fn(Reconciled<C>) + Send + Sync>;
+
+/// Hands `reconciled` to `observer`; a panic of the observer is logged, not carried on.
+pub(crate) fn observe<C: ClusterId>(observer: &Observer<C>, reconciled: Reconciled<C>) {
+    let request = reconciled.request.clone();
+    if let Err(panic) =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observer(reconciled)))
+    {
+        tracing::error!(%request, panic = %crate::cluster::panic_message(&*panic), "the result observer panicked");
+    }
+}
+
 /// A request and why it was made.
 pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
 
@@ -106,6 +145,7 @@ pub(crate) struct Spec<K, C: ClusterId> {
     /// How long reconciles of a disengaged (or replaced) cluster may go on before they are
     /// dropped.
     pub(crate) disengage_grace: Duration,
+    pub(crate) observer: Option<Observer<C>>,
 }
 
 impl<K, C: ClusterId> Spec<K, C> {

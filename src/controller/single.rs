@@ -2,6 +2,7 @@
 //! path of an event but the reconcile's [`Context`].
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use kube::{Api, Resource};
@@ -32,6 +33,8 @@ struct Single<C: ClusterId, S, F, EP> {
     name: Arc<str>,
     /// Its metrics, if the manager keeps any.
     metrics: Option<Arc<SingleMetrics>>,
+    /// The result observer, if the controller has one.
+    observer: Option<super::Observer<C>>,
 }
 
 /// A single-cluster controller's series: the reconcile ones and its workers (its queue is
@@ -57,18 +60,28 @@ impl Drop for Active {
     }
 }
 
-/// Why a single-cluster reconcile failed: the reconciler's error, or a panic caught.
+/// Why a single-cluster reconcile failed (the reconciler's error, or a panic caught), and
+/// how long it ran (timed only when metrics or an observer want it).
 #[derive(Debug)]
 enum Failure<E> {
-    Failed(E),
-    Panicked(String),
+    Failed(E, Duration),
+    Panicked(String, Duration),
+}
+
+impl<E> Failure<E> {
+    fn took(self, took: Duration) -> Self {
+        match self {
+            Self::Failed(error, _) => Self::Failed(error, took),
+            Self::Panicked(message, _) => Self::Panicked(message, took),
+        }
+    }
 }
 
 impl<E: std::fmt::Display> std::fmt::Display for Failure<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Failed(error) => error.fmt(f),
-            Self::Panicked(message) => write!(f, "the reconciler panicked: {message}"),
+            Self::Failed(error, _) => error.fmt(f),
+            Self::Panicked(message, _) => write!(f, "the reconciler panicked: {message}"),
         }
     }
 }
@@ -76,9 +89,18 @@ impl<E: std::fmt::Display> std::fmt::Display for Failure<E> {
 impl<E: std::error::Error + 'static> std::error::Error for Failure<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Failed(error) => Some(error),
-            Self::Panicked(_) => None,
+            Self::Failed(error, _) => Some(error),
+            Self::Panicked(..) => None,
         }
+    }
+}
+
+/// The request of `obj` in `cluster`, for the result observer.
+fn request_of<K: Resource, C: ClusterId>(obj: &K, cluster: &Cluster<C>) -> crate::Request<C> {
+    crate::Request {
+        cluster: cluster.id().clone(),
+        namespace: obj.meta().namespace.clone(),
+        name: obj.meta().name.clone().unwrap_or_default(),
     }
 }
 
@@ -148,6 +170,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     });
     let single = Arc::new(Single {
         metrics,
+        observer: spec.observer.clone(),
         cluster,
         shared: Arc::new(Shared {
             state,
@@ -183,6 +206,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     reason = "unknown",
                 );
                 let ctx = single.context(&obj);
+                let observed = single
+                    .observer
+                    .as_ref()
+                    .map(|observer| (observer.clone(), request_of(&*obj, &single.cluster)));
                 let fut = (single.reconcile)(obj, ctx);
                 let metrics = single.metrics.clone();
                 // A panic ends this reconcile only (kube-runtime would carry it into the
@@ -192,45 +219,90 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                         .map_err(|panic| {
                             let message = panic_message(&*panic);
                             tracing::error!(panic = %message, "reconcile panicked");
-                            Failure::Panicked(message)
+                            Failure::Panicked(message, Duration::ZERO)
                         })
-                        .and_then(|result| result.map_err(Failure::Failed))
+                        .and_then(|result| {
+                            result.map_err(|error| Failure::Failed(error, Duration::ZERO))
+                        })
                 });
                 single.tracker.track_future(
                     async move {
-                        let Some(metrics) = metrics else {
+                        if metrics.is_none() && observed.is_none() {
                             return fut.await.map(KubeAction::from);
-                        };
-                        let active = Active::new(metrics);
+                        }
+                        let active = metrics.map(Active::new);
                         let started = std::time::Instant::now();
                         let result = fut.await;
-                        let outcome = match &result {
-                            Err(Failure::Failed(_)) => Outcome::Error,
-                            Err(Failure::Panicked(_)) => Outcome::Panic,
-                            Ok(action) => Outcome::of(false, action),
-                        };
-                        active.0.series.reconciled(outcome, started.elapsed());
-                        result.map(KubeAction::from)
+                        let took = started.elapsed();
+                        if let Some(active) = &active {
+                            let outcome = match &result {
+                                Err(Failure::Failed(..)) => Outcome::Error,
+                                Err(Failure::Panicked(..)) => Outcome::Panic,
+                                Ok(action) => Outcome::of(false, action),
+                            };
+                            active.0.series.reconciled(outcome, took);
+                        }
+                        match result {
+                            Ok(action) => {
+                                // A failure is observed where the error policy decides.
+                                if let Some((observer, request)) = observed {
+                                    super::observe(
+                                        &observer,
+                                        super::Reconciled {
+                                            request,
+                                            action,
+                                            failure: None,
+                                            took,
+                                        },
+                                    );
+                                }
+                                Ok(KubeAction::from(action))
+                            }
+                            Err(failure) => Err(failure.took(took)),
+                        }
                     }
                     .instrument(span),
                 )
             },
-            |obj, error, single| match error {
-                Failure::Failed(error) => {
-                    let ctx = single.context(&obj);
-                    // The error policy's own panic is caught where kube-runtime calls it
-                    // (its runner), not here: it is the user's code, like the reconciler.
-                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        (single.error_policy)(obj, error, &ctx)
-                    })) {
-                        Ok(action) => action.into(),
-                        Err(panic) => {
+            |obj, error, single| {
+                let request = single
+                    .observer
+                    .as_ref()
+                    .map(|_| request_of(&*obj, &single.cluster));
+                let (action, failure, took) = match error {
+                    Failure::Failed(error, took) => {
+                        let ctx = single.context(&obj);
+                        // The error policy is the user's code too: its panic is caught.
+                        let action = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            (single.error_policy)(obj, error, &ctx)
+                        }))
+                        .unwrap_or_else(|panic| {
                             tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
-                            KubeAction::requeue(super::PANIC_REQUEUE)
-                        }
+                            Action::requeue(super::PANIC_REQUEUE)
+                        });
+                        let failure = request
+                            .is_some()
+                            .then(|| super::Failure::Error(error.to_string()));
+                        (action, failure, *took)
                     }
+                    Failure::Panicked(message, took) => (
+                        Action::requeue(super::PANIC_REQUEUE),
+                        Some(super::Failure::Panic(message.clone())),
+                        *took,
+                    ),
+                };
+                if let (Some(observer), Some(request)) = (&single.observer, request) {
+                    super::observe(
+                        observer,
+                        super::Reconciled {
+                            request,
+                            action,
+                            failure,
+                            took,
+                        },
+                    );
                 }
-                Failure::Panicked(_) => KubeAction::requeue(super::PANIC_REQUEUE),
+                action.into()
             },
             single,
         )
