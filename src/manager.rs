@@ -159,6 +159,18 @@ impl<P: Provider> Manager<P> {
     /// `metrics`; see [`Metrics`] for the series.
     #[must_use]
     pub fn metrics(mut self, metrics: Metrics) -> Self {
+        let (fleet, local) = (self.fleet.clone(), self.local.clone());
+        metrics.watch_source(move || {
+            local
+                .iter()
+                .cloned()
+                .chain(fleet.clusters())
+                .map(|cluster| {
+                    let id = crate::controller::ClusterField(cluster.id()).to_string();
+                    (id, cluster.cache_status())
+                })
+                .collect()
+        });
         self.metrics = Some(metrics);
         self
     }

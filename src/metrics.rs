@@ -46,6 +46,75 @@ struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WatchLabels {
+    cluster: Arc<str>,
+    kind: String,
+}
+
+/// Where the watch gauges come from at scrape time: each source lists its clusters' watches.
+type WatchSource = Box<dyn Fn() -> Vec<(String, Vec<crate::CacheStatus>)> + Send + Sync>;
+
+/// The per-cluster watch gauges, computed when scraped (nothing to keep up to date).
+struct Watches {
+    cluster_label: bool,
+    sources: std::sync::Mutex<Vec<WatchSource>>,
+}
+
+impl std::fmt::Debug for Watches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watches").finish_non_exhaustive()
+    }
+}
+
+impl prometheus_client::collector::Collector for Watches {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        let synced = Family::<WatchLabels, Gauge>::default();
+        let failing = Family::<WatchLabels, Gauge>::default();
+        for source in crate::sync::lock(&self.sources).iter() {
+            for (cluster, watches) in source() {
+                let cluster: Arc<str> = if self.cluster_label {
+                    Arc::from(cluster)
+                } else {
+                    Arc::from("")
+                };
+                for watch in watches {
+                    let labels = WatchLabels {
+                        cluster: cluster.clone(),
+                        kind: watch.kind,
+                    };
+                    // Summed over clusters without the cluster label.
+                    synced
+                        .get_or_create(&labels)
+                        .inc_by(i64::from(watch.synced));
+                    failing
+                        .get_or_create(&labels)
+                        .inc_by(i64::from(watch.error.is_some()));
+                }
+            }
+        }
+        for (name, help, family) in [
+            (
+                "multicluster_runtime_watch_synced",
+                "How many of a cluster's watches of a kind have listed (one per watcher configuration)",
+                &synced,
+            ),
+            (
+                "multicluster_runtime_watch_failing",
+                "How many of a cluster's watches of a kind fail: forbidden, kind missing, server unreachable",
+                &failing,
+            ),
+        ] {
+            family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LeaseLabels {
     name: Arc<str>,
 }
@@ -111,6 +180,8 @@ fn duration_histogram() -> Histogram {
 /// | `workqueue_retries_total` | `name`, `cluster` | requeues decided by the error policy |
 /// | `leader_election_master_status` | `name` (the lease, `namespace/name`) | 1 while leading, else 0 |
 /// | `multicluster_runtime_engaged_clusters` | | clusters engaged in the fleet |
+/// | `multicluster_runtime_watch_synced` | `cluster`, `kind` | 1 once the cluster's watch of the kind has listed (one per watcher configuration) |
+/// | `multicluster_runtime_watch_failing` | `cluster`, `kind` | 1 while it fails (forbidden, kind missing, server unreachable) |
 /// | `rest_client_requests_total` | `cluster`, `code` (`<error>`: no response), `method` | API requests of each engaged cluster's client, the controllers' and the reconcilers' |
 ///
 /// `cluster` is the cluster id as text (`single` for a single-cluster manager). The series of
@@ -155,6 +226,7 @@ struct Inner {
     leader: Family<LeaseLabels, Gauge>,
     engaged: Gauge,
     requests: Family<RequestLabels, Counter>,
+    watches: Arc<Watches>,
 }
 
 impl Metrics {
@@ -187,7 +259,12 @@ impl Metrics {
             leader: Family::default(),
             engaged: Gauge::default(),
             requests: Family::default(),
+            watches: Arc::new(Watches {
+                cluster_label,
+                sources: std::sync::Mutex::new(Vec::new()),
+            }),
         };
+        registry.register_collector(Box::new(inner.watches.clone()));
         // prometheus-client adds `_total` to counters' names.
         registry.register(
             "controller_runtime_reconcile",
@@ -410,6 +487,14 @@ impl Metrics {
                 name: Arc::from(lease),
             })
             .set(i64::from(leading));
+    }
+
+    /// Reports the watches of the clusters `source` lists, at every scrape.
+    pub(crate) fn watch_source(
+        &self,
+        source: impl Fn() -> Vec<(String, Vec<crate::CacheStatus>)> + Send + Sync + 'static,
+    ) {
+        crate::sync::lock(&self.inner.watches.sources).push(Box::new(source));
     }
 
     /// How many clusters the fleet has engaged.

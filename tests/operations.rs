@@ -900,12 +900,41 @@ async fn readyz_follows_a_clusters_apiserver_and_metrics_are_served_over_http() 
     })
     .await;
 
+    let watch = |text: &str, gauge: &str, cluster: &str| {
+        sample(text, gauge, &[("cluster", cluster), ("kind", "ConfigMap")])
+    };
+    let (_, text) = http_get(addr, "/metrics").await;
+    for cluster in ["steady", "flaky"] {
+        assert_eq!(
+            watch(&text, "multicluster_runtime_watch_synced", cluster),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            watch(&text, "multicluster_runtime_watch_failing", cluster),
+            Some(0.0),
+            "{text}"
+        );
+    }
+
     // flaky's apiserver stops: not ready, and the detail names the cluster; steady is fine.
     flaky.stop().await;
     eventually(60, "unready while flaky is down", async || {
         http_get(addr, "/readyz").await.0 == 503
     })
     .await;
+    // The watch gauges say the same.
+    let (_, text) = http_get(addr, "/metrics").await;
+    assert_eq!(
+        watch(&text, "multicluster_runtime_watch_failing", "flaky"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        watch(&text, "multicluster_runtime_watch_failing", "steady"),
+        Some(0.0),
+        "{text}"
+    );
     let (_, verbose) = http_get(addr, "/readyz?verbose").await;
     assert!(verbose.contains("cluster steady: ok"), "{verbose}");
     assert!(verbose.contains("cluster flaky: ConfigMap"), "{verbose}");
@@ -916,6 +945,17 @@ async fn readyz_follows_a_clusters_apiserver_and_metrics_are_served_over_http() 
         http_get(addr, "/readyz").await.0 == 200
     })
     .await;
+    let (_, text) = http_get(addr, "/metrics").await;
+    assert_eq!(
+        watch(&text, "multicluster_runtime_watch_failing", "flaky"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        watch(&text, "multicluster_runtime_watch_synced", "flaky"),
+        Some(1.0),
+        "{text}"
+    );
 
     manager.shutdown();
     run.await.unwrap();
