@@ -331,6 +331,11 @@ impl<C: ClusterId> Fleet<C> {
         rx
     }
 
+    /// An identity of this fleet (shared by its clones).
+    pub(crate) fn key(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// Opens the fleet for a manager's run, with the settings its clusters' watches get.
     pub(crate) fn open(&self, settings: WatchSettings) {
         let mut state = self.state();

@@ -159,18 +159,6 @@ impl<P: Provider> Manager<P> {
     /// `metrics`; see [`Metrics`] for the series.
     #[must_use]
     pub fn metrics(mut self, metrics: Metrics) -> Self {
-        let (fleet, local) = (self.fleet.clone(), self.local.clone());
-        metrics.watch_source(move || {
-            local
-                .iter()
-                .cloned()
-                .chain(fleet.clusters())
-                .map(|cluster| {
-                    let id = crate::controller::ClusterField(cluster.id()).to_string();
-                    (id, cluster.cache_status())
-                })
-                .collect()
-        });
         self.metrics = Some(metrics);
         self
     }
@@ -458,6 +446,22 @@ impl<P: Provider> Manager<P> {
             rate_limit: self.rate_limit,
         };
         self.fleet.open(settings.clone());
+        if let Some(metrics) = &self.metrics {
+            // The watch gauges read this manager's clusters at scrape time (one source per
+            // manager: a later run replaces its own).
+            let (fleet, local) = (self.fleet.clone(), self.local.clone());
+            metrics.watch_source(self.fleet.key(), move || {
+                local
+                    .iter()
+                    .cloned()
+                    .chain(fleet.clusters())
+                    .map(|cluster| {
+                        let id = crate::controller::ClusterField(cluster.id()).to_string();
+                        (id, cluster.cache_status())
+                    })
+                    .collect()
+            });
+        }
         // A single-cluster provider's cluster is engaged before any controller starts, so a
         // reconciler's `cache()` of it never finds it unengaged (the provider engages it too;
         // that is then `Unchanged`).

@@ -57,7 +57,8 @@ type WatchSource = Box<dyn Fn() -> Vec<(String, Vec<crate::CacheStatus>)> + Send
 /// The per-cluster watch gauges, computed when scraped (nothing to keep up to date).
 struct Watches {
     cluster_label: bool,
-    sources: std::sync::Mutex<Vec<WatchSource>>,
+    /// By the key of the fleet they read.
+    sources: std::sync::Mutex<Vec<(usize, WatchSource)>>,
 }
 
 impl std::fmt::Debug for Watches {
@@ -74,7 +75,7 @@ impl prometheus_client::collector::Collector for Watches {
         use prometheus_client::encoding::EncodeMetric;
         let synced = Family::<WatchLabels, Gauge>::default();
         let failing = Family::<WatchLabels, Gauge>::default();
-        for source in crate::sync::lock(&self.sources).iter() {
+        for (_, source) in crate::sync::lock(&self.sources).iter() {
             for (cluster, watches) in source() {
                 let cluster: Arc<str> = if self.cluster_label {
                     Arc::from(cluster)
@@ -492,9 +493,12 @@ impl Metrics {
     /// Reports the watches of the clusters `source` lists, at every scrape.
     pub(crate) fn watch_source(
         &self,
+        key: usize,
         source: impl Fn() -> Vec<(String, Vec<crate::CacheStatus>)> + Send + Sync + 'static,
     ) {
-        crate::sync::lock(&self.inner.watches.sources).push(Box::new(source));
+        let mut sources = crate::sync::lock(&self.inner.watches.sources);
+        sources.retain(|(k, _)| *k != key);
+        sources.push((key, Box::new(source)));
     }
 
     /// How many clusters the fleet has engaged.
