@@ -1448,3 +1448,296 @@ async fn the_recorder_puts_events_in_the_objects_cluster_and_counts_repeats_acro
     manager.shutdown();
     run.await.unwrap();
 }
+
+// ---------------------------------------------------------------------------------------
+// The production-shaped example (examples/operator.rs) with the manifests of deploy/.
+
+/// Applies every document of `yaml` server-side, as `client`'s user.
+async fn apply_manifests(client: &kube::Client, yaml: &str) {
+    use kube::api::{DynamicObject, Patch, PatchParams};
+    use kube::discovery::{Scope, pinned_kind};
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(yaml).unwrap();
+    for doc in docs.into_iter().filter(|d| !d.is_null()) {
+        let object: DynamicObject = serde_json::from_value(doc).unwrap();
+        let types = object.types.clone().unwrap();
+        let gvk = kube::api::GroupVersionKind::try_from(&types).unwrap();
+        let (resource, caps) = pinned_kind(client, &gvk).await.unwrap();
+        let api: Api<DynamicObject> = match (caps.scope, object.metadata.namespace.as_deref()) {
+            (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &resource),
+            _ => Api::all_with(client.clone(), &resource),
+        };
+        let name = object.metadata.name.clone().unwrap();
+        api.patch(
+            &name,
+            &PatchParams::apply("operations-test"),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying {} {name}: {e}", gvk.kind));
+    }
+}
+
+fn manifest(file: &str) -> String {
+    std::fs::read_to_string(format!("{}/deploy/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+/// The example binary, built (or found fresh) in this test's target directory.
+fn operator_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let target_dir = profile_dir.parent().unwrap();
+    let status = std::process::Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--all-features",
+            "--example",
+            "operator",
+            "--target-dir",
+        ])
+        .arg(target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "building examples/operator.rs");
+    profile_dir.join("examples").join("operator")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One operator process: its endpoints' address and its log file.
+struct OperatorProcess {
+    child: tokio::process::Child,
+    addr: std::net::SocketAddr,
+    log: std::path::PathBuf,
+}
+
+impl OperatorProcess {
+    fn start(
+        binary: &std::path::Path,
+        kubeconfig: &std::path::Path,
+        identity: &str,
+        dir: &std::path::Path,
+    ) -> Self {
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let log = dir.join(format!("{identity}.log"));
+        let child = tokio::process::Command::new(binary)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args([
+                "--identity",
+                identity,
+                "--log-format",
+                "json",
+                "--resync-seconds",
+                "2",
+            ])
+            .args([
+                "--lease-duration-seconds",
+                "4",
+                "--renew-deadline-seconds",
+                "2",
+                "--retry-period-seconds",
+                "0.5",
+            ])
+            .arg(format!("--bind-address={addr}"))
+            .env("RUST_LOG", "info")
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::process::Stdio::inherit())
+            // A failing test ends it.
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Self { child, addr, log }
+    }
+
+    /// Whether it reports leading, on /metrics.
+    async fn leads(&self) -> bool {
+        let Ok((200, text)) =
+            tokio::time::timeout(Duration::from_secs(2), http_get_opt(self.addr, "/metrics"))
+                .await
+                .unwrap_or(Err(()))
+        else {
+            return false;
+        };
+        sample(
+            &text,
+            "leader_election_master_status",
+            &[("name", "mcr-system/mcr-operator")],
+        ) == Some(1.0)
+    }
+}
+
+/// `http_get`, or `Err` when nothing listens (yet).
+async fn http_get_opt(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), ()> {
+    if tokio::net::TcpStream::connect(addr).await.is_err() {
+        return Err(());
+    }
+    Ok(http_get(addr, path).await)
+}
+
+async fn configmap_in(client: &kube::Client, ns: &str, name: &str) -> Option<ConfigMap> {
+    Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails_over() {
+    let binary = operator_binary();
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host_tc, member_tc) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let (host, member) = (host_tc.client().unwrap(), member_tc.client().unwrap());
+    apply_manifests(&host, &manifest("operator.yaml")).await;
+    apply_manifests(&member, &manifest("member.yaml")).await;
+    // The ServiceAccounts' identities: client certificates with their user names and groups,
+    // which RBAC matches as it matches the accounts' tokens.
+    let sa_groups = [
+        "system:serviceaccounts",
+        "system:serviceaccounts:mcr-system",
+    ];
+    let operator_user = host_tc
+        .add_user("system:serviceaccount:mcr-system:mcr-operator", &sa_groups)
+        .unwrap();
+    let member_user = member_tc
+        .add_user("system:serviceaccount:mcr-system:mcr-member", &sa_groups)
+        .unwrap();
+    // The member as a kubeconfig Secret, the way the secrets provider finds it.
+    let secret = k8s_openapi::api::core::v1::Secret {
+        metadata: ObjectMeta {
+            name: Some("east".into()),
+            namespace: Some("mcr-system".into()),
+            labels: Some(BTreeMap::from([(
+                multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL.into(),
+                "true".into(),
+            )])),
+            ..Default::default()
+        },
+        string_data: Some(BTreeMap::from([(
+            "kubeconfig".into(),
+            member_user.kubeconfig().to_string(),
+        )])),
+        ..Default::default()
+    };
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(host.clone(), "mcr-system")
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let originals: Api<ConfigMap> = Api::namespaced(host.clone(), "mcr-system");
+    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
+    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
+    originals
+        .create(&PostParams::default(), &original)
+        .await
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = OperatorProcess::start(
+        &binary,
+        operator_user.kubeconfig_path(),
+        "replica-a",
+        dir.path(),
+    );
+    eventually(60, "replica-a leads", async || a.leads().await).await;
+    let mut b = OperatorProcess::start(
+        &binary,
+        operator_user.kubeconfig_path(),
+        "replica-b",
+        dir.path(),
+    );
+
+    // Copied into the member as its ServiceAccount, reported back on the host.
+    eventually(60, "the copy in the member", async || {
+        configmap_in(&member, "default", "settings")
+            .await
+            .and_then(|c| c.data)
+            == Some(BTreeMap::from([("colour".into(), "blue".into())]))
+    })
+    .await;
+    eventually(30, "the copied-to annotation and Event", async || {
+        let annotated = configmap_in(&host, "mcr-system", "settings")
+            .await
+            .and_then(|c| c.metadata.annotations)
+            .and_then(|a| a.get("mcr.example.io/copied-to").cloned());
+        annotated.as_deref() == Some("east")
+            && has_event(
+                &host,
+                "mcr-system",
+                "Copied",
+                "settings",
+                "copied into 1 clusters: east",
+            )
+            .await
+    })
+    .await;
+    // Both replicas are ready (readiness does not depend on leading), b does not lead.
+    eventually(30, "both ready", async || {
+        http_get_opt(a.addr, "/readyz").await.map(|r| r.0) == Ok(200)
+            && http_get_opt(b.addr, "/readyz").await.map(|r| r.0) == Ok(200)
+    })
+    .await;
+    assert!(!b.leads().await, "b waits while a leads");
+    // JSON logs, one object per line.
+    let log = std::fs::read_to_string(&a.log).unwrap();
+    let first = log.lines().next().expect("a logged");
+    let line: serde_json::Value =
+        serde_json::from_str(first).unwrap_or_else(|e| panic!("{e}: {first}"));
+    assert!(
+        line.get("level").is_some() && line.get("fields").is_some(),
+        "{first}"
+    );
+
+    // SIGKILL the leader: b takes over within the lease duration (4 s) + 5 s.
+    let killed = Instant::now();
+    a.child.start_kill().unwrap();
+    a.child.wait().await.unwrap();
+    eventually(30, "b leads", async || b.leads().await).await;
+    let took_over = killed.elapsed();
+    println!("b led {took_over:?} after a was killed");
+    assert!(took_over <= Duration::from_secs(9), "{took_over:?}");
+    // And acts: a change of the original reaches the member.
+    let patch = serde_json::json!({"data": {"colour": "green"}});
+    originals
+        .patch(
+            "settings",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    eventually(30, "the new data in the member", async || {
+        configmap_in(&member, "default", "settings")
+            .await
+            .and_then(|c| c.data)
+            == Some(BTreeMap::from([("colour".into(), "green".into())]))
+    })
+    .await;
+
+    // SIGTERM: b drains, gives the Lease up and exits cleanly.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(b.child.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), b.child.wait())
+        .await
+        .expect("b exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let lease =
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(host.clone(), "mcr-system")
+            .get("mcr-operator")
+            .await
+            .unwrap();
+    let holder = lease
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default();
+    assert!(holder.is_empty(), "the Lease was released: {holder:?}");
+}
