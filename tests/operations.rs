@@ -1524,11 +1524,23 @@ impl OperatorProcess {
         identity: &str,
         dir: &std::path::Path,
     ) -> Self {
+        Self::start_in(binary, kubeconfig, identity, "mcr-system", dir)
+    }
+
+    /// As [`OperatorProcess::start`], with the operator's namespace `namespace`.
+    fn start_in(
+        binary: &std::path::Path,
+        kubeconfig: &std::path::Path,
+        identity: &str,
+        namespace: &str,
+        dir: &std::path::Path,
+    ) -> Self {
         let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let log = dir.join(format!("{identity}.log"));
         let child = tokio::process::Command::new(binary)
             .arg("--kubeconfig")
             .arg(kubeconfig)
+            .args(["--namespace", namespace])
             .args([
                 "--identity",
                 identity,
@@ -1740,4 +1752,224 @@ async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails
         .and_then(|s| s.holder_identity)
         .unwrap_or_default();
     assert!(holder.is_empty(), "the Lease was released: {holder:?}");
+}
+
+/// The rules of the RBAC object `kind`/`name` in the manifests `yaml`.
+fn rules_of(yaml: &str, kind: &str, name: &str) -> Vec<PolicyRule> {
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(yaml).unwrap();
+    let doc = docs
+        .into_iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{kind} {name} in the manifests"));
+    serde_json::from_value(doc["rules"].clone()).unwrap()
+}
+
+/// Grants `rules` to `user`: cluster-wide (`namespace` None) or in `namespace`.
+async fn grant(client: &kube::Client, user: &str, namespace: Option<&str>, rules: Vec<PolicyRule>) {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let meta = |ns: Option<&str>| ObjectMeta {
+        name: Some(format!("grant-{user}")),
+        namespace: ns.map(str::to_string),
+        ..Default::default()
+    };
+    let subjects = Some(vec![Subject {
+        kind: "User".into(),
+        name: user.into(),
+        api_group: Some("rbac.authorization.k8s.io".into()),
+        ..Default::default()
+    }]);
+    let pp = PostParams::default();
+    match namespace {
+        None => {
+            Api::<ClusterRole>::all(client.clone())
+                .create(
+                    &pp,
+                    &ClusterRole {
+                        metadata: meta(None),
+                        rules: Some(rules),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            Api::<ClusterRoleBinding>::all(client.clone())
+                .create(
+                    &pp,
+                    &ClusterRoleBinding {
+                        metadata: meta(None),
+                        role_ref: RoleRef {
+                            api_group: Some("rbac.authorization.k8s.io".into()),
+                            kind: "ClusterRole".into(),
+                            name: format!("grant-{user}"),
+                        },
+                        subjects,
+                    },
+                )
+                .await
+                .unwrap();
+        }
+        Some(ns) => {
+            Api::<Role>::namespaced(client.clone(), ns)
+                .create(
+                    &pp,
+                    &Role {
+                        metadata: meta(Some(ns)),
+                        rules: Some(rules),
+                    },
+                )
+                .await
+                .unwrap();
+            Api::<RoleBinding>::namespaced(client.clone(), ns)
+                .create(
+                    &pp,
+                    &RoleBinding {
+                        metadata: meta(Some(ns)),
+                        role_ref: RoleRef {
+                            api_group: Some("rbac.authorization.k8s.io".into()),
+                            kind: "Role".into(),
+                            name: format!("grant-{user}"),
+                        },
+                        subjects,
+                    },
+                )
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// Whether the operator's log (or its readiness detail) shows the API server refusing one of
+/// `rule`'s verbs on one of its resources.
+fn refused(text: &str, rule: &PolicyRule) -> bool {
+    let text = text.replace("\\\"", "\"");
+    rule.verbs.iter().any(|verb| {
+        rule.resources
+            .iter()
+            .flatten()
+            .any(|resource| text.contains(&format!("cannot {verb} resource \"{resource}\"")))
+    })
+}
+
+#[tokio::test]
+async fn removing_any_rule_of_the_deploy_rbac_breaks_the_operator() {
+    let binary = operator_binary();
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host_tc, member_tc) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let (host, member) = (host_tc.client().unwrap(), member_tc.client().unwrap());
+    let (operator_yaml, member_yaml) = (manifest("operator.yaml"), manifest("member.yaml"));
+    let cluster_rules = rules_of(&operator_yaml, "ClusterRole", "mcr-operator");
+    let host_rules = rules_of(&operator_yaml, "Role", "mcr-operator");
+    let member_rules = rules_of(&member_yaml, "Role", "mcr-member");
+    // Every rule, by where it is granted.
+    let mut variants = Vec::new();
+    for (place, rules) in [
+        ("cluster", &cluster_rules),
+        ("host", &host_rules),
+        ("member", &member_rules),
+    ] {
+        for i in 0..rules.len() {
+            variants.push((place, i));
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut running = Vec::new();
+    for (n, (place, removed)) in variants.iter().enumerate() {
+        let without = |p: &str, rules: &Vec<PolicyRule>| -> Vec<PolicyRule> {
+            rules
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !(p == *place && i == removed))
+                .map(|(_, r)| r.clone())
+                .collect()
+        };
+        // Each variant in a namespace of its own (its Lease, Secret and ConfigMap), as a
+        // user of its own on each side.
+        let ns = format!("least-{n}");
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(host.clone());
+        namespaces
+            .create(
+                &PostParams::default(),
+                &k8s_openapi::api::core::v1::Namespace {
+                    metadata: ObjectMeta {
+                        name: Some(ns.clone()),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let (user, member_user) = (format!("least-{n}"), format!("member-least-{n}"));
+        grant(&host, &user, None, without("cluster", &cluster_rules)).await;
+        grant(&host, &user, Some(&ns), without("host", &host_rules)).await;
+        grant(
+            &member,
+            &member_user,
+            Some("default"),
+            without("member", &member_rules),
+        )
+        .await;
+        let operator_identity = host_tc.add_user(&user, &[]).unwrap();
+        let member_identity = member_tc.add_user(&member_user, &[]).unwrap();
+        let secret = k8s_openapi::api::core::v1::Secret {
+            metadata: ObjectMeta {
+                name: Some("east".into()),
+                namespace: Some(ns.clone()),
+                labels: Some(BTreeMap::from([(
+                    multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL.into(),
+                    "true".into(),
+                )])),
+                ..Default::default()
+            },
+            string_data: Some(BTreeMap::from([(
+                "kubeconfig".into(),
+                member_identity.kubeconfig().to_string(),
+            )])),
+            ..Default::default()
+        };
+        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(host.clone(), &ns)
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+        // Named per variant, so no two variants apply the same copy in the member.
+        let mut original =
+            labelled_cm(&format!("settings-{n}"), &[("mcr.example.io/copy", "true")]);
+        original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
+        Api::<ConfigMap>::namespaced(host.clone(), &ns)
+            .create(&PostParams::default(), &original)
+            .await
+            .unwrap();
+        let process = OperatorProcess::start_in(
+            &binary,
+            operator_identity.kubeconfig_path(),
+            &user,
+            &ns,
+            dir.path(),
+        );
+        running.push((place, *removed, process));
+    }
+
+    // Each variant shows the API server refusing what its removed rule allowed.
+    for (place, removed, process) in &running {
+        let rule = match **place {
+            "cluster" => &cluster_rules[*removed],
+            "host" => &host_rules[*removed],
+            _ => &member_rules[*removed],
+        };
+        let what = format!("{place} rule {:?} {:?}", rule.verbs, rule.resources);
+        eventually(60, &format!("without the {what}: a refusal"), async || {
+            let log = std::fs::read_to_string(&process.log).unwrap_or_default();
+            let readiness = http_get_opt(process.addr, "/readyz?verbose")
+                .await
+                .map(|r| r.1)
+                .unwrap_or_default();
+            refused(&log, rule) || refused(&readiness, rule)
+        })
+        .await;
+        println!("without the {what}: refused, as expected");
+    }
+    for (_, _, mut process) in running {
+        process.child.start_kill().unwrap();
+        process.child.wait().await.unwrap();
+    }
 }
