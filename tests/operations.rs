@@ -1486,15 +1486,15 @@ fn operator_binary() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
     let target_dir = profile_dir.parent().unwrap();
-    let status = std::process::Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--all-features",
-            "--example",
-            "operator",
-            "--target-dir",
-        ])
-        .arg(target_dir)
+    let mut build = std::process::Command::new(env!("CARGO"));
+    build
+        .args(["build", "--all-features", "--example", "operator"])
+        .arg("--target-dir")
+        .arg(target_dir);
+    if profile_dir.ends_with("release") {
+        build.arg("--release");
+    }
+    let status = build
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .unwrap();
