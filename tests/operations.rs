@@ -1973,3 +1973,70 @@ async fn removing_any_rule_of_the_deploy_rbac_breaks_the_operator() {
         process.child.wait().await.unwrap();
     }
 }
+
+#[tokio::test]
+async fn the_example_operator_copies_into_namespaces_as_clusters() {
+    let binary = operator_binary();
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let host = tc.client().unwrap();
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(host.clone());
+    for (name, member) in [
+        ("mcr-system", false),
+        ("team-a", true),
+        ("team-b", true),
+        ("other", false),
+    ] {
+        let labels =
+            member.then(|| BTreeMap::from([("mcr.example.io/member".into(), "true".into())]));
+        namespaces
+            .create(
+                &PostParams::default(),
+                &k8s_openapi::api::core::v1::Namespace {
+                    metadata: ObjectMeta {
+                        name: Some(name.into()),
+                        labels,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    }
+    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
+    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
+    Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
+        .create(&PostParams::default(), &original)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = tokio::process::Command::new(&binary)
+        .arg("--kubeconfig")
+        .arg(tc.kubeconfig_path())
+        .args(["--provider", "namespaces", "--leader-elect", "false"])
+        .arg(format!("--bind-address=127.0.0.1:{}", free_port()))
+        .stdout(std::fs::File::create(dir.path().join("log")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Each member namespace is a cluster: the copy lands in it, and only there.
+    eventually(60, "copies in team-a and team-b", async || {
+        configmap_in(&host, "team-a", "settings").await.is_some()
+            && configmap_in(&host, "team-b", "settings").await.is_some()
+    })
+    .await;
+    eventually(30, "the copied-to annotation", async || {
+        configmap_in(&host, "mcr-system", "settings")
+            .await
+            .and_then(|c| c.metadata.annotations)
+            .and_then(|a| a.get("mcr.example.io/copied-to").cloned())
+            .as_deref()
+            == Some("team-a,team-b")
+    })
+    .await;
+    // The annotation was written after both copies: a copy into `other` would have shown.
+    assert!(configmap_in(&host, "other", "settings").await.is_none());
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+}

@@ -56,7 +56,7 @@ pub struct Cluster<C: ClusterId> {
 struct Inner<C: ClusterId> {
     id: C,
     /// Behind `client_state`'s layer (rate limit, request metrics).
-    client: Client,
+    client: ClientSlot,
     client_state: Arc<ClientState>,
     config: Option<kube::Config>,
     /// Field indexes registered for this cluster; every watch of their kind maintains them.
@@ -69,6 +69,16 @@ struct Inner<C: ClusterId> {
     /// Event recorders by reporter, made on first use; they keep their series of repeated
     /// Events for as long as the cluster instance lives.
     recorders: Mutex<HashMap<Reporter, Recorder>>,
+}
+
+/// A cluster's client: built with its layer, or (for a client given to [`Cluster::new`])
+/// wrapped on first use inside a runtime, since the wrapper's buffer needs one to start.
+enum ClientSlot {
+    Built(Client),
+    Given {
+        given: Client,
+        layered: std::sync::OnceLock<Client>,
+    },
 }
 
 /// How many fleets hold the cluster engaged, and the engagement they share.
@@ -249,13 +259,11 @@ impl<C: ClusterId> Cluster<C> {
     /// A cluster reached through `client`. Its requests pass through the cluster's rate
     /// limit and request metrics ([`Cluster::with_rate_limit`]) on their way to `client`.
     pub fn new(id: C, client: Client) -> Self {
-        let state = Arc::new(ClientState::default());
-        let layered = Client::new(
-            tower_layer::Layer::layer(&ClientLayer(state.clone()), Forward(client.clone())),
-            client.default_namespace(),
-        )
-        .with_valid_until(*client.valid_until());
-        Self::build(id, layered, state, None, None)
+        let slot = ClientSlot::Given {
+            given: client,
+            layered: std::sync::OnceLock::new(),
+        };
+        Self::build(id, slot, Arc::new(ClientState::default()), None, None)
     }
 
     /// A cluster built from `config`, which is kept: re-engaging the same id with a config
@@ -265,7 +273,13 @@ impl<C: ClusterId> Cluster<C> {
         let client = kube::client::ClientBuilder::try_from(config.clone())?
             .with_layer(&ClientLayer(state.clone()))
             .build();
-        Ok(Self::build(id, client, state, Some(config), None))
+        Ok(Self::build(
+            id,
+            ClientSlot::Built(client),
+            state,
+            Some(config),
+            None,
+        ))
     }
 
     /// A cluster whose requests go to `service` (through the cluster's layer) and whose
@@ -291,7 +305,7 @@ impl<C: ClusterId> Cluster<C> {
             tower_layer::Layer::layer(&ClientLayer(state.clone()), service),
             default_namespace,
         );
-        Self::build(id, client, state, None, Some(source))
+        Self::build(id, ClientSlot::Built(client), state, None, Some(source))
     }
 
     /// The same cluster under another id (for providers that rename their children's
@@ -300,7 +314,7 @@ impl<C: ClusterId> Cluster<C> {
     pub(crate) fn renamed<D: ClusterId>(&self, id: D) -> Cluster<D> {
         Cluster::build(
             id,
-            self.inner.client.clone(),
+            ClientSlot::Built(self.client()),
             self.inner.client_state.clone(),
             self.inner.config.clone(),
             self.inner.source.clone(),
@@ -309,7 +323,7 @@ impl<C: ClusterId> Cluster<C> {
 
     fn build(
         id: C,
-        client: Client,
+        client: ClientSlot,
         client_state: Arc<ClientState>,
         config: Option<kube::Config>,
         source: Option<Arc<dyn WatchSource>>,
@@ -359,7 +373,29 @@ impl<C: ClusterId> Cluster<C> {
 
     /// A client for the cluster (a cheap clone).
     pub fn client(&self) -> Client {
-        self.inner.client.clone()
+        match &self.inner.client {
+            ClientSlot::Built(client) => client.clone(),
+            ClientSlot::Given { given, layered } => {
+                if let Some(client) = layered.get() {
+                    return client.clone();
+                }
+                // Outside a runtime the client given is all there is (nothing can send a
+                // request there anyway); inside one it goes behind the cluster's layer.
+                if tokio::runtime::Handle::try_current().is_err() {
+                    return given.clone();
+                }
+                layered
+                    .get_or_init(|| {
+                        let layer = ClientLayer(self.inner.client_state.clone());
+                        Client::new(
+                            tower_layer::Layer::layer(&layer, Forward(given.clone())),
+                            given.default_namespace(),
+                        )
+                        .with_valid_until(*given.valid_until())
+                    })
+                    .clone()
+            }
+        }
     }
 
     /// The configuration the cluster was built from, if it was built with
