@@ -181,8 +181,8 @@ fn duration_histogram() -> Histogram {
 /// | `workqueue_retries_total` | `name`, `cluster` | requeues decided by the error policy |
 /// | `leader_election_master_status` | `name` (the lease, `namespace/name`) | 1 while leading, else 0 |
 /// | `multicluster_runtime_engaged_clusters` | | clusters engaged in the fleet |
-/// | `multicluster_runtime_watch_synced` | `cluster`, `kind` | 1 once the cluster's watch of the kind has listed (one per watcher configuration) |
-/// | `multicluster_runtime_watch_failing` | `cluster`, `kind` | 1 while it fails (forbidden, kind missing, server unreachable) |
+/// | `multicluster_runtime_watch_synced` | `cluster`, `kind` | how many of the cluster's watches of the kind have listed (one per watcher configuration) |
+/// | `multicluster_runtime_watch_failing` | `cluster`, `kind` | how many of them fail now (forbidden, kind missing, server unreachable) |
 /// | `rest_client_requests_total` | `cluster`, `code` (`<error>`: no response), `method` | API requests of each engaged cluster's client, the controllers' and the reconcilers' |
 ///
 /// `cluster` is the cluster id as text (`single` for a single-cluster manager). The series of

@@ -1477,6 +1477,31 @@ async fn apply_manifests(client: &kube::Client, yaml: &str) {
     }
 }
 
+/// The member cluster `east` as a kubeconfig Secret in `namespace` of the host, the way the
+/// secrets provider finds it.
+async fn member_secret(host: &kube::Client, namespace: &str, kubeconfig: &str) {
+    let secret = k8s_openapi::api::core::v1::Secret {
+        metadata: ObjectMeta {
+            name: Some("east".into()),
+            namespace: Some(namespace.into()),
+            labels: Some(BTreeMap::from([(
+                multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL.into(),
+                "true".into(),
+            )])),
+            ..Default::default()
+        },
+        string_data: Some(BTreeMap::from([(
+            "kubeconfig".into(),
+            kubeconfig.to_string(),
+        )])),
+        ..Default::default()
+    };
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(host.clone(), namespace)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+}
+
 fn manifest(file: &str) -> String {
     std::fs::read_to_string(format!("{}/deploy/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
@@ -1621,26 +1646,7 @@ async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails
         .add_user("system:serviceaccount:mcr-system:mcr-member", &sa_groups)
         .unwrap();
     // The member as a kubeconfig Secret, the way the secrets provider finds it.
-    let secret = k8s_openapi::api::core::v1::Secret {
-        metadata: ObjectMeta {
-            name: Some("east".into()),
-            namespace: Some("mcr-system".into()),
-            labels: Some(BTreeMap::from([(
-                multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL.into(),
-                "true".into(),
-            )])),
-            ..Default::default()
-        },
-        string_data: Some(BTreeMap::from([(
-            "kubeconfig".into(),
-            member_user.kubeconfig().to_string(),
-        )])),
-        ..Default::default()
-    };
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(host.clone(), "mcr-system")
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap();
+    member_secret(&host, "mcr-system", member_user.kubeconfig()).await;
     let originals: Api<ConfigMap> = Api::namespaced(host.clone(), "mcr-system");
     let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
     original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
@@ -1911,26 +1917,7 @@ async fn removing_any_rule_of_the_deploy_rbac_breaks_the_operator() {
         .await;
         let operator_identity = host_tc.add_user(&user, &[]).unwrap();
         let member_identity = member_tc.add_user(&member_user, &[]).unwrap();
-        let secret = k8s_openapi::api::core::v1::Secret {
-            metadata: ObjectMeta {
-                name: Some("east".into()),
-                namespace: Some(ns.clone()),
-                labels: Some(BTreeMap::from([(
-                    multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL.into(),
-                    "true".into(),
-                )])),
-                ..Default::default()
-            },
-            string_data: Some(BTreeMap::from([(
-                "kubeconfig".into(),
-                member_identity.kubeconfig().to_string(),
-            )])),
-            ..Default::default()
-        };
-        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(host.clone(), &ns)
-            .create(&PostParams::default(), &secret)
-            .await
-            .unwrap();
+        member_secret(&host, &ns, member_identity.kubeconfig()).await;
         // Named per variant, so no two variants apply the same copy in the member.
         let mut original =
             labelled_cm(&format!("settings-{n}"), &[("mcr.example.io/copy", "true")]);

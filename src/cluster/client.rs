@@ -161,12 +161,8 @@ impl ClientState {
 
     /// Counts requests into `metrics` under `cluster` (until [`ClientState::unmeasure`]).
     pub(crate) fn measure(&self, metrics: &crate::Metrics, cluster: String) {
-        let mut requests = lock(&self.requests);
-        if let Some(old) = requests.take() {
-            old.metrics
-                .forget_requests(&old.cluster, old.counters.keys());
-        }
-        *requests = Some(Requests {
+        self.unmeasure();
+        *lock(&self.requests) = Some(Requests {
             metrics: metrics.clone(),
             cluster,
             counters: HashMap::new(),

@@ -355,10 +355,13 @@ impl<C: ClusterId> Cluster<C> {
     /// record of Events already sent (repeats are counted into a series) lasts between
     /// reconciles. Its Events are created in the cluster, through its client.
     pub fn recorder(&self, reporter: &Reporter) -> Recorder {
-        lock(&self.inner.recorders)
-            .entry(reporter.clone())
-            .or_insert_with(|| Recorder::new(self.client(), reporter.clone()))
-            .clone()
+        let mut recorders = lock(&self.inner.recorders);
+        if let Some(recorder) = recorders.get(reporter) {
+            return recorder.clone();
+        }
+        let recorder = Recorder::new(self.client(), reporter.clone());
+        recorders.insert(reporter.clone(), recorder.clone());
+        recorder
     }
 
     /// The rate limit in force on the cluster's client, if any.

@@ -95,15 +95,6 @@ impl<E: std::error::Error + 'static> std::error::Error for Failure<E> {
     }
 }
 
-/// The request of `obj` in `cluster`, for the result observer.
-fn request_of<K: Resource, C: ClusterId>(obj: &K, cluster: &Cluster<C>) -> crate::Request<C> {
-    crate::Request {
-        cluster: cluster.id().clone(),
-        namespace: obj.meta().namespace.clone(),
-        name: obj.meta().name.clone().unwrap_or_default(),
-    }
-}
-
 impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
     /// Three reference counts; the request is built only if the reconciler asks for it.
     fn context<K: Resource + Send + Sync + 'static>(&self, obj: &Arc<K>) -> Context<C, S> {
@@ -209,7 +200,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 let observed = single
                     .observer
                     .as_ref()
-                    .map(|observer| (observer.clone(), request_of(&*obj, &single.cluster)));
+                    .map(|observer| (observer.clone(), crate::Request::from_obj(single.cluster.id().clone(), &*obj)));
                 let fut = (single.reconcile)(obj, ctx);
                 let metrics = single.metrics.clone();
                 // A panic ends this reconcile only (kube-runtime would carry it into the
@@ -268,7 +259,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 let request = single
                     .observer
                     .as_ref()
-                    .map(|_| request_of(&*obj, &single.cluster));
+                    .map(|_| crate::Request::from_obj(single.cluster.id().clone(), &*obj));
                 let (action, failure, took) = match error {
                     Failure::Failed(error, took) => {
                         let ctx = single.context(&obj);
