@@ -34,6 +34,8 @@ mod serve;
 mod sync;
 
 pub use action::Action;
+#[doc(hidden)]
+pub use cluster::transport_keepalive;
 pub use cluster::{
     Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterName, Fault, InvalidClusterId,
     InvalidRateLimit, RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster,

@@ -11,6 +11,7 @@ mod id;
 mod index;
 mod source;
 mod store;
+mod transport;
 mod watch;
 
 use std::any::Any;
@@ -36,6 +37,7 @@ pub(crate) use index::Indexer;
 pub(crate) use source::map_event;
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
 pub use store::Store;
+pub use transport::set_keepalive as transport_keepalive;
 pub use watch::Fault;
 use watch::WatchState;
 pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message};
@@ -270,9 +272,13 @@ impl<C: ClusterId> Cluster<C> {
     /// that differs in endpoint or credentials replaces the cluster, an equal one is a no-op.
     pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
         let state = Arc::new(ClientState::default());
-        let client = kube::client::ClientBuilder::try_from(config.clone())?
-            .with_layer(&ClientLayer(state.clone()))
-            .build();
+        let layer = ClientLayer(state.clone());
+        let client = match transport::shared(&config)? {
+            Some(transport) => transport::client(&config, transport, layer)?,
+            None => kube::client::ClientBuilder::try_from(config.clone())?
+                .with_layer(&layer)
+                .build(),
+        };
         Ok(Self::build(
             id,
             ClientSlot::Built(client),

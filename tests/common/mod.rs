@@ -270,6 +270,9 @@ pub struct Relay {
     url: String,
     cut: tokio::sync::watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
+    /// Connections relayed so far, and those open now.
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Relay {
@@ -280,7 +283,11 @@ impl Relay {
         let url = format!("https://{}", listener.local_addr().unwrap());
         // Odd values: cut. Every change ends the connections opened before it.
         let (cut, epochs) = tokio::sync::watch::channel(0u64);
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (accepted_, open_) = (accepted.clone(), open.clone());
         let task = tokio::spawn(async move {
+            let (accepted, open) = (accepted_, open_);
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
                     return;
@@ -291,18 +298,37 @@ impl Relay {
                     continue;
                 }
                 let target = target.clone();
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let open = open.clone();
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = epochs.changed() => {}
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            _ = epochs.changed() => {}
+                        }
                     }
+                    open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 });
             }
         });
-        Relay { url, cut, task }
+        Relay {
+            url,
+            cut,
+            task,
+            accepted,
+            open,
+        }
+    }
+
+    /// Connections accepted since the relay started.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Connections relayed now (a connection counts until both of its directions ended).
+    pub fn open(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `config` pointed at the relay.

@@ -1,0 +1,592 @@
+//! Fleet benchmarks W1 and W2 (the efficiency workloads), against two testenv apiservers;
+//! figures go to `BENCHMARKS.md`.
+//!
+//! ```sh
+//! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
+//! cargo bench --features testenv --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200]
+//! cargo bench --features testenv --bench fleet -- w2 [--runs 3]
+//! cargo bench --features testenv --bench fleet -- scale [--n 10000]
+//! ```
+//!
+//! W1: each apiserver has namespace `bench` with 10 ConfigMaps labelled `bench=mcr`. A child
+//! process starts a manager with one ConfigMap controller (that selector, concurrency 4, a
+//! reconcile that only counts), then adds N cluster names `c-0000…` at once, assigned round
+//! robin to the two apiservers, each `Cluster::from_config` of its own copy of the config (as
+//! providers build them). 10 s after the N×10th reconcile it reads /proc/self: RSS, the file
+//! descriptors that are sockets, and CPU (user + system since the process started). Runs with
+//! N = 1 and N alternate; RSS per cluster is (RSS(N) − RSS(1)) / (N − 1) on the medians.
+//! `--sequential M`: M names engaged one after another, each waiting for its first reconcile
+//! (engage → first reconcile latency).
+//!
+//! W2: 1,000 labelled ConfigMaps per apiserver, created before the child starts; 10 names,
+//! 5 per apiserver, so 10,000 first reconciles; then the parent patches every object once
+//! (10,000 more). Start is the child's first instruction after its runtime is built.
+//! `--ceiling`, which W2 also runs: a bare kube-runtime `watcher` per name (each with its own
+//! client) drains the same objects, no controller: the physical limit for the same listing.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube_runtime::{WatchStreamExt, watcher};
+use multicluster_runtime::providers::Clusters;
+use multicluster_runtime::testenv::TestEnv;
+use multicluster_runtime::{Action, Builder, Cluster, ClusterName, Context, Manager};
+
+const NAMESPACE: &str = "bench";
+const LABEL: &str = "bench=mcr";
+
+fn arg_after(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn args_after(args: &[String], flag: &str) -> Vec<String> {
+    args.windows(2)
+        .filter(|w| w[0] == flag)
+        .map(|w| w[1].clone())
+        .collect()
+}
+
+fn status_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn threads() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// File descriptors of this process that are sockets.
+fn sockets() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .map(|t| t.to_string_lossy().starts_with("socket:"))
+                        .unwrap_or(false)
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// CPU time (user + system) this process has used.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which ends with ')'): utime and stime are the 12th and
+    // 13th of them, in clock ticks (100 per second on Linux).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
+        .sum();
+    Duration::from_millis(ticks * 10)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(mode) = arg_after(&args, "--child") {
+        let kubeconfigs = args_after(&args, "--kubeconfig");
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        rt.block_on(child(&mode, &args, &kubeconfigs));
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let runs: usize = arg_after(&args, "--runs")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(3);
+    rt.block_on(async {
+        if args.iter().any(|a| a == "w1") {
+            let n = arg_after(&args, "--n")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(1000);
+            let sequential = arg_after(&args, "--sequential")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(200);
+            w1(n, sequential, runs).await;
+        }
+        if args.iter().any(|a| a == "w2") {
+            w2(runs).await;
+        }
+        if args.iter().any(|a| a == "scale") {
+            let n = arg_after(&args, "--n")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(10_000);
+            scale(n).await;
+        }
+    });
+}
+
+async fn two_apiservers(objects: usize) -> (TestEnv, Vec<String>) {
+    let env = TestEnv::builder()
+        .clusters(2)
+        .start()
+        .await
+        .expect("testenv");
+    let mut kubeconfigs = Vec::new();
+    for tc in env.clusters() {
+        let client = tc.client().expect("client");
+        populate(client, objects).await;
+        kubeconfigs.push(tc.kubeconfig_path().display().to_string());
+    }
+    (env, kubeconfigs)
+}
+
+async fn populate(client: kube::Client, objects: usize) {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    namespaces
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("namespace");
+    let api: Api<ConfigMap> = Api::namespaced(client, NAMESPACE);
+    let mut creates = futures::stream::iter(0..objects)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let cm = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(format!("cm-{i:05}")),
+                        labels: Some(BTreeMap::from([("bench".to_string(), "mcr".to_string())])),
+                        ..Default::default()
+                    },
+                    data: Some(BTreeMap::from([("i".to_string(), i.to_string())])),
+                    ..Default::default()
+                };
+                api.create(&PostParams::default(), &cm)
+                    .await
+                    .expect("create")
+            }
+        })
+        .buffer_unordered(32);
+    while creates.next().await.is_some() {}
+}
+
+/// Runs a child; returns its `key=value` figures (the line starting with `RESULT`). With
+/// `between`, the child's `PAUSE` line makes the parent answer, then run it.
+async fn run_child(
+    mode: &str,
+    extra: &[String],
+    kubeconfigs: &[String],
+    between: Option<&(dyn Fn() -> futures::future::BoxFuture<'static, ()> + Sync)>,
+) -> BTreeMap<String, f64> {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = Command::new(&exe);
+    cmd.args(["--child", mode]).args(extra);
+    for kc in kubeconfigs {
+        cmd.args(["--kubeconfig", kc]);
+    }
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn child");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut figures = BTreeMap::new();
+    while let Some(line) = rx.recv().await {
+        if line == "PAUSE" {
+            writeln!(stdin, "go").expect("answer child");
+            if let Some(between) = between {
+                between().await;
+            }
+        } else if let Some(rest) = line.strip_prefix("RESULT ") {
+            for pair in rest.split_whitespace() {
+                if let Some((k, v)) = pair.split_once('=') {
+                    figures.insert(k.to_string(), v.parse().expect("figure"));
+                }
+            }
+        } else {
+            println!("  child {mode}: {line}");
+        }
+    }
+    let status = child.wait().expect("child");
+    assert!(status.success(), "child {mode} failed");
+    figures
+}
+
+async fn w1(n: usize, sequential: usize, runs: usize) {
+    println!("\n== W1: {n} names over 2 apiservers, 10 ConfigMaps each, {runs} runs");
+    let (env, kubeconfigs) = two_apiservers(10).await;
+    let mut one = Vec::new();
+    let mut many = Vec::new();
+    for run in 0..runs {
+        one.push(run_child("w1", &["--n".into(), "1".into()], &kubeconfigs, None).await);
+        many.push(run_child("w1", &["--n".into(), n.to_string()], &kubeconfigs, None).await);
+        println!("  run {run}: N=1 {:?}", one[run]);
+        println!("  run {run}: N={n} {:?}", many[run]);
+    }
+    let pick = |set: &[BTreeMap<String, f64>], key: &str| -> Vec<f64> {
+        set.iter().map(|f| f[key]).collect::<Vec<_>>()
+    };
+    let rss1 = median(&mut pick(&one, "rss_kib"));
+    let rss_n = median(&mut pick(&many, "rss_kib"));
+    println!(
+        "RSS N=1 {rss1:.0} KiB, N={n} {rss_n:.0} KiB (runs {:?}); per cluster {:.1} KiB",
+        pick(&many, "rss_kib"),
+        (rss_n - rss1) / (n as f64 - 1.0)
+    );
+    println!(
+        "sockets N={n}: median {} (runs {:?}); N=1: {:?}",
+        median(&mut pick(&many, "sockets")),
+        pick(&many, "sockets"),
+        pick(&one, "sockets")
+    );
+    println!(
+        "CPU s to idle N={n}: median {:.2} (runs {:?})",
+        median(&mut pick(&many, "cpu_s")),
+        pick(&many, "cpu_s")
+    );
+    println!(
+        "all N×10 first reconciles after adding: median {:.3} s (runs {:?})",
+        median(&mut pick(&many, "all_s")),
+        pick(&many, "all_s")
+    );
+    let mut seq = Vec::new();
+    for _ in 0..runs {
+        seq.push(
+            run_child(
+                "w1",
+                &["--n".into(), sequential.to_string(), "--sequential".into()],
+                &kubeconfigs,
+                None,
+            )
+            .await,
+        );
+    }
+    println!(
+        "sequential engage → first reconcile ({sequential} names): p50 median {:.2} ms (runs {:?}), p99 {:?}",
+        median(&mut pick(&seq, "p50_ms")),
+        pick(&seq, "p50_ms"),
+        pick(&seq, "p99_ms")
+    );
+    drop(env);
+}
+
+async fn w2(runs: usize) {
+    println!("\n== W2: 10 names over 2 apiservers, 1,000 ConfigMaps each, {runs} runs");
+    let (env, kubeconfigs) = two_apiservers(1000).await;
+    let clients: Vec<kube::Client> = env
+        .clusters()
+        .iter()
+        .map(|c| c.client().expect("client"))
+        .collect();
+    let round = Arc::new(AtomicUsize::new(0));
+    let patch_all = {
+        let clients = clients.clone();
+        let round = round.clone();
+        move || -> futures::future::BoxFuture<'static, ()> {
+            let clients = clients.clone();
+            let round = round.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                let work: Vec<(Api<ConfigMap>, usize)> = clients
+                    .iter()
+                    .flat_map(|client| {
+                        let api: Api<ConfigMap> = Api::namespaced(client.clone(), NAMESPACE);
+                        (0..1000).map(move |i| (api.clone(), i))
+                    })
+                    .collect();
+                let mut patches = futures::stream::iter(work)
+                    .map(|(api, i)| async move {
+                        let patch = serde_json::json!({"data": {"round": round.to_string()}});
+                        api.patch(
+                            &format!("cm-{i:05}"),
+                            &PatchParams::default(),
+                            &Patch::Merge(&patch),
+                        )
+                        .await
+                        .expect("patch")
+                    })
+                    .buffer_unordered(32);
+                while patches.next().await.is_some() {}
+            })
+        }
+    };
+    let mut results = Vec::new();
+    let mut ceilings = Vec::new();
+    for run in 0..runs {
+        let figures = run_child("w2", &[], &kubeconfigs, Some(&patch_all)).await;
+        println!("  run {run}: {figures:?}");
+        results.push(figures);
+        let ceiling = run_child("w2-ceiling", &[], &kubeconfigs, None).await;
+        println!("  run {run} ceiling: {ceiling:?}");
+        ceilings.push(ceiling);
+    }
+    let pick = |set: &[BTreeMap<String, f64>], key: &str| -> Vec<f64> {
+        set.iter().map(|f| f[key]).collect::<Vec<_>>()
+    };
+    for (key, what) in [
+        ("first_s", "start → first reconcile (s)"),
+        ("all_s", "start → 10,000 reconciles (s)"),
+        (
+            "cpu_per_1000_s",
+            "CPU s per 1,000 reconciles, listing included",
+        ),
+        (
+            "patched_s",
+            "10,000 reconciles of the patches, from the first patch sent (s)",
+        ),
+        (
+            "cpu_patch_per_1000_s",
+            "CPU s per 1,000 reconciles of patches",
+        ),
+        ("peak_rss_kib", "peak RSS (KiB)"),
+    ] {
+        println!(
+            "{what}: median {:.3} (runs {:?})",
+            median(&mut pick(&results, key)),
+            pick(&results, key)
+        );
+    }
+    let all = median(&mut pick(&results, "all_s"));
+    let ceiling = median(&mut pick(&ceilings, "all_s"));
+    println!(
+        "ceiling: bare watchers drained 10,000 objects in {ceiling:.3} s (runs {:?}): {:.0} events/s; \
+         reconciles {:.0}/s = {:.0} % of it",
+        pick(&ceilings, "all_s"),
+        10_000.0 / ceiling,
+        10_000.0 / all,
+        100.0 * ceiling / all
+    );
+    drop(env);
+}
+
+/// 10,000 names over two apiservers (10 ConfigMaps each), all added at once, in one process.
+async fn scale(n: usize) {
+    println!("\n== scale: {n} names over 2 apiservers, 10 ConfigMaps each");
+    let (env, kubeconfigs) = two_apiservers(10).await;
+    let figures = run_child("w1", &["--n".into(), n.to_string()], &kubeconfigs, None).await;
+    println!("{figures:?}");
+    drop(env);
+}
+
+struct Counter {
+    count: AtomicUsize,
+    first: OnceLock<Instant>,
+    target: AtomicUsize,
+    done: tokio::sync::Notify,
+}
+
+impl Default for Counter {
+    fn default() -> Self {
+        Self {
+            count: AtomicUsize::new(0),
+            first: OnceLock::new(),
+            target: AtomicUsize::new(usize::MAX),
+            done: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl Counter {
+    fn hit(&self) {
+        self.first.get_or_init(Instant::now);
+        let count = self.count.fetch_add(1, Ordering::SeqCst) + 1;
+        if count >= self.target.load(Ordering::SeqCst) {
+            self.done.notify_waiters();
+        }
+    }
+
+    async fn reach(&self, target: usize) {
+        self.target.store(target, Ordering::SeqCst);
+        loop {
+            let notified = self.done.notified();
+            if self.count.load(Ordering::SeqCst) >= target {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+async fn count(
+    _: Arc<ConfigMap>,
+    ctx: Context<ClusterName, Counter>,
+) -> Result<Action, kube::Error> {
+    ctx.state().hit();
+    Ok(Action::await_change())
+}
+
+fn never(_: Arc<ConfigMap>, _: &kube::Error, _: &Context<ClusterName, Counter>) -> Action {
+    Action::await_change()
+}
+
+async fn configs(kubeconfigs: &[String]) -> Vec<kube::Config> {
+    let mut configs = Vec::new();
+    for path in kubeconfigs {
+        let kc = Kubeconfig::read_from(path).expect("kubeconfig");
+        configs.push(
+            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .expect("config"),
+        );
+    }
+    configs
+}
+
+fn pause() {
+    println!("PAUSE");
+    let _ = std::io::stdout().flush();
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
+    let start = Instant::now();
+    let configs = configs(kubeconfigs).await;
+    let n: usize = arg_after(args, "--n")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(10);
+    let wc = watcher::Config::default().labels(LABEL);
+    if mode == "w2-ceiling" {
+        let drained = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(tokio::sync::Notify::new());
+        for i in 0..10 {
+            let client =
+                kube::Client::try_from(configs[i % configs.len()].clone()).expect("client");
+            let api: Api<ConfigMap> = Api::namespaced(client, NAMESPACE);
+            let (drained, done, wc) = (drained.clone(), done.clone(), wc.clone());
+            tokio::spawn(async move {
+                let mut events = std::pin::pin!(watcher(api, wc).default_backoff());
+                while let Some(event) = events.next().await {
+                    match event {
+                        Ok(watcher::Event::InitApply(_)) => {
+                            if drained.fetch_add(1, Ordering::SeqCst) + 1 == 10_000 {
+                                done.notify_one();
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(error) => eprintln!("watcher {i}: {error}"),
+                    }
+                }
+            });
+        }
+        done.notified().await;
+        println!("RESULT all_s={:.4}", start.elapsed().as_secs_f64());
+        return;
+    }
+    let clusters = Clusters::new();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let counter = Arc::new(Counter::default());
+    Builder::<_, ConfigMap>::new(&manager, wc)
+        .concurrency(4)
+        .start(count, never, counter.clone());
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await })
+    };
+    let add = |i: usize| {
+        let cluster = Cluster::from_config(
+            ClusterName::from(format!("c-{i:04}")),
+            configs[i % configs.len()].clone(),
+        )
+        .expect("cluster");
+        clusters.add(cluster).expect("engage");
+    };
+    match mode {
+        "w1" if args.iter().any(|a| a == "--sequential") => {
+            // A warm-up name first: one-time costs (TLS provider, the first watch).
+            add(n);
+            counter.reach(10).await;
+            let mut latencies = Vec::with_capacity(n);
+            for i in 0..n {
+                let before = counter.count.load(Ordering::SeqCst);
+                let started = Instant::now();
+                add(i);
+                counter.reach(before + 1).await;
+                latencies.push(started.elapsed().as_secs_f64() * 1000.0);
+                counter.reach(before + 10).await;
+            }
+            latencies.sort_by(|a, b| a.total_cmp(b));
+            let pct = |p: f64| {
+                latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)]
+            };
+            println!("RESULT p50_ms={:.3} p99_ms={:.3}", pct(0.5), pct(0.99));
+        }
+        "w1" => {
+            let added = Instant::now();
+            for i in 0..n {
+                add(i);
+            }
+            let engaged = added.elapsed();
+            counter.reach(n * 10).await;
+            let all = added.elapsed();
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            println!(
+                "RESULT rss_kib={} sockets={} cpu_s={:.2} all_s={:.3} engage_s={:.3} threads={} reconciles={}",
+                status_kib("VmRSS:"),
+                sockets(),
+                cpu_time().as_secs_f64(),
+                all.as_secs_f64(),
+                engaged.as_secs_f64(),
+                threads(),
+                counter.count.load(Ordering::SeqCst)
+            );
+        }
+        "w2" => {
+            for i in 0..10 {
+                add(i);
+            }
+            counter.reach(10_000).await;
+            let all = start.elapsed();
+            let cpu_all = cpu_time();
+            let first = *counter.first.get().expect("first") - start;
+            tokio::task::block_in_place(pause);
+            let patched = Instant::now();
+            counter.reach(20_000).await;
+            let patched = patched.elapsed();
+            let cpu_patch = cpu_time() - cpu_all;
+            println!(
+                "RESULT first_s={:.4} all_s={:.4} cpu_per_1000_s={:.4} patched_s={:.4} cpu_patch_per_1000_s={:.4} peak_rss_kib={} sockets={}",
+                first.as_secs_f64(),
+                all.as_secs_f64(),
+                cpu_all.as_secs_f64() / 10.0,
+                patched.as_secs_f64(),
+                cpu_patch.as_secs_f64() / 10.0,
+                status_kib("VmHWM:"),
+                sockets()
+            );
+        }
+        other => panic!("unknown mode {other}"),
+    }
+    manager.shutdown();
+    let _ = run.await;
+}

@@ -1,0 +1,654 @@
+//! The shared transport: every cluster of the process that reaches the same API server with
+//! the same TLS identity sends its requests over the same HTTP/2 connections.
+//!
+//! kube-client's own stack speaks HTTP/1.1 only and builds a connection pool per client, so
+//! each cluster name held one TCP+TLS connection per open watch (1,000 names of one API server:
+//! 1,000 sockets, next to the common 1,024 open-file limit). Here a [`Transport`] is kept per
+//! (scheme, host, port, trust, client identity, timeouts), found again by every
+//! [`Cluster::from_config`](super::Cluster::from_config) that needs it and dropped with the
+//! last cluster using it (a rotated client certificate is another key, so another transport).
+//! Each transport holds HTTP/2 connections (ALPN `h2`), each carrying as many streams as the
+//! server allows (its `SETTINGS_MAX_CONCURRENT_STREAMS`; a new connection is opened when all
+//! are full), and pings each connection so that one the server or the network dropped
+//! silently is noticed and replaced (client-go learned to do this after watches hung on
+//! half-open connections, kubernetes/kubernetes#87615). What cannot go over HTTP/2 goes over
+//! HTTP/1.1 through kube's own connector: servers that do not offer `h2`, plain `http://`
+//! endpoints, and upgrade requests (exec, attach, port-forward).
+//!
+//! The per-cluster parts of kube's stack (base URI, retries, authentication, extra and
+//! impersonation headers) stay in each cluster's client, in front of the transport.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, header};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kube::client::{Body, ConfigExt};
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+use crate::sync::lock;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How often an HTTP/2 connection is pinged, and how long an answer may take before the
+/// connection is given up (client-go's `ReadIdleTimeout` and `PingTimeout`).
+const PING_INTERVAL: Duration = Duration::from_secs(30);
+const PING_TIMEOUT: Duration = Duration::from_secs(15);
+/// Streams a new connection may open before the server's settings say how many it allows
+/// (RFC 9113 asks servers to allow at least 100).
+const INITIAL_STREAMS: usize = 100;
+/// Flow-control windows: what the server may send ahead of our reading. Large, as in Go's
+/// HTTP/2 transport, so that one listing does not stall the watches sharing its connection;
+/// nothing is allocated for them up front.
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONNECTION_WINDOW: u32 = 64 << 20;
+
+/// Settings of the transports built from now on (tests shorten the pings).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settings {
+    pub(crate) ping_interval: Duration,
+    pub(crate) ping_timeout: Duration,
+}
+
+static SETTINGS: Mutex<Settings> = Mutex::new(Settings {
+    ping_interval: PING_INTERVAL,
+    ping_timeout: PING_TIMEOUT,
+});
+
+/// The transports in use, by key. Weak: a transport lives as long as a client uses it.
+fn registry() -> &'static Mutex<HashMap<Vec<u8>, Weak<Transport>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<Vec<u8>, Weak<Transport>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Sets how often HTTP/2 connections built from now on are pinged and how long an answer
+/// may take; `None` restores the defaults (30 s, 15 s).
+#[doc(hidden)]
+pub fn set_keepalive(ping: Option<(Duration, Duration)>) {
+    let (ping_interval, ping_timeout) = ping.unwrap_or((PING_INTERVAL, PING_TIMEOUT));
+    *lock(&SETTINGS) = Settings {
+        ping_interval,
+        ping_timeout,
+    };
+}
+
+/// Where and as whom a transport connects.
+struct Endpoint {
+    host: String,
+    port: u16,
+    /// `None` for `http://`.
+    tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    connect_timeout: Option<Duration>,
+}
+
+/// What the server speaks, once known.
+const UNKNOWN: u8 = 0;
+const HTTP2: u8 = 1;
+const HTTP1: u8 = 2;
+
+/// Connections to one API server as one TLS identity, shared by every cluster using them.
+pub(crate) struct Transport {
+    key: Vec<u8>,
+    endpoint: Endpoint,
+    settings: Settings,
+    protocol: AtomicU8,
+    /// Live HTTP/2 connections.
+    connections: Mutex<Vec<Arc<Connection>>>,
+    /// Held while a connection is being opened, so that requests arriving together wait for
+    /// it rather than each opening one.
+    opening: tokio::sync::Mutex<()>,
+    /// kube's HTTP/1.1 client, for what cannot go over HTTP/2; built on first use.
+    http1: OnceLock<Http1Client>,
+    config: kube::Config,
+}
+
+type Http1Client = hyper_util::client::legacy::Client<
+    hyper_timeout::TimeoutConnector<hyper_rustls::HttpsConnector<HttpConnector>>,
+    Body,
+>;
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        let mut registry = lock(registry());
+        if registry
+            .get(&self.key)
+            .is_some_and(|weak| weak.strong_count() == 0)
+        {
+            registry.remove(&self.key);
+        }
+        for connection in lock(&self.connections).drain(..) {
+            connection.close();
+        }
+    }
+}
+
+/// One HTTP/2 connection.
+struct Connection {
+    send: h2::client::SendRequest<Bytes>,
+    /// Streams of ours open on it (from sending a request to dropping its response body).
+    active: AtomicUsize,
+    closed: AtomicBool,
+    /// Ends the task driving the connection.
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Connection {
+    fn has_room(&self) -> bool {
+        !self.closed.load(Ordering::Acquire)
+            && self.active.load(Ordering::Acquire) < self.send.current_max_send_streams()
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.stop.cancel();
+    }
+}
+
+/// A stream's place on its connection, given back when dropped.
+pub(crate) struct Slot(Arc<Connection>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The transport for `config`, shared with every other client of the same key; `None` when
+/// the configuration needs what the transport does not do (a proxy): such a cluster keeps
+/// kube's own stack.
+pub(crate) fn shared(config: &kube::Config) -> Result<Option<Arc<Transport>>, kube::Error> {
+    if config.proxy_url.is_some() {
+        return Ok(None);
+    }
+    let Some(key) = key(config) else {
+        return Ok(None);
+    };
+    if let Some(transport) = lock(registry()).get(&key).and_then(Weak::upgrade) {
+        return Ok(Some(transport));
+    }
+    // Built outside the registry's lock: the TLS configuration may run an exec plugin.
+    let endpoint = endpoint(config)?;
+    let mut registry = lock(registry());
+    if let Some(transport) = registry.get(&key).and_then(Weak::upgrade) {
+        return Ok(Some(transport));
+    }
+    let transport = Arc::new(Transport {
+        key: key.clone(),
+        protocol: AtomicU8::new(if endpoint.tls.is_some() {
+            UNKNOWN
+        } else {
+            HTTP1
+        }),
+        endpoint,
+        settings: *lock(&SETTINGS),
+        connections: Mutex::new(Vec::new()),
+        opening: tokio::sync::Mutex::new(()),
+        http1: OnceLock::new(),
+        config: config.clone(),
+    });
+    registry.insert(key, Arc::downgrade(&transport));
+    Ok(Some(transport))
+}
+
+/// What decides whether two configurations may share connections: the server (scheme,
+/// host, port, TLS server name), whom it is trusted as (CA, verification), whom we are to it
+/// (client certificate and key, or the exec plugin that makes them) and the timeouts. Paths
+/// are read, so a rotated file is another key. `None` if a file cannot be read: the cluster
+/// then keeps kube's own stack, which reports the error.
+fn key(config: &kube::Config) -> Option<Vec<u8>> {
+    fn field(key: &mut Vec<u8>, bytes: &[u8]) {
+        key.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        key.extend_from_slice(bytes);
+    }
+    fn file(key: &mut Vec<u8>, path: Option<&String>) -> Option<()> {
+        match path {
+            Some(path) => field(key, &std::fs::read(path).ok()?),
+            None => field(key, b""),
+        }
+        Some(())
+    }
+    let mut key = Vec::with_capacity(4096);
+    let url = &config.cluster_url;
+    field(&mut key, url.scheme_str().unwrap_or("").as_bytes());
+    field(
+        &mut key,
+        url.authority().map(|a| a.as_str()).unwrap_or("").as_bytes(),
+    );
+    for cert in config.root_cert.iter().flatten() {
+        field(&mut key, cert);
+    }
+    field(&mut key, b"|");
+    let path = config
+        .root_cert_file
+        .as_ref()
+        .map(|p| p.display().to_string());
+    field(&mut key, path.as_deref().unwrap_or("").as_bytes());
+    field(
+        &mut key,
+        &[
+            u8::from(config.accept_invalid_certs),
+            u8::from(config.reset_reader_on_write),
+        ],
+    );
+    field(
+        &mut key,
+        config.tls_server_name.as_deref().unwrap_or("").as_bytes(),
+    );
+    for timeout in [
+        config.connect_timeout,
+        config.read_timeout,
+        config.write_timeout,
+    ] {
+        field(
+            &mut key,
+            &timeout.map_or(u128::MAX, |t| t.as_nanos()).to_le_bytes(),
+        );
+    }
+    let auth = &config.auth_info;
+    field(
+        &mut key,
+        auth.client_certificate_data
+            .as_deref()
+            .unwrap_or("")
+            .as_bytes(),
+    );
+    {
+        use secrecy::ExposeSecret;
+        let data = auth
+            .client_key_data
+            .as_ref()
+            .map(|k| k.expose_secret().to_string());
+        field(&mut key, data.as_deref().unwrap_or("").as_bytes());
+    }
+    file(&mut key, auth.client_certificate.as_ref())?;
+    file(&mut key, auth.client_key.as_ref())?;
+    // An exec plugin may answer with a client certificate: its configuration is part of the
+    // identity (kube runs it when the TLS configuration is built).
+    let exec = auth
+        .exec
+        .as_ref()
+        .map(|exec| serde_json::to_vec(exec).unwrap_or_default());
+    field(&mut key, exec.as_deref().unwrap_or(b""));
+    Some(key)
+}
+
+fn endpoint(config: &kube::Config) -> Result<Endpoint, kube::Error> {
+    let url = &config.cluster_url;
+    let https = url.scheme() != Some(&http::uri::Scheme::HTTP);
+    let host = url
+        .host()
+        .unwrap_or("")
+        .trim_matches(['[', ']'])
+        .to_string();
+    let port = url.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let tls = if https {
+        let mut tls = config.rustls_client_config()?;
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let name = config
+            .tls_server_name
+            .clone()
+            .unwrap_or_else(|| host.clone());
+        let name = ServerName::try_from(name).map_err(|error| {
+            kube::Error::RustlsTls(kube::client::RustlsTlsError::InvalidServerName(error))
+        })?;
+        Some((Arc::new(tls), name))
+    } else {
+        None
+    };
+    Ok(Endpoint {
+        host,
+        port,
+        tls,
+        connect_timeout: config.connect_timeout,
+    })
+}
+
+impl Transport {
+    fn http1(&self) -> Result<&Http1Client, BoxError> {
+        if let Some(client) = self.http1.get() {
+            return Ok(client);
+        }
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        let https = self.config.rustls_https_connector_with_connector(http)?;
+        let mut connector = hyper_timeout::TimeoutConnector::new(https);
+        connector.set_connect_timeout(self.config.connect_timeout);
+        connector.set_read_timeout(self.config.read_timeout);
+        connector.set_write_timeout(self.config.write_timeout);
+        connector.set_reset_reader_on_write(self.config.reset_reader_on_write);
+        let client =
+            hyper_util::client::legacy::Builder::new(TokioExecutor::new()).build(connector);
+        Ok(self.http1.get_or_init(|| client))
+    }
+
+    async fn send(
+        self: Arc<Self>,
+        request: Request<Body>,
+    ) -> Result<Response<TransportBody>, BoxError> {
+        let upgrade = request.headers().contains_key(header::UPGRADE);
+        if upgrade || self.protocol.load(Ordering::Acquire) == HTTP1 {
+            return self.send_http1(request).await;
+        }
+        let (mut parts, body) = request.into_parts();
+        let body = body.collect().await?.to_bytes();
+        // Headers HTTP/2 forbids (RFC 9113 8.2.2); kube sends none of them on these requests.
+        for name in [
+            header::CONNECTION,
+            header::TRANSFER_ENCODING,
+            header::HOST,
+            http::HeaderName::from_static("keep-alive"),
+            http::HeaderName::from_static("proxy-connection"),
+        ] {
+            parts.headers.remove(name);
+        }
+        // A request refused before the server saw it (the connection had just closed, or the
+        // server was going away) is sent once more, on another connection.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let Some(slot) = self.slot().await? else {
+                let request = Request::from_parts(parts, Body::from(body.to_vec()));
+                return self.send_http1(request).await;
+            };
+            let head = Request::from_parts(parts.clone(), ());
+            match send_h2(&slot, head, body.clone()).await {
+                Ok(response) => {
+                    let (head, recv) = response.into_parts();
+                    return Ok(Response::from_parts(
+                        head,
+                        TransportBody::Http2 { recv, _slot: slot },
+                    ));
+                }
+                Err(error) => {
+                    let refused = error.is_go_away()
+                        || error.reason() == Some(h2::Reason::REFUSED_STREAM)
+                        || slot.0.closed.load(Ordering::Acquire)
+                        || error.is_io();
+                    if refused {
+                        slot.0.close();
+                    }
+                    if !(refused && attempts < 2) {
+                        return Err(error.into());
+                    }
+                }
+            }
+        }
+    }
+
+    async fn send_http1(
+        &self,
+        request: Request<Body>,
+    ) -> Result<Response<TransportBody>, BoxError> {
+        let response = self.http1()?.request(request).await?;
+        Ok(response.map(TransportBody::Http1))
+    }
+
+    /// A place for one more stream on a connection with room, opening a connection if none
+    /// has; `None` once the server turned out not to speak HTTP/2.
+    async fn slot(&self) -> Result<Option<Slot>, BoxError> {
+        if let Some(slot) = self.free_slot() {
+            return Ok(Some(slot));
+        }
+        let _opening = self.opening.lock().await;
+        if let Some(slot) = self.free_slot() {
+            return Ok(Some(slot));
+        }
+        if self.protocol.load(Ordering::Acquire) == HTTP1 {
+            return Ok(None);
+        }
+        let Some(connection) = self.connect().await? else {
+            self.protocol.store(HTTP1, Ordering::Release);
+            return Ok(None);
+        };
+        self.protocol.store(HTTP2, Ordering::Release);
+        connection.active.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(connection.clone());
+        let mut connections = lock(&self.connections);
+        connections.retain(|c| !c.closed.load(Ordering::Acquire));
+        connections.push(connection);
+        Ok(Some(slot))
+    }
+
+    fn free_slot(&self) -> Option<Slot> {
+        let connections = lock(&self.connections);
+        // The fullest connection with room: streams gather on few connections, and one that
+        // empties can be closed by the server when idle.
+        let connection = connections
+            .iter()
+            .filter(|c| c.has_room())
+            .max_by_key(|c| c.active.load(Ordering::Acquire))?;
+        connection.active.fetch_add(1, Ordering::AcqRel);
+        Some(Slot(connection.clone()))
+    }
+
+    /// Opens a TLS connection offering `h2`, within the configuration's connect timeout;
+    /// `None` if the server chose HTTP/1.1.
+    async fn connect(&self) -> Result<Option<Arc<Connection>>, BoxError> {
+        match self.endpoint.connect_timeout {
+            Some(timeout) => tokio::time::timeout(timeout, self.handshake())
+                .await
+                .map_err(|_| {
+                    format!(
+                        "connecting to {}:{} timed out after {timeout:?}",
+                        self.endpoint.host, self.endpoint.port
+                    )
+                })?,
+            None => self.handshake().await,
+        }
+    }
+
+    async fn handshake(&self) -> Result<Option<Arc<Connection>>, BoxError> {
+        let Some((tls, name)) = &self.endpoint.tls else {
+            return Ok(None);
+        };
+        let tcp = TcpStream::connect((self.endpoint.host.as_str(), self.endpoint.port)).await?;
+        tcp.set_nodelay(true)?;
+        let stream = TlsConnector::from(tls.clone())
+            .connect(name.clone(), tcp)
+            .await?;
+        if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
+            tracing::debug!(
+                server = %self.config.cluster_url,
+                "the API server does not offer HTTP/2; using HTTP/1.1"
+            );
+            return Ok(None);
+        }
+        let (send, mut connection) = h2::client::Builder::new()
+            .initial_max_send_streams(INITIAL_STREAMS)
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .enable_push(false)
+            .handshake::<_, Bytes>(stream)
+            .await?;
+        let mut pings = connection
+            .ping_pong()
+            .ok_or("the HTTP/2 connection gave no ping handle")?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let state = Arc::new(Connection {
+            send,
+            active: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            stop: stop.clone(),
+        });
+        let server = self.config.cluster_url.to_string();
+        let weak = Arc::downgrade(&state);
+        let driver_stop = stop.clone();
+        let driver_server = server.clone();
+        tokio::spawn(async move {
+            let why = tokio::select! {
+                result = &mut connection => match result {
+                    Ok(()) => "the server closed it".to_string(),
+                    Err(error) => format!("it failed: {error}"),
+                },
+                () = driver_stop.cancelled() => "it was given up".to_string(),
+            };
+            if let Some(state) = weak.upgrade() {
+                state.closed.store(true, Ordering::Release);
+            }
+            driver_stop.cancel();
+            tracing::debug!(server = %driver_server, why, "HTTP/2 connection to the API server closed");
+            // Dropping the connection ends every stream still open on it with an error, which
+            // their watches see and retry on another connection.
+            drop(connection);
+        });
+        // The server's SETTINGS come before its answer to a ping: once the answer is in, the
+        // connection knows how many streams it may open (h2 assumes INITIAL_STREAMS before).
+        let settings = self.settings;
+        match tokio::time::timeout(settings.ping_timeout, pings.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                stop.cancel();
+                return Err(error.into());
+            }
+            Err(_) => {
+                stop.cancel();
+                return Err(format!("no answer to the first ping from {server}").into());
+            }
+        }
+        let keepalive_stop = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(settings.ping_interval) => {}
+                    () = keepalive_stop.cancelled() => return,
+                }
+                let answer =
+                    tokio::time::timeout(settings.ping_timeout, pings.ping(h2::Ping::opaque()));
+                let failed = tokio::select! {
+                    answer = answer => match answer {
+                        Ok(Ok(_)) => continue,
+                        Ok(Err(_)) => false,
+                        Err(_) => true,
+                    },
+                    () = keepalive_stop.cancelled() => return,
+                };
+                if failed {
+                    tracing::warn!(
+                        %server,
+                        timeout = ?settings.ping_timeout,
+                        "no answer to a keep-alive ping; closing the HTTP/2 connection to the API server"
+                    );
+                }
+                keepalive_stop.cancel();
+                return;
+            }
+        });
+        tracing::debug!(
+            server = %self.config.cluster_url,
+            streams = state.send.current_max_send_streams(),
+            "HTTP/2 connection to the API server opened"
+        );
+        Ok(Some(state))
+    }
+}
+
+async fn send_h2(
+    slot: &Slot,
+    head: Request<()>,
+    body: Bytes,
+) -> Result<Response<h2::RecvStream>, h2::Error> {
+    let mut send = slot.0.send.clone().ready().await?;
+    let empty = body.is_empty();
+    let (response, mut stream) = send.send_request(head, empty)?;
+    if !empty {
+        // Buffered by h2 and sent as the stream's window allows.
+        stream.send_data(body, true)?;
+    }
+    response.await
+}
+
+/// The service in every cluster's client stack that hands requests to its transport.
+#[derive(Clone)]
+pub(crate) struct Shared(pub(crate) Arc<Transport>);
+
+impl tower_service::Service<Request<Body>> for Shared {
+    type Response = Response<TransportBody>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<TransportBody>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        Box::pin(self.0.clone().send(request))
+    }
+}
+
+/// A response body from either protocol.
+pub(crate) enum TransportBody {
+    Http2 {
+        recv: h2::RecvStream,
+        /// Keeps the stream counted on its connection until the body is dropped.
+        _slot: Slot,
+    },
+    Http1(hyper::body::Incoming),
+}
+
+impl http_body::Body for TransportBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            TransportBody::Http1(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            TransportBody::Http2 { recv, .. } => {
+                match ready!(recv.poll_data(cx)) {
+                    Some(Ok(data)) => {
+                        // Read: the server may send as much again.
+                        let _ = recv.flow_control().release_capacity(data.len());
+                        Poll::Ready(Some(Ok(Frame::data(data))))
+                    }
+                    Some(Err(error)) => Poll::Ready(Some(Err(error.into()))),
+                    None => match ready!(recv.poll_trailers(cx)) {
+                        Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+                        Ok(None) => Poll::Ready(None),
+                        Err(error) => Poll::Ready(Some(Err(error.into()))),
+                    },
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            TransportBody::Http1(body) => body.is_end_stream(),
+            TransportBody::Http2 { recv, .. } => recv.is_end_stream(),
+        }
+    }
+}
+
+/// A client for `config` whose requests go through `transport`, behind `outer` (the
+/// cluster's own layer) and kube's per-client layers: base URI, retries (if the
+/// configuration asks for them), authentication, extra and impersonation headers.
+pub(crate) fn client(
+    config: &kube::Config,
+    transport: Arc<Transport>,
+    outer: super::client::ClientLayer,
+) -> Result<kube::Client, kube::Error> {
+    let retry = config
+        .default_retry
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let service = tower::ServiceBuilder::new()
+        .layer(outer)
+        .layer(config.base_uri_layer())
+        .option_layer(retry)
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .service(Shared(transport));
+    Ok(kube::Client::new(service, config.default_namespace.clone()))
+}

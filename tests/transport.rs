@@ -1,0 +1,353 @@
+//! The shared transport against real API servers: cluster names of one API server share
+//! HTTP/2 connections within the server's stream limit, connections that break or stop
+//! answering are replaced and the watches on them resume, a rotated client certificate gets
+//! connections of its own, and a server without HTTP/2 is served over HTTP/1.1.
+//!
+//! Connections are counted where they cannot hide: every cluster reaches its API server
+//! through a TCP relay (`common::Relay`) that counts what passes through it.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube_runtime::watcher;
+use multicluster_runtime::providers::Clusters;
+use multicluster_runtime::testenv::{TestCluster, TestEnv};
+use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
+
+fn never<K, C: ClusterId, S>(_: Arc<K>, _: &kube::Error, _: &Context<C, S>) -> Action {
+    Action::await_change()
+}
+
+/// A manager over `clusters` with a ConfigMap controller (objects labelled `type`) recording
+/// into the returned `Seen`, running.
+fn configmap_manager(
+    clusters: &Clusters<ClusterName>,
+) -> (
+    Arc<Manager<Clusters<ClusterName>>>,
+    Arc<Seen>,
+    tokio::task::JoinHandle<()>,
+) {
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        record::<ConfigMap, ClusterName>,
+        never,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+    (manager, seen, run)
+}
+
+async fn create_configmap(tc: &TestCluster, ns: &str, name: &str) -> String {
+    Api::<ConfigMap>::namespaced(tc.client().unwrap(), ns)
+        .create(&PostParams::default(), &config_map(ns, name, "t"))
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap()
+}
+
+/// Every one of `names` reconciled `ns/object` at `version`.
+fn all_reconciled(seen: &Seen, names: &[String], ns: &str, object: &str, version: &str) -> bool {
+    names
+        .iter()
+        .all(|n| seen.reconciled_at(&format!("cluster://{n}/{ns}/{object}"), version))
+}
+
+/// Whom the API server takes `client` for.
+async fn whoami(client: kube::Client) -> String {
+    Api::<SelfSubjectReview>::all(client)
+        .create(&PostParams::default(), &SelfSubjectReview::default())
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.user_info)
+        .and_then(|u| u.username)
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_of_one_apiserver_share_http2_connections_within_the_servers_stream_limit() {
+    // 30 names × 2 kinds = 60 watches, at most 20 streams per connection: 3 connections.
+    let env = TestEnv::builder()
+        .apiserver_arg("--http2-max-streams-per-connection=20")
+        .start()
+        .await
+        .unwrap();
+    let tc = env.cluster(0).unwrap();
+    let client = tc.client().unwrap();
+    create_namespace(&client, "shared").await;
+    let version = create_configmap(&tc, "shared", "one").await;
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some("one".into()),
+            namespace: Some("shared".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), "shared")
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+
+    let cm_watches = tc.served_watches("configmaps", true).await.unwrap();
+    let secret_watches = tc.served_watches("secrets", true).await.unwrap();
+    let relay = Relay::start(tc.server()).await;
+    let clusters = Clusters::new();
+    let (manager, seen, run) = configmap_manager(&clusters);
+    let secrets = Arc::new(Seen::default());
+    Builder::<_, Secret>::new(&manager, watcher::Config::default()).start(
+        record::<Secret, ClusterName>,
+        never,
+        secrets.clone(),
+    );
+    let names: Vec<String> = (0..30).map(|i| format!("shared-{i:02}")).collect();
+    for n in &names {
+        // Each its own config, as providers build them.
+        let cluster = Cluster::from_config(name(n), relay.config(tc.config())).unwrap();
+        clusters.add(cluster).unwrap();
+    }
+    eventually(
+        60,
+        "every name reconciled the ConfigMap and the Secret",
+        async || {
+            all_reconciled(&seen, &names, "shared", "one", &version)
+                && names
+                    .iter()
+                    .all(|n| secrets.count(&format!("cluster://{n}/shared/one")) > 0)
+        },
+    )
+    .await;
+    // All 60 watches are open, at the server: none was refused or left waiting for a stream.
+    // (The API server watches Secrets itself.)
+    eventually(30, "the API server serves all 60 watches", async || {
+        tc.served_watches("configmaps", true).await.unwrap() == cm_watches + 30
+            && tc.served_watches("secrets", true).await.unwrap() == secret_watches + 30
+    })
+    .await;
+    assert!(
+        relay.open() <= 3 && relay.accepted() <= 3,
+        "60 streams at 20 per connection need 3 connections; open {}, opened {}",
+        relay.open(),
+        relay.accepted()
+    );
+    // A change still reaches every name over the shared connections.
+    let version = create_configmap(&tc, "shared", "two").await;
+    eventually(30, "every name reconciled the new ConfigMap", async || {
+        all_reconciled(&seen, &names, "shared", "two", &version)
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_connection_is_opened_again_and_the_watches_resume() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "dropped").await;
+    let relay = Relay::start(tc.server()).await;
+    let clusters = Clusters::new();
+    let (manager, seen, run) = configmap_manager(&clusters);
+    let names: Vec<String> = (0..5).map(|i| format!("dropped-{i}")).collect();
+    for n in &names {
+        clusters
+            .add(Cluster::from_config(name(n), relay.config(tc.config())).unwrap())
+            .unwrap();
+    }
+    let version = create_configmap(&tc, "dropped", "before").await;
+    eventually(
+        30,
+        "every name reconciled the first ConfigMap",
+        async || all_reconciled(&seen, &names, "dropped", "before", &version),
+    )
+    .await;
+    assert_eq!(
+        relay.open(),
+        1,
+        "five names of one server share one connection"
+    );
+    let opened = relay.accepted();
+
+    // The connection breaks (every relayed connection dropped); a change made meanwhile
+    // must still reach every name.
+    relay.cut();
+    let version = create_configmap(&tc, "dropped", "during").await;
+    relay.restore();
+    eventually(
+        60,
+        "every name reconciled the ConfigMap made while cut off",
+        async || all_reconciled(&seen, &names, "dropped", "during", &version),
+    )
+    .await;
+    assert!(relay.accepted() > opened, "a new connection was opened");
+    assert_eq!(relay.open(), 1, "the names share the new connection");
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stops_answering_pings_is_replaced() {
+    let logs = Logs::capture();
+    // Short pings for the transports built in this test (the relay's address is its own key).
+    multicluster_runtime::transport_keepalive(Some((
+        Duration::from_millis(500),
+        Duration::from_secs(2),
+    )));
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "frozen").await;
+    let relay = Relay::start(tc.server()).await;
+    let server = relay.config(tc.config()).cluster_url.to_string();
+    let clusters = Clusters::new();
+    let (manager, seen, run) = configmap_manager(&clusters);
+    let names: Vec<String> = (0..3).map(|i| format!("frozen-{i}")).collect();
+    for n in &names {
+        clusters
+            .add(Cluster::from_config(name(n), relay.config(tc.config())).unwrap())
+            .unwrap();
+    }
+    multicluster_runtime::transport_keepalive(None);
+    let version = create_configmap(&tc, "frozen", "before").await;
+    eventually(
+        30,
+        "every name reconciled the first ConfigMap",
+        async || all_reconciled(&seen, &names, "frozen", "before", &version),
+    )
+    .await;
+    let opened = relay.accepted();
+
+    // The server stops answering without closing anything (SIGSTOP): only the pings can tell.
+    let paused = tc.pause().unwrap();
+    eventually(
+        30,
+        "the transport gave the silent connection up",
+        async || {
+            !logs
+                .lines(&["no answer to a keep-alive ping", &server])
+                .is_empty()
+        },
+    )
+    .await;
+    paused.resume();
+    let version = create_configmap(&tc, "frozen", "after").await;
+    eventually(
+        60,
+        "every name reconciled the ConfigMap made after the freeze",
+        async || all_reconciled(&seen, &names, "frozen", "after", &version),
+    )
+    .await;
+    assert!(
+        relay.accepted() > opened,
+        "the watches resumed on a new connection"
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_client_certificate_gets_connections_of_its_own() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "rotated").await;
+    let alice = tc.add_user("alice", &["system:masters"]).unwrap();
+    let bob = tc.add_user("bob", &["system:masters"]).unwrap();
+    let relay = Relay::start(tc.server()).await;
+    let clusters = Clusters::new();
+    let (manager, seen, run) = configmap_manager(&clusters);
+    let id = name("rotated");
+    clusters
+        .add(Cluster::from_config(id.clone(), relay.config(alice.config())).unwrap())
+        .unwrap();
+    // A second name with alice's identity shares her connection.
+    clusters
+        .add(Cluster::from_config(name("alice-too"), relay.config(alice.config())).unwrap())
+        .unwrap();
+    let version = create_configmap(&tc, "rotated", "before").await;
+    let names = vec!["rotated".to_string(), "alice-too".to_string()];
+    eventually(
+        30,
+        "both names reconciled the first ConfigMap",
+        async || all_reconciled(&seen, &names, "rotated", "before", &version),
+    )
+    .await;
+    let engaged = |id: &ClusterName| manager.fleet().get(id).unwrap().client();
+    assert_eq!(whoami(engaged(&id)).await, "alice");
+    assert_eq!(relay.open(), 1, "one identity, one connection");
+
+    // The credentials rotate: the same name comes back with bob's certificate.
+    clusters
+        .add(Cluster::from_config(id.clone(), relay.config(bob.config())).unwrap())
+        .unwrap();
+    assert_eq!(whoami(engaged(&id)).await, "bob");
+    assert_eq!(whoami(engaged(&name("alice-too"))).await, "alice");
+    assert_eq!(
+        relay.open(),
+        2,
+        "bob's certificate has a connection of its own"
+    );
+    let version = create_configmap(&tc, "rotated", "after").await;
+    eventually(
+        30,
+        "both names reconciled the ConfigMap made after the rotation",
+        async || all_reconciled(&seen, &names, "rotated", "after", &version),
+    )
+    .await;
+
+    // When alice's last cluster goes, so does her connection.
+    assert!(clusters.remove(&name("alice-too")));
+    eventually(30, "alice's connection is closed", async || {
+        relay.open() == 1
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_http2_is_served_over_http1() {
+    let env = TestEnv::builder()
+        .apiserver_arg("--disable-http2-serving")
+        .start()
+        .await
+        .unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "plain").await;
+    let relay = Relay::start(tc.server()).await;
+    let clusters = Clusters::new();
+    let (manager, seen, run) = configmap_manager(&clusters);
+    let names: Vec<String> = (0..3).map(|i| format!("plain-{i}")).collect();
+    for n in &names {
+        clusters
+            .add(Cluster::from_config(name(n), relay.config(tc.config())).unwrap())
+            .unwrap();
+    }
+    let version = create_configmap(&tc, "plain", "one").await;
+    eventually(30, "every name reconciled the ConfigMap", async || {
+        all_reconciled(&seen, &names, "plain", "one", &version)
+    })
+    .await;
+    // HTTP/1.1 holds a connection per open watch.
+    assert!(
+        relay.open() >= 3,
+        "three watches over HTTP/1.1 need three connections; open {}",
+        relay.open()
+    );
+    let version = create_configmap(&tc, "plain", "two").await;
+    eventually(
+        30,
+        "every name reconciled the second ConfigMap",
+        async || all_reconciled(&seen, &names, "plain", "two", &version),
+    )
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
