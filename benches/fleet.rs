@@ -74,19 +74,46 @@ fn threads() -> u64 {
         .unwrap_or(0)
 }
 
-/// File descriptors of this process that are sockets.
-fn sockets() -> usize {
+/// Inodes of this process's sockets.
+fn socket_inodes() -> Vec<String> {
     std::fs::read_dir("/proc/self/fd")
         .map(|dir| {
             dir.filter_map(Result::ok)
-                .filter(|e| {
-                    std::fs::read_link(e.path())
-                        .map(|t| t.to_string_lossy().starts_with("socket:"))
-                        .unwrap_or(false)
+                .filter_map(|e| {
+                    let target = std::fs::read_link(e.path()).ok()?;
+                    let target = target.to_string_lossy();
+                    Some(
+                        target
+                            .strip_prefix("socket:[")?
+                            .trim_end_matches(']')
+                            .to_string(),
+                    )
                 })
-                .count()
+                .collect()
         })
-        .unwrap_or(0)
+        .unwrap_or_default()
+}
+
+/// File descriptors of this process that are sockets (TCP and others: the runtime's own).
+fn sockets() -> usize {
+    socket_inodes().len()
+}
+
+/// File descriptors of this process that are TCP sockets.
+fn tcp_sockets() -> usize {
+    let mut tcp = std::collections::HashSet::new();
+    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        for line in std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+        {
+            if let Some(inode) = line.split_whitespace().nth(9) {
+                tcp.insert(inode.to_string());
+            }
+        }
+    }
+    socket_inodes().iter().filter(|i| tcp.contains(*i)).count()
 }
 
 /// CPU time (user + system) this process has used.
@@ -114,6 +141,12 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(mode) = arg_after(&args, "--child") {
         let kubeconfigs = args_after(&args, "--kubeconfig");
+        if std::env::var_os("RUST_LOG").is_some() {
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_writer(std::io::stderr)
+                .init();
+        }
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         rt.block_on(child(&mode, &args, &kubeconfigs));
         return;
@@ -265,9 +298,11 @@ async fn w1(n: usize, sequential: usize, runs: usize) {
         (rss_n - rss1) / (n as f64 - 1.0)
     );
     println!(
-        "sockets N={n}: median {} (runs {:?}); N=1: {:?}",
-        median(&mut pick(&many, "sockets")),
+        "TCP sockets N={n}: median {} (runs {:?}); all sockets {:?}; N=1: TCP {:?}, all {:?}",
+        median(&mut pick(&many, "tcp")),
+        pick(&many, "tcp"),
         pick(&many, "sockets"),
+        pick(&one, "tcp"),
         pick(&one, "sockets")
     );
     println!(
@@ -547,13 +582,27 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
                 add(i);
             }
             let engaged = added.elapsed();
+            if std::env::var_os("RUST_LOG").is_some() {
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        eprintln!(
+                            "progress: {} reconciles, {} sockets",
+                            counter.count.load(Ordering::SeqCst),
+                            sockets()
+                        );
+                    }
+                });
+            }
             counter.reach(n * 10).await;
             let all = added.elapsed();
             tokio::time::sleep(Duration::from_secs(10)).await;
             println!(
-                "RESULT rss_kib={} sockets={} cpu_s={:.2} all_s={:.3} engage_s={:.3} threads={} reconciles={}",
+                "RESULT rss_kib={} sockets={} tcp={} cpu_s={:.2} all_s={:.3} engage_s={:.3} threads={} reconciles={}",
                 status_kib("VmRSS:"),
                 sockets(),
+                tcp_sockets(),
                 cpu_time().as_secs_f64(),
                 all.as_secs_f64(),
                 engaged.as_secs_f64(),

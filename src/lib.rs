@@ -38,7 +38,8 @@ pub use action::Action;
 pub use cluster::transport_keepalive;
 pub use cluster::{
     Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterName, Fault, InvalidClusterId,
-    InvalidRateLimit, RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster,
+    InvalidRateLimit, LAST_APPLIED, RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster,
+    strip_managed_fields,
 };
 pub use controller::{
     Builder, Context, DEFAULT_DISENGAGE_GRACE, Failure, PANIC_REQUEUE, Reconciled, Watchable,

@@ -57,6 +57,7 @@ pub struct Manager<P: Provider> {
     leader_election: Option<LeaderElection>,
     metrics: Option<Metrics>,
     rate_limit: Option<crate::RateLimit>,
+    transforms: crate::cluster::Transforms,
     endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
     served_at: Mutex<Option<std::net::SocketAddr>>,
@@ -139,6 +140,7 @@ impl<P: Provider> Manager<P> {
             leader_election: None,
             metrics: None,
             rate_limit: None,
+            transforms: crate::cluster::Transforms::default(),
             endpoints: None,
             served_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
@@ -170,6 +172,32 @@ impl<P: Provider> Manager<P> {
     #[must_use]
     pub fn client_rate_limit(mut self, limit: crate::RateLimit) -> Self {
         self.rate_limit = Some(limit);
+        self
+    }
+
+    /// Transforms each `K` object before the caches of the manager's clusters keep it (after
+    /// the default, see [`Manager::keep_managed_fields`]); a later call for the same kind
+    /// replaces the transform. The object is transformed once per watch, and reconcilers, field
+    /// indexes and predicates see it transformed: drop what they do not read (large
+    /// `data`, status details). Set it before the first cluster is engaged: watches started
+    /// earlier keep what they had.
+    #[must_use]
+    pub fn transform<K: crate::Watchable>(
+        mut self,
+        transform: impl Fn(&mut K) + Send + Sync + 'static,
+    ) -> Self {
+        self.transforms.set(transform);
+        self
+    }
+
+    /// Caches keep objects whole. By default they drop `metadata.managedFields` and the
+    /// `kubectl.kubernetes.io/last-applied-configuration` annotation, which reconcilers
+    /// rarely read and which are most of a small object's memory; see
+    /// [`strip_managed_fields`](crate::strip_managed_fields). Objects a reconciler fetches
+    /// through its client are never transformed.
+    #[must_use]
+    pub fn keep_managed_fields(mut self) -> Self {
+        self.transforms.keep_managed_fields = true;
         self
     }
 
@@ -331,6 +359,7 @@ impl<P: Provider> Manager<P> {
             },
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
+            transforms: Arc::new(self.transforms.clone()),
             instance: Arc::from(match &self.leader_election {
                 Some(election) => election.identity.clone(),
                 None => crate::leader::host_name(),
@@ -444,6 +473,7 @@ impl<P: Provider> Manager<P> {
             faults: Some(faults_tx),
             metrics: self.metrics.clone(),
             rate_limit: self.rate_limit,
+            transforms: Arc::new(self.transforms.clone()),
         };
         self.fleet.open(settings.clone());
         if let Some(metrics) = &self.metrics {

@@ -11,6 +11,7 @@ mod id;
 mod index;
 mod source;
 mod store;
+mod transform;
 mod transport;
 mod watch;
 
@@ -37,6 +38,8 @@ pub(crate) use index::Indexer;
 pub(crate) use source::map_event;
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
 pub use store::Store;
+pub(crate) use transform::Transforms;
+pub use transform::{LAST_APPLIED, strip_managed_fields};
 pub use transport::set_keepalive as transport_keepalive;
 pub use watch::Fault;
 use watch::WatchState;
@@ -635,17 +638,22 @@ impl<C: ClusterId> Cluster<C> {
             cluster: self.inner.id.to_string(),
         })?;
         let stop = session.token.child_token();
+        let transform = session.settings.transforms.of::<K>();
         let events = match &self.inner.source {
             None => Either::Left(
                 backoff::Retrying::new(
                     watcher(Api::<K>::all(self.client()), config.clone()),
                     session.settings.backoff.delays(),
                 )
-                .map(|event| event.map(|event| source::map_event(event, Arc::new))),
+                .map(move |event| {
+                    event.map(|event| {
+                        source::map_event(event, |o| transform::shared(o, transform.as_ref()))
+                    })
+                }),
             ),
-            Some(source) => {
-                Either::Right(source::events_from::<K>(&**source, config, &session.token).map(Ok))
-            }
+            Some(source) => Either::Right(
+                source::events_from::<K>(&**source, config, transform, &session.token).map(Ok),
+            ),
         };
         let indexers = lock(&self.inner.indexers).clone();
         let (watch, task) = SharedWatch::start(

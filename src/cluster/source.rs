@@ -12,6 +12,7 @@ use kube::{Api, Client};
 use kube_runtime::watcher::{self, Event, watcher};
 use tokio_util::sync::CancellationToken;
 
+use super::transform::Transform;
 use crate::Watchable;
 
 /// An object of any watchable kind, as a shared source passes it on: its metadata, and the
@@ -80,12 +81,20 @@ pub(crate) trait WatchSource: Send + Sync + 'static {
 pub(crate) fn events_from<K: Watchable>(
     source: &dyn WatchSource,
     config: &watcher::Config,
+    transform: Option<Transform<K>>,
     engagement: &CancellationToken,
 ) -> BoxStream<'static, Event<Arc<K>>> {
     let watch_config = config.clone();
     let open = move |client: Client| -> SharedEvents {
+        let transform = transform.clone();
         watcher(Api::<K>::all(client), watch_config.clone())
-            .map(|event| event.map(|event| map_event(event, |o: K| Arc::new(o) as SharedObject)))
+            .map(move |event| {
+                event.map(|event| {
+                    map_event(event, |o: K| {
+                        super::transform::shared(o, transform.as_ref()) as SharedObject
+                    })
+                })
+            })
             .boxed()
     };
     let kind = <K as kube::Resource>::kind(&());

@@ -504,18 +504,15 @@ impl Transport {
         });
         // The server's SETTINGS come before its answer to a ping: once the answer is in, the
         // connection knows how many streams it may open (h2 assumes INITIAL_STREAMS before).
+        // Given up if this request is dropped meanwhile: nothing would use the connection.
         let settings = self.settings;
+        let unused = stop.clone().drop_guard();
         match tokio::time::timeout(settings.ping_timeout, pings.ping(h2::Ping::opaque())).await {
             Ok(Ok(_)) => {}
-            Ok(Err(error)) => {
-                stop.cancel();
-                return Err(error.into());
-            }
-            Err(_) => {
-                stop.cancel();
-                return Err(format!("no answer to the first ping from {server}").into());
-            }
+            Ok(Err(error)) => return Err(error.into()),
+            Err(_) => return Err(format!("no answer to the first ping from {server}").into()),
         }
+        unused.disarm();
         let keepalive_stop = stop.clone();
         tokio::spawn(async move {
             loop {

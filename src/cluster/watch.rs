@@ -29,6 +29,8 @@ pub(crate) struct WatchSettings {
     pub(crate) metrics: Option<crate::Metrics>,
     /// The manager's default limit on each cluster's client requests.
     pub(crate) rate_limit: Option<crate::RateLimit>,
+    /// What the caches keep of each object.
+    pub(crate) transforms: Arc<super::Transforms>,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index

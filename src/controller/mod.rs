@@ -168,6 +168,8 @@ pub(crate) struct Env<C: ClusterId> {
     pub(crate) grace: Grace,
     pub(crate) backoff: WatchBackoff,
     pub(crate) metrics: Option<crate::Metrics>,
+    /// What caches keep of each object (single mode applies them to its controller's store).
+    pub(crate) transforms: Arc<crate::cluster::Transforms>,
     /// Who this replica is, in the Events it records (the leader election identity, or the
     /// host name: the pod's name in a cluster).
     pub(crate) instance: Arc<str>,
@@ -202,6 +204,7 @@ impl<C: ClusterId> Clone for Env<C> {
             grace: self.grace.clone(),
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
+            transforms: self.transforms.clone(),
             instance: self.instance.clone(),
         }
     }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use kube::{Api, Resource};
 use kube_runtime::{Controller, WatchStreamExt, watcher};
 use tokio_util::task::TaskTracker;
@@ -130,17 +130,27 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         return;
     }
     let api = Api::<K>::all(cluster.client());
-    let mut controller = match &spec.predicate {
-        None => Controller::new(api, spec.watcher_config.clone()),
-        Some(predicate) => {
-            let predicate = predicate.clone();
+    let transform = env.transforms.of::<K>();
+    let mut controller = match (&spec.predicate, transform) {
+        // kube-runtime's own path, when objects are kept as they come.
+        (None, None) => Controller::new(api, spec.watcher_config.clone()),
+        (predicate, transform) => {
             let (reader, writer) = kube_runtime::reflector::store();
             // The controller's trigger backoff covers this stream too (errors pass through).
             let stream = watcher(api, spec.watcher_config.clone())
+                .map_ok(move |event| match &transform {
+                    Some(transform) => event.modify(|o| transform.apply(o)),
+                    None => event,
+                })
                 .reflect(writer)
-                .applied_objects()
-                .predicate_filter(move |obj: &K| predicate(obj), Default::default());
-            Controller::for_stream(stream, reader)
+                .applied_objects();
+            match predicate.clone() {
+                Some(predicate) => Controller::for_stream(
+                    stream.predicate_filter(move |obj: &K| predicate(obj), Default::default()),
+                    reader,
+                ),
+                None => Controller::for_stream(stream, reader),
+            }
         }
     };
     for relation in &spec.relations {
