@@ -166,7 +166,13 @@ fn main() {
             w1(n, sequential, runs).await;
         }
         if args.iter().any(|a| a == "w2") {
-            w2(runs).await;
+            // `--compare`: the same runs also with kube's own clients, and with whole objects.
+            let variants: &[&[&str]] = if args.iter().any(|a| a == "--compare") {
+                &[&[], &["--kube-client"], &["--keep-managed-fields"]]
+            } else {
+                &[&[]]
+            };
+            w2(runs, variants).await;
         }
         if args.iter().any(|a| a == "scale") {
             let n = arg_after(&args, "--n")
@@ -336,7 +342,7 @@ async fn w1(n: usize, sequential: usize, runs: usize) {
     drop(env);
 }
 
-async fn w2(runs: usize) {
+async fn w2(runs: usize, variants: &[&[&str]]) {
     println!("\n== W2: 10 names over 2 apiservers, 1,000 ConfigMaps each, {runs} runs");
     let (env, kubeconfigs) = two_apiservers(1000).await;
     let clients: Vec<kube::Client> = env
@@ -377,8 +383,17 @@ async fn w2(runs: usize) {
     };
     let mut results = Vec::new();
     let mut ceilings = Vec::new();
+    let mut variant_results: BTreeMap<String, Vec<BTreeMap<String, f64>>> = BTreeMap::new();
     for run in 0..runs {
-        let figures = run_child("w2", &[], &kubeconfigs, Some(&patch_all)).await;
+        for variant in variants.iter().skip(1) {
+            let extra: Vec<String> = variant.iter().map(|s| s.to_string()).collect();
+            let figures = run_child("w2", &extra, &kubeconfigs, Some(&patch_all)).await;
+            println!("  run {run} {variant:?}: {figures:?}");
+            let entry = variant_results.entry(variant.join(" ")).or_default();
+            entry.push(figures);
+        }
+        let extra: Vec<String> = variants[0].iter().map(|s| s.to_string()).collect();
+        let figures = run_child("w2", &extra, &kubeconfigs, Some(&patch_all)).await;
         println!("  run {run}: {figures:?}");
         results.push(figures);
         let ceiling = run_child("w2-ceiling", &[], &kubeconfigs, None).await;
@@ -410,6 +425,21 @@ async fn w2(runs: usize) {
             median(&mut pick(&results, key)),
             pick(&results, key)
         );
+    }
+    for (variant, set) in &variant_results {
+        for key in [
+            "first_s",
+            "all_s",
+            "cpu_per_1000_s",
+            "cpu_patch_per_1000_s",
+            "peak_rss_kib",
+        ] {
+            println!(
+                "  {variant}: {key} median {:.4} (runs {:?})",
+                median(&mut pick(set, key)),
+                pick(set, key)
+            );
+        }
     }
     let all = median(&mut pick(&results, "all_s"));
     let ceiling = median(&mut pick(&ceilings, "all_s"));
@@ -539,7 +569,16 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
         return;
     }
     let clusters = Clusters::new();
-    let manager = Arc::new(Manager::new(clusters.clone()));
+    // `--keep-managed-fields`: caches keep objects whole (the default before transforms).
+    let manager = if args.iter().any(|a| a == "--keep-managed-fields") {
+        Manager::new(clusters.clone()).keep_managed_fields()
+    } else {
+        Manager::new(clusters.clone())
+    };
+    let manager = Arc::new(manager);
+    // `--kube-client`: each name gets a client of kube's own stack (HTTP/1.1, a pool per
+    // client), as `Cluster::from_config` built them before the shared transport.
+    let kube_client = args.iter().any(|a| a == "--kube-client");
     let counter = Arc::new(Counter::default());
     Builder::<_, ConfigMap>::new(&manager, wc)
         .concurrency(4)
@@ -549,11 +588,13 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
         tokio::spawn(async move { manager.run().await })
     };
     let add = |i: usize| {
-        let cluster = Cluster::from_config(
-            ClusterName::from(format!("c-{i:04}")),
-            configs[i % configs.len()].clone(),
-        )
-        .expect("cluster");
+        let id = ClusterName::from(format!("c-{i:04}"));
+        let config = configs[i % configs.len()].clone();
+        let cluster = if kube_client {
+            Cluster::new(id, kube::Client::try_from(config).expect("client"))
+        } else {
+            Cluster::from_config(id, config).expect("cluster")
+        };
         clusters.add(cluster).expect("engage");
     };
     match mode {
