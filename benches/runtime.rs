@@ -645,6 +645,24 @@ async fn namespaces_as_clusters(n: usize, nodes: usize) {
         after / 1024,
         after.saturating_sub(base) / n as u64
     );
+    let fds: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .map(|t| t.to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let threads = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:").map(|t| t.trim().to_string()))
+        .unwrap_or_default();
+    println!(
+        "open files: {} ({} sockets; the bench process's own setup clients included); threads: {threads}",
+        fds.len(),
+        fds.iter().filter(|t| t.starts_with("socket:")).count()
+    );
 
     // One update of every Node, seen by every namespace-cluster.
     if nodes > 0 {

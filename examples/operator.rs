@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Resource, ResourceExt};
-use kube_runtime::events::{Event, EventType};
+use kube_runtime::events::{Event, EventType, Recorder};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{KubeconfigSecrets, Namespaces};
 use multicluster_runtime::{
@@ -284,7 +284,13 @@ async fn reconcile(
             action: "Copy".into(),
             secondary: None,
         };
-        recorder.publish(&event, &reference).await?;
+        // A recorder of its own: kube-runtime's recorder counts Events of the same reason and
+        // action about the same object as one series whatever their note, which would keep
+        // the first set's note (say, "0 clusters" from a reconcile before any cluster was
+        // engaged) on every later change. Each change of the set is news.
+        Recorder::new(ctx.client(), ctx.reporter().clone())
+            .publish(&event, &reference)
+            .await?;
     }
     for failure in &failures {
         let event = Event {

@@ -1626,6 +1626,70 @@ async fn configmap_in(client: &kube::Client, ns: &str, name: &str) -> Option<Con
 }
 
 #[tokio::test]
+async fn the_example_operator_reports_a_cluster_engaged_later_in_an_event_of_its_own() {
+    let binary = operator_binary();
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host_tc, member_tc) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let (host, member) = (host_tc.client().unwrap(), member_tc.client().unwrap());
+    apply_manifests(&host, &manifest("operator.yaml")).await;
+    apply_manifests(&member, &manifest("member.yaml")).await;
+    let sa_groups = [
+        "system:serviceaccounts",
+        "system:serviceaccounts:mcr-system",
+    ];
+    let operator_user = host_tc
+        .add_user("system:serviceaccount:mcr-system:mcr-operator", &sa_groups)
+        .unwrap();
+    let member_user = member_tc
+        .add_user("system:serviceaccount:mcr-system:mcr-member", &sa_groups)
+        .unwrap();
+    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
+    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
+    Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
+        .create(&PostParams::default(), &original)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let _operator = OperatorProcess::start(
+        &binary,
+        operator_user.kubeconfig_path(),
+        "replica-a",
+        dir.path(),
+    );
+    // No cluster yet: the operator reports that, before any cluster is engaged.
+    eventually(60, "the report of no cluster", async || {
+        has_event(
+            &host,
+            "mcr-system",
+            "Copied",
+            "settings",
+            "copied into 0 clusters",
+        )
+        .await
+    })
+    .await;
+    // A cluster engaged later: its copy, and the change reported in an Event of its own
+    // (kube-runtime's recorder would have counted it into the first one's series, note and all).
+    member_secret(&host, "mcr-system", member_user.kubeconfig()).await;
+    eventually(
+        60,
+        "the copy in the member and the Event naming it",
+        async || {
+            configmap_in(&member, "default", "settings").await.is_some()
+                && has_event(
+                    &host,
+                    "mcr-system",
+                    "Copied",
+                    "settings",
+                    "copied into 1 clusters: east",
+                )
+                .await
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
 async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails_over() {
     let binary = operator_binary();
     let env = TestEnv::builder().clusters(2).start().await.unwrap();

@@ -168,6 +168,11 @@ impl<C: ClusterId, S> Context<C, S> {
         self.cluster.recorder(&self.shared.reporter)
     }
 
+    /// Who the controller's Events say reported them: the controller's name and this replica.
+    pub fn reporter(&self) -> &kube_runtime::events::Reporter {
+        &self.shared.reporter
+    }
+
     /// An Event recorder for `cluster` (another cluster of the fleet: a multi-cluster-aware
     /// controller that acts there), reporting as [`Context::recorder`] does.
     pub fn recorder_in(&self, cluster: &Cluster<C>) -> Recorder {
