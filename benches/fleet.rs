@@ -31,6 +31,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{arg_after, cpu_time};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
@@ -42,12 +45,6 @@ use multicluster_runtime::{Action, Builder, Cluster, ClusterName, Context, Manag
 
 const NAMESPACE: &str = "bench";
 const LABEL: &str = "bench=mcr";
-
-fn arg_after(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 fn args_after(args: &[String], flag: &str) -> Vec<String> {
     args.windows(2)
@@ -114,22 +111,6 @@ fn tcp_sockets() -> usize {
         }
     }
     socket_inodes().iter().filter(|i| tcp.contains(*i)).count()
-}
-
-/// CPU time (user + system) this process has used.
-fn cpu_time() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the command name (which ends with ')'): utime and stime are the 12th and
-    // 13th of them, in clock ticks (100 per second on Linux).
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks: u64 = [11, 12]
-        .iter()
-        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
-        .sum();
-    Duration::from_millis(ticks * 10)
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -623,19 +604,6 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
                 add(i);
             }
             let engaged = added.elapsed();
-            if std::env::var_os("RUST_LOG").is_some() {
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    loop {
-                        tokio::time::sleep(Duration::from_secs(2)).await;
-                        eprintln!(
-                            "progress: {} reconciles, {} sockets",
-                            counter.count.load(Ordering::SeqCst),
-                            sockets()
-                        );
-                    }
-                });
-            }
             counter.reach(n * 10).await;
             let all = added.elapsed();
             tokio::time::sleep(Duration::from_secs(10)).await;

@@ -21,6 +21,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{arg_after, cpu_time};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -32,12 +35,6 @@ use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Con
 
 const OBJECTS: usize = 5_000;
 const LABEL: &str = "bench=runtime";
-
-fn arg_after(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 fn rss_kib(pid: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -491,22 +488,6 @@ impl NamespaceSeen {
             let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
         }
     }
-}
-
-/// CPU time (user + system) this process has used.
-fn cpu_time() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the command name (which ends with ')'): utime and stime are the 12th and
-    // 13th of them, in clock ticks (100 per second on Linux).
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks: u64 = [11, 12]
-        .iter()
-        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
-        .sum();
-    Duration::from_millis(ticks * 10)
 }
 
 /// `n` namespaces labelled `bench=ns`, each with one ConfigMap carrying 1 KiB of data, and

@@ -57,7 +57,8 @@ pub struct Manager<P: Provider> {
     leader_election: Option<LeaderElection>,
     metrics: Option<Metrics>,
     rate_limit: Option<crate::RateLimit>,
-    transforms: crate::cluster::Transforms,
+    /// Shared with every run's watches and controllers.
+    transforms: Arc<crate::cluster::Transforms>,
     endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
     served_at: Mutex<Option<std::net::SocketAddr>>,
@@ -140,7 +141,7 @@ impl<P: Provider> Manager<P> {
             leader_election: None,
             metrics: None,
             rate_limit: None,
-            transforms: crate::cluster::Transforms::default(),
+            transforms: Arc::default(),
             endpoints: None,
             served_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
@@ -186,7 +187,7 @@ impl<P: Provider> Manager<P> {
         mut self,
         transform: impl Fn(&mut K) + Send + Sync + 'static,
     ) -> Self {
-        self.transforms.set(transform);
+        Arc::make_mut(&mut self.transforms).set(transform);
         self
     }
 
@@ -197,7 +198,7 @@ impl<P: Provider> Manager<P> {
     /// through its client are never transformed.
     #[must_use]
     pub fn keep_managed_fields(mut self) -> Self {
-        self.transforms.keep_managed_fields = true;
+        Arc::make_mut(&mut self.transforms).keep_managed_fields = true;
         self
     }
 
@@ -359,7 +360,7 @@ impl<P: Provider> Manager<P> {
             },
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
-            transforms: Arc::new(self.transforms.clone()),
+            transforms: self.transforms.clone(),
             instance: Arc::from(match &self.leader_election {
                 Some(election) => election.identity.clone(),
                 None => crate::leader::host_name(),
@@ -473,7 +474,7 @@ impl<P: Provider> Manager<P> {
             faults: Some(faults_tx),
             metrics: self.metrics.clone(),
             rate_limit: self.rate_limit,
-            transforms: Arc::new(self.transforms.clone()),
+            transforms: self.transforms.clone(),
         };
         self.fleet.open(settings.clone());
         if let Some(metrics) = &self.metrics {

@@ -1625,14 +1625,24 @@ async fn configmap_in(client: &kube::Client, ns: &str, name: &str) -> Option<Con
         .unwrap()
 }
 
-#[tokio::test]
-async fn the_example_operator_reports_a_cluster_engaged_later_in_an_event_of_its_own() {
-    let binary = operator_binary();
+/// Two apiservers with `deploy/` applied: the host (`operator.yaml`) and a member
+/// (`member.yaml`), and the ServiceAccounts' identities on each.
+struct Deployed {
+    env: TestEnv,
+    host: kube::Client,
+    member: kube::Client,
+    operator_user: multicluster_runtime::testenv::TestUser,
+    member_user: multicluster_runtime::testenv::TestUser,
+}
+
+async fn deployed() -> Deployed {
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
     let (host_tc, member_tc) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
     let (host, member) = (host_tc.client().unwrap(), member_tc.client().unwrap());
     apply_manifests(&host, &manifest("operator.yaml")).await;
     apply_manifests(&member, &manifest("member.yaml")).await;
+    // The ServiceAccounts' identities: client certificates with their user names and groups,
+    // which RBAC matches as it matches the accounts' tokens.
     let sa_groups = [
         "system:serviceaccounts",
         "system:serviceaccounts:mcr-system",
@@ -1643,6 +1653,25 @@ async fn the_example_operator_reports_a_cluster_engaged_later_in_an_event_of_its
     let member_user = member_tc
         .add_user("system:serviceaccount:mcr-system:mcr-member", &sa_groups)
         .unwrap();
+    Deployed {
+        env,
+        host,
+        member,
+        operator_user,
+        member_user,
+    }
+}
+
+#[tokio::test]
+async fn the_example_operator_reports_a_cluster_engaged_later_in_an_event_of_its_own() {
+    let binary = operator_binary();
+    let Deployed {
+        env: _env,
+        host,
+        member,
+        operator_user,
+        member_user,
+    } = deployed().await;
     let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
     original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
     Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
@@ -1692,23 +1721,13 @@ async fn the_example_operator_reports_a_cluster_engaged_later_in_an_event_of_its
 #[tokio::test]
 async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails_over() {
     let binary = operator_binary();
-    let env = TestEnv::builder().clusters(2).start().await.unwrap();
-    let (host_tc, member_tc) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
-    let (host, member) = (host_tc.client().unwrap(), member_tc.client().unwrap());
-    apply_manifests(&host, &manifest("operator.yaml")).await;
-    apply_manifests(&member, &manifest("member.yaml")).await;
-    // The ServiceAccounts' identities: client certificates with their user names and groups,
-    // which RBAC matches as it matches the accounts' tokens.
-    let sa_groups = [
-        "system:serviceaccounts",
-        "system:serviceaccounts:mcr-system",
-    ];
-    let operator_user = host_tc
-        .add_user("system:serviceaccount:mcr-system:mcr-operator", &sa_groups)
-        .unwrap();
-    let member_user = member_tc
-        .add_user("system:serviceaccount:mcr-system:mcr-member", &sa_groups)
-        .unwrap();
+    let Deployed {
+        env: _env,
+        host,
+        member,
+        operator_user,
+        member_user,
+    } = deployed().await;
     // The member as a kubeconfig Secret, the way the secrets provider finds it.
     member_secret(&host, "mcr-system", member_user.kubeconfig()).await;
     let originals: Api<ConfigMap> = Api::namespaced(host.clone(), "mcr-system");

@@ -89,7 +89,6 @@ struct Endpoint {
     port: u16,
     /// `None` for `http://`.
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
-    connect_timeout: Option<Duration>,
 }
 
 /// What the server speaks, once known.
@@ -306,12 +305,7 @@ fn endpoint(config: &kube::Config) -> Result<Endpoint, kube::Error> {
     } else {
         None
     };
-    Ok(Endpoint {
-        host,
-        port,
-        tls,
-        connect_timeout: config.connect_timeout,
-    })
+    Ok(Endpoint { host, port, tls })
 }
 
 impl Transport {
@@ -435,7 +429,7 @@ impl Transport {
     /// Opens a TLS connection offering `h2`, within the configuration's connect timeout;
     /// `None` if the server chose HTTP/1.1.
     async fn connect(&self) -> Result<Option<Arc<Connection>>, BoxError> {
-        match self.endpoint.connect_timeout {
+        match self.config.connect_timeout {
             Some(timeout) => tokio::time::timeout(timeout, self.handshake())
                 .await
                 .map_err(|_| {
