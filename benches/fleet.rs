@@ -148,12 +148,16 @@ fn main() {
         }
         if args.iter().any(|a| a == "w2") {
             // `--compare`: the same runs also with kube's own clients, and with whole objects.
-            let variants: &[&[&str]] = if args.iter().any(|a| a == "--compare") {
-                &[&[], &["--kube-client"], &["--keep-managed-fields"]]
-            } else {
-                &[&[]]
-            };
-            w2(runs, variants).await;
+            // `--variant FLAG` (repeatable): the same runs also with that child flag.
+            let mut variants: Vec<Vec<String>> = vec![vec![]];
+            if args.iter().any(|a| a == "--compare") {
+                variants.push(vec!["--kube-client".into()]);
+                variants.push(vec!["--keep-managed-fields".into()]);
+            }
+            for flag in args_after(&args, "--variant") {
+                variants.push(vec![flag]);
+            }
+            w2(runs, &variants).await;
         }
         if args.iter().any(|a| a == "scale") {
             let n = arg_after(&args, "--n")
@@ -224,7 +228,17 @@ async fn run_child(
     between: Option<&(dyn Fn() -> futures::future::BoxFuture<'static, ()> + Sync)>,
 ) -> BTreeMap<String, f64> {
     let exe = std::env::current_exe().expect("current_exe");
-    let mut cmd = Command::new(&exe);
+    // `MCR_BENCH_WRAP="valgrind --tool=massif"`: the child runs under that command (profiles).
+    let wrap = std::env::var("MCR_BENCH_WRAP").unwrap_or_default();
+    let mut wrap = wrap.split_whitespace();
+    let mut cmd = match wrap.next() {
+        Some(program) => {
+            let mut cmd = Command::new(program);
+            cmd.args(wrap).arg(&exe);
+            cmd
+        }
+        None => Command::new(&exe),
+    };
     cmd.args(["--child", mode]).args(extra);
     for kc in kubeconfigs {
         cmd.args(["--kubeconfig", kc]);
@@ -323,7 +337,7 @@ async fn w1(n: usize, sequential: usize, runs: usize) {
     drop(env);
 }
 
-async fn w2(runs: usize, variants: &[&[&str]]) {
+async fn w2(runs: usize, variants: &[Vec<String>]) {
     println!("\n== W2: 10 names over 2 apiservers, 1,000 ConfigMaps each, {runs} runs");
     let (env, kubeconfigs) = two_apiservers(1000).await;
     let clients: Vec<kube::Client> = env
@@ -367,14 +381,12 @@ async fn w2(runs: usize, variants: &[&[&str]]) {
     let mut variant_results: BTreeMap<String, Vec<BTreeMap<String, f64>>> = BTreeMap::new();
     for run in 0..runs {
         for variant in variants.iter().skip(1) {
-            let extra: Vec<String> = variant.iter().map(|s| s.to_string()).collect();
-            let figures = run_child("w2", &extra, &kubeconfigs, Some(&patch_all)).await;
+            let figures = run_child("w2", variant, &kubeconfigs, Some(&patch_all)).await;
             println!("  run {run} {variant:?}: {figures:?}");
             let entry = variant_results.entry(variant.join(" ")).or_default();
             entry.push(figures);
         }
-        let extra: Vec<String> = variants[0].iter().map(|s| s.to_string()).collect();
-        let figures = run_child("w2", &extra, &kubeconfigs, Some(&patch_all)).await;
+        let figures = run_child("w2", &variants[0], &kubeconfigs, Some(&patch_all)).await;
         println!("  run {run}: {figures:?}");
         results.push(figures);
         let ceiling = run_child("w2-ceiling", &[], &kubeconfigs, None).await;
@@ -400,6 +412,11 @@ async fn w2(runs: usize, variants: &[&[&str]]) {
             "CPU s per 1,000 reconciles of patches",
         ),
         ("peak_rss_kib", "peak RSS (KiB)"),
+        (
+            "listed_peak_rss_kib",
+            "peak RSS up to the 10,000th reconcile (KiB)",
+        ),
+        ("base_rss_kib", "RSS before the names are added (KiB)"),
     ] {
         println!(
             "{what}: median {:.3} (runs {:?})",
@@ -414,6 +431,8 @@ async fn w2(runs: usize, variants: &[&[&str]]) {
             "cpu_per_1000_s",
             "cpu_patch_per_1000_s",
             "peak_rss_kib",
+            "listed_peak_rss_kib",
+            "base_rss_kib",
         ] {
             println!(
                 "  {variant}: {key} median {:.4} (runs {:?})",
@@ -522,6 +541,12 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
         .and_then(|n| n.parse().ok())
         .unwrap_or(10);
     let wc = watcher::Config::default().labels(LABEL);
+    // `--streaming-lists`: the first listing as a watch (WatchList) instead of pages.
+    let wc = if args.iter().any(|a| a == "--streaming-lists") {
+        wc.streaming_lists()
+    } else {
+        wc
+    };
     if mode == "w2-ceiling" {
         let drained = Arc::new(AtomicUsize::new(0));
         let done = Arc::new(tokio::sync::Notify::new());
@@ -620,12 +645,41 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
             );
         }
         "w2" => {
+            let base_rss = status_kib("VmRSS:");
+            let (base_anon, base_file) = (status_kib("RssAnon:"), status_kib("RssFile:"));
             for i in 0..10 {
                 add(i);
             }
             counter.reach(10_000).await;
             let all = start.elapsed();
             let cpu_all = cpu_time();
+            let listed_peak = status_kib("VmHWM:");
+            if std::env::var_os("MCR_BENCH_RSS_DETAIL").is_some() {
+                eprintln!(
+                    "at 10,000: RssAnon {} RssFile {} base anon {} file {}",
+                    status_kib("RssAnon:"),
+                    status_kib("RssFile:"),
+                    base_anon,
+                    base_file
+                );
+                let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+                let mut current = String::new();
+                let mut per: BTreeMap<String, u64> = BTreeMap::new();
+                for line in smaps.lines() {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    if fields.len() >= 5 && fields[0].contains('-') && !fields[0].ends_with(':') {
+                        current = fields.get(5).unwrap_or(&"[anon]").to_string();
+                    } else if fields.first() == Some(&"Rss:") {
+                        *per.entry(current.clone()).or_default() +=
+                            fields[1].parse::<u64>().unwrap_or(0);
+                    }
+                }
+                for (mapping, kib) in per {
+                    if kib >= 256 {
+                        eprintln!("  {kib:>8} KiB {mapping}");
+                    }
+                }
+            }
             let first = *counter.first.get().expect("first") - start;
             tokio::task::block_in_place(pause);
             let patched = Instant::now();
@@ -633,13 +687,15 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
             let patched = patched.elapsed();
             let cpu_patch = cpu_time() - cpu_all;
             println!(
-                "RESULT first_s={:.4} all_s={:.4} cpu_per_1000_s={:.4} patched_s={:.4} cpu_patch_per_1000_s={:.4} peak_rss_kib={} sockets={}",
+                "RESULT first_s={:.4} all_s={:.4} cpu_per_1000_s={:.4} patched_s={:.4} cpu_patch_per_1000_s={:.4} peak_rss_kib={} listed_peak_rss_kib={} base_rss_kib={} sockets={}",
                 first.as_secs_f64(),
                 all.as_secs_f64(),
                 cpu_all.as_secs_f64() / 10.0,
                 patched.as_secs_f64(),
                 cpu_patch.as_secs_f64() / 10.0,
                 status_kib("VmHWM:"),
+                listed_peak,
+                base_rss,
                 sockets()
             );
         }

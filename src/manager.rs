@@ -59,6 +59,8 @@ pub struct Manager<P: Provider> {
     rate_limit: Option<crate::RateLimit>,
     /// Shared with every run's watches and controllers.
     transforms: Arc<crate::cluster::Transforms>,
+    /// Watches list in pages, never by streaming lists.
+    paged_lists: bool,
     endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
     served_at: Mutex<Option<std::net::SocketAddr>>,
@@ -142,6 +144,7 @@ impl<P: Provider> Manager<P> {
             metrics: None,
             rate_limit: None,
             transforms: Arc::default(),
+            paged_lists: false,
             endpoints: None,
             served_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
@@ -199,6 +202,20 @@ impl<P: Provider> Manager<P> {
     #[must_use]
     pub fn keep_managed_fields(mut self) -> Self {
         Arc::make_mut(&mut self.transforms).keep_managed_fields = true;
+        self
+    }
+
+    /// Watches make their first listing (and every relist) in pages of list requests. By
+    /// default they ask for a streaming list (a watch whose first events are the current
+    /// objects: one object decoded at a time instead of a page of 500 held twice) and fall
+    /// back to pages, per watch, where the API server does not serve streaming lists
+    /// (kube-apiserver before 1.27, or with the `WatchList` feature gate off, as in 1.33).
+    /// A watcher configuration that asks for streaming lists itself
+    /// ([`watcher::Config::streaming_lists`](kube_runtime::watcher::Config::streaming_lists))
+    /// gets them regardless, without the fallback.
+    #[must_use]
+    pub fn paged_lists(mut self) -> Self {
+        self.paged_lists = true;
         self
     }
 
@@ -361,6 +378,7 @@ impl<P: Provider> Manager<P> {
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
             transforms: self.transforms.clone(),
+            paged_lists: self.paged_lists,
             instance: Arc::from(match &self.leader_election {
                 Some(election) => election.identity.clone(),
                 None => crate::leader::host_name(),
@@ -475,6 +493,7 @@ impl<P: Provider> Manager<P> {
             metrics: self.metrics.clone(),
             rate_limit: self.rate_limit,
             transforms: self.transforms.clone(),
+            paged_lists: self.paged_lists,
         };
         self.fleet.open(settings.clone());
         if let Some(metrics) = &self.metrics {

@@ -1,7 +1,8 @@
 //! What caches keep of each object, against a real API server: by default everything but
 //! `managedFields` and the last-applied annotation, in every mode (a fleet's own watches, a
 //! provider's shared watches, single-cluster mode); a kind's own transform on top; the whole
-//! object when the manager keeps managed fields.
+//! object when the manager keeps managed fields; metadata only for `owns_metadata`. How they
+//! list: streaming lists by default, pages when asked and where the server has none.
 
 mod common;
 
@@ -9,8 +10,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::ObjectRef;
 use multicluster_runtime::providers::{Clusters, Namespaces, SingleProvider};
 use multicluster_runtime::testenv::TestEnv;
@@ -153,4 +155,273 @@ async fn caches_drop_managed_fields_unless_kept_and_apply_the_kinds_transform_in
     // A provider's shared watch (namespaces as clusters: the host's one watch per kind).
     let seen = handed(Manager::new(Namespaces::new(client.clone())), "applied").await;
     assert!(stripped(&seen), "namespace-cluster: {:?}", seen.metadata);
+}
+
+/// How many cluster-wide LIST requests for ConfigMaps the API server has served (its
+/// `apiserver_request_total` counter).
+async fn configmap_lists(client: &kube::Client) -> u64 {
+    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let text = client.request_text(request).await.unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("apiserver_request_total{")
+                && l.contains("resource=\"configmaps\"")
+                && l.contains("scope=\"cluster\"")
+                && l.contains("verb=\"LIST\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Lists ConfigMaps once (the marker), then waits until the server counted it; returns the
+/// count the runs before it left, the marker's own taken off.
+async fn lists_before_marker(client: &kube::Client, since: u64) -> u64 {
+    Api::<ConfigMap>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .unwrap();
+    let mut now = 0;
+    eventually(30, "the marker list is counted", async || {
+        now = configmap_lists(client).await;
+        now > since
+    })
+    .await;
+    now - since - 1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watches_list_by_streaming_lists_unless_the_manager_asks_for_pages() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let client = tc.client().unwrap();
+    create_namespace(&client, "streamed").await;
+    Api::<ConfigMap>::namespaced(client.clone(), "streamed")
+        .create(&PostParams::default(), &config_map("streamed", "a", "t"))
+        .await
+        .unwrap();
+    let before = configmap_lists(&client).await;
+
+    // A fleet's own watch, single-cluster mode and a provider's shared watch: no list request.
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("streamed"), tc.config()).unwrap())
+        .unwrap();
+    handed(Manager::new(clusters), "a").await;
+    handed(Manager::new(SingleProvider::new(client.clone())), "a").await;
+    handed(Manager::new(Namespaces::new(client.clone())), "a").await;
+    let streamed = lists_before_marker(&client, before).await;
+    assert_eq!(streamed, 0, "list requests made by streaming watches");
+
+    // Pages when asked: the same three make list requests.
+    let before = configmap_lists(&client).await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("paged"), tc.config()).unwrap())
+        .unwrap();
+    handed(Manager::new(clusters).paged_lists(), "a").await;
+    handed(
+        Manager::new(SingleProvider::new(client.clone())).paged_lists(),
+        "a",
+    )
+    .await;
+    handed(
+        Manager::new(Namespaces::new(client.clone())).paged_lists(),
+        "a",
+    )
+    .await;
+    let paged = lists_before_marker(&client, before).await;
+    assert!(paged >= 3, "list requests made by paged watches: {paged}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_streaming_lists_is_listed_in_pages() {
+    let logs = Logs::capture();
+    let env = TestEnv::builder()
+        .apiserver_arg("--feature-gates=WatchList=false")
+        .start()
+        .await
+        .unwrap();
+    let tc = env.cluster(0).unwrap();
+    let client = tc.client().unwrap();
+    create_namespace(&client, "paged").await;
+    Api::<ConfigMap>::namespaced(client.clone(), "paged")
+        .create(&PostParams::default(), &config_map("paged", "b", "t"))
+        .await
+        .unwrap();
+    // The server refuses a streaming list outright.
+    let refused = Api::<ConfigMap>::all(client.clone())
+        .watch(&kube::api::WatchParams::streaming_lists(), "0")
+        .await
+        .err()
+        .map(|e| e.to_string());
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|e| e.contains("sendInitialEvents")),
+        "a streaming list is refused: {refused:?}"
+    );
+    let before = configmap_lists(&client).await;
+
+    // Every kind of watch falls back to pages and reconciles (it would retry for ever without).
+    let clusters = Clusters::new();
+    let cluster = Cluster::from_config(name("no-watch-list"), tc.config()).unwrap();
+    clusters.add(cluster.clone()).unwrap();
+    let manager = Arc::new(Manager::new(clusters));
+    let handed_to = Arc::new(Handed::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(keep, never, handed_to.clone());
+    let run = spawn_manager(&manager);
+    eventually(30, "the fleet reconciler was handed b", async || {
+        handed_to.get("b").is_some()
+    })
+    .await;
+    let status = cluster.cache_status();
+    assert!(
+        status.iter().all(|s| s.synced && s.error.is_none()),
+        "no error left in the cache status: {status:?}"
+    );
+    manager.shutdown();
+    run.await.unwrap();
+    handed(Manager::new(SingleProvider::new(client.clone())), "b").await;
+    handed(Manager::new(Namespaces::new(client.clone())), "b").await;
+    let paged = lists_before_marker(&client, before).await;
+    assert!(paged >= 3, "list requests after the fallback: {paged}");
+    assert!(
+        !logs
+            .lines(&[
+                "does not serve streaming lists",
+                "ConfigMap",
+                "sendInitialEvents"
+            ])
+            .is_empty(),
+        "the fallback is logged with the server's reason"
+    );
+}
+
+/// How often each ConfigMap was reconciled.
+#[derive(Default)]
+struct Counts(Mutex<BTreeMap<String, usize>>);
+
+impl Counts {
+    fn of(&self, name: &str) -> usize {
+        self.0.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+}
+
+async fn count<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Counts>,
+) -> Result<Action, kube::Error> {
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    *ctx.state().0.lock().unwrap().entry(name).or_default() += 1;
+    Ok(Action::await_change())
+}
+
+/// Runs `manager` with a ConfigMap controller owning Secrets by their metadata only; the
+/// owner's reconciles: after its first, and after its Secret changed.
+async fn owner_reconciled_on_child_change<P: Provider>(
+    manager: Manager<P>,
+    client: &kube::Client,
+    ns: &str,
+    round: &str,
+) {
+    let manager = Arc::new(manager);
+    let counts = Arc::new(Counts::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .owns_metadata::<Secret>(Default::default())
+        .start(count, never, counts.clone());
+    let run = spawn_manager(&manager);
+    eventually(30, "the owner is reconciled", async || {
+        counts.of("owner") > 0
+    })
+    .await;
+    // Its Secret's labels change (metadata: what the relation sees).
+    let first = counts.of("owner");
+    let patch = serde_json::json!({"metadata": {"labels": {"round": round}}});
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .patch("child", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    eventually(30, "the owner is reconciled for its child", async || {
+        counts.of("owner") > first
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owned_children_watched_by_their_metadata_only_trigger_their_owner() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let client = tc.client().unwrap();
+    create_namespace(&client, "owning").await;
+    let owner = Api::<ConfigMap>::namespaced(client.clone(), "owning")
+        .create(&PostParams::default(), &config_map("owning", "owner", "t"))
+        .await
+        .unwrap();
+    let child = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("child".into()),
+            namespace: Some("owning".into()),
+            owner_references: Some(vec![
+                kube::Resource::controller_owner_ref(&owner, &()).unwrap(),
+            ]),
+            ..Default::default()
+        },
+        string_data: Some(BTreeMap::from([(
+            "password".to_string(),
+            "s3cret".to_string(),
+        )])),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), "owning")
+        .create(&PostParams::default(), &child)
+        .await
+        .unwrap();
+
+    // Fleet mode; the relation's cache holds the Secret's metadata, owner reference included.
+    let clusters = Clusters::new();
+    let cluster = Cluster::from_config(name("owning"), tc.config()).unwrap();
+    clusters.add(cluster.clone()).unwrap();
+    let manager = Arc::new(Manager::new(clusters));
+    let counts = Arc::new(Counts::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .owns_metadata::<Secret>(Default::default())
+        .start(count, never, counts.clone());
+    let run = spawn_manager(&manager);
+    eventually(30, "the owner is reconciled", async || {
+        counts.of("owner") > 0
+    })
+    .await;
+    let cache = cluster
+        .cache::<PartialObjectMeta<Secret>>(&Default::default())
+        .await
+        .unwrap();
+    let cached = cache
+        .store()
+        .get(&ObjectRef::new("child").within("owning"))
+        .expect("the child's metadata is cached");
+    assert_eq!(
+        cached
+            .metadata
+            .owner_references
+            .as_ref()
+            .map(|o| o[0].name.as_str()),
+        Some("owner")
+    );
+    manager.shutdown();
+    run.await.unwrap();
+
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("owning-2"), tc.config()).unwrap())
+        .unwrap();
+    owner_reconciled_on_child_change(Manager::new(clusters), &client, "owning", "fleet").await;
+    owner_reconciled_on_child_change(
+        Manager::new(SingleProvider::new(client.clone())),
+        &client,
+        "owning",
+        "single",
+    )
+    .await;
 }

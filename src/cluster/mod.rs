@@ -9,6 +9,7 @@ mod cache;
 mod client;
 mod id;
 mod index;
+pub(crate) mod listing;
 mod source;
 mod store;
 mod transform;
@@ -24,7 +25,7 @@ use futures::StreamExt;
 use futures::future::Either;
 use kube::{Api, Client};
 use kube_runtime::events::{Recorder, Reporter};
-use kube_runtime::watcher::{self, watcher};
+use kube_runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 pub use backoff::WatchBackoff;
@@ -642,7 +643,11 @@ impl<C: ClusterId> Cluster<C> {
         let events = match &self.inner.source {
             None => Either::Left(
                 backoff::Retrying::new(
-                    watcher(Api::<K>::all(self.client()), config.clone()),
+                    listing::watch(
+                        Api::<K>::all(self.client()),
+                        config.clone(),
+                        !session.settings.paged_lists,
+                    ),
                     session.settings.backoff.delays(),
                 )
                 .map(move |event| {
@@ -652,7 +657,14 @@ impl<C: ClusterId> Cluster<C> {
                 }),
             ),
             Some(source) => Either::Right(
-                source::events_from::<K>(&**source, config, transform, &session.token).map(Ok),
+                source::events_from::<K>(
+                    &**source,
+                    config,
+                    transform,
+                    !session.settings.paged_lists,
+                    &session.token,
+                )
+                .map(Ok),
             ),
         };
         let indexers = lock(&self.inner.indexers).clone();

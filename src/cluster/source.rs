@@ -9,7 +9,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Api, Client};
-use kube_runtime::watcher::{self, Event, watcher};
+use kube_runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
 use super::transform::Transform;
@@ -82,12 +82,13 @@ pub(crate) fn events_from<K: Watchable>(
     source: &dyn WatchSource,
     config: &watcher::Config,
     transform: Option<Transform<K>>,
+    streaming: bool,
     engagement: &CancellationToken,
 ) -> BoxStream<'static, Event<Arc<K>>> {
     let watch_config = config.clone();
     let open = move |client: Client| -> SharedEvents {
         let transform = transform.clone();
-        watcher(Api::<K>::all(client), watch_config.clone())
+        super::listing::watch(Api::<K>::all(client), watch_config.clone(), streaming)
             .map(move |event| {
                 event.map(|event| {
                     map_event(event, |o: K| {

@@ -31,6 +31,8 @@ pub(crate) struct WatchSettings {
     pub(crate) rate_limit: Option<crate::RateLimit>,
     /// What the caches keep of each object.
     pub(crate) transforms: Arc<super::Transforms>,
+    /// Watches list in pages of list requests, never by streaming lists.
+    pub(crate) paged_lists: bool,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures::future::Either;
 use kube::Resource;
+use kube::core::PartialObjectMeta;
 use kube_runtime::{Predicate, watcher};
 use serde::de::DeserializeOwned;
 
@@ -78,6 +79,18 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
             _child: std::marker::PhantomData,
         }));
         self
+    }
+
+    /// [`owns`](Self::owns) with the children's metadata only: the cluster's watch of them
+    /// asks the API server for `PartialObjectMeta` (names, labels, annotations, owner
+    /// references: no spec, status or data) and caches that, which is all the owner-reference
+    /// mapping reads. Prefer it when the reconciler does not read the children from the cache
+    /// (`cache::<Child>` would start a second, whole-object watch); a reconciler that reads
+    /// them is better served by `owns`, which shares one watch with its reads.
+    /// Metadata-only watches work for `watches` and caches too: name the kind
+    /// `PartialObjectMeta<Other>`.
+    pub fn owns_metadata<Child: Watchable>(self, watcher_config: watcher::Config) -> Self {
+        self.owns::<PartialObjectMeta<Child>>(watcher_config)
     }
 
     /// Also reconciles the requests `mapper` returns when an `Other` changes. The mapper is

@@ -170,6 +170,8 @@ pub(crate) struct Env<C: ClusterId> {
     pub(crate) metrics: Option<crate::Metrics>,
     /// What caches keep of each object (single mode applies them to its controller's store).
     pub(crate) transforms: Arc<crate::cluster::Transforms>,
+    /// Watches list in pages, never by streaming lists (`Manager::paged_lists`).
+    pub(crate) paged_lists: bool,
     /// Who this replica is, in the Events it records (the leader election identity, or the
     /// host name: the pod's name in a cluster).
     pub(crate) instance: Arc<str>,
@@ -205,6 +207,7 @@ impl<C: ClusterId> Clone for Env<C> {
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
             transforms: self.transforms.clone(),
+            paged_lists: self.paged_lists,
             instance: self.instance.clone(),
         }
     }

@@ -8,13 +8,15 @@ use std::sync::Arc;
 use crate::cluster::Store;
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
+use kube::core::PartialObjectMeta;
 use kube::{Api, Resource};
+use kube_runtime::WatchStreamExt;
 use kube_runtime::controller::trigger_with;
 use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher;
 
 use super::{ReconcileReason, Trigger};
-use crate::cluster::{CacheError, Change, Engagement};
+use crate::cluster::{CacheError, Change, Engagement, listing};
 use crate::{Cluster, ClusterId, Request, Watchable};
 
 /// A relation of the primary kind `K` to other objects (owned, watched), type-erased.
@@ -29,10 +31,13 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
     ) -> Result<BoxStream<'static, Trigger<C>>, CacheError>;
 
     /// Adds the relation to a kube-runtime `Controller` (single-cluster mode).
+    /// Children and other objects are watched as [`watch`](crate::cluster::listing::watch)
+    /// does: by a streaming list if `streaming`, falling back to pages.
     fn attach(
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
+        streaming: bool,
     ) -> kube_runtime::Controller<K>
     where
         K: Watchable;
@@ -154,11 +159,16 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
+        streaming: bool,
     ) -> kube_runtime::Controller<K> {
-        controller.owns(
-            Api::<Child>::all(cluster.client()),
+        // Only the owner references matter here: the children's metadata, as kube-runtime's
+        // own `Controller::owns` watches them.
+        let children = listing::watch(
+            Api::<PartialObjectMeta<Child>>::all(cluster.client()),
             self.watcher_config.clone(),
-        )
+            streaming,
+        );
+        controller.owns_stream(children.touched_objects())
     }
 }
 
@@ -197,20 +207,22 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
+        streaming: bool,
     ) -> kube_runtime::Controller<K> {
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
-        controller.watches(
+        let others = listing::watch(
             Api::<Other>::all(cluster.client()),
             self.watcher_config.clone(),
-            move |obj: Other| {
-                // One cluster: requests for any other id have nowhere to go.
-                mapper(&id, &obj)
-                    .into_iter()
-                    .filter(|r| r.cluster == id)
-                    .map(|r| r.object_ref::<K>())
-                    .collect::<Vec<_>>()
-            },
-        )
+            streaming,
+        );
+        controller.watches_stream(others.touched_objects(), move |obj: Other| {
+            // One cluster: requests for any other id have nowhere to go.
+            mapper(&id, &obj)
+                .into_iter()
+                .filter(|r| r.cluster == id)
+                .map(|r| r.object_ref::<K>())
+                .collect::<Vec<_>>()
+        })
     }
 }

@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use kube::{Api, Resource};
-use kube_runtime::{Controller, WatchStreamExt, watcher};
+use kube_runtime::{Controller, WatchStreamExt};
 use tokio_util::task::TaskTracker;
 
 use tracing::Instrument;
 
 use super::context::Shared;
 use super::{ClusterField, Env, ObjectField, Spec};
-use crate::cluster::panic_message;
+use crate::cluster::{listing, panic_message};
 use crate::metrics::{Outcome, Series};
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
 use prometheus_client::metrics::gauge::Gauge;
@@ -131,13 +131,14 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     }
     let api = Api::<K>::all(cluster.client());
     let transform = env.transforms.of::<K>();
+    let streaming = !env.paged_lists;
     let mut controller = match (&spec.predicate, transform) {
-        // kube-runtime's own path, when objects are kept as they come.
-        (None, None) => Controller::new(api, spec.watcher_config.clone()),
+        // kube-runtime's own path, when objects are kept as they come and listed in pages.
+        (None, None) if !streaming => Controller::new(api, spec.watcher_config.clone()),
         (predicate, transform) => {
             let (reader, writer) = kube_runtime::reflector::store();
             // The controller's trigger backoff covers this stream too (errors pass through).
-            let stream = watcher(api, spec.watcher_config.clone())
+            let stream = listing::watch(api, spec.watcher_config.clone(), streaming)
                 .map_ok(move |event| match &transform {
                     Some(transform) => event.modify(|o| transform.apply(o)),
                     None => event,
@@ -154,7 +155,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         }
     };
     for relation in &spec.relations {
-        controller = relation.attach(controller, &cluster);
+        controller = relation.attach(controller, &cluster, streaming);
     }
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
