@@ -378,6 +378,7 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
     };
     let mut results = Vec::new();
     let mut ceilings = Vec::new();
+    let mut paged_ceilings = Vec::new();
     let mut variant_results: BTreeMap<String, Vec<BTreeMap<String, f64>>> = BTreeMap::new();
     for run in 0..runs {
         for variant in variants.iter().skip(1) {
@@ -392,6 +393,9 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
         let ceiling = run_child("w2-ceiling", &[], &kubeconfigs, None).await;
         println!("  run {run} ceiling: {ceiling:?}");
         ceilings.push(ceiling);
+        let paged = run_child("w2-ceiling", &["--paged-lists".into()], &kubeconfigs, None).await;
+        println!("  run {run} ceiling, paged lists: {paged:?}");
+        paged_ceilings.push(paged);
     }
     let pick = |set: &[BTreeMap<String, f64>], key: &str| -> Vec<f64> {
         set.iter().map(|f| f[key]).collect::<Vec<_>>()
@@ -450,6 +454,12 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
         10_000.0 / ceiling,
         10_000.0 / all,
         100.0 * ceiling / all
+    );
+    let paged = median(&mut pick(&paged_ceilings, "all_s"));
+    println!(
+        "ceiling with paged lists: {paged:.3} s (runs {:?}): reconciles at {:.0} % of it",
+        pick(&paged_ceilings, "all_s"),
+        100.0 * paged / all
     );
     drop(env);
 }
@@ -541,13 +551,13 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
         .and_then(|n| n.parse().ok())
         .unwrap_or(10);
     let wc = watcher::Config::default().labels(LABEL);
-    // `--streaming-lists`: the first listing as a watch (WatchList) instead of pages.
-    let wc = if args.iter().any(|a| a == "--streaming-lists") {
-        wc.streaming_lists()
-    } else {
-        wc
-    };
     if mode == "w2-ceiling" {
+        // Listed as the manager lists by default (a streaming list), or in pages.
+        let wc = if args.iter().any(|a| a == "--paged-lists") {
+            wc
+        } else {
+            wc.streaming_lists()
+        };
         let drained = Arc::new(AtomicUsize::new(0));
         let done = Arc::new(tokio::sync::Notify::new());
         for i in 0..10 {
@@ -576,11 +586,14 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
     }
     let clusters = Clusters::new();
     // `--keep-managed-fields`: caches keep objects whole (the default before transforms).
-    let manager = if args.iter().any(|a| a == "--keep-managed-fields") {
-        Manager::new(clusters.clone()).keep_managed_fields()
-    } else {
-        Manager::new(clusters.clone())
-    };
+    let mut manager = Manager::new(clusters.clone());
+    if args.iter().any(|a| a == "--keep-managed-fields") {
+        manager = manager.keep_managed_fields();
+    }
+    // `--paged-lists`: listings in pages of list requests, not streaming lists.
+    if args.iter().any(|a| a == "--paged-lists") {
+        manager = manager.paged_lists();
+    }
     let manager = Arc::new(manager);
     // `--kube-client`: each name gets a client of kube's own stack (HTTP/1.1, a pool per
     // client), as `Cluster::from_config` built them before the shared transport.

@@ -559,7 +559,7 @@ impl<C: ClusterId> Cluster<C> {
                 };
                 CacheStatus {
                     kind: watch.kind(),
-                    config: key.config.clone(),
+                    config: format!("{:?}", key.config),
                     synced,
                     error,
                 }

@@ -40,19 +40,33 @@ pub(crate) type SharedObject = Arc<dyn AnyObject>;
 /// A watch of one kind with its objects erased.
 pub(crate) type SharedEvents = BoxStream<'static, Result<Event<SharedObject>, watcher::Error>>;
 
-/// Which watch a source is asked for: one kind and watcher configuration.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// Which watch a source is asked for: one kind and watcher configuration. Looked up on every
+/// cache read, so it is a copy of the configuration (two short selectors at most), not its
+/// text.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct WatchKey {
     pub(crate) kind: TypeId,
-    pub(crate) config: String,
+    pub(crate) config: watcher::Config,
 }
 
 impl WatchKey {
     pub(crate) fn of<K: 'static>(config: &watcher::Config) -> Self {
         Self {
             kind: TypeId::of::<K>(),
-            config: format!("{config:?}"),
+            config: config.clone(),
         }
+    }
+}
+
+// `watcher::Config`'s equality compares strings, numbers and plain enums: an equivalence.
+impl Eq for WatchKey {}
+
+impl std::hash::Hash for WatchKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // The selectors tell watches apart; the rest is compared on a collision only.
+        self.kind.hash(state);
+        self.config.label_selector.hash(state);
+        self.config.field_selector.hash(state);
     }
 }
 
