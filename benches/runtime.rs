@@ -83,9 +83,9 @@ fn main() {
                 let modes: &[&str] = if args.iter().any(|a| a == "--metrics") {
                     &["fleet", "fleet-metrics"]
                 } else if args.iter().any(|a| a == "--fleet") {
-                    &["kube", "single", "fleet"]
+                    &["kube", "kube-streaming", "single", "fleet"]
                 } else {
-                    &["kube", "single"]
+                    &["kube", "kube-streaming", "single"]
                 };
                 callgrind(&kubeconfig, modes);
             }
@@ -190,7 +190,7 @@ fn throughput(kubeconfig: &str, runs: usize, modes: &[&'static str]) {
         let median = times[times.len() / 2];
         medians.insert(mode, median);
         println!(
-            "{mode:<7} median {:.3}s ({:.0} reconciles/s)  runs {:?}",
+            "{mode:<14} median {:.3}s ({:.0} reconciles/s)  runs {:?}",
             median.as_secs_f64(),
             OBJECTS as f64 / median.as_secs_f64(),
             times
@@ -231,7 +231,7 @@ fn callgrind(kubeconfig: &str, modes: &[&'static str]) {
         v[v.len() / 2]
     };
     for &mode in modes {
-        println!("{mode:<7} median {} runs {:?}", median(mode), counts[mode]);
+        println!("{mode:<14} median {} runs {:?}", median(mode), counts[mode]);
     }
     let ratio = |a: &str, b: &str| {
         let (a, b) = (median(a), median(b));
@@ -244,6 +244,10 @@ fn callgrind(kubeconfig: &str, modes: &[&'static str]) {
     if modes.contains(&"single") {
         print!("single / kube:");
         ratio("single", "kube");
+    }
+    if modes.contains(&"kube-streaming") {
+        print!("single / kube-streaming:");
+        ratio("single", "kube-streaming");
     }
     if modes.contains(&"fleet-metrics") {
         print!("fleet-metrics / fleet:");
@@ -284,7 +288,14 @@ async fn child(mode: &str, kubeconfig: &str) {
     let client = kube::Client::try_from(config).expect("client");
     let wc = watcher::Config::default().labels(LABEL);
     match mode {
-        "kube" => {
+        // `kube-streaming`: the same controller listing by a streaming list, as this crate's
+        // watches do by default.
+        "kube" | "kube-streaming" => {
+            let wc = if mode == "kube-streaming" {
+                wc.streaming_lists()
+            } else {
+                wc
+            };
             Controller::new(Api::<ConfigMap>::all(client), wc)
                 .run(
                     |_, counter: Arc<Counter>| async move {

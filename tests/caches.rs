@@ -289,11 +289,12 @@ async fn a_server_without_streaming_lists_is_listed_in_pages() {
         !logs
             .lines(&[
                 "does not serve streaming lists",
+                "no-watch-list",
                 "ConfigMap",
                 "sendInitialEvents"
             ])
             .is_empty(),
-        "the fallback is logged with the server's reason"
+        "the fallback is logged with the cluster and the server's reason"
     );
 }
 

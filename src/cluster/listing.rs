@@ -11,6 +11,7 @@
 //! the watch request ends without it. Either way the watch lists in pages from then on.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use futures::Stream;
@@ -24,10 +25,12 @@ use crate::Watchable;
 /// (and `config` keeps bookmarks, which streaming lists need) and in pages when the server
 /// turns out not to serve streaming lists. A `config` that asks for streaming lists itself
 /// gets them whatever `streaming` says, and no fallback: that is the caller's choice.
+/// `cluster` names the cluster in the log line of a fallback.
 pub(crate) fn watch<K: Watchable>(
     api: Api<K>,
     config: watcher::Config,
     streaming: bool,
+    cluster: &str,
 ) -> Listing<K, impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K>> {
     let asked = config.initial_list_strategy == InitialListStrategy::StreamingList;
     let state = if asked || !streaming || !config.bookmarks {
@@ -42,6 +45,7 @@ pub(crate) fn watch<K: Watchable>(
     Listing {
         inner: watcher(api.clone(), first),
         open: watcher::<K>,
+        cluster: cluster.into(),
         api,
         config,
         state,
@@ -55,6 +59,7 @@ pub(crate) struct Listing<K, S> {
     inner: S,
     /// kube-runtime's `watcher` (a pointer, so that the stream type can be named).
     open: fn(Api<K>, watcher::Config) -> S,
+    cluster: Arc<str>,
     api: Api<K>,
     /// The caller's configuration, as given.
     config: watcher::Config,
@@ -86,8 +91,8 @@ where
             Err(watcher::Error::WatchStartFailed(kube::Error::Api(status))) => {
                 status.code == 422 || status.code == 400
             }
-            // A new listing while one was under way: the request ended without the bookmark
-            // that ends a streaming list.
+            // A new listing while one was under way, with no error in between: the request
+            // ended cleanly without the bookmark that closes a streaming list.
             Ok(Event::Init) => listing,
             _ => false,
         }
@@ -109,6 +114,7 @@ where
             };
             if Self::unsupported(*this.state, &event) {
                 tracing::info!(
+                    cluster = %this.cluster,
                     kind = %K::kind(&()),
                     reason = %match &event {
                         Err(error) => error.to_string(),
@@ -125,6 +131,9 @@ where
                 match &event {
                     Ok(Event::Init) => *listing = true,
                     Ok(Event::InitDone) => *this.state = State::Streaming,
+                    // A listing cut short by an error (a dropped connection) says nothing
+                    // about the server: the next one tries again.
+                    Err(_) => *listing = false,
                     _ => {}
                 }
             }
@@ -189,6 +198,7 @@ mod tests {
         Listing {
             inner: stream::iter(first).boxed(),
             open,
+            cluster: "test".into(),
             api: api(),
             config: watcher::Config::default(),
             state: State::Trying { listing: false },
@@ -244,6 +254,14 @@ mod tests {
     async fn a_streaming_list_that_works_stays_and_other_errors_do_not_switch() {
         static UNUSED: AtomicUsize = AtomicUsize::new(0);
         let events = vec![
+            // A listing cut by an error, then started again: not a server without them.
+            Ok(Event::Init),
+            Ok(Event::InitApply(object("b"))),
+            Err(watcher::Error::WatchFailed(kube::Error::Api(
+                Status::failure("reset", "InternalError")
+                    .with_code(500)
+                    .boxed(),
+            ))),
             // Forbidden and unreachable are retried as they are: not a missing feature.
             refused(403, "Forbidden"),
             Err(watcher::Error::WatchStartFailed(kube::Error::Api(
@@ -263,6 +281,9 @@ mod tests {
         assert_eq!(
             events,
             [
+                "Init",
+                "InitApply:b",
+                "Err",
                 "Err",
                 "Err",
                 "Init",
@@ -282,7 +303,7 @@ mod tests {
             tokio::runtime::Builder::new_current_thread()
                 .build()
                 .unwrap()
-                .block_on(async { watch(api(), config, streaming).state })
+                .block_on(async { watch(api(), config, streaming, "test").state })
         };
         assert_eq!(
             state(watcher::Config::default(), true),

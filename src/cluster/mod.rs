@@ -647,6 +647,7 @@ impl<C: ClusterId> Cluster<C> {
                         Api::<K>::all(self.client()),
                         config.clone(),
                         !session.settings.paged_lists,
+                        &self.inner.id.to_string(),
                     ),
                     session.settings.backoff.delays(),
                 )

@@ -102,15 +102,20 @@ pub(crate) fn events_from<K: Watchable>(
     let watch_config = config.clone();
     let open = move |client: Client| -> SharedEvents {
         let transform = transform.clone();
-        super::listing::watch(Api::<K>::all(client), watch_config.clone(), streaming)
-            .map(move |event| {
-                event.map(|event| {
-                    map_event(event, |o: K| {
-                        super::transform::shared(o, transform.as_ref()) as SharedObject
-                    })
+        super::listing::watch(
+            Api::<K>::all(client),
+            watch_config.clone(),
+            streaming,
+            "the namespace provider's host",
+        )
+        .map(move |event| {
+            event.map(|event| {
+                map_event(event, |o: K| {
+                    super::transform::shared(o, transform.as_ref()) as SharedObject
                 })
             })
-            .boxed()
+        })
+        .boxed()
     };
     let kind = <K as kube::Resource>::kind(&());
     source

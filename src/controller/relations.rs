@@ -167,6 +167,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
             Api::<PartialObjectMeta<Child>>::all(cluster.client()),
             self.watcher_config.clone(),
             streaming,
+            &super::ClusterField(cluster.id()).to_string(),
         );
         controller.owns_stream(children.touched_objects())
     }
@@ -215,6 +216,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             Api::<Other>::all(cluster.client()),
             self.watcher_config.clone(),
             streaming,
+            &super::ClusterField(cluster.id()).to_string(),
         );
         controller.watches_stream(others.touched_objects(), move |obj: Other| {
             // One cluster: requests for any other id have nowhere to go.
