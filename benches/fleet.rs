@@ -600,7 +600,7 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
     // client), as `Cluster::from_config` built them before the shared transport.
     let kube_client = args.iter().any(|a| a == "--kube-client");
     let counter = Arc::new(Counter::default());
-    Builder::<_, ConfigMap>::new(&manager, wc)
+    Builder::<_, ConfigMap>::new(&manager, wc.clone())
         .concurrency(4)
         .start(count, never, counter.clone());
     let run = {
