@@ -3,8 +3,11 @@
 //!
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
-//! cargo bench --features testenv --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200]
-//! cargo bench --features testenv --bench fleet -- w2 [--runs 3]
+//! cargo bench --features testenv --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200] [--variant FLAG]
+//! cargo bench --features testenv --bench fleet -- w2 [--runs 3] [--compare] [--variant FLAG]...
+//!
+//! Child flags for `--variant`: `--paged-lists`, `--keep-managed-fields`, `--kube-client`.
+//! `MCR_BENCH_WRAP="valgrind --tool=massif"` runs each child under that command.
 //! cargo bench --features testenv --bench fleet -- scale [--n 10000]
 //! ```
 //!
@@ -144,7 +147,8 @@ fn main() {
             let sequential = arg_after(&args, "--sequential")
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(200);
-            w1(n, sequential, runs).await;
+            // `--variant FLAG`: W1's children all run with that flag.
+            w1(n, sequential, runs, &args_after(&args, "--variant")).await;
         }
         if args.iter().any(|a| a == "w2") {
             // `--compare`: the same runs also with kube's own clients, and with whole objects.
@@ -277,14 +281,15 @@ async fn run_child(
     figures
 }
 
-async fn w1(n: usize, sequential: usize, runs: usize) {
+async fn w1(n: usize, sequential: usize, runs: usize, flags: &[String]) {
     println!("\n== W1: {n} names over 2 apiservers, 10 ConfigMaps each, {runs} runs");
     let (env, kubeconfigs) = two_apiservers(10).await;
+    let args = |n: usize| [&["--n".to_string(), n.to_string()], flags].concat();
     let mut one = Vec::new();
     let mut many = Vec::new();
     for run in 0..runs {
-        one.push(run_child("w1", &["--n".into(), "1".into()], &kubeconfigs, None).await);
-        many.push(run_child("w1", &["--n".into(), n.to_string()], &kubeconfigs, None).await);
+        one.push(run_child("w1", &args(1), &kubeconfigs, None).await);
+        many.push(run_child("w1", &args(n), &kubeconfigs, None).await);
         println!("  run {run}: N=1 {:?}", one[run]);
         println!("  run {run}: N={n} {:?}", many[run]);
     }
@@ -321,7 +326,7 @@ async fn w1(n: usize, sequential: usize, runs: usize) {
         seq.push(
             run_child(
                 "w1",
-                &["--n".into(), sequential.to_string(), "--sequential".into()],
+                &[&args(sequential)[..], &["--sequential".to_string()]].concat(),
                 &kubeconfigs,
                 None,
             )
