@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{arg_after, cpu_time};
+use common::{arg_after, cpu_time, create_config_maps};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
@@ -201,26 +201,7 @@ async fn populate(client: kube::Client, objects: usize) {
         .await
         .expect("namespace");
     let api: Api<ConfigMap> = Api::namespaced(client, NAMESPACE);
-    let mut creates = futures::stream::iter(0..objects)
-        .map(|i| {
-            let api = api.clone();
-            async move {
-                let cm = ConfigMap {
-                    metadata: ObjectMeta {
-                        name: Some(format!("cm-{i:05}")),
-                        labels: Some(BTreeMap::from([("bench".to_string(), "mcr".to_string())])),
-                        ..Default::default()
-                    },
-                    data: Some(BTreeMap::from([("i".to_string(), i.to_string())])),
-                    ..Default::default()
-                };
-                api.create(&PostParams::default(), &cm)
-                    .await
-                    .expect("create")
-            }
-        })
-        .buffer_unordered(32);
-    while creates.next().await.is_some() {}
+    create_config_maps(&api, objects, "mcr").await;
 }
 
 /// Runs a child; returns its `key=value` figures (the line starting with `RESULT`). With

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{arg_after, cpu_time};
+use common::{arg_after, cpu_time, create_config_maps};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -111,29 +111,7 @@ fn main() {
 async fn populate(client: kube::Client) {
     let api: Api<ConfigMap> = Api::namespaced(client, "default");
     let started = Instant::now();
-    let mut creates = futures::stream::iter(0..OBJECTS)
-        .map(|i| {
-            let api = api.clone();
-            async move {
-                let cm = ConfigMap {
-                    metadata: ObjectMeta {
-                        name: Some(format!("cm-{i:05}")),
-                        labels: Some(BTreeMap::from([(
-                            "bench".to_string(),
-                            "runtime".to_string(),
-                        )])),
-                        ..Default::default()
-                    },
-                    data: Some(BTreeMap::from([("i".to_string(), i.to_string())])),
-                    ..Default::default()
-                };
-                api.create(&PostParams::default(), &cm)
-                    .await
-                    .expect("create")
-            }
-        })
-        .buffer_unordered(32);
-    while creates.next().await.is_some() {}
+    create_config_maps(&api, OBJECTS, "runtime").await;
     println!("created {OBJECTS} ConfigMaps in {:.1?}", started.elapsed());
 }
 

@@ -318,12 +318,14 @@ async fn count<C: ClusterId>(
 }
 
 /// Runs `manager` with a ConfigMap controller owning Secrets by their metadata only; the
-/// owner's reconciles: after its first, and after its Secret changed.
+/// owner's reconciles: after its first (then `after_first` runs), and after its Secret
+/// changed.
 async fn owner_reconciled_on_child_change<P: Provider>(
     manager: Manager<P>,
     client: &kube::Client,
     ns: &str,
     round: &str,
+    after_first: impl AsyncFnOnce(),
 ) {
     let manager = Arc::new(manager);
     let counts = Arc::new(Counts::default());
@@ -335,6 +337,7 @@ async fn owner_reconciled_on_child_change<P: Provider>(
         counts.of("owner") > 0
     })
     .await;
+    after_first().await;
     // Its Secret's labels change (metadata: what the relation sees).
     let first = counts.of("owner");
     let patch = serde_json::json!({"metadata": {"labels": {"round": round}}});
@@ -384,45 +387,38 @@ async fn owned_children_watched_by_their_metadata_only_trigger_their_owner() {
     let clusters = Clusters::new();
     let cluster = Cluster::from_config(name("owning"), tc.config()).unwrap();
     clusters.add(cluster.clone()).unwrap();
-    let manager = Arc::new(Manager::new(clusters));
-    let counts = Arc::new(Counts::default());
-    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
-        .owns_metadata::<Secret>(Default::default())
-        .start(count, never, counts.clone());
-    let run = spawn_manager(&manager);
-    eventually(30, "the owner is reconciled", async || {
-        counts.of("owner") > 0
-    })
+    let cached_owner = async || {
+        let cache = cluster
+            .cache::<PartialObjectMeta<Secret>>(&Default::default())
+            .await
+            .unwrap();
+        let cached = cache
+            .store()
+            .get(&ObjectRef::new("child").within("owning"))
+            .expect("the child's metadata is cached");
+        assert_eq!(
+            cached
+                .metadata
+                .owner_references
+                .as_ref()
+                .map(|o| o[0].name.as_str()),
+            Some("owner")
+        );
+    };
+    owner_reconciled_on_child_change(
+        Manager::new(clusters),
+        &client,
+        "owning",
+        "fleet",
+        cached_owner,
+    )
     .await;
-    let cache = cluster
-        .cache::<PartialObjectMeta<Secret>>(&Default::default())
-        .await
-        .unwrap();
-    let cached = cache
-        .store()
-        .get(&ObjectRef::new("child").within("owning"))
-        .expect("the child's metadata is cached");
-    assert_eq!(
-        cached
-            .metadata
-            .owner_references
-            .as_ref()
-            .map(|o| o[0].name.as_str()),
-        Some("owner")
-    );
-    manager.shutdown();
-    run.await.unwrap();
-
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::from_config(name("owning-2"), tc.config()).unwrap())
-        .unwrap();
-    owner_reconciled_on_child_change(Manager::new(clusters), &client, "owning", "fleet").await;
     owner_reconciled_on_child_change(
         Manager::new(SingleProvider::new(client.clone())),
         &client,
         "owning",
         "single",
+        async || {},
     )
     .await;
 }

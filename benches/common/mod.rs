@@ -1,6 +1,11 @@
 //! Helpers both benchmark binaries use.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, ObjectMeta, PostParams};
 
 /// The argument after `flag`, if any.
 pub fn arg_after(args: &[String], flag: &str) -> Option<String> {
@@ -23,4 +28,28 @@ pub fn cpu_time() -> Duration {
         .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
         .sum();
     Duration::from_millis(ticks * 10)
+}
+
+/// Creates `count` ConfigMaps `cm-00000…` in `api`'s namespace, labelled `bench=<label>`,
+/// each with its index as data; 32 requests at a time.
+pub async fn create_config_maps(api: &Api<ConfigMap>, count: usize, label: &str) {
+    let mut creates = futures::stream::iter(0..count)
+        .map(|i| {
+            let cm = ConfigMap {
+                metadata: ObjectMeta {
+                    name: Some(format!("cm-{i:05}")),
+                    labels: Some(BTreeMap::from([("bench".to_string(), label.to_string())])),
+                    ..Default::default()
+                },
+                data: Some(BTreeMap::from([("i".to_string(), i.to_string())])),
+                ..Default::default()
+            };
+            async move {
+                api.create(&PostParams::default(), &cm)
+                    .await
+                    .expect("create")
+            }
+        })
+        .buffer_unordered(32);
+    while creates.next().await.is_some() {}
 }

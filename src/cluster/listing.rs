@@ -30,7 +30,7 @@ pub(crate) fn watch<K: Watchable>(
     api: Api<K>,
     config: watcher::Config,
     streaming: bool,
-    cluster: &str,
+    cluster: Arc<str>,
 ) -> Listing<K, impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K>> {
     let asked = config.initial_list_strategy == InitialListStrategy::StreamingList;
     let state = if asked || !streaming || !config.bookmarks {
@@ -45,7 +45,7 @@ pub(crate) fn watch<K: Watchable>(
     Listing {
         inner: watcher(api.clone(), first),
         open: watcher::<K>,
-        cluster: cluster.into(),
+        cluster,
         api,
         config,
         state,
@@ -303,7 +303,7 @@ mod tests {
             tokio::runtime::Builder::new_current_thread()
                 .build()
                 .unwrap()
-                .block_on(async { watch(api(), config, streaming, "test").state })
+                .block_on(async { watch(api(), config, streaming, "test".into()).state })
         };
         assert_eq!(
             state(watcher::Config::default(), true),

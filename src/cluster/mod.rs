@@ -640,6 +640,7 @@ impl<C: ClusterId> Cluster<C> {
         })?;
         let stop = session.token.child_token();
         let transform = session.settings.transforms.of::<K>();
+        let cluster: Arc<str> = Arc::from(self.inner.id.to_string());
         let events = match &self.inner.source {
             None => Either::Left(
                 backoff::Retrying::new(
@@ -647,7 +648,7 @@ impl<C: ClusterId> Cluster<C> {
                         Api::<K>::all(self.client()),
                         config.clone(),
                         !session.settings.paged_lists,
-                        &self.inner.id.to_string(),
+                        cluster.clone(),
                     ),
                     session.settings.backoff.delays(),
                 )
@@ -671,7 +672,7 @@ impl<C: ClusterId> Cluster<C> {
         let indexers = lock(&self.inner.indexers).clone();
         let (watch, task) = SharedWatch::start(
             events,
-            Arc::from(self.inner.id.to_string()),
+            cluster,
             stop,
             &indexers,
             session.settings.faults.clone(),

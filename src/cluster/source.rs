@@ -106,7 +106,7 @@ pub(crate) fn events_from<K: Watchable>(
             Api::<K>::all(client),
             watch_config.clone(),
             streaming,
-            "the namespace provider's host",
+            "the namespace provider's host".into(),
         )
         .map(move |event| {
             event.map(|event| {

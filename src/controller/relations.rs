@@ -167,7 +167,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
             Api::<PartialObjectMeta<Child>>::all(cluster.client()),
             self.watcher_config.clone(),
             streaming,
-            &super::ClusterField(cluster.id()).to_string(),
+            super::ClusterField(cluster.id()).to_string().into(),
         );
         controller.owns_stream(children.touched_objects())
     }
@@ -216,7 +216,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             Api::<Other>::all(cluster.client()),
             self.watcher_config.clone(),
             streaming,
-            &super::ClusterField(cluster.id()).to_string(),
+            super::ClusterField(cluster.id()).to_string().into(),
         );
         controller.watches_stream(others.touched_objects(), move |obj: Other| {
             // One cluster: requests for any other id have nowhere to go.

@@ -138,8 +138,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         (predicate, transform) => {
             let (reader, writer) = kube_runtime::reflector::store();
             // The controller's trigger backoff covers this stream too (errors pass through).
-            let id = ClusterField(cluster.id()).to_string();
-            let stream = listing::watch(api, spec.watcher_config.clone(), streaming, &id)
+            let id = ClusterField(cluster.id()).to_string().into();
+            let stream = listing::watch(api, spec.watcher_config.clone(), streaming, id)
                 .map_ok(move |event| match &transform {
                     Some(transform) => event.modify(|o| transform.apply(o)),
                     None => event,
