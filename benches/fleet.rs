@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
-//! cargo bench --features testenv --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200] [--variant FLAG]
+//! cargo bench --features testenv --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200 (0: none)] [--variant FLAG]
 //! cargo bench --features testenv --bench fleet -- w2 [--runs 3] [--compare] [--variant FLAG]...
 //!
 //! Child flags for `--variant`: `--paged-lists`, `--keep-managed-fields`, `--kube-client`.
@@ -302,6 +302,10 @@ async fn w1(n: usize, sequential: usize, runs: usize, flags: &[String]) {
         median(&mut pick(&many, "all_s")),
         pick(&many, "all_s")
     );
+    if sequential == 0 {
+        drop(env);
+        return;
+    }
     let mut seq = Vec::new();
     for _ in 0..runs {
         seq.push(
