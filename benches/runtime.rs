@@ -2,7 +2,7 @@
 //!
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
-//! cargo bench --features testenv --bench runtime -- callgrind    # zero cost of single-cluster mode
+//! cargo bench --features testenv --bench runtime -- callgrind [--fleet] [--runs N]   # zero cost of single-cluster mode
 //! cargo bench --features testenv --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
 //! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
 //! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
@@ -14,6 +14,8 @@
 //! `Controller` (`kube`), `Builder<SingleProvider>` (`single`) and `Builder<Clusters>` with the
 //! one cluster (`fleet`). Each run is a child process on a current-thread runtime, so
 //! callgrind counts only the controller, not the control plane or the set-up.
+//! `MCR_BENCH_CALLGRIND_OUT=DIR` keeps each run's profile as `DIR/callgrind.MODE.PID`
+//! (for `callgrind_annotate`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::Command;
@@ -87,7 +89,10 @@ fn main() {
                 } else {
                     &["kube", "kube-streaming", "single"]
                 };
-                callgrind(&kubeconfig, modes);
+                let runs = arg_after(&args, "--runs")
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(5);
+                callgrind(&kubeconfig, modes, runs);
             }
         }
         if all || args.iter().any(|a| a == "scale") {
@@ -119,8 +124,11 @@ fn run_child(mode: &str, kubeconfig: &str, under_callgrind: bool) -> (Duration, 
     let exe = std::env::current_exe().expect("current_exe");
     let mut cmd = if under_callgrind {
         let mut c = Command::new("valgrind");
-        c.args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
-            .arg(&exe);
+        let out = match std::env::var("MCR_BENCH_CALLGRIND_OUT") {
+            Ok(dir) => format!("--callgrind-out-file={dir}/callgrind.{mode}.%p"),
+            Err(_) => "--callgrind-out-file=/dev/null".to_string(),
+        };
+        c.args(["--tool=callgrind", &out]).arg(&exe);
         c
     } else {
         Command::new(&exe)
@@ -187,13 +195,12 @@ fn throughput(kubeconfig: &str, runs: usize, modes: &[&'static str]) {
     }
 }
 
-fn callgrind(kubeconfig: &str, modes: &[&'static str]) {
-    const RUNS: usize = 5;
+fn callgrind(kubeconfig: &str, modes: &[&'static str], runs: usize) {
     println!(
-        "\n== callgrind: instructions of the whole controller process, {OBJECTS} reconciles, {RUNS} runs each"
+        "\n== callgrind: instructions of the whole controller process, {OBJECTS} reconciles, {runs} runs each"
     );
     let mut counts: HashMap<&str, Vec<u64>> = HashMap::new();
-    for _ in 0..RUNS {
+    for _ in 0..runs {
         // Alternating, so drift on the machine affects every mode alike.
         for &mode in modes {
             let (_, instructions) = run_child(mode, kubeconfig, true);

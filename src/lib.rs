@@ -24,6 +24,7 @@ mod fleet;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod hashing;
 mod leader;
 mod manager;
 mod metrics;

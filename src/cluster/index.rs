@@ -1,8 +1,8 @@
 //! Field indexes over a cluster's cached objects, registered once for the whole fleet
 //! ([`Fleet::index_field`](crate::Fleet::index_field)) and kept up to date by each watch.
 
+use crate::hashing::{HashMap, HashSet};
 use std::any::{Any, TypeId};
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kube::Resource;
@@ -64,7 +64,7 @@ struct FieldIndex<K: Resource<DynamicType = ()>> {
 impl<K: Resource<DynamicType = ()>> Default for FieldIndexes<K> {
     fn default() -> Self {
         Self {
-            indexes: HashMap::new(),
+            indexes: HashMap::default(),
         }
     }
 }
@@ -112,8 +112,8 @@ impl<K: Resource<DynamicType = ()>> FieldIndexes<K> {
         }
         let mut index = FieldIndex {
             extract,
-            by_value: HashMap::new(),
-            by_object: HashMap::new(),
+            by_value: HashMap::default(),
+            by_object: HashMap::default(),
         };
         for obj in objects {
             index.insert(obj);

@@ -27,7 +27,7 @@
 //! A reconcile that returns after the engagement it ran in ended runs once more if its id is
 //! still followed, so work cut short by a replacement is not lost to that baseline.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -150,7 +150,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut slots = Slots {
         spec: spec.clone(),
-        slots: HashMap::new(),
+        slots: HashMap::default(),
         triggers: SelectAll::new(),
         queue: {
             let queue = FleetQueue::new(spec.concurrency, spec.per_cluster_cap(), spec.debounce);
@@ -169,7 +169,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
     {
         match local.engagement() {
             Some(engagement) => {
-                slots.engage(engagement, None, HashMap::new());
+                slots.engage(engagement, None, HashMap::default());
             }
             None => {
                 tracing::warn!(controller = %spec.name, "the local cluster is not engaged (the manager is not running); not reconciling it")
@@ -182,7 +182,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             () = env.shutdown.cancelled() => break,
             Some(event) = recv_opt(&mut fleet_rx) => match event {
                 FleetEvent::Engaged(engagement) => {
-                    slots.engage(engagement, None, HashMap::new());
+                    slots.engage(engagement, None, HashMap::default());
                 }
                 FleetEvent::Replaced { old, new } => slots.replace(old, new),
                 FleetEvent::Disengaged(engagement) => slots.disengage(&engagement),
@@ -307,7 +307,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         let Some(slot) = self.slots.remove(&id) else {
             // This controller did not follow the old one (its filter refused it): the new one
             // is a plain engagement.
-            self.engage(new, None, HashMap::new());
+            self.engage(new, None, HashMap::default());
             return;
         };
         if !slot.engagement.same(&old) {

@@ -6,7 +6,9 @@
 //! clusters, so a cluster with thousands of pending requests delays every other cluster by
 //! all of them; here a request waits at most one turn of the rotation per other busy cluster.
 
-use std::collections::{HashMap, HashSet, VecDeque, hash_map::Entry};
+use std::collections::{VecDeque, hash_map::Entry};
+
+use crate::hashing::{HashMap, HashSet};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
@@ -52,12 +54,12 @@ pub(crate) struct FairQueue<C: ClusterId, R = ()> {
 impl<C: ClusterId, R> Default for FairQueue<C, R> {
     fn default() -> Self {
         Self {
-            queues: HashMap::new(),
+            queues: HashMap::default(),
             rotation: VecDeque::new(),
-            queued: HashSet::new(),
-            in_flight: HashSet::new(),
-            dirty: HashMap::new(),
-            in_flight_per_cluster: HashMap::new(),
+            queued: HashSet::default(),
+            in_flight: HashSet::default(),
+            dirty: HashMap::default(),
+            in_flight_per_cluster: HashMap::default(),
             cap: 0,
         }
     }
@@ -242,7 +244,7 @@ impl<C: ClusterId> FleetQueue<C> {
             schedule_tx,
             scheduler: Box::pin(debounced_scheduler(requests, debounce)),
             ready: FairQueue::with_cap(per_cluster),
-            engaged: HashSet::new(),
+            engaged: HashSet::default(),
             concurrency,
             metrics: None,
         }
@@ -254,7 +256,7 @@ impl<C: ClusterId> FleetQueue<C> {
         self.metrics = Some(QueueMetrics {
             metrics,
             controller,
-            series: HashMap::new(),
+            series: HashMap::default(),
             active,
         });
         self

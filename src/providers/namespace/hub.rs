@@ -1,7 +1,9 @@
 //! The host's shared watches: one watch per kind across the host, its events handed to each
 //! namespace-cluster for its namespace.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::hashing::HashMap;
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context as TaskContext, Poll};
@@ -39,7 +41,7 @@ impl Hub {
         Self {
             discovery: Arc::new(Discovery::new(host.clone())),
             host,
-            watches: Mutex::new(HashMap::new()),
+            watches: Mutex::new(HashMap::default()),
             token: CancellationToken::new(),
         }
     }
@@ -359,7 +361,7 @@ impl HostWatch {
         let mut state = lock(&self.state);
         match event {
             Event::Init => {
-                state.listing = Some(HashMap::new());
+                state.listing = Some(HashMap::default());
                 None
             }
             Event::InitApply(object) => {
