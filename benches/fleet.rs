@@ -26,6 +26,8 @@
 //! (10,000 more). Start is the child's first instruction after its runtime is built.
 //! `--ceiling`, which W2 also runs: a bare kube-runtime `watcher` per name (each with its own
 //! client) drains the same objects, no controller: the physical limit for the same listing.
+//! It runs three ways: streaming lists (as the manager lists), paged lists, and streaming
+//! lists over the shared transport (the clients `Cluster::from_config` builds).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -369,6 +371,7 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
     let mut results = Vec::new();
     let mut ceilings = Vec::new();
     let mut paged_ceilings = Vec::new();
+    let mut shared_ceilings = Vec::new();
     let mut variant_results: BTreeMap<String, Vec<BTreeMap<String, f64>>> = BTreeMap::new();
     for run in 0..runs {
         for variant in variants.iter().skip(1) {
@@ -386,6 +389,15 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
         let paged = run_child("w2-ceiling", &["--paged-lists".into()], &kubeconfigs, None).await;
         println!("  run {run} ceiling, paged lists: {paged:?}");
         paged_ceilings.push(paged);
+        let shared = run_child(
+            "w2-ceiling",
+            &["--shared-transport".into()],
+            &kubeconfigs,
+            None,
+        )
+        .await;
+        println!("  run {run} ceiling, shared transport: {shared:?}");
+        shared_ceilings.push(shared);
     }
     let pick = |set: &[BTreeMap<String, f64>], key: &str| -> Vec<f64> {
         set.iter().map(|f| f[key]).collect::<Vec<_>>()
@@ -446,11 +458,22 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
         10_000.0 / all,
         100.0 * ceiling / all
     );
+    println!(
+        "ceiling CPU s per 1,000 events, process start included: median {:.4} (runs {:?})",
+        median(&mut pick(&ceilings, "cpu_per_1000_s")),
+        pick(&ceilings, "cpu_per_1000_s")
+    );
     let paged = median(&mut pick(&paged_ceilings, "all_s"));
     println!(
         "ceiling with paged lists: {paged:.3} s (runs {:?}): reconciles at {:.0} % of it",
         pick(&paged_ceilings, "all_s"),
         100.0 * paged / all
+    );
+    let shared = median(&mut pick(&shared_ceilings, "all_s"));
+    println!(
+        "ceiling over the shared transport: {shared:.3} s (runs {:?}): reconciles at {:.0} % of it",
+        pick(&shared_ceilings, "all_s"),
+        100.0 * shared / all
     );
     drop(env);
 }
@@ -552,8 +575,16 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
         let drained = Arc::new(AtomicUsize::new(0));
         let done = Arc::new(tokio::sync::Notify::new());
         for i in 0..10 {
-            let client =
-                kube::Client::try_from(configs[i % configs.len()].clone()).expect("client");
+            let config = configs[i % configs.len()].clone();
+            // `--shared-transport`: the client `Cluster::from_config` builds (HTTP/2, one
+            // connection per apiserver), to tell the transport's share from the runtime's.
+            let client = if args.iter().any(|a| a == "--shared-transport") {
+                Cluster::from_config(ClusterName::from(format!("c-{i}")), config)
+                    .expect("cluster")
+                    .client()
+            } else {
+                kube::Client::try_from(config).expect("client")
+            };
             let api: Api<ConfigMap> = Api::namespaced(client, NAMESPACE);
             let (drained, done, wc) = (drained.clone(), done.clone(), wc.clone());
             tokio::spawn(async move {
@@ -572,7 +603,11 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
             });
         }
         done.notified().await;
-        println!("RESULT all_s={:.4}", start.elapsed().as_secs_f64());
+        println!(
+            "RESULT all_s={:.4} cpu_per_1000_s={:.4}",
+            start.elapsed().as_secs_f64(),
+            cpu_time().as_secs_f64() / 10.0
+        );
         return;
     }
     let clusters = Clusters::new();

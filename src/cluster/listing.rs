@@ -14,22 +14,26 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use futures::Stream;
+use futures::future::Either;
+use futures::{Stream, TryStreamExt};
 use kube::Api;
 use kube_runtime::watcher::{self, Event, InitialListStrategy, watcher};
 use pin_project::pin_project;
 
+use super::trim::{Trimmed, untrimmed};
 use crate::Watchable;
 
 /// kube-runtime's watcher of `api` for `config`, listing by a streaming list when `streaming`
 /// (and `config` keeps bookmarks, which streaming lists need) and in pages when the server
 /// turns out not to serve streaming lists. A `config` that asks for streaming lists itself
 /// gets them whatever `streaming` says, and no fallback: that is the caller's choice.
-/// `cluster` names the cluster in the log line of a fallback.
+/// `cluster` names the cluster in the log line of a fallback. With `trim`, objects are decoded
+/// without their managed fields ([`Trimmed`]); `api` must be across all namespaces then.
 pub(crate) fn watch<K: Watchable>(
     api: Api<K>,
     config: watcher::Config,
     streaming: bool,
+    trim: bool,
     cluster: Arc<str>,
 ) -> Listing<K, impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K>> {
     let asked = config.initial_list_strategy == InitialListStrategy::StreamingList;
@@ -43,12 +47,27 @@ pub(crate) fn watch<K: Watchable>(
         _ => config.clone(),
     };
     Listing {
-        inner: watcher(api.clone(), first),
-        open: watcher::<K>,
+        inner: open(api.clone(), first, trim),
+        open: open::<K>,
         cluster,
         api,
+        trim,
         config,
         state,
+    }
+}
+
+/// kube-runtime's watcher of `api`, of objects decoded without managed fields if `trim`.
+fn open<K: Watchable>(
+    api: Api<K>,
+    config: watcher::Config,
+    trim: bool,
+) -> impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K> {
+    if trim {
+        let api = Api::<Trimmed<K>>::all(api.into_client());
+        Either::Left(watcher(api, config).map_ok(untrimmed as fn(_) -> _))
+    } else {
+        Either::Right(watcher(api, config))
     }
 }
 
@@ -57,10 +76,12 @@ pub(crate) fn watch<K: Watchable>(
 pub(crate) struct Listing<K, S> {
     #[pin]
     inner: S,
-    /// kube-runtime's `watcher` (a pointer, so that the stream type can be named).
-    open: fn(Api<K>, watcher::Config) -> S,
+    /// [`open`] (a pointer, so that the stream type can be named).
+    open: fn(Api<K>, watcher::Config, bool) -> S,
     cluster: Arc<str>,
     api: Api<K>,
+    /// Objects are decoded without managed fields.
+    trim: bool,
     /// The caller's configuration, as given.
     config: watcher::Config,
     state: State,
@@ -123,8 +144,11 @@ where
                     "the API server does not serve streaming lists; this watch lists in pages"
                 );
                 *this.state = State::AsConfigured;
-                this.inner
-                    .set((this.open)(this.api.clone(), this.config.clone()));
+                this.inner.set((this.open)(
+                    this.api.clone(),
+                    this.config.clone(),
+                    *this.trim,
+                ));
                 continue;
             }
             if let State::Trying { listing } = this.state {
@@ -193,13 +217,14 @@ mod tests {
     /// A listing over `first` (as if it were the streaming watcher) that falls back to `open`.
     fn listing(
         first: Vec<watcher::Result<Event<ConfigMap>>>,
-        open: fn(Api<ConfigMap>, watcher::Config) -> Events,
+        open: fn(Api<ConfigMap>, watcher::Config, bool) -> Events,
     ) -> Listing<ConfigMap, Events> {
         Listing {
             inner: stream::iter(first).boxed(),
             open,
             cluster: "test".into(),
             api: api(),
+            trim: false,
             config: watcher::Config::default(),
             state: State::Trying { listing: false },
         }
@@ -226,7 +251,7 @@ mod tests {
     #[tokio::test]
     async fn a_streaming_list_refused_or_left_unfinished_falls_back_to_pages() {
         // Refused (422): the error is not passed on; the paged listing is.
-        let events = shapes(listing(vec![refused(422, "Invalid")], |_, c| {
+        let events = shapes(listing(vec![refused(422, "Invalid")], |_, c, _| {
             paged(c, &OPENED_A)
         }))
         .await;
@@ -240,7 +265,7 @@ mod tests {
                 Ok(Event::Init),
                 Ok(Event::InitApply(object("never"))),
             ],
-            |_, c| paged(c, &OPENED_B),
+            |_, c, _| paged(c, &OPENED_B),
         ))
         .await;
         assert_eq!(
@@ -277,7 +302,7 @@ mod tests {
             Ok(Event::Init),
             refused(422, "Invalid"),
         ];
-        let events = shapes(listing(events, |_, c| paged(c, &UNUSED))).await;
+        let events = shapes(listing(events, |_, c, _| paged(c, &UNUSED))).await;
         assert_eq!(
             events,
             [
@@ -303,7 +328,7 @@ mod tests {
             tokio::runtime::Builder::new_current_thread()
                 .build()
                 .unwrap()
-                .block_on(async { watch(api(), config, streaming, "test".into()).state })
+                .block_on(async { watch(api(), config, streaming, false, "test".into()).state })
         };
         assert_eq!(
             state(watcher::Config::default(), true),

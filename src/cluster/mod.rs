@@ -14,6 +14,7 @@ mod source;
 mod store;
 mod transform;
 mod transport;
+mod trim;
 mod watch;
 
 use std::any::Any;
@@ -648,6 +649,7 @@ impl<C: ClusterId> Cluster<C> {
                         Api::<K>::all(self.client()),
                         config.clone(),
                         !session.settings.paged_lists,
+                        transform.as_ref().is_some_and(transform::Transform::strips),
                         cluster.clone(),
                     ),
                     session.settings.backoff.delays(),

@@ -106,6 +106,7 @@ pub(crate) fn events_from<K: Watchable>(
             Api::<K>::all(client),
             watch_config.clone(),
             streaming,
+            transform.as_ref().is_some_and(Transform::strips),
             "the namespace provider's host".into(),
         )
         .map(move |event| {

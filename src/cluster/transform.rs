@@ -92,6 +92,11 @@ impl<K> Clone for Transform<K> {
 }
 
 impl<K: Watchable> Transform<K> {
+    /// Whether managed fields are dropped (so they need not be decoded).
+    pub(crate) fn strips(&self) -> bool {
+        self.strip
+    }
+
     pub(crate) fn apply(&self, object: &mut K) {
         if self.strip {
             strip_managed_fields(kube::Resource::meta_mut(object));

@@ -32,12 +32,14 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
 
     /// Adds the relation to a kube-runtime `Controller` (single-cluster mode).
     /// Children and other objects are watched as [`watch`](crate::cluster::listing::watch)
-    /// does: by a streaming list if `streaming`, falling back to pages.
+    /// does: by a streaming list if `streaming`, falling back to pages; decoded without
+    /// managed fields if `trim`.
     fn attach(
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         streaming: bool,
+        trim: bool,
     ) -> kube_runtime::Controller<K>
     where
         K: Watchable;
@@ -160,6 +162,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         streaming: bool,
+        trim: bool,
     ) -> kube_runtime::Controller<K> {
         // Only the owner references matter here: the children's metadata, as kube-runtime's
         // own `Controller::owns` watches them.
@@ -167,6 +170,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
             Api::<PartialObjectMeta<Child>>::all(cluster.client()),
             self.watcher_config.clone(),
             streaming,
+            trim,
             super::ClusterField(cluster.id()).to_string().into(),
         );
         controller.owns_stream(children.touched_objects())
@@ -209,6 +213,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         streaming: bool,
+        trim: bool,
     ) -> kube_runtime::Controller<K> {
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
@@ -216,6 +221,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             Api::<Other>::all(cluster.client()),
             self.watcher_config.clone(),
             streaming,
+            trim,
             super::ClusterField(cluster.id()).to_string().into(),
         );
         controller.watches_stream(others.touched_objects(), move |obj: Other| {

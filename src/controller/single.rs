@@ -132,6 +132,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     let api = Api::<K>::all(cluster.client());
     let transform = env.transforms.of::<K>();
     let streaming = !env.paged_lists;
+    // Managed fields are not decoded where the caches would drop them.
+    let trim = !env.transforms.keep_managed_fields;
     let mut controller = match (&spec.predicate, transform) {
         // kube-runtime's own path, when objects are kept as they come and listed in pages.
         (None, None) if !streaming => Controller::new(api, spec.watcher_config.clone()),
@@ -139,7 +141,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             let (reader, writer) = kube_runtime::reflector::store();
             // The controller's trigger backoff covers this stream too (errors pass through).
             let id = ClusterField(cluster.id()).to_string().into();
-            let stream = listing::watch(api, spec.watcher_config.clone(), streaming, id)
+            let stream = listing::watch(api, spec.watcher_config.clone(), streaming, trim, id)
                 .map_ok(move |event| match &transform {
                     Some(transform) => event.modify(|o| transform.apply(o)),
                     None => event,
@@ -156,7 +158,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         }
     };
     for relation in &spec.relations {
-        controller = relation.attach(controller, &cluster, streaming);
+        controller = relation.attach(controller, &cluster, streaming, trim);
     }
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
