@@ -17,12 +17,13 @@ use crate::providers::{ApiPath, File, Multi, Target, Trust};
 use crate::{Action, ClusterName, Request, SingleCluster};
 
 /// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
-pub const TARGETS: [&str; 5] = [
+pub const TARGETS: [&str; 6] = [
     "request_text",
     "cluster_names",
     "queue",
     "kubeconfig",
     "namespace_scope",
+    "object_decoding",
 ];
 
 /// Runs the target called `name` on `data`; false for an unknown name.
@@ -33,6 +34,7 @@ pub fn run(name: &str, data: &[u8]) -> bool {
         "queue" => queue(data),
         "kubeconfig" => kubeconfig(data),
         "namespace_scope" => namespace_scope(data),
+        "object_decoding" => object_decoding(data),
         _ => return false,
     }
     true
@@ -478,5 +480,37 @@ impl ServerReading {
             name: rest.first().map(|s| s.to_string()),
             subresource: rest.iter().skip(1).map(|s| s.to_string()).collect(),
         })
+    }
+}
+
+/// 6. Decoding without managed fields (`cluster::trim`): whatever decodes as a ConfigMap or a
+///    `DynamicObject` decodes trimmed to the same object without its managed fields; whatever
+///    fails trimmed fails whole too (skipping `managedFields` accepts any JSON value there, so
+///    the converse need not hold).
+pub fn object_decoding(data: &[u8]) {
+    use crate::cluster::trim::Trimmed;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::Resource;
+    use kube::api::DynamicObject;
+
+    fn check<K: Resource + serde::de::DeserializeOwned + std::fmt::Debug>(text: &str) {
+        let whole = serde_json::from_str::<K>(text);
+        let trimmed = serde_json::from_str::<Trimmed<K>>(text);
+        match (whole, trimmed) {
+            (Ok(mut whole), Ok(trimmed)) => {
+                whole.meta_mut().managed_fields = None;
+                assert_eq!(
+                    format!("{:?}", trimmed.0),
+                    format!("{whole:?}"),
+                    "{text:?}"
+                );
+            }
+            (Ok(_), Err(e)) => panic!("{text:?} decodes whole but not trimmed: {e}"),
+            (Err(_), _) => {}
+        }
+    }
+    if let Ok(text) = std::str::from_utf8(data) {
+        check::<ConfigMap>(text);
+        check::<DynamicObject>(text);
     }
 }

@@ -14,7 +14,7 @@ mod source;
 mod store;
 mod transform;
 mod transport;
-mod trim;
+pub(crate) mod trim;
 mod watch;
 
 use std::any::Any;
