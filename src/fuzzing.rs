@@ -499,11 +499,7 @@ pub fn object_decoding(data: &[u8]) {
         match (whole, trimmed) {
             (Ok(mut whole), Ok(trimmed)) => {
                 whole.meta_mut().managed_fields = None;
-                assert_eq!(
-                    format!("{:?}", trimmed.0),
-                    format!("{whole:?}"),
-                    "{text:?}"
-                );
+                assert_eq!(format!("{:?}", trimmed.0), format!("{whole:?}"), "{text:?}");
             }
             (Ok(_), Err(e)) => panic!("{text:?} decodes whole but not trimmed: {e}"),
             (Err(_), _) => {}
