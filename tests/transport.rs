@@ -1,7 +1,8 @@
 //! The shared transport against real API servers: cluster names of one API server share
 //! HTTP/2 connections within the server's stream limit, connections that break or stop
 //! answering are replaced and the watches on them resume, a rotated client certificate gets
-//! connections of its own, and a server without HTTP/2 is served over HTTP/1.1.
+//! connections of its own, a server without HTTP/2 is served over HTTP/1.1, and an upgrade
+//! request goes over HTTP/1.1 and is upgraded.
 //!
 //! Connections are counted where they cannot hide: every cluster reaches its API server
 //! through a TCP relay (`common::Relay`) that counts what passes through it.
@@ -350,4 +351,65 @@ async fn a_server_without_http2_is_served_over_http1() {
     .await;
     manager.shutdown();
     run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_request_goes_over_http1_and_is_upgraded() {
+    use tokio::io::AsyncReadExt;
+
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "upgrade").await;
+    let relay = Relay::start(tc.server()).await;
+    let client = Cluster::from_config(name("upgrading"), relay.config(tc.config()))
+        .unwrap()
+        .client();
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), "upgrade");
+    configmaps.list(&Default::default()).await.unwrap();
+    assert_eq!(
+        relay.accepted(),
+        1,
+        "ordinary requests: one HTTP/2 connection"
+    );
+    create_configmap(&tc, "upgrade", "sent-over-a-websocket").await;
+    // kube-apiserver serves a watch over a WebSocket to a request that asks to upgrade (as
+    // exec, attach and port-forward do, which need a kubelet). HTTP/2 has no such upgrade.
+    let request = http::Request::get("/api/v1/namespaces/upgrade/configmaps?watch=true")
+        .header(http::header::CONNECTION, "Upgrade")
+        .header(http::header::UPGRADE, "websocket")
+        .header(http::header::SEC_WEBSOCKET_VERSION, "13")
+        .header(http::header::SEC_WEBSOCKET_KEY, "dGhlIHNhbXBsZSBub25jZQ==")
+        // The server's WebSocket handshake wants an origin, any origin.
+        .header(http::header::ORIGIN, "https://127.0.0.1")
+        .body(kube::client::Body::from(Vec::new()))
+        .unwrap();
+    let mut response = client.send(request).await.unwrap();
+    if response.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+        use http_body_util::BodyExt;
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        panic!("not upgraded: {status} {}", String::from_utf8_lossy(&body));
+    }
+    let upgraded = hyper::upgrade::on(&mut response).await.unwrap();
+    let mut upgraded = hyper_util::rt::TokioIo::new(upgraded);
+    // The watch's first event, in a WebSocket frame, names the ConfigMap.
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !String::from_utf8_lossy(&received).contains("sent-over-a-websocket") {
+            let mut buf = [0u8; 4096];
+            let n = upgraded.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the upgraded connection ended before the event");
+            received.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("the WebSocket watch sent the ConfigMap");
+    assert_eq!(
+        relay.accepted(),
+        2,
+        "the upgrade took an HTTP/1.1 connection of its own"
+    );
+    // The HTTP/2 connection still serves everything else.
+    configmaps.list(&Default::default()).await.unwrap();
+    assert_eq!(relay.accepted(), 2);
 }
