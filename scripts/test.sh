@@ -12,4 +12,10 @@ if [ -z "${MCR_TESTENV_ASSETS:-}" ] && [ -z "${KUBEBUILDER_ASSETS:-}" ]; then
   export MCR_TESTENV_ASSETS
 fi
 echo "test control plane: ${MCR_TESTENV_ASSETS:-$KUBEBUILDER_ASSETS}" >&2
+# The CRDs and credential plugins of the hub-cluster providers' tests.
+if [ -z "${MCR_PROVIDER_ASSETS:-}" ]; then
+  MCR_PROVIDER_ASSETS=$(bash scripts/provider-assets.sh)
+  export MCR_PROVIDER_ASSETS
+fi
+echo "provider assets: $MCR_PROVIDER_ASSETS" >&2
 exec cargo test --all-features "$@"

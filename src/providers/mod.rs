@@ -8,9 +8,11 @@
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
 //! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
 //! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins and local files refused unless allowed |
+//! | [`ClusterApi`] | one per ready Cluster API `Cluster` of a management cluster, from its `<name>-kubeconfig` Secret | `<namespace>/<name>` | fleets provisioned by Cluster API |
 //! | [`Namespaces`] | every namespace of a host cluster (optionally those matching a label selector) | the namespace | local fleets, tenants as namespaces; one watch per kind for all namespaces, scoped clients |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
+mod cluster_api;
 mod clusters;
 #[cfg(feature = "file")]
 mod file;
@@ -23,6 +25,7 @@ mod namespace;
 mod nop;
 mod single;
 
+pub use cluster_api::ClusterApi;
 pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
