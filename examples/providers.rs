@@ -23,7 +23,7 @@ use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{
-    Clusters, File, Kind, KubeconfigSecrets, Multi, Namespaces, Nop,
+    ClusterApi, Clusters, File, Kind, KubeconfigSecrets, Multi, Namespaces, Nop,
 };
 use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{
@@ -222,6 +222,68 @@ async fn nop() -> Result {
     demo.finish().await
 }
 
+/// `ClusterApi`: Cluster API `Cluster` objects on a management cluster (Cluster API's own CRD,
+/// from `scripts/provider-assets.sh`), each with the kubeconfig Secret Cluster API writes.
+async fn cluster_api() -> Result {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    let assets = std::env::var("MCR_PROVIDER_ASSETS")
+        .map_err(|_| "MCR_PROVIDER_ASSETS is not set (scripts/example.sh sets it)")?;
+    let env = env(3).await?;
+    let management = cluster(&env, 0)?;
+    let host = management.client()?;
+    management
+        .install_crds(&std::fs::read_to_string(format!(
+            "{assets}/crds/cluster-api.yaml"
+        ))?)
+        .await?;
+    create_namespace(&host, "capi", &[]).await?;
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("cluster.x-k8s.io", "v1beta2", "Cluster"),
+        "clusters",
+    );
+    let clusters: Api<DynamicObject> = Api::namespaced_with(host.clone(), "capi", &resource);
+    let secrets: Api<Secret> = Api::namespaced(host.clone(), "capi");
+    for (i, name) in [(1, "east"), (2, "west")] {
+        let object = DynamicObject::new(name, &resource)
+            .within("capi")
+            .data(serde_json::json!({"spec": {"paused": false}}));
+        clusters.create(&PostParams::default(), &object).await?;
+        let secret = Secret {
+            metadata: object_meta(&format!("{name}-kubeconfig"), Some("capi"), &[]),
+            type_: Some("cluster.x-k8s.io/secret".into()),
+            data: Some(BTreeMap::from([(
+                "value".to_string(),
+                ByteString(cluster(&env, i)?.kubeconfig().into()),
+            )])),
+            ..Default::default()
+        };
+        secrets.create(&PostParams::default(), &secret).await?;
+    }
+    let initialized = async |name: &str, ready: bool| -> Result {
+        let status =
+            serde_json::json!({"status": {"initialization": {"controlPlaneInitialized": ready}}});
+        clusters
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+        Ok(())
+    };
+    let demo = Demo::start(Manager::new(
+        ClusterApi::new(host.clone()).namespace("capi"),
+    ));
+    println!("  Clusters capi/east and capi/west exist, their control planes not yet initialized");
+    initialized("east", true).await?;
+    demo.fed("capi/east", 3).await?;
+    initialized("west", true).await?;
+    demo.fed("capi/west", 3).await?;
+    println!("  west's control plane no longer initialized:");
+    initialized("west", false).await?;
+    demo.gone("capi/west").await?;
+    println!("  the Cluster east deleted:");
+    clusters.delete("east", &DeleteParams::default()).await?;
+    demo.gone("capi/east").await?;
+    demo.finish().await
+}
+
 /// `Namespaces`: every namespace labelled demo=true of one host is a cluster.
 async fn namespaces() -> Result {
     let env = env(1).await?;
@@ -417,7 +479,15 @@ async fn main() -> Result {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
-    let all = ["nop", "multi", "file", "secrets", "namespaces", "kind"];
+    let all = [
+        "nop",
+        "multi",
+        "file",
+        "secrets",
+        "cluster-api",
+        "namespaces",
+        "kind",
+    ];
     let mut chosen: Vec<String> = std::env::args().skip(1).collect();
     if chosen.is_empty() {
         chosen = all.iter().map(|s| s.to_string()).collect();
@@ -430,6 +500,7 @@ async fn main() -> Result {
             "multi" => multi().await?,
             "file" => file().await?,
             "secrets" => secrets().await?,
+            "cluster-api" => cluster_api().await?,
             "namespaces" => namespaces().await?,
             "kind" => kind().await?,
             other => return Err(format!("unknown provider {other:?}; one of {all:?}").into()),

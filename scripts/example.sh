@@ -12,4 +12,9 @@ if [ -z "${MCR_TESTENV_ASSETS:-}" ] && [ -z "${KUBEBUILDER_ASSETS:-}" ]; then
   MCR_TESTENV_ASSETS=$(bash scripts/testenv-assets.sh)
   export MCR_TESTENV_ASSETS
 fi
+# The CRDs the hub-cluster providers' demos install.
+if [ -z "${MCR_PROVIDER_ASSETS:-}" ]; then
+  MCR_PROVIDER_ASSETS=$(bash scripts/provider-assets.sh)
+  export MCR_PROVIDER_ASSETS
+fi
 exec cargo run --quiet --all-features --example "$name" -- "$@"

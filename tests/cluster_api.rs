@@ -340,6 +340,14 @@ async fn cluster_api_installed_late_and_serving_v1beta1_only_is_found_and_watche
         is_fed(&workload_client, "zoo", "elephant").await
     })
     .await;
+    // The Clusters were listed with their Secrets already there: whichever watch listed
+    // first, no Secret was reported missing.
+    for name in ["ready", "provisioned"] {
+        assert!(
+            !has_event(&hc, "capi", "KubeconfigRefused", name, "").await,
+            "{name}: a Secret that exists was reported missing"
+        );
+    }
     // Sync point for `pending`: a change made after it was listed is seen.
     clusters
         .patch_status(

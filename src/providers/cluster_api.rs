@@ -224,6 +224,8 @@ struct State {
     /// Keys listed by the watch's listing in progress (to forget the vanished ones).
     listing_clusters: Option<Vec<String>>,
     listing_secrets: Option<Vec<String>>,
+    /// The Secrets' first listing is complete: a kubeconfig not known by now is missing.
+    secrets_listed: bool,
 }
 
 /// What to do about one Cluster after a change.
@@ -237,6 +239,7 @@ enum Step {
 impl ClusterApi {
     fn step(&self, state: &mut State, key: &str) -> Step {
         let kubeconfig = state.kubeconfigs.get(key).cloned();
+        let secrets_listed = state.secrets_listed;
         let Some(known) = state.clusters.get_mut(key) else {
             return Step::Nothing;
         };
@@ -255,6 +258,9 @@ impl ClusterApi {
         }
         let name = key.rsplit('/').next().unwrap_or_default();
         let problem = match kubeconfig {
+            // The Secrets are not listed yet (the Clusters' watch was quicker): their listing
+            // looks at every Cluster again.
+            None if !secrets_listed => return Step::Nothing,
             None => {
                 format!("the kubeconfig Secret {name}-kubeconfig (type {SECRET_TYPE}) is not there")
             }
@@ -440,6 +446,7 @@ impl Provider for ClusterApi {
                     Some(Ok(WatchEvent::InitDone)) => {
                         let listed = state.listing_secrets.take().unwrap_or_default();
                         state.kubeconfigs.retain(|key, _| listed.contains(key));
+                        state.secrets_listed = true;
                         state.clusters.keys().cloned().collect()
                     }
                     Some(Ok(WatchEvent::InitApply(secret) | WatchEvent::Apply(secret))) => {
