@@ -1,7 +1,7 @@
 //! [`ClusterApi`]: the workload clusters of Cluster API `Cluster` objects on a management
 //! cluster.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{ApiResource, DynamicObject};
 use kube::{Api, Client, Resource, ResourceExt};
 use kube_runtime::WatchStreamExt;
-use kube_runtime::events::{Event, EventType, Recorder, Reporter};
+use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio_util::sync::CancellationToken;
 
@@ -220,10 +220,11 @@ struct Known {
 #[derive(Default)]
 struct State {
     clusters: BTreeMap<String, Known>,
-    kubeconfigs: BTreeMap<String, Option<Vec<u8>>>,
+    /// The kubeconfig with its version (hash), `None` for a Secret without the data key.
+    kubeconfigs: BTreeMap<String, Option<(u64, Vec<u8>)>>,
     /// Keys listed by the watch's listing in progress (to forget the vanished ones).
-    listing_clusters: Option<Vec<String>>,
-    listing_secrets: Option<Vec<String>>,
+    listing_clusters: Option<BTreeSet<String>>,
+    listing_secrets: Option<BTreeSet<String>>,
     /// The Secrets' first listing is complete: a kubeconfig not known by now is missing.
     secrets_listed: bool,
 }
@@ -238,9 +239,13 @@ enum Step {
 
 impl ClusterApi {
     fn step(&self, state: &mut State, key: &str) -> Step {
-        let kubeconfig = state.kubeconfigs.get(key).cloned();
-        let secrets_listed = state.secrets_listed;
-        let Some(known) = state.clusters.get_mut(key) else {
+        let State {
+            clusters,
+            kubeconfigs,
+            secrets_listed,
+            ..
+        } = state;
+        let Some(known) = clusters.get_mut(key) else {
             return Step::Nothing;
         };
         let live = known
@@ -257,18 +262,18 @@ impl ClusterApi {
             };
         }
         let name = key.rsplit('/').next().unwrap_or_default();
-        let problem = match kubeconfig {
+        let problem = match kubeconfigs.get(key) {
             // The Secrets are not listed yet (the Clusters' watch was quicker): their listing
             // looks at every Cluster again.
-            None if !secrets_listed => return Step::Nothing,
+            None if !*secrets_listed => return Step::Nothing,
             None => {
                 format!("the kubeconfig Secret {name}-kubeconfig (type {SECRET_TYPE}) is not there")
             }
             Some(None) => {
                 format!("the Secret {name}-kubeconfig has no data key {KUBECONFIG_KEY:?}")
             }
-            Some(Some(bytes)) => {
-                let version = version_of(&bytes);
+            Some(Some((version, bytes))) => {
+                let version = *version;
                 if known.engaged == Some(version)
                     || known.wanted == Some(version)
                     || known.reported == Some(version)
@@ -276,7 +281,7 @@ impl ClusterApi {
                     return Step::Nothing;
                 }
                 known.wanted = Some(version);
-                return Step::Build(version, bytes);
+                return Step::Build(version, bytes.clone());
             }
         };
         let fingerprint = version_of(&problem);
@@ -296,16 +301,13 @@ impl ClusterApi {
         problem: &str,
     ) {
         tracing::warn!(cluster = %key_of(object), error = %problem, "Cluster API cluster not engaged");
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "KubeconfigRefused".into(),
-            note: Some(problem.chars().take(1000).collect()),
-            action: "Engage".into(),
-            secondary: None,
-        };
-        if let Err(error) = recorder.publish(&event, &object.object_ref(resource)).await {
-            tracing::warn!(cluster = %key_of(object), %error, "could not record the problem as an Event");
-        }
+        super::record_refusal(
+            recorder,
+            &object.object_ref(resource),
+            &key_of(object),
+            problem,
+        )
+        .await;
     }
 }
 
@@ -402,20 +404,20 @@ impl Provider for ClusterApi {
                         continue;
                     }
                     Some(Ok(WatchEvent::Init)) => {
-                        state.listing_clusters = Some(Vec::new());
+                        state.listing_clusters = Some(BTreeSet::new());
                         continue;
                     }
                     Some(Ok(WatchEvent::InitDone)) => {
                         let listed = state.listing_clusters.take().unwrap_or_default();
                         state.clusters.iter_mut()
-                            .filter(|(key, _)| !listed.contains(key))
+                            .filter(|(key, _)| !listed.contains(key.as_str()))
                             .for_each(|(_, known)| known.object = None);
                         state.clusters.keys().cloned().collect()
                     }
                     Some(Ok(WatchEvent::InitApply(object))) => {
                         let key = key_of(&object);
                         if let Some(listing) = &mut state.listing_clusters {
-                            listing.push(key.clone());
+                            listing.insert(key.clone());
                         }
                         state.clusters.entry(key.clone()).or_default().object = Some(object);
                         vec![key]
@@ -440,21 +442,24 @@ impl Provider for ClusterApi {
                         continue;
                     }
                     Some(Ok(WatchEvent::Init)) => {
-                        state.listing_secrets = Some(Vec::new());
+                        state.listing_secrets = Some(BTreeSet::new());
                         continue;
                     }
                     Some(Ok(WatchEvent::InitDone)) => {
                         let listed = state.listing_secrets.take().unwrap_or_default();
-                        state.kubeconfigs.retain(|key, _| listed.contains(key));
+                        state.kubeconfigs.retain(|key, _| listed.contains(key.as_str()));
                         state.secrets_listed = true;
                         state.clusters.keys().cloned().collect()
                     }
                     Some(Ok(WatchEvent::InitApply(secret) | WatchEvent::Apply(secret))) => {
                         let Some(key) = cluster_of(&secret) else { continue };
                         if let Some(listing) = &mut state.listing_secrets {
-                            listing.push(key.clone());
+                            listing.insert(key.clone());
                         }
-                        let value = secret.data.and_then(|mut d| d.remove(KUBECONFIG_KEY)).map(|b| b.0);
+                        let value = secret
+                            .data
+                            .and_then(|mut d| d.remove(KUBECONFIG_KEY))
+                            .map(|b| (version_of(&b.0), b.0));
                         state.kubeconfigs.insert(key.clone(), value);
                         vec![key]
                     }

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::config::Kubeconfig;
 use kube::{Api, Client, Resource, ResourceExt};
 use kube_runtime::WatchStreamExt;
-use kube_runtime::events::{Event, EventType, Recorder, Reporter};
+use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio_util::sync::CancellationToken;
 
@@ -123,16 +123,13 @@ impl KubeconfigSecrets {
 
     async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {
         tracing::warn!(cluster = %secret.name_any(), namespace = %self.namespace, error = %reason, "kubeconfig Secret refused");
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "KubeconfigRefused".into(),
-            note: Some(reason.chars().take(1000).collect()),
-            action: "Engage".into(),
-            secondary: None,
-        };
-        if let Err(error) = recorder.publish(&event, &secret.object_ref(&())).await {
-            tracing::warn!(cluster = %secret.name_any(), %error, "could not record the refusal as an Event");
-        }
+        super::record_refusal(
+            recorder,
+            &secret.object_ref(&()),
+            &secret.name_any(),
+            reason,
+        )
+        .await;
     }
 }
 

@@ -88,3 +88,23 @@ pub(crate) async fn cluster_from_kubeconfig(
         )),
     }
 }
+
+/// Records why `cluster` was not engaged as a Warning Event (`KubeconfigRefused`) on the
+/// object that describes it; `note` must hold nothing of the kubeconfig.
+pub(crate) async fn record_refusal(
+    recorder: &kube_runtime::events::Recorder,
+    reference: &k8s_openapi::api::core::v1::ObjectReference,
+    cluster: &str,
+    note: &str,
+) {
+    let event = kube_runtime::events::Event {
+        type_: kube_runtime::events::EventType::Warning,
+        reason: "KubeconfigRefused".into(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Engage".into(),
+        secondary: None,
+    };
+    if let Err(error) = recorder.publish(&event, reference).await {
+        tracing::warn!(%cluster, %error, "could not record the refusal as an Event");
+    }
+}
