@@ -5,7 +5,8 @@
 //!
 //! ```sh
 //! scripts/example.sh providers                      # all of them
-//! scripts/example.sh providers namespaces secrets   # some: nop multi file secrets namespaces kind
+//! scripts/example.sh providers namespaces secrets   # some: nop multi file secrets cluster-api
+//!                                                   # cluster-inventory kubefed namespaces kind
 //! ```
 //!
 //! The `kind` demo runs a stand-in `kind` script (there is no container engine here) that
@@ -284,6 +285,215 @@ async fn cluster_api() -> Result {
     demo.finish().await
 }
 
+/// A token of a service account of `member` bound to cluster-admin (what a cluster manager
+/// would hand out), for the hub-cluster demos.
+async fn admin_token(member: &TestCluster, account: &str) -> Result<String> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleRef, Subject};
+    let client = member.client()?;
+    let pp = PostParams::default();
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    let account_object = ServiceAccount {
+        metadata: object_meta(account, None, &[]),
+        ..Default::default()
+    };
+    accounts.create(&pp, &account_object).await?;
+    let binding = ClusterRoleBinding {
+        metadata: object_meta(&format!("{account}-admin"), None, &[]),
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "ClusterRole".into(),
+            name: "cluster-admin".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: account.into(),
+            namespace: Some("default".into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<ClusterRoleBinding>::all(client)
+        .create(&pp, &binding)
+        .await?;
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let answer = accounts
+        .create_token_request(account, &pp, &request)
+        .await?;
+    Ok(answer
+        .status
+        .and_then(|s| s.token)
+        .ok_or("no token in the answer")?)
+}
+
+/// `ClusterInventory`: `ClusterProfile` objects on a hub (the Cluster Inventory API's own
+/// CRD), reached through the reference `secretreader` exec plugin (built from
+/// cluster-inventory-api by `scripts/provider-assets.sh`), which reads each member's token
+/// from a Secret on the hub.
+async fn cluster_inventory() -> Result {
+    use base64::Engine;
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    use multicluster_runtime::providers::{AccessProviders, ClusterInventory};
+    let assets = std::env::var("MCR_PROVIDER_ASSETS")
+        .map_err(|_| "MCR_PROVIDER_ASSETS is not set (scripts/example.sh sets it)")?;
+    let env = env(3).await?;
+    let hub = cluster(&env, 0)?;
+    let host = hub.client()?;
+    hub.install_crds(&std::fs::read_to_string(format!(
+        "{assets}/crds/cluster-inventory-api.yaml"
+    ))?)
+    .await?;
+    create_namespace(&host, "fleet", &[]).await?;
+    let providers = AccessProviders::from_json(
+        &serde_json::json!({"providers": [{"name": "secretreader", "execConfig": {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": format!("{assets}/bin/secretreader-plugin"),
+            "provideClusterInfo": true,
+            "env": [{"name": "KUBECONFIG", "value": hub.kubeconfig_path()}],
+        }}]})
+        .to_string(),
+    )?;
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "ClusterProfile"),
+        "clusterprofiles",
+    );
+    let profiles: Api<DynamicObject> = Api::namespaced_with(host.clone(), "fleet", &resource);
+    let tokens: Api<Secret> = Api::namespaced(host.clone(), "default");
+    for (i, name) in [(1, "east"), (2, "west")] {
+        let member = cluster(&env, i)?;
+        let token = admin_token(&member, "fleet-reader").await?;
+        let secret = Secret {
+            metadata: object_meta(&format!("{name}-token"), None, &[]),
+            data: Some(BTreeMap::from([(
+                "token".to_string(),
+                ByteString(token.into()),
+            )])),
+            ..Default::default()
+        };
+        tokens.create(&PostParams::default(), &secret).await?;
+        let object = DynamicObject::new(name, &resource)
+            .within("fleet")
+            .data(serde_json::json!({"spec": {"clusterManager": {"name": "demo"}}}));
+        profiles.create(&PostParams::default(), &object).await?;
+        let status = serde_json::json!({"status": {"accessProviders": [{
+            "name": "secretreader",
+            "cluster": {
+                "server": member.server(),
+                "certificate-authority-data": base64::engine::general_purpose::STANDARD.encode(member.ca_pem()),
+                "extensions": [{"name": "client.authentication.k8s.io/exec",
+                                "extension": {"clusterName": format!("{name}-token")}}],
+            },
+        }]}});
+        profiles
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+    }
+    let healthy = async |name: &str, healthy: bool| -> Result {
+        let status = serde_json::json!({"status": {"conditions": [{
+            "type": "ControlPlaneHealthy",
+            "status": if healthy { "True" } else { "False" },
+            "reason": "Demo", "message": "set by the demo",
+            "lastTransitionTime": "2026-11-24T00:00:00Z",
+        }]}});
+        profiles
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+        Ok(())
+    };
+    let demo = Demo::start(Manager::new(
+        ClusterInventory::with_access_providers(host.clone(), providers).namespace("fleet"),
+    ));
+    println!("  ClusterProfiles fleet/east and fleet/west exist, not yet healthy");
+    healthy("east", true).await?;
+    demo.fed("fleet/east", 3).await?;
+    healthy("west", true).await?;
+    demo.fed("fleet/west", 3).await?;
+    println!("  both reached with the tokens the secretreader plugin read from the hub");
+    println!("  west no longer healthy:");
+    healthy("west", false).await?;
+    demo.gone("fleet/west").await?;
+    println!("  the ClusterProfile east deleted:");
+    profiles.delete("east", &DeleteParams::default()).await?;
+    demo.gone("fleet/east").await?;
+    demo.finish().await
+}
+
+/// `KubeFed`: `KubeFedCluster` objects in `kube-federation-system` (KubeFed's own CRDs),
+/// each with the token Secret `kubefedctl join` writes.
+async fn kubefed() -> Result {
+    use base64::Engine;
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    use multicluster_runtime::providers::KubeFed;
+    let assets = std::env::var("MCR_PROVIDER_ASSETS")
+        .map_err(|_| "MCR_PROVIDER_ASSETS is not set (scripts/example.sh sets it)")?;
+    let env = env(3).await?;
+    let hub = cluster(&env, 0)?;
+    let host = hub.client()?;
+    hub.install_crds(&std::fs::read_to_string(format!(
+        "{assets}/crds/kubefed.yaml"
+    ))?)
+    .await?;
+    let ns = "kube-federation-system";
+    create_namespace(&host, ns, &[]).await?;
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("core.kubefed.io", "v1beta1", "KubeFedCluster"),
+        "kubefedclusters",
+    );
+    let members: Api<DynamicObject> = Api::namespaced_with(host.clone(), ns, &resource);
+    let secrets: Api<Secret> = Api::namespaced(host.clone(), ns);
+    for (i, name) in [(1, "east"), (2, "west")] {
+        let member = cluster(&env, i)?;
+        let token = admin_token(&member, "kubefed").await?;
+        let secret = Secret {
+            metadata: object_meta(&format!("{name}-secret"), Some(ns), &[]),
+            data: Some(BTreeMap::from([(
+                "token".to_string(),
+                ByteString(token.into()),
+            )])),
+            ..Default::default()
+        };
+        secrets.create(&PostParams::default(), &secret).await?;
+        let object = DynamicObject::new(name, &resource)
+            .within(ns)
+            .data(serde_json::json!({
+                "spec": {
+                    "apiEndpoint": member.server(),
+                    "caBundle": base64::engine::general_purpose::STANDARD.encode(member.ca_pem()),
+                    "secretRef": {"name": format!("{name}-secret")},
+                }
+            }));
+        members.create(&PostParams::default(), &object).await?;
+    }
+    let ready = async |name: &str, ready: bool| -> Result {
+        let status = serde_json::json!({"status": {"conditions": [{
+            "type": "Ready",
+            "status": if ready { "True" } else { "False" },
+            "lastProbeTime": "2026-11-24T00:00:00Z",
+            "lastTransitionTime": "2026-11-24T00:00:00Z",
+        }]}});
+        members
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+        Ok(())
+    };
+    let demo = Demo::start(Manager::new(KubeFed::new(host.clone())));
+    println!("  KubeFedClusters east and west joined, not yet ready");
+    ready("east", true).await?;
+    demo.fed(&format!("{ns}/east"), 3).await?;
+    ready("west", true).await?;
+    demo.fed(&format!("{ns}/west"), 3).await?;
+    println!("  west unjoined (its KubeFedCluster deleted):");
+    members.delete("west", &DeleteParams::default()).await?;
+    demo.gone(&format!("{ns}/west")).await?;
+    demo.finish().await
+}
+
 /// `Namespaces`: every namespace labelled demo=true of one host is a cluster.
 async fn namespaces() -> Result {
     let env = env(1).await?;
@@ -485,6 +695,8 @@ async fn main() -> Result {
         "file",
         "secrets",
         "cluster-api",
+        "cluster-inventory",
+        "kubefed",
         "namespaces",
         "kind",
     ];
@@ -501,6 +713,8 @@ async fn main() -> Result {
             "file" => file().await?,
             "secrets" => secrets().await?,
             "cluster-api" => cluster_api().await?,
+            "cluster-inventory" => cluster_inventory().await?,
+            "kubefed" => kubefed().await?,
             "namespaces" => namespaces().await?,
             "kind" => kind().await?,
             other => return Err(format!("unknown provider {other:?}; one of {all:?}").into()),

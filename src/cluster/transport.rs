@@ -205,7 +205,7 @@ pub(crate) fn shared(config: &kube::Config) -> Result<Option<Arc<Transport>>, ku
 /// (client certificate and key, or the exec plugin that makes them) and the timeouts. Paths
 /// are read, so a rotated file is another key. `None` if a file cannot be read: the cluster
 /// then keeps kube's own stack, which reports the error.
-fn key(config: &kube::Config) -> Option<Vec<u8>> {
+pub(super) fn key(config: &kube::Config) -> Option<Vec<u8>> {
     fn field(key: &mut Vec<u8>, bytes: &[u8]) {
         key.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
         key.extend_from_slice(bytes);
@@ -277,8 +277,9 @@ fn key(config: &kube::Config) -> Option<Vec<u8>> {
     let exec = auth
         .exec
         .as_ref()
-        .map(|exec| serde_json::to_vec(exec).unwrap_or_default());
-    field(&mut key, exec.as_deref().unwrap_or(b""));
+        .and_then(|_| super::credentials(auth))
+        .map(|value| value["exec"].to_string());
+    field(&mut key, exec.as_deref().unwrap_or("").as_bytes());
     Some(key)
 }
 

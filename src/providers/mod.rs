@@ -9,23 +9,29 @@
 //! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
 //! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins and local files refused unless allowed |
 //! | [`ClusterApi`] | one per ready Cluster API `Cluster` of a management cluster, from its `<name>-kubeconfig` Secret | `<namespace>/<name>` | fleets provisioned by Cluster API |
+//! | [`ClusterInventory`] | one per healthy Cluster Inventory API `ClusterProfile` of a hub, through the operator's access providers (KEP-5339 exec plugins) or labelled kubeconfig Secrets | `<namespace>/<name>` | fleets registered by a cluster manager (OCM, Fleet, ...) |
+//! | [`KubeFed`] | one per ready KubeFed `KubeFedCluster` of the KubeFed system namespace of a hub, with the token of its Secret | `<namespace>/<name>` | fleets joined to KubeFed |
 //! | [`Namespaces`] | every namespace of a host cluster (optionally those matching a label selector) | the namespace | local fleets, tenants as namespaces; one watch per kind for all namespaces, scoped clients |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
 mod cluster_api;
+mod cluster_inventory;
 mod clusters;
 #[cfg(feature = "file")]
 mod file;
+mod hub;
 #[cfg(feature = "kind")]
 mod kind;
 mod kubeconfig;
 mod kubeconfig_secrets;
+mod kubefed;
 mod multi;
 mod namespace;
 mod nop;
 mod single;
 
 pub use cluster_api::ClusterApi;
+pub use cluster_inventory::{AccessProviders, AccessProvidersError, ClusterInventory};
 pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
@@ -39,6 +45,7 @@ pub use kubeconfig_secrets::{
 };
 #[cfg(feature = "fuzzing")]
 pub(crate) use kubeconfig_secrets::{Trust, parse_kubeconfig};
+pub use kubefed::KubeFed;
 pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 #[cfg(feature = "fuzzing")]
 pub(crate) use namespace::{ApiPath, Target, is_plain_path, with_namespace};

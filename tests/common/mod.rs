@@ -490,3 +490,75 @@ pub async fn gated<C: ClusterId>(
     guard.1 = true;
     Ok(Action::await_change())
 }
+
+/// A service account `account` of `member` (namespace `default`) bound to cluster-admin,
+/// and a token for it (an hour long).
+pub async fn service_account_token(
+    member: &multicluster_runtime::testenv::TestCluster,
+    account: &str,
+) -> String {
+    let client = member.client().unwrap();
+    let pp = PostParams::default();
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(client.clone(), "default");
+    let mut sa = k8s_openapi::api::core::v1::ServiceAccount::default();
+    sa.metadata.name = Some(account.into());
+    accounts.create(&pp, &sa).await.unwrap();
+    let bindings: Api<k8s_openapi::api::rbac::v1::ClusterRoleBinding> = Api::all(client.clone());
+    bindings
+        .create(
+            &pp,
+            &k8s_openapi::api::rbac::v1::ClusterRoleBinding {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(format!("{account}-admin")),
+                    ..Default::default()
+                },
+                role_ref: k8s_openapi::api::rbac::v1::RoleRef {
+                    api_group: Some("rbac.authorization.k8s.io".into()),
+                    kind: "ClusterRole".into(),
+                    name: "cluster-admin".into(),
+                },
+                subjects: Some(vec![k8s_openapi::api::rbac::v1::Subject {
+                    kind: "ServiceAccount".into(),
+                    name: account.into(),
+                    namespace: Some("default".into()),
+                    ..Default::default()
+                }]),
+            },
+        )
+        .await
+        .unwrap();
+    let request = k8s_openapi::api::authentication::v1::TokenRequest {
+        spec: Some(k8s_openapi::api::authentication::v1::TokenRequestSpec {
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    accounts
+        .create_token_request(account, &pp, &request)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.token)
+        .unwrap()
+}
+
+/// Who the engaged cluster `name` is authenticated as, asked of its apiserver
+/// (`None` if it is not engaged or not authenticated).
+pub async fn identity<P: multicluster_runtime::Provider<Id = multicluster_runtime::ClusterName>>(
+    manager: &multicluster_runtime::Manager<P>,
+    name: &str,
+) -> Option<String> {
+    let cluster = manager.cluster(&self::name(name))?;
+    let reviews: Api<k8s_openapi::api::authentication::v1::SelfSubjectReview> =
+        Api::all(cluster.client());
+    let review = reviews
+        .create(
+            &PostParams::default(),
+            &k8s_openapi::api::authentication::v1::SelfSubjectReview::default(),
+        )
+        .await
+        .ok()?;
+    review.status?.user_info?.username
+}

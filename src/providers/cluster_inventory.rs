@@ -1,0 +1,707 @@
+//! [`ClusterInventory`]: the clusters of SIG Multicluster's Cluster Inventory API
+//! (KEP-4322 `ClusterProfile` objects on a hub), reached through the access providers of
+//! KEP-5339 or, deprecated, through kubeconfigs in labelled Secrets.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+
+use kube::api::DynamicObject;
+use kube::config::{
+    AuthInfo, Context, ExecConfig, ExecInteractiveMode, Kubeconfig, NamedAuthInfo, NamedCluster,
+    NamedContext,
+};
+use kube::{Client, ResourceExt};
+use kube_runtime::watcher;
+use serde::Deserialize;
+
+use super::hub::{self, HubKind, Scope, Secrets, condition_true, field};
+use super::kubeconfig::version_of;
+use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
+use crate::{Cluster, ClusterName};
+
+/// The Cluster Inventory API's group.
+pub const GROUP: &str = "multicluster.x-k8s.io";
+/// The condition a `ClusterProfile` is ready by (status `True`).
+pub const HEALTHY_CONDITION: &str = "ControlPlaneHealthy";
+/// The label naming the consumer a kubeconfig Secret is for (the deprecated Secret strategy).
+pub const CONSUMER_LABEL: &str = "x-k8s.io/cluster-inventory-consumer";
+/// The label naming the `ClusterProfile` a kubeconfig Secret is for.
+pub const PROFILE_LABEL: &str = "x-k8s.io/cluster-profile";
+/// The data key of a kubeconfig Secret.
+pub const SECRET_KEY: &str = "Config";
+/// The cluster extension with arguments a profile adds to the plugin's (a list of strings).
+pub const ARGS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/additional-args";
+/// The cluster extension with environment variables a profile adds (a map of strings).
+pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs";
+
+/// One cluster per `ClusterProfile` (`multicluster.x-k8s.io/v1alpha1`) of the hub `host`
+/// reaches, named `<namespace>/<name>`.
+///
+/// A profile is engaged once its condition `ControlPlaneHealthy` is `True`
+/// ([`ClusterInventory::ready`] replaces the rule), and disengaged when it is deleted, when
+/// its deletion begins and when it stops being healthy. How a client is built:
+///
+/// - [`ClusterInventory::with_access_providers`] (KEP-5339): the profile's
+///   `status.accessProviders` (and the deprecated `status.credentialProviders`; on a name
+///   in both, `accessProviders` wins) give the server, CA and extensions; the operator's
+///   [`AccessProviders`] give the exec plugin, of which the first in the file's order that
+///   the profile lists is used. The plugin gets the profile's cluster (with the extension
+///   `client.authentication.k8s.io/exec` as `spec.cluster.config`) when its configuration
+///   asks for the cluster's information. The plugins are the operator's, so they run.
+/// - [`ClusterInventory::with_secrets`] (deprecated upstream): a kubeconfig in the Secret
+///   of the profile's namespace labelled `x-k8s.io/cluster-inventory-consumer=<consumer>`
+///   and `x-k8s.io/cluster-profile=<profile>`, data key `Config`, read under the rules of
+///   [`KubeconfigSecrets`](super::KubeconfigSecrets) (no exec plugins or local files unless
+///   allowed). The Secrets are watched.
+///
+/// When what the cluster is built from changes (the profile's access data, the Secret), the
+/// cluster is replaced. A profile whose cluster cannot be built (no access provider the
+/// operator configured, a plugin failing, a Secret missing or malformed) gets a Warning Event
+/// (`KubeconfigRefused`) and a log line, once per problem; a cluster engaged before stays
+/// engaged meanwhile, and no other cluster is affected.
+#[derive(Clone)]
+pub struct ClusterInventory {
+    host: Client,
+    scope: Scope,
+    kind: Arc<Kind>,
+}
+
+impl std::fmt::Debug for ClusterInventory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterInventory")
+            .field("scope", &self.scope)
+            .field("access", &self.kind.access)
+            .finish_non_exhaustive()
+    }
+}
+
+hub::hub_provider!(ClusterInventory, "ClusterProfiles");
+
+/// How the clients are built.
+#[derive(Clone, Debug)]
+enum Access {
+    Providers(AccessProviders),
+    Secrets { consumer: String, trust: Trust },
+}
+
+/// The Cluster Inventory API specifics of the hub engine.
+#[derive(Clone, Debug)]
+struct Kind {
+    access: Access,
+}
+
+impl ClusterInventory {
+    /// Profiles of every namespace of the hub, reached through the operator's access
+    /// providers (KEP-5339).
+    pub fn with_access_providers(host: Client, providers: AccessProviders) -> Self {
+        Self::with(host, Access::Providers(providers))
+    }
+
+    /// Profiles of every namespace of the hub, reached through kubeconfigs in the Secrets
+    /// labelled for `consumer` (the Secret strategy, deprecated upstream).
+    pub fn with_secrets(host: Client, consumer: impl Into<String>) -> Self {
+        Self::with(
+            host,
+            Access::Secrets {
+                consumer: consumer.into(),
+                trust: Trust::default(),
+            },
+        )
+    }
+
+    fn with(host: Client, access: Access) -> Self {
+        Self {
+            host,
+            scope: Scope::default(),
+            kind: Arc::new(Kind { access }),
+        }
+    }
+
+    /// With the Secret strategy: lets kubeconfigs run exec plugins and auth-providers (see
+    /// [`KubeconfigSecrets::allow_exec`](super::KubeconfigSecrets::allow_exec)). The access
+    /// providers' plugins are the operator's and always run.
+    #[must_use]
+    pub fn allow_exec(mut self, allow: bool) -> Self {
+        if let Access::Secrets { trust, .. } = &mut Arc::make_mut(&mut self.kind).access {
+            trust.exec = allow;
+        }
+        self
+    }
+
+    /// With the Secret strategy: lets kubeconfigs name files of the controller's machine
+    /// (see [`KubeconfigSecrets::allow_local_files`](super::KubeconfigSecrets::allow_local_files)).
+    #[must_use]
+    pub fn allow_local_files(mut self, allow: bool) -> Self {
+        if let Access::Secrets { trust, .. } = &mut Arc::make_mut(&mut self.kind).access {
+            trust.local_files = allow;
+        }
+        self
+    }
+}
+
+/// The operator's access providers (KEP-5339): which exec credential plugin reaches the
+/// clusters of which access provider, in the JSON of cluster-inventory-api's `pkg/access`:
+///
+/// ```json
+/// {"providers": [{
+///   "name": "secretreader",
+///   "execConfig": {"apiVersion": "client.authentication.k8s.io/v1",
+///                  "command": "/bin/secretreader-plugin", "provideClusterInfo": true},
+///   "profileSourcedCLIArgsPolicy": "Ignore",
+///   "profileSourcedEnvVarsPolicy": "AppendIfNotExists"
+/// }]}
+/// ```
+///
+/// The order is the operator's preference. A profile may add arguments
+/// (extension `clusterprofiles.multicluster.x-k8s.io/exec/additional-args`, a list of
+/// strings) only where `profileSourcedCLIArgsPolicy` is `Append`, and environment variables
+/// (`.../additional-envs`, a map) only where `profileSourcedEnvVarsPolicy` is
+/// `AppendIfNotExists` (the operator's values win) or `Replace` (the profile's win); the
+/// default of both is `Ignore`. Plugins run without a terminal (`interactiveMode: Never`).
+#[derive(Clone, Debug, Deserialize)]
+pub struct AccessProviders {
+    providers: Vec<AccessProvider>,
+}
+
+/// One access provider of the operator's file.
+#[derive(Clone, Debug, Deserialize)]
+struct AccessProvider {
+    name: String,
+    #[serde(rename = "execConfig", default)]
+    exec: Option<ExecSpec>,
+    #[serde(rename = "profileSourcedCLIArgsPolicy", default)]
+    args_policy: ArgsPolicy,
+    #[serde(rename = "profileSourcedEnvVarsPolicy", default)]
+    envs_policy: EnvsPolicy,
+}
+
+/// An exec plugin as client-go's kubeconfig describes it.
+#[derive(Clone, Debug, Deserialize)]
+struct ExecSpec {
+    #[serde(default)]
+    command: String,
+    #[serde(default)]
+    args: Option<Vec<String>>,
+    #[serde(default)]
+    env: Option<Vec<EnvVar>>,
+    #[serde(rename = "apiVersion", default)]
+    api_version: Option<String>,
+    #[serde(rename = "provideClusterInfo", default)]
+    provide_cluster_info: bool,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct EnvVar {
+    name: String,
+    value: String,
+}
+
+/// Whether a profile may add arguments to the plugin's.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+enum ArgsPolicy {
+    #[default]
+    #[serde(rename = "Ignore", alias = "")]
+    Ignore,
+    Append,
+}
+
+/// Whether a profile may add environment variables to the plugin's.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+enum EnvsPolicy {
+    #[default]
+    #[serde(rename = "Ignore", alias = "")]
+    Ignore,
+    AppendIfNotExists,
+    Replace,
+}
+
+/// An access providers file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AccessProvidersError {
+    /// The file could not be read.
+    #[error("reading the access providers file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid.
+    #[error("the access providers {0}")]
+    Invalid(String),
+}
+
+impl AccessProviders {
+    /// Reads the operator's file (the JSON above).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, AccessProvidersError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| AccessProvidersError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// Parses the operator's file (the JSON above). Every provider needs a name (each
+    /// once) and a command; the policies must be among those above.
+    pub fn from_json(text: &str) -> Result<Self, AccessProvidersError> {
+        let parsed: Self = serde_json::from_str(text)
+            .map_err(|e| AccessProvidersError::Invalid(format!("are not valid: {e}")))?;
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, provider) in parsed.providers.iter().enumerate() {
+            if provider.name.is_empty() {
+                return Err(AccessProvidersError::Invalid(format!(
+                    "providers[{i}] has no name"
+                )));
+            }
+            if !seen.insert(provider.name.as_str()) {
+                return Err(AccessProvidersError::Invalid(format!(
+                    "name {:?} more than once",
+                    provider.name
+                )));
+            }
+            if provider.exec.as_ref().is_some_and(|e| e.command.is_empty()) {
+                return Err(AccessProvidersError::Invalid(format!(
+                    "provider {:?}: execConfig has no command",
+                    provider.name
+                )));
+            }
+        }
+        Ok(parsed)
+    }
+
+    /// The providers' names, in the file's order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.providers.iter().map(|p| p.name.as_str())
+    }
+
+    /// The kubeconfig that reaches the cluster of `profile`: its access entries by name
+    /// (credentialProviders, then accessProviders over them), the first of the operator's
+    /// providers the profile lists, that provider's plugin with what the policies let the
+    /// profile add. Returns the provider's name with the kubeconfig.
+    fn kubeconfig_for(&self, profile: &DynamicObject) -> Result<(String, Kubeconfig), String> {
+        let mut entries: BTreeMap<String, &serde_json::Value> = BTreeMap::new();
+        for list in ["credentialProviders", "accessProviders"] {
+            for entry in field(profile, &["status", list])
+                .and_then(|l| l.as_array())
+                .into_iter()
+                .flatten()
+            {
+                if let Some(name) = entry.get("name").and_then(|n| n.as_str()) {
+                    entries.insert(name.to_string(), entry);
+                }
+            }
+        }
+        let Some(provider) = self
+            .providers
+            .iter()
+            .find(|p| entries.contains_key(&p.name))
+        else {
+            let listed: Vec<&str> = entries.keys().map(String::as_str).collect();
+            let configured: Vec<&str> = self.names().collect();
+            return Err(format!(
+                "no access provider of the profile ({}) is one this controller is configured for ({})",
+                if listed.is_empty() {
+                    "none listed".to_string()
+                } else {
+                    listed.join(", ")
+                },
+                configured.join(", ")
+            ));
+        };
+        let name = &provider.name;
+        let exec = provider
+            .exec
+            .as_ref()
+            .ok_or_else(|| format!("access provider {name:?} has no execConfig"))?;
+        let mut cluster: kube::config::Cluster = entries[name]
+            .get("cluster")
+            .cloned()
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| format!("access provider {name:?}: the cluster is not valid: {e}"))?
+            .ok_or_else(|| format!("access provider {name:?} has no cluster"))?;
+        if cluster.server.as_deref().unwrap_or_default().is_empty() {
+            return Err(format!(
+                "access provider {name:?}: the cluster has no server"
+            ));
+        }
+        // A path on the controller's machine is not the profile's to name (its CA is in
+        // certificate-authority-data).
+        cluster.certificate_authority = None;
+        let extension = |wanted: &str| {
+            cluster
+                .extensions
+                .iter()
+                .flatten()
+                .find(|e| e.name == wanted)
+                .map(|e| e.extension.clone())
+        };
+
+        let mut args = exec.args.clone().unwrap_or_default();
+        if let Some(extra) = extension(ARGS_EXTENSION)
+            && provider.args_policy == ArgsPolicy::Append
+        {
+            let extra: Vec<String> = serde_json::from_value(extra).map_err(|_| {
+                format!("the extension {ARGS_EXTENSION} of access provider {name:?} is not a list of strings")
+            })?;
+            args.extend(extra);
+        }
+        let mut env: Vec<(String, String)> = exec
+            .env
+            .iter()
+            .flatten()
+            .map(|v| (v.name.clone(), v.value.clone()))
+            .collect();
+        if let Some(extra) = extension(ENVS_EXTENSION)
+            && provider.envs_policy != EnvsPolicy::Ignore
+        {
+            let extra: BTreeMap<String, String> = serde_json::from_value(extra).map_err(|_| {
+                format!("the extension {ENVS_EXTENSION} of access provider {name:?} is not a map of strings")
+            })?;
+            for (key, value) in extra {
+                match env.iter_mut().find(|(k, _)| *k == key) {
+                    Some(existing) if provider.envs_policy == EnvsPolicy::Replace => {
+                        existing.1 = value
+                    }
+                    Some(_) => {}
+                    None => env.push((key, value)),
+                }
+            }
+        }
+        let exec = ExecConfig {
+            api_version: Some(
+                exec.api_version
+                    .clone()
+                    .unwrap_or_else(|| "client.authentication.k8s.io/v1".into()),
+            ),
+            command: Some(exec.command.clone()),
+            args: Some(args),
+            env: Some(
+                env.into_iter()
+                    .map(|(name, value)| {
+                        HashMap::from([("name".to_string(), name), ("value".to_string(), value)])
+                    })
+                    .collect(),
+            ),
+            drop_env: None,
+            install_hint: None,
+            interactive_mode: Some(ExecInteractiveMode::Never),
+            provide_cluster_info: exec.provide_cluster_info,
+            cluster: None,
+            other: Default::default(),
+        };
+        let kubeconfig = Kubeconfig {
+            clusters: vec![NamedCluster {
+                name: "profile".into(),
+                cluster: Some(cluster),
+                ..Default::default()
+            }],
+            auth_infos: vec![NamedAuthInfo {
+                name: "plugin".into(),
+                auth_info: Some(AuthInfo {
+                    exec: Some(exec),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            contexts: vec![NamedContext {
+                name: "profile".into(),
+                context: Some(Context {
+                    cluster: "profile".into(),
+                    user: Some("plugin".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            current_context: Some("profile".into()),
+            ..Default::default()
+        };
+        Ok((name.clone(), kubeconfig))
+    }
+}
+
+/// What a client is built from.
+enum Recipe {
+    /// From the access providers: run as it is (the operator's plugin).
+    Access(Box<Kubeconfig>),
+    /// From a Secret: parsed under `trust`.
+    Secret(Vec<u8>, Trust),
+}
+
+impl HubKind for Kind {
+    type Recipe = Recipe;
+
+    const GROUP: &'static str = GROUP;
+    const KIND: &'static str = "ClusterProfile";
+    const VERSIONS: &'static [&'static str] = &["v1alpha1"];
+    const WHAT: &'static str = "ClusterProfile";
+    const REPORTER: &'static str = "multicluster-runtime-cluster-inventory";
+
+    fn default_ready(&self, object: &DynamicObject) -> bool {
+        condition_true(object, HEALTHY_CONDITION)
+    }
+
+    fn secrets(&self) -> Option<watcher::Config> {
+        match &self.access {
+            Access::Providers(_) => None,
+            Access::Secrets { consumer, .. } => Some(
+                watcher::Config::default()
+                    .labels(&format!("{CONSUMER_LABEL}={consumer},{PROFILE_LABEL}")),
+            ),
+        }
+    }
+
+    fn recipe(&self, object: &DynamicObject, secrets: &Secrets) -> Result<(u64, Recipe), String> {
+        match &self.access {
+            Access::Providers(providers) => {
+                let (name, kubeconfig) = providers.kubeconfig_for(object)?;
+                // What the client would be built from; the plugin's answer is not known
+                // before it runs.
+                let cluster = serde_json::to_string(&kubeconfig.clusters).unwrap_or_default();
+                let user = kubeconfig.auth_infos[0]
+                    .auth_info
+                    .as_ref()
+                    .and_then(|a| a.exec.as_ref())
+                    .map(|e| serde_json::to_string(e).unwrap_or_default());
+                Ok((
+                    version_of(&(name, cluster, user)),
+                    Recipe::Access(Box::new(kubeconfig)),
+                ))
+            }
+            Access::Secrets { consumer, trust } => {
+                let namespace = object.namespace().unwrap_or_default();
+                let profile = object.name_any();
+                let found: Vec<_> = secrets
+                    .in_namespace(&namespace)
+                    .filter(|(_, s)| {
+                        s.labels.get(PROFILE_LABEL) == Some(&profile)
+                            && s.labels.get(CONSUMER_LABEL) == Some(consumer)
+                    })
+                    .collect();
+                let (name, secret) = match found.as_slice() {
+                    [one] => *one,
+                    [] => {
+                        return Err(format!(
+                            "no Secret of namespace {namespace} is labelled {CONSUMER_LABEL}={consumer} and {PROFILE_LABEL}={profile}"
+                        ));
+                    }
+                    many => {
+                        let names: Vec<&str> = many.iter().map(|(n, _)| *n).collect();
+                        return Err(format!(
+                            "{} Secrets are labelled for this profile and consumer {consumer} ({}); one is expected",
+                            many.len(),
+                            names.join(", ")
+                        ));
+                    }
+                };
+                let (version, bytes) = secret
+                    .data
+                    .get(SECRET_KEY)
+                    .ok_or_else(|| format!("the Secret {name} has no data key {SECRET_KEY:?}"))?;
+                Ok((*version, Recipe::Secret(bytes.clone(), *trust)))
+            }
+        }
+    }
+
+    // Not `async fn`: the future must not hold `&self` (the engine runs it on its own).
+    #[allow(clippy::manual_async_fn)]
+    fn build(
+        &self,
+        name: ClusterName,
+        recipe: Recipe,
+    ) -> impl Future<Output = Result<Cluster<ClusterName>, String>> + Send + 'static {
+        async move {
+            let kubeconfig = match recipe {
+                Recipe::Access(kubeconfig) => *kubeconfig,
+                Recipe::Secret(bytes, trust) => parse_kubeconfig(&bytes, trust)?,
+            };
+            super::cluster_from_kubeconfig(name, kubeconfig, None).await
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::api::{ApiResource, GroupVersionKind};
+    use serde_json::json;
+
+    use super::*;
+
+    fn profile(status: serde_json::Value) -> DynamicObject {
+        let resource =
+            ApiResource::from_gvk(&GroupVersionKind::gvk(GROUP, "v1alpha1", "ClusterProfile"));
+        DynamicObject::new("east", &resource)
+            .within("fleet")
+            .data(json!({ "spec": {"clusterManager": {"name": "test"}}, "status": status }))
+    }
+
+    fn exec_of(kubeconfig: &Kubeconfig) -> &ExecConfig {
+        kubeconfig.auth_infos[0]
+            .auth_info
+            .as_ref()
+            .unwrap()
+            .exec
+            .as_ref()
+            .unwrap()
+    }
+
+    fn env_of(exec: &ExecConfig) -> Vec<(String, String)> {
+        exec.env
+            .iter()
+            .flatten()
+            .map(|v| (v["name"].clone(), v["value"].clone()))
+            .collect()
+    }
+
+    #[test]
+    fn the_first_provider_of_the_file_that_the_profile_lists_is_used() {
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [
+                {"name": "a", "execConfig": {"command": "/a"}},
+                {"name": "b", "execConfig": {"command": "/b"}},
+                {"name": "c", "execConfig": {"command": "/c"}}]}"#,
+        )
+        .unwrap();
+        let profile = profile(json!({
+            "accessProviders": [
+                {"name": "c", "cluster": {"server": "https://c"}},
+                {"name": "b", "cluster": {"server": "https://b"}}],
+        }));
+        let (name, kubeconfig) = providers.kubeconfig_for(&profile).unwrap();
+        assert_eq!(name, "b");
+        assert_eq!(exec_of(&kubeconfig).command.as_deref(), Some("/b"));
+        let cluster = kubeconfig.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.server.as_deref(), Some("https://b"));
+    }
+
+    #[test]
+    fn access_providers_win_over_credential_providers_of_the_same_name() {
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"}}]}"#,
+        )
+        .unwrap();
+        let both = profile(json!({
+            "credentialProviders": [{"name": "a", "cluster": {"server": "https://old"}}],
+            "accessProviders": [{"name": "a", "cluster": {"server": "https://new"}}],
+        }));
+        let (_, kubeconfig) = providers.kubeconfig_for(&both).unwrap();
+        let cluster = kubeconfig.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.server.as_deref(), Some("https://new"));
+        // The deprecated list alone is used too.
+        let old = profile(json!({
+            "credentialProviders": [{"name": "a", "cluster": {"server": "https://old"}}],
+        }));
+        let (_, kubeconfig) = providers.kubeconfig_for(&old).unwrap();
+        let cluster = kubeconfig.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.server.as_deref(), Some("https://old"));
+    }
+
+    #[test]
+    fn a_profile_adds_arguments_and_environment_only_as_the_policies_allow() {
+        let status = json!({"accessProviders": [{"name": "p", "cluster": {
+        "server": "https://p",
+        "extensions": [
+            {"name": ARGS_EXTENSION, "extension": ["--extra"]},
+            {"name": ENVS_EXTENSION, "extension": {"KEEP": "profile", "NEW": "profile"}},
+        ]}}]});
+        let file = |args: &str, envs: &str| {
+            AccessProviders::from_json(&format!(
+                r#"{{"providers": [{{"name": "p",
+                    "execConfig": {{"command": "/p", "args": ["--own"],
+                                    "env": [{{"name": "KEEP", "value": "operator"}}]}},
+                    "profileSourcedCLIArgsPolicy": "{args}",
+                    "profileSourcedEnvVarsPolicy": "{envs}"}}]}}"#
+            ))
+            .unwrap()
+        };
+        let pairs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+
+        let (_, ignored) = file("", "")
+            .kubeconfig_for(&profile(status.clone()))
+            .unwrap();
+        assert_eq!(exec_of(&ignored).args, Some(vec!["--own".to_string()]));
+        assert_eq!(env_of(exec_of(&ignored)), pairs(&[("KEEP", "operator")]));
+
+        let (_, appended) = file("Append", "AppendIfNotExists")
+            .kubeconfig_for(&profile(status.clone()))
+            .unwrap();
+        assert_eq!(
+            exec_of(&appended).args,
+            Some(vec!["--own".to_string(), "--extra".to_string()])
+        );
+        assert_eq!(
+            env_of(exec_of(&appended)),
+            pairs(&[("KEEP", "operator"), ("NEW", "profile")])
+        );
+
+        let providers = file("Ignore", "Replace");
+        let (_, replaced) = providers.kubeconfig_for(&profile(status.clone())).unwrap();
+        assert_eq!(
+            env_of(exec_of(&replaced)),
+            pairs(&[("KEEP", "profile"), ("NEW", "profile")])
+        );
+        // Building again starts from the operator's configuration, not the last result.
+        let (_, again) = providers.kubeconfig_for(&profile(status)).unwrap();
+        assert_eq!(env_of(exec_of(&again)), env_of(exec_of(&replaced)));
+        assert_eq!(exec_of(&again).args, Some(vec!["--own".to_string()]));
+    }
+
+    #[test]
+    fn bad_files_and_profiles_are_refused_with_the_reason() {
+        for (file, expected) in [
+            (
+                r#"{"providers": [{"name": "a", "profileSourcedCLIArgsPolicy": "Sometimes"}]}"#,
+                "Sometimes",
+            ),
+            (
+                r#"{"providers": [{"name": "a"}, {"name": "a"}]}"#,
+                "more than once",
+            ),
+            (
+                r#"{"providers": [{"name": "", "execConfig": {"command": "/x"}}]}"#,
+                "no name",
+            ),
+            (
+                r#"{"providers": [{"name": "a", "execConfig": {}}]}"#,
+                "no command",
+            ),
+            ("not json", "not valid"),
+        ] {
+            let error = AccessProviders::from_json(file).unwrap_err().to_string();
+            assert!(error.contains(expected), "{file}: {error}");
+        }
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"}},
+                              {"name": "b", "profileSourcedCLIArgsPolicy": "Append",
+                               "execConfig": {"command": "/b"}}]}"#,
+        )
+        .unwrap();
+        for (status, expected) in [
+            (json!({}), "none listed"),
+            (
+                json!({"accessProviders": [{"name": "z", "cluster": {"server": "https://z"}}]}),
+                "(z)",
+            ),
+            (
+                json!({"accessProviders": [{"name": "a", "cluster": {}}]}),
+                "no server",
+            ),
+            (json!({"accessProviders": [{"name": "a"}]}), "no cluster"),
+            (
+                json!({"accessProviders": [{"name": "b", "cluster": {"server": "https://b",
+                    "extensions": [{"name": ARGS_EXTENSION, "extension": {"not": "a list"}}]}}]}),
+                "not a list of strings",
+            ),
+        ] {
+            let error = providers.kubeconfig_for(&profile(status)).unwrap_err();
+            assert!(error.contains(expected), "{error}");
+        }
+    }
+}

@@ -1,0 +1,607 @@
+//! The engine of the providers whose clusters are objects on a hub cluster (Cluster API
+//! `Cluster`, Cluster Inventory API `ClusterProfile`, KubeFed `KubeFedCluster`): it finds
+//! the kind (installed late is fine), watches the objects and the Secrets holding their
+//! credentials, and engages, replaces and disengages one cluster per object as the object
+//! and its credentials change. What differs per kind (readiness, where the credentials are,
+//! how a client is built) is a [`HubKind`].
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::FuturesUnordered;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{ApiResource, DynamicObject};
+use kube::{Api, Client, Resource, ResourceExt};
+use kube_runtime::WatchStreamExt;
+use kube_runtime::events::{Recorder, Reporter};
+use kube_runtime::watcher::{self, Event as WatchEvent};
+use tokio_util::sync::CancellationToken;
+
+use super::kubeconfig::version_of;
+use crate::{Cluster, ClusterName, Fleet, ProviderError};
+
+/// Whether a hub object is ready to be engaged.
+pub(crate) type Ready = Arc<dyn Fn(&DynamicObject) -> bool + Send + Sync>;
+
+/// How long to wait before looking again for a kind that is not served.
+const DISCOVERY_RETRY: Duration = Duration::from_secs(10);
+/// How many clients are built at once (each may run a credential plugin, for up to 30 s).
+const BUILDS_AT_ONCE: usize = 4;
+
+/// Which hub objects: a namespace (all if `None`), a label selector, a readiness override.
+#[derive(Clone, Default)]
+pub(crate) struct Scope {
+    pub(crate) namespace: Option<String>,
+    pub(crate) labels: Option<String>,
+    pub(crate) ready: Option<Ready>,
+}
+
+impl std::fmt::Debug for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope")
+            .field("namespace", &self.namespace)
+            .field("labels", &self.labels)
+            .field("custom_ready", &self.ready.is_some())
+            .finish()
+    }
+}
+
+/// One kind of hub object that describes clusters.
+pub(crate) trait HubKind: Send + Sync + 'static {
+    /// What a client is built from (a kubeconfig, a configuration).
+    type Recipe: Send + 'static;
+
+    /// The kind's group, name and versions (most preferred first).
+    const GROUP: &'static str;
+    const KIND: &'static str;
+    const VERSIONS: &'static [&'static str];
+    /// How logs name one such cluster ("Cluster API cluster").
+    const WHAT: &'static str;
+    /// The reporting controller of the Warning Events.
+    const REPORTER: &'static str;
+
+    /// The readiness rule when the user gave none.
+    fn default_ready(&self, object: &DynamicObject) -> bool;
+
+    /// The Secrets the credentials are in (the watch's selectors), `None` if in none.
+    fn secrets(&self) -> Option<watcher::Config>;
+
+    /// How to reach the cluster of a live (ready, not being deleted) object, with a version
+    /// that changes when the result would: or what is wrong, in words fit for an Event that
+    /// hold nothing secret.
+    fn recipe(
+        &self,
+        object: &DynamicObject,
+        secrets: &Secrets,
+    ) -> Result<(u64, Self::Recipe), String>;
+
+    /// Builds the client (this may run a credential plugin).
+    fn build(
+        &self,
+        name: ClusterName,
+        recipe: Self::Recipe,
+    ) -> impl Future<Output = Result<Cluster<ClusterName>, String>> + Send + 'static;
+}
+
+/// One Secret as the engine keeps it: labels, and each data value with its version.
+pub(crate) struct StoredSecret {
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) data: BTreeMap<String, (u64, Vec<u8>)>,
+}
+
+/// The watched Secrets by namespace and name.
+#[derive(Default)]
+pub(crate) struct Secrets {
+    by_key: BTreeMap<(String, String), StoredSecret>,
+}
+
+impl Secrets {
+    /// Secret `name` of `namespace`.
+    pub(crate) fn get(&self, namespace: &str, name: &str) -> Option<&StoredSecret> {
+        self.by_key.get(&(namespace.to_string(), name.to_string()))
+    }
+
+    /// The Secrets of `namespace` with their names.
+    pub(crate) fn in_namespace<'a>(
+        &'a self,
+        namespace: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a StoredSecret)> + 'a {
+        self.by_key
+            .range((namespace.to_string(), String::new())..)
+            .take_while(move |((ns, _), _)| ns == namespace)
+            .map(|((_, name), secret)| (name.as_str(), secret))
+    }
+
+    fn insert(&mut self, secret: Secret) -> String {
+        let namespace = secret.namespace().unwrap_or_default();
+        let name = secret.name_any();
+        let stored = StoredSecret {
+            labels: secret.metadata.labels.unwrap_or_default(),
+            data: secret
+                .data
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(key, value)| (key, (version_of(&value.0), value.0)))
+                .collect(),
+        };
+        self.by_key.insert((namespace.clone(), name), stored);
+        namespace
+    }
+}
+
+/// `<namespace>/<name>` of an object.
+pub(crate) fn key_of(object: &impl Resource) -> String {
+    format!(
+        "{}/{}",
+        object.meta().namespace.as_deref().unwrap_or_default(),
+        object.meta().name.as_deref().unwrap_or_default()
+    )
+}
+
+/// A string at `path` of an object's JSON.
+pub(crate) fn field<'a>(object: &'a DynamicObject, path: &[&str]) -> Option<&'a serde_json::Value> {
+    path.iter().try_fold(&object.data, |v, key| v.get(key))
+}
+
+/// Whether condition `kind` of `status.conditions` has status `True`.
+pub(crate) fn condition_true(object: &DynamicObject, kind: &str) -> bool {
+    field(object, &["status", "conditions"])
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .any(|c| {
+            c.get("type").and_then(|t| t.as_str()) == Some(kind)
+                && c.get("status").and_then(|s| s.as_str()) == Some("True")
+        })
+}
+
+/// What the engine knows of one hub object.
+#[derive(Default)]
+struct Known {
+    /// The object as last seen; `None` once it is gone.
+    object: Option<DynamicObject>,
+    /// The version of the recipe its engaged cluster came from.
+    engaged: Option<u64>,
+    /// The problem last reported (its fingerprint), so each is reported once.
+    reported: Option<u64>,
+    /// The recipe version being built or waiting to be.
+    wanted: Option<u64>,
+    /// The recipe version whose build failed, how many times in a row, and whether its
+    /// retry is due.
+    failed: Option<Failed>,
+}
+
+struct Failed {
+    version: u64,
+    attempts: u32,
+    due: bool,
+}
+
+/// How long to wait before building a recipe again after `attempts` failures: a credential
+/// plugin may fail for a while (its secret not written yet, its backend down).
+fn retry_after(attempts: u32) -> Duration {
+    (RETRY_FIRST * 2u32.saturating_pow(attempts.saturating_sub(1))).min(RETRY_MAX)
+}
+
+/// The first and the longest wait before building a failed recipe again.
+const RETRY_FIRST: Duration = Duration::from_secs(5);
+const RETRY_MAX: Duration = Duration::from_secs(300);
+
+#[derive(Default)]
+struct State {
+    objects: BTreeMap<String, Known>,
+    secrets: Secrets,
+    /// Keys listed by the objects' listing in progress (to forget the vanished ones).
+    listing_objects: Option<BTreeSet<String>>,
+    /// Secrets listed by the Secrets' listing in progress.
+    listing_secrets: Option<BTreeSet<(String, String)>>,
+    /// The Secrets' first listing is complete (or there are none to watch): an object is
+    /// looked at only from then on, so a Secret not known is missing, not late.
+    secrets_listed: bool,
+}
+
+/// What to do about one object after a change.
+enum Step<R> {
+    Nothing,
+    Disengage,
+    Build(u64, R),
+    Report(String),
+}
+
+struct Engine<K: HubKind> {
+    kind: Arc<K>,
+    host: Client,
+    scope: Scope,
+}
+
+impl<K: HubKind> Engine<K> {
+    /// The kind as the hub serves it (the most preferred version); `None` while it is not.
+    async fn discover(&self) -> Result<Option<ApiResource>, kube::Error> {
+        let group = match kube::discovery::group(&self.host, K::GROUP).await {
+            Ok(group) => group,
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        for version in K::VERSIONS {
+            if let Some((resource, _)) = group
+                .versioned_resources(version)
+                .into_iter()
+                .find(|(r, _)| r.kind == K::KIND)
+            {
+                return Ok(Some(resource));
+            }
+        }
+        Ok(None)
+    }
+
+    fn objects(
+        &self,
+        resource: &ApiResource,
+    ) -> impl Stream<Item = watcher::Result<WatchEvent<DynamicObject>>> + use<K> {
+        let api = match &self.scope.namespace {
+            Some(ns) => Api::<DynamicObject>::namespaced_with(self.host.clone(), ns, resource),
+            None => Api::<DynamicObject>::all_with(self.host.clone(), resource),
+        };
+        let mut config = watcher::Config::default();
+        if let Some(labels) = &self.scope.labels {
+            config = config.labels(labels);
+        }
+        watcher::watcher(api, config).default_backoff()
+    }
+
+    fn secrets(
+        &self,
+        config: watcher::Config,
+    ) -> impl Stream<Item = watcher::Result<WatchEvent<Secret>>> + use<K> {
+        let api = match &self.scope.namespace {
+            Some(ns) => Api::<Secret>::namespaced(self.host.clone(), ns),
+            None => Api::<Secret>::all(self.host.clone()),
+        };
+        watcher::watcher(api, config).default_backoff()
+    }
+
+    fn is_ready(&self, object: &DynamicObject) -> bool {
+        match &self.scope.ready {
+            Some(ready) => ready(object),
+            None => self.kind.default_ready(object),
+        }
+    }
+
+    fn step(&self, state: &mut State, key: &str) -> Step<K::Recipe> {
+        if !state.secrets_listed {
+            return Step::Nothing;
+        }
+        let Some(known) = state.objects.get_mut(key) else {
+            return Step::Nothing;
+        };
+        let live = known
+            .object
+            .as_ref()
+            .filter(|o| o.meta().deletion_timestamp.is_none())
+            .filter(|o| self.is_ready(o));
+        let Some(object) = live else {
+            known.wanted = None;
+            known.reported = None;
+            known.failed = None;
+            return match known.engaged.take() {
+                Some(_) => Step::Disengage,
+                None => Step::Nothing,
+            };
+        };
+        match self.kind.recipe(object, &state.secrets) {
+            Ok((version, recipe)) => {
+                if known.engaged == Some(version) || known.wanted == Some(version) {
+                    return Step::Nothing;
+                }
+                match &mut known.failed {
+                    // Built again when its retry is due.
+                    Some(failed) if failed.version == version && !failed.due => {
+                        return Step::Nothing;
+                    }
+                    Some(failed) if failed.version == version => failed.due = false,
+                    _ => known.failed = None,
+                }
+                known.wanted = Some(version);
+                Step::Build(version, recipe)
+            }
+            Err(problem) => {
+                let fingerprint = version_of(&problem);
+                if known.reported == Some(fingerprint) {
+                    return Step::Nothing;
+                }
+                known.reported = Some(fingerprint);
+                known.wanted = None;
+                known.failed = None;
+                Step::Report(problem)
+            }
+        }
+    }
+
+    async fn report(
+        &self,
+        recorder: &Recorder,
+        object: &DynamicObject,
+        resource: &ApiResource,
+        problem: &str,
+    ) {
+        let key = key_of(object);
+        tracing::warn!(cluster = %key, error = %problem, "{} not engaged", K::WHAT);
+        super::record_refusal(recorder, &object.object_ref(resource), &key, problem).await;
+    }
+
+    async fn run(
+        &self,
+        fleet: Fleet<ClusterName>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProviderError> {
+        let mut waited = false;
+        let resource = loop {
+            match self.discover().await {
+                Ok(Some(resource)) => break resource,
+                Ok(None) if !waited => {
+                    tracing::warn!(
+                        group = K::GROUP,
+                        kind = K::KIND,
+                        "the kind is not served (not installed?); looking again every 10 s"
+                    );
+                    waited = true;
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(group = K::GROUP, %error, "discovery failed; retrying")
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                () = tokio::time::sleep(DISCOVERY_RETRY) => {}
+            }
+        };
+        tracing::info!(group = K::GROUP, kind = K::KIND, version = %resource.version, "watching {}s", K::WHAT);
+        let recorder = Recorder::new(self.host.clone(), Reporter::from(K::REPORTER));
+        let mut objects = pin!(self.objects(&resource));
+        let secret_config = self.kind.secrets();
+        let mut state = State {
+            secrets_listed: secret_config.is_none(),
+            ..State::default()
+        };
+        let mut secrets = pin!(match secret_config {
+            Some(config) => self.secrets(config).left_stream(),
+            None => futures::stream::pending().right_stream(),
+        });
+        let mut building = FuturesUnordered::new();
+        let mut retries = FuturesUnordered::new();
+        let mut waiting: VecDeque<(String, u64, K::Recipe)> = VecDeque::new();
+        loop {
+            while building.len() < BUILDS_AT_ONCE
+                && let Some((key, version, recipe)) = waiting.pop_front()
+            {
+                if state.objects.get(&key).and_then(|k| k.wanted) == Some(version) {
+                    let build = self.kind.build(ClusterName::from(key.clone()), recipe);
+                    building.push(async move { (key, version, build.await) });
+                }
+            }
+            // The keys whose object or credentials changed.
+            let changed: Vec<String> = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                Some((key, version, built)) = building.next(), if !building.is_empty() => {
+                    let Some(known) = state.objects.get_mut(&key).filter(|k| k.wanted == Some(version)) else {
+                        continue;
+                    };
+                    known.wanted = None;
+                    match built {
+                        Ok(cluster) => match fleet.engage(cluster) {
+                            Ok(_) => {
+                                known.engaged = Some(version);
+                                known.reported = None;
+                                known.failed = None;
+                            }
+                            Err(error) => tracing::warn!(cluster = %key, %error, "could not engage"),
+                        },
+                        Err(reason) => {
+                            let attempts = match &known.failed {
+                                Some(failed) if failed.version == version => failed.attempts + 1,
+                                _ => 1,
+                            };
+                            known.failed = Some(Failed { version, attempts, due: false });
+                            let wait = retry_after(attempts);
+                            retries.push(async move {
+                                tokio::time::sleep(wait).await;
+                                (key, version)
+                            });
+                            let fingerprint = version_of(&reason);
+                            if known.reported != Some(fingerprint) {
+                                known.reported = Some(fingerprint);
+                                if let Some(object) = known.object.clone() {
+                                    self.report(&recorder, &object, &resource, &reason).await;
+                                }
+                            }
+                        }
+                    }
+                    continue;
+                }
+                Some((key, version)) = retries.next(), if !retries.is_empty() => {
+                    match state.objects.get_mut(&key).and_then(|k| k.failed.as_mut()) {
+                        Some(failed) if failed.version == version => failed.due = true,
+                        _ => continue,
+                    }
+                    vec![key]
+                }
+                event = objects.next() => match event {
+                    None => return Ok(()),
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "watching {}s failed; retrying", K::WHAT);
+                        continue;
+                    }
+                    Some(Ok(WatchEvent::Init)) => {
+                        state.listing_objects = Some(BTreeSet::new());
+                        continue;
+                    }
+                    Some(Ok(WatchEvent::InitDone)) => {
+                        let listed = state.listing_objects.take().unwrap_or_default();
+                        state.objects.iter_mut()
+                            .filter(|(key, _)| !listed.contains(key.as_str()))
+                            .for_each(|(_, known)| known.object = None);
+                        state.objects.keys().cloned().collect()
+                    }
+                    Some(Ok(WatchEvent::InitApply(object))) => {
+                        let key = key_of(&object);
+                        if let Some(listing) = &mut state.listing_objects {
+                            listing.insert(key.clone());
+                        }
+                        state.objects.entry(key.clone()).or_default().object = Some(object);
+                        vec![key]
+                    }
+                    Some(Ok(WatchEvent::Apply(object))) => {
+                        let key = key_of(&object);
+                        state.objects.entry(key.clone()).or_default().object = Some(object);
+                        vec![key]
+                    }
+                    Some(Ok(WatchEvent::Delete(object))) => {
+                        let key = key_of(&object);
+                        if let Some(known) = state.objects.get_mut(&key) {
+                            known.object = None;
+                        }
+                        vec![key]
+                    }
+                },
+                event = secrets.next() => match event {
+                    None => return Ok(()),
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "watching the Secrets of {}s failed; retrying", K::WHAT);
+                        continue;
+                    }
+                    Some(Ok(WatchEvent::Init)) => {
+                        state.listing_secrets = Some(BTreeSet::new());
+                        continue;
+                    }
+                    Some(Ok(WatchEvent::InitDone)) => {
+                        let listed = state.listing_secrets.take().unwrap_or_default();
+                        state.secrets.by_key.retain(|key, _| listed.contains(key));
+                        state.secrets_listed = true;
+                        state.objects.keys().cloned().collect()
+                    }
+                    Some(Ok(WatchEvent::InitApply(secret))) => {
+                        // Looked at all together when the listing is complete.
+                        let key = (secret.namespace().unwrap_or_default(), secret.name_any());
+                        if let Some(listing) = &mut state.listing_secrets {
+                            listing.insert(key);
+                        }
+                        state.secrets.insert(secret);
+                        continue;
+                    }
+                    Some(Ok(WatchEvent::Apply(secret))) => {
+                        let namespace = state.secrets.insert(secret);
+                        in_namespace(&state.objects, &namespace)
+                    }
+                    Some(Ok(WatchEvent::Delete(secret))) => {
+                        let namespace = secret.namespace().unwrap_or_default();
+                        state.secrets.by_key.remove(&(namespace.clone(), secret.name_any()));
+                        in_namespace(&state.objects, &namespace)
+                    }
+                },
+            };
+            for key in changed {
+                match self.step(&mut state, &key) {
+                    Step::Nothing => {}
+                    Step::Disengage => {
+                        tracing::info!(cluster = %key, "{} gone, being deleted or not ready; disengaged", K::WHAT);
+                        fleet.disengage(&ClusterName::from(key.clone()));
+                    }
+                    Step::Build(version, recipe) => {
+                        waiting.push_back((key.clone(), version, recipe))
+                    }
+                    Step::Report(problem) => {
+                        if let Some(object) = state.objects.get(&key).and_then(|k| k.object.clone())
+                        {
+                            self.report(&recorder, &object, &resource, &problem).await;
+                        }
+                    }
+                }
+                // Forget objects that are gone and hold nothing.
+                if state.objects.get(&key).is_some_and(|k| {
+                    k.object.is_none() && k.engaged.is_none() && k.wanted.is_none()
+                }) {
+                    state.objects.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+/// The keys of the objects of `namespace` (their credentials may be in its Secrets).
+fn in_namespace(objects: &BTreeMap<String, Known>, namespace: &str) -> Vec<String> {
+    let prefix = format!("{namespace}/");
+    objects
+        .range(prefix.clone()..)
+        .take_while(|(key, _)| key.starts_with(&prefix))
+        .map(|(key, _)| key.clone())
+        .collect()
+}
+
+/// Runs the provider of `kind` on the hub `host` until `shutdown`.
+pub(crate) async fn run<K: HubKind>(
+    kind: Arc<K>,
+    host: Client,
+    scope: Scope,
+    fleet: Fleet<ClusterName>,
+    shutdown: CancellationToken,
+) -> Result<(), ProviderError> {
+    Engine { kind, host, scope }.run(fleet, shutdown).await
+}
+
+/// What every hub provider (a struct with `host: Client`, `scope: Scope` and
+/// `kind: Arc<impl HubKind>`) has alike: the scope's builder methods and the [`Provider`]
+/// implementation. `$objects` names its objects in the docs ("Clusters").
+macro_rules! hub_provider {
+    ($provider:ident, $objects:literal) => {
+        impl $provider {
+            #[doc = concat!("Only the ", $objects, " (and Secrets) of `namespace`.")]
+            #[must_use]
+            pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+                self.scope.namespace = Some(namespace.into());
+                self
+            }
+
+            #[doc = concat!("Only the ", $objects, " matching a label selector (`env=prod,tier!=test`).")]
+            #[must_use]
+            pub fn labels(mut self, selector: impl Into<String>) -> Self {
+                self.scope.labels = Some(selector.into());
+                self
+            }
+
+            /// Another readiness rule, in place of the default (see the type's docs).
+            #[must_use]
+            pub fn ready(
+                mut self,
+                ready: impl Fn(&kube::api::DynamicObject) -> bool + Send + Sync + 'static,
+            ) -> Self {
+                self.scope.ready = Some(std::sync::Arc::new(ready));
+                self
+            }
+        }
+
+        impl $crate::Provider for $provider {
+            type Id = $crate::ClusterName;
+
+            async fn run(
+                &self,
+                fleet: $crate::Fleet<$crate::ClusterName>,
+                shutdown: tokio_util::sync::CancellationToken,
+            ) -> Result<(), $crate::ProviderError> {
+                super::hub::run(
+                    self.kind.clone(),
+                    self.host.clone(),
+                    self.scope.clone(),
+                    fleet,
+                    shutdown,
+                )
+                .await
+            }
+        }
+    };
+}
+pub(crate) use hub_provider;

@@ -1,0 +1,183 @@
+//! [`KubeFed`]: the member clusters KubeFed's `KubeFedCluster` objects describe.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use kube::api::DynamicObject;
+use kube::config::{AuthInfo, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext};
+use kube::{Client, ResourceExt};
+use kube_runtime::watcher;
+
+use super::hub::{self, HubKind, Scope, Secrets, condition_true, field};
+use super::kubeconfig::version_of;
+use crate::{Cluster, ClusterName};
+
+/// KubeFed's group.
+pub const GROUP: &str = "core.kubefed.io";
+/// The namespace KubeFed keeps its clusters in unless told otherwise.
+pub const DEFAULT_NAMESPACE: &str = "kube-federation-system";
+/// The data key of a member's Secret.
+pub const TOKEN_KEY: &str = "token";
+
+/// One cluster per KubeFed `KubeFedCluster` (`core.kubefed.io/v1beta1`) of the KubeFed
+/// system namespace (`kube-federation-system` unless [`KubeFed::namespace`] says otherwise)
+/// of the hub `host` reaches, named `<namespace>/<name>`.
+///
+/// The member is reached at `spec.apiEndpoint` (`https://` when it names no scheme), trusting
+/// `spec.caBundle`, through `spec.proxyURL` if set, with the bearer token of the Secret
+/// `spec.secretRef.name` of the same namespace (data key `token`). It is engaged once its
+/// `Ready` condition is `True` ([`KubeFed::ready`] replaces the rule), replaced when the
+/// endpoint, CA, proxy or token change, and disengaged when deleted, when its deletion
+/// begins and when it stops being ready. `spec.disabledTLSValidations: ["*"]` turns off the
+/// server certificate's verification; the partial values (`SubjectName`,
+/// `ValidityPeriod`) are refused, as the TLS stack cannot skip one check alone. KubeFed's
+/// controller sets `Ready` from its health checks: where it does not run, nothing does, and
+/// a readiness rule of your own is the way.
+///
+/// A member that cannot be reached as described (its Secret missing or without a token, no
+/// endpoint) gets a Warning Event (`KubeconfigRefused`) on its `KubeFedCluster` and a log
+/// line, once per problem; no other member is affected. The Secrets of the namespace are
+/// watched (token rotation is seen at once).
+#[derive(Clone)]
+pub struct KubeFed {
+    host: Client,
+    scope: Scope,
+    kind: Arc<Kind>,
+}
+
+impl std::fmt::Debug for KubeFed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeFed")
+            .field("scope", &self.scope)
+            .finish_non_exhaustive()
+    }
+}
+
+hub::hub_provider!(KubeFed, "KubeFedClusters");
+
+/// The KubeFed specifics of the hub engine.
+#[derive(Debug)]
+struct Kind;
+
+impl KubeFed {
+    /// The members of the hub's `kube-federation-system` namespace.
+    pub fn new(host: Client) -> Self {
+        Self {
+            host,
+            scope: Scope {
+                namespace: Some(DEFAULT_NAMESPACE.into()),
+                ..Scope::default()
+            },
+            kind: Arc::new(Kind),
+        }
+    }
+}
+
+impl HubKind for Kind {
+    type Recipe = Kubeconfig;
+
+    const GROUP: &'static str = GROUP;
+    const KIND: &'static str = "KubeFedCluster";
+    const VERSIONS: &'static [&'static str] = &["v1beta1"];
+    const WHAT: &'static str = "KubeFed cluster";
+    const REPORTER: &'static str = "multicluster-runtime-kubefed";
+
+    fn default_ready(&self, object: &DynamicObject) -> bool {
+        condition_true(object, "Ready")
+    }
+
+    fn secrets(&self) -> Option<watcher::Config> {
+        // KubeFed's Secrets carry no label or type of their own: those of the namespace.
+        Some(watcher::Config::default())
+    }
+
+    fn recipe(
+        &self,
+        object: &DynamicObject,
+        secrets: &Secrets,
+    ) -> Result<(u64, Kubeconfig), String> {
+        let text = |path: &[&str]| {
+            field(object, path)
+                .and_then(|v| v.as_str())
+                .filter(|s| !s.is_empty())
+        };
+        let endpoint = text(&["spec", "apiEndpoint"]).ok_or("spec.apiEndpoint is empty")?;
+        let server = if endpoint.contains("://") {
+            endpoint.to_string()
+        } else {
+            format!("https://{endpoint}")
+        };
+        let secret_name =
+            text(&["spec", "secretRef", "name"]).ok_or("spec.secretRef.name is empty")?;
+        let namespace = object.namespace().unwrap_or_default();
+        let secret = secrets
+            .get(&namespace, secret_name)
+            .ok_or_else(|| format!("the Secret {secret_name} is not there"))?;
+        let (token_version, token) = secret
+            .data
+            .get(TOKEN_KEY)
+            .filter(|(_, t)| !t.is_empty())
+            .ok_or_else(|| format!("the Secret {secret_name} has no data key {TOKEN_KEY:?}"))?;
+        let token = String::from_utf8(token.clone())
+            .map_err(|_| format!("the token of the Secret {secret_name} is not UTF-8"))?;
+        let disabled: Vec<&str> = field(object, &["spec", "disabledTLSValidations"])
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.as_str())
+            .collect();
+        let insecure = match disabled.as_slice() {
+            [] => false,
+            ["*"] => true,
+            other => {
+                return Err(format!(
+                    "spec.disabledTLSValidations {other:?}: only [\"*\"] (no verification) is supported"
+                ));
+            }
+        };
+        let ca = text(&["spec", "caBundle"]).map(str::to_string);
+        let proxy = text(&["spec", "proxyURL"]).map(str::to_string);
+        let version = version_of(&(&server, &ca, &proxy, insecure, token_version));
+        let kubeconfig = Kubeconfig {
+            clusters: vec![NamedCluster {
+                name: "member".into(),
+                cluster: Some(kube::config::Cluster {
+                    server: Some(server),
+                    certificate_authority_data: ca,
+                    insecure_skip_tls_verify: insecure.then_some(true),
+                    proxy_url: proxy,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            auth_infos: vec![NamedAuthInfo {
+                name: "member".into(),
+                auth_info: Some(AuthInfo {
+                    token: Some(token.into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            contexts: vec![NamedContext {
+                name: "member".into(),
+                context: Some(Context {
+                    cluster: "member".into(),
+                    user: Some("member".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            current_context: Some("member".into()),
+            ..Default::default()
+        };
+        Ok((version, kubeconfig))
+    }
+
+    fn build(
+        &self,
+        name: ClusterName,
+        kubeconfig: Kubeconfig,
+    ) -> impl Future<Output = Result<Cluster<ClusterName>, String>> + Send + 'static {
+        super::cluster_from_kubeconfig(name, kubeconfig, None)
+    }
+}

@@ -1,0 +1,494 @@
+//! The Cluster Inventory API provider against real apiservers with the Cluster Inventory
+//! API's own `ClusterProfile` CRD and its reference KEP-5339 exec plugin `secretreader`,
+//! both from `sigs.k8s.io/cluster-inventory-api` (fetched and built by
+//! `scripts/provider-assets.sh`): a hub holding profiles (and the tokens the plugin hands
+//! out) for member clusters.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use base64::Engine;
+use common::*;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use multicluster_runtime::providers::{AccessProviders, ClusterInventory};
+use multicluster_runtime::testenv::{TestCluster, TestEnv};
+use multicluster_runtime::{Builder, Manager};
+use serde_json::json;
+
+/// The provider assets' directory.
+fn assets() -> String {
+    std::env::var("MCR_PROVIDER_ASSETS").expect(
+        "MCR_PROVIDER_ASSETS names the directory scripts/provider-assets.sh prints (scripts/test.sh sets it)",
+    )
+}
+
+fn profiles() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "ClusterProfile"),
+        "clusterprofiles",
+    )
+}
+
+/// A `ClusterProfile` in namespace `fleet`.
+fn profile(name: &str) -> DynamicObject {
+    DynamicObject::new(name, &profiles())
+        .within("fleet")
+        .data(json!({"spec": {"clusterManager": {"name": "test-manager"}}}))
+}
+
+/// Sets the profile's status: `ControlPlaneHealthy` as `healthy`, and `access` as
+/// `status.accessProviders`.
+async fn set_status(
+    profiles: &Api<DynamicObject>,
+    name: &str,
+    healthy: bool,
+    access: serde_json::Value,
+) {
+    let condition = json!({
+        "type": "ControlPlaneHealthy",
+        "status": if healthy { "True" } else { "False" },
+        "reason": if healthy { "Healthy" } else { "Unhealthy" },
+        "message": "set by the test",
+        "lastTransitionTime": "2026-11-24T00:00:00Z",
+    });
+    profiles
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"status": {"conditions": [condition], "accessProviders": access}}),
+            ),
+        )
+        .await
+        .unwrap();
+}
+
+/// An access provider entry of a profile: `provider` reaches `member`, and hands the
+/// plugin `config` (the exec extension) plus `more` extensions.
+fn access(
+    provider: &str,
+    member: &TestCluster,
+    config: serde_json::Value,
+    more: &[(&str, serde_json::Value)],
+) -> serde_json::Value {
+    let mut extensions =
+        vec![json!({"name": "client.authentication.k8s.io/exec", "extension": config})];
+    extensions.extend(
+        more.iter()
+            .map(|(name, value)| json!({"name": name, "extension": value})),
+    );
+    json!({
+        "name": provider,
+        "cluster": {
+            "server": member.server(),
+            "certificate-authority-data": base64::engine::general_purpose::STANDARD.encode(member.ca_pem()),
+            "extensions": extensions,
+        }
+    })
+}
+
+/// The Secret `secretreader` reads for `cluster_name`: `default/<cluster_name>`, key `token`.
+async fn store_token(hub: &kube::Client, cluster_name: &str, token: &str) {
+    let secrets: Api<Secret> = Api::namespaced(hub.clone(), "default");
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(cluster_name.into()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            "token".to_string(),
+            ByteString(token.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    };
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_file() {
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let (hub, east, west) = (
+        env.cluster(0).unwrap(),
+        env.cluster(1).unwrap(),
+        env.cluster(2).unwrap(),
+    );
+    let hc = hub.client().unwrap();
+    let (east_client, west_client) = (east.client().unwrap(), west.client().unwrap());
+    fixture(&east_client).await;
+    fixture(&west_client).await;
+    let crd =
+        std::fs::read_to_string(format!("{}/crds/cluster-inventory-api.yaml", assets())).unwrap();
+    hub.install_crds(&crd).await.unwrap();
+    create_namespace(&hc, "fleet").await;
+
+    // The members' credentials: service account tokens, kept on the hub where the plugin
+    // (running with the hub's kubeconfig) reads them.
+    store_token(
+        &hc,
+        "east-token",
+        &service_account_token(&east, "reader-east").await,
+    )
+    .await;
+    store_token(
+        &hc,
+        "west-token",
+        &service_account_token(&west, "reader-west").await,
+    )
+    .await;
+
+    // The operator's file: `secretreader` with the hub's kubeconfig; `profile-env` is the
+    // same plugin pointed at no kubeconfig, which a profile may replace (policy Replace).
+    let plugin = format!("{}/bin/secretreader-plugin", assets());
+    let hub_kubeconfig = hub.kubeconfig_path().display().to_string();
+    let providers = AccessProviders::from_json(
+        &json!({"providers": [
+            {"name": "secretreader", "execConfig": {
+                "apiVersion": "client.authentication.k8s.io/v1", "command": plugin,
+                "provideClusterInfo": true,
+                "env": [{"name": "KUBECONFIG", "value": hub_kubeconfig}]}},
+            {"name": "profile-env", "execConfig": {
+                "apiVersion": "client.authentication.k8s.io/v1", "command": plugin,
+                "provideClusterInfo": true,
+                "env": [{"name": "KUBECONFIG", "value": "/nonexistent/kubeconfig"}]},
+             "profileSourcedEnvVarsPolicy": "Replace"},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+
+    let profiles: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "fleet", &profiles());
+    let pp = PostParams::default();
+    // east lists both providers; the file's order picks secretreader. Not healthy yet.
+    profiles.create(&pp, &profile("east")).await.unwrap();
+    set_status(
+        &profiles,
+        "east",
+        false,
+        json!([
+            access(
+                "profile-env",
+                &east,
+                json!({"clusterName": "nothing-here"}),
+                &[]
+            ),
+            access(
+                "secretreader",
+                &east,
+                json!({"clusterName": "east-token"}),
+                &[]
+            ),
+        ]),
+    )
+    .await;
+
+    let manager = Arc::new(Manager::new(
+        ClusterInventory::with_access_providers(hc.clone(), providers).namespace("fleet"),
+    ));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+
+    // west, created after the start, lists only profile-env and gives the plugin the hub's
+    // kubeconfig through the additional-envs extension: it authenticates only because the
+    // policy lets the profile's value replace the operator's.
+    profiles.create(&pp, &profile("west")).await.unwrap();
+    set_status(
+        &profiles,
+        "west",
+        true,
+        json!([access(
+            "profile-env",
+            &west,
+            json!({"clusterName": "west-token"}),
+            &[(
+                "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs",
+                json!({"KUBECONFIG": hub_kubeconfig})
+            )],
+        )]),
+    )
+    .await;
+    eventually(30, "west fed", async || {
+        is_fed(&west_client, "zoo", "elephant").await
+    })
+    .await;
+    // What authenticates is the token the plugin read from the hub.
+    assert_eq!(
+        identity(&manager, "fleet/west").await.as_deref(),
+        Some("system:serviceaccount:default:reader-west")
+    );
+    // Sync point: east was listed before west was created, and it is not healthy.
+    assert_eq!(manager.fleet().ids(), [name("fleet/west")]);
+    assert!(!is_fed(&east_client, "zoo", "elephant").await);
+
+    let east_access = |token: &str| {
+        json!([
+            access(
+                "profile-env",
+                &east,
+                json!({"clusterName": "nothing-here"}),
+                &[]
+            ),
+            access("secretreader", &east, json!({"clusterName": token}), &[]),
+        ])
+    };
+    set_status(&profiles, "east", true, east_access("east-token")).await;
+    eventually(30, "east fed once healthy", async || {
+        is_fed(&east_client, "zoo", "elephant").await
+    })
+    .await;
+    assert_eq!(
+        identity(&manager, "fleet/east").await.as_deref(),
+        Some("system:serviceaccount:default:reader-east")
+    );
+
+    // Rotation: the profile now points the plugin at another token (another account).
+    store_token(
+        &hc,
+        "east-token-2",
+        &service_account_token(&east, "rotated-east").await,
+    )
+    .await;
+    set_status(&profiles, "east", true, east_access("east-token-2")).await;
+    eventually(
+        30,
+        "east re-engaged with the rotated credentials",
+        async || {
+            identity(&manager, "fleet/east").await.as_deref()
+                == Some("system:serviceaccount:default:rotated-east")
+        },
+    )
+    .await;
+
+    // Not healthy: disengaged; healthy again: engaged again.
+    set_status(&profiles, "east", false, east_access("east-token-2")).await;
+    eventually(30, "east disengaged when unhealthy", async || {
+        manager.fleet().ids() == [name("fleet/west")]
+    })
+    .await;
+    set_status(&profiles, "east", true, east_access("east-token-2")).await;
+    eventually(30, "east engaged again", async || {
+        manager.fleet().ids().contains(&name("fleet/east"))
+    })
+    .await;
+
+    // Bad input, each reported on its profile: an access provider the controller is not
+    // configured for, and the plugin failing (no token Secret for it to read).
+    for bad in ["foreign", "failing"] {
+        profiles.create(&pp, &profile(bad)).await.unwrap();
+    }
+    let foreign = json!([{"name": "someone-elses", "cluster": {"server": east.server()}}]);
+    set_status(&profiles, "foreign", true, foreign).await;
+    set_status(
+        &profiles,
+        "failing",
+        true,
+        json!([access(
+            "secretreader",
+            &west,
+            json!({"clusterName": "no-such-token"}),
+            &[]
+        )]),
+    )
+    .await;
+    for (object, note) in [("foreign", "someone-elses"), ("failing", "plugin")] {
+        eventually(
+            30,
+            &format!("a Warning Event on ClusterProfile {object}"),
+            async || has_event(&hc, "fleet", "KubeconfigRefused", object, note).await,
+        )
+        .await;
+    }
+    assert_eq!(
+        manager.fleet().ids(),
+        [name("fleet/east"), name("fleet/west")]
+    );
+
+    // The missing token appears, the profile unchanged: the failed build is tried again
+    // (after 5 s, then 10, 20, ...) and failing is engaged.
+    store_token(
+        &hc,
+        "no-such-token",
+        &service_account_token(&west, "late-west").await,
+    )
+    .await;
+    eventually(60, "failing engaged once its token exists", async || {
+        identity(&manager, "fleet/failing").await.as_deref()
+            == Some("system:serviceaccount:default:late-west")
+    })
+    .await;
+
+    // Deletion: west leaves, the others stay.
+    profiles
+        .delete("west", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "west disengaged when deleted", async || {
+        !manager.fleet().ids().contains(&name("fleet/west"))
+    })
+    .await;
+    assert_eq!(
+        manager.fleet().ids(),
+        [name("fleet/east"), name("fleet/failing")]
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+/// A kubeconfig Secret of the Secret strategy for consumer `mcr`.
+fn labelled_secret(name: &str, profile: &str, consumer: &str, config: &str) -> Secret {
+    Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(BTreeMap::from([
+                (
+                    "x-k8s.io/cluster-inventory-consumer".to_string(),
+                    consumer.to_string(),
+                ),
+                ("x-k8s.io/cluster-profile".to_string(), profile.to_string()),
+            ])),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            "Config".to_string(),
+            ByteString(config.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profiles_are_reached_through_labelled_kubeconfig_secrets() {
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let (hub, east, west) = (
+        env.cluster(0).unwrap(),
+        env.cluster(1).unwrap(),
+        env.cluster(2).unwrap(),
+    );
+    let hc = hub.client().unwrap();
+    let crd =
+        std::fs::read_to_string(format!("{}/crds/cluster-inventory-api.yaml", assets())).unwrap();
+    hub.install_crds(&crd).await.unwrap();
+    create_namespace(&hc, "fleet").await;
+    let profiles: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "fleet", &profiles());
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "fleet");
+    let pp = PostParams::default();
+    for name in ["east", "twice", "broken", "lonely"] {
+        profiles.create(&pp, &profile(name)).await.unwrap();
+        set_status(&profiles, name, true, json!([])).await;
+    }
+    secrets
+        .create(
+            &pp,
+            &labelled_secret("east-for-mcr", "east", "mcr", east.kubeconfig()),
+        )
+        .await
+        .unwrap();
+    // Another consumer's Secret for east is not ours.
+    secrets
+        .create(
+            &pp,
+            &labelled_secret("east-for-other", "east", "other", west.kubeconfig()),
+        )
+        .await
+        .unwrap();
+    for n in ["1", "2"] {
+        secrets
+            .create(
+                &pp,
+                &labelled_secret(&format!("twice-{n}"), "twice", "mcr", east.kubeconfig()),
+            )
+            .await
+            .unwrap();
+    }
+    secrets
+        .create(
+            &pp,
+            &labelled_secret("broken-for-mcr", "broken", "mcr", "clusters: [ {"),
+        )
+        .await
+        .unwrap();
+
+    let manager = Arc::new(Manager::new(
+        ClusterInventory::with_secrets(hc.clone(), "mcr").namespace("fleet"),
+    ));
+    let run = spawn_manager(&manager);
+    let server_of = |name: &str| {
+        manager
+            .cluster(&common::name(name))
+            .and_then(|c| c.config().map(|c| c.cluster_url.to_string()))
+            .map(|s| s.trim_end_matches('/').to_string())
+    };
+    eventually(30, "east engaged from its Secret", async || {
+        server_of("fleet/east").as_deref() == Some(east.server())
+    })
+    .await;
+    for (object, note) in [
+        ("twice", "2 Secrets"),
+        ("broken", "line"),
+        ("lonely", "no Secret"),
+    ] {
+        eventually(
+            30,
+            &format!("a Warning Event on ClusterProfile {object}"),
+            async || has_event(&hc, "fleet", "KubeconfigRefused", object, note).await,
+        )
+        .await;
+    }
+    assert_eq!(manager.fleet().ids(), [name("fleet/east")]);
+
+    // Rotation: east's Secret now reaches the west apiserver; the profile is untouched.
+    secrets
+        .replace(
+            "east-for-mcr",
+            &pp,
+            &labelled_secret("east-for-mcr", "east", "mcr", west.kubeconfig()),
+        )
+        .await
+        .unwrap();
+    eventually(
+        30,
+        "east re-engaged with the rotated kubeconfig",
+        async || server_of("fleet/east").as_deref() == Some(west.server()),
+    )
+    .await;
+
+    // One of twice's Secrets goes: twice is engaged.
+    secrets
+        .delete("twice-2", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "twice engaged once one Secret is left", async || {
+        manager.fleet().ids() == [name("fleet/east"), name("fleet/twice")]
+    })
+    .await;
+
+    // Unhealthy, then deleted.
+    set_status(&profiles, "twice", false, json!([])).await;
+    eventually(30, "twice disengaged when unhealthy", async || {
+        manager.fleet().ids() == [name("fleet/east")]
+    })
+    .await;
+    profiles
+        .delete("east", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "east disengaged when deleted", async || {
+        manager.fleet().ids().is_empty()
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
+}
