@@ -282,6 +282,30 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
     })
     .await;
 
+    // The CRD types an extension as an object: the additional-args extension, a list, is
+    // refused by the API server (so a controller only ever sees it from other sources).
+    let args = access(
+        "secretreader",
+        &east,
+        json!({"clusterName": "east-token-2"}),
+        &[(
+            "clusterprofiles.multicluster.x-k8s.io/exec/additional-args",
+            json!(["--verbose"]),
+        )],
+    );
+    let refused = profiles
+        .patch_status(
+            "east",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"accessProviders": [args]}})),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, kube::Error::Api(status) if status.code == 422),
+        "{refused}"
+    );
+
     // Bad input, each reported on its profile: an access provider the controller is not
     // configured for, and the plugin failing (no token Secret for it to read).
     for bad in ["foreign", "failing"] {
