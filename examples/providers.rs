@@ -6,7 +6,7 @@
 //! ```sh
 //! scripts/example.sh providers                      # all of them
 //! scripts/example.sh providers namespaces secrets   # some: nop multi file secrets cluster-api
-//!                                                   # cluster-inventory kubefed namespaces kind
+//!                                                   # cluster-inventory kubefed identity namespaces kind
 //! ```
 //!
 //! The `kind` demo runs a stand-in `kind` script (there is no container engine here) that
@@ -682,6 +682,63 @@ async fn multi() -> Result {
     demo.finish().await
 }
 
+/// `ById`: the clusters of another provider (here `Clusters`, by hand) named by their own
+/// KEP-2149 id, read from their `ClusterProperty` objects (a CRD written from the KEP).
+async fn identity() -> Result {
+    use kube::api::{DynamicObject, Patch};
+    use multicluster_runtime::ClusterIdentity;
+    use multicluster_runtime::providers::ById;
+    let env = env(2).await?;
+    let set_id = async |member: &TestCluster, id: &str| -> Result {
+        let object = serde_json::json!({
+            "apiVersion": "about.k8s.io/v1alpha1", "kind": "ClusterProperty",
+            "metadata": {"name": "cluster.clusterset.k8s.io"}, "spec": {"value": id},
+        });
+        Api::<DynamicObject>::all_with(member.client()?, &ClusterIdentity::resource())
+            .patch(
+                "cluster.clusterset.k8s.io",
+                &PatchParams::apply("demo").force(),
+                &Patch::Apply(object),
+            )
+            .await?;
+        Ok(())
+    };
+    for (i, id) in [(0, "alpha"), (1, "beta")] {
+        let member = cluster(&env, i)?;
+        member
+            .install_crds(include_str!("../tests/crds/clusterproperty.yaml"))
+            .await?;
+        set_id(&member, id).await?;
+    }
+    let by_hand = Clusters::new();
+    let demo = Demo::start(Manager::new(ById::new(by_hand.clone())));
+    for (i, name) in [(0, "prod-eu"), (1, "prod-us")] {
+        by_hand.add(Cluster::from_config(
+            ClusterName::from(name),
+            cluster(&env, i)?.config(),
+        )?)?;
+    }
+    println!("  clusters prod-eu and prod-us added, with ids alpha and beta:");
+    demo.fed("alpha", 3).await?;
+    demo.fed("beta", 3).await?;
+    println!("  prod-eu renamed europe by its provider; the fleet still calls it alpha:");
+    let alpha = ClusterName::from("alpha");
+    let before = demo.manager.cluster(&alpha).ok_or("alpha is not engaged")?;
+    by_hand.remove(&ClusterName::from("prod-eu"));
+    by_hand.add(Cluster::from_config(
+        ClusterName::from("europe"),
+        cluster(&env, 0)?.config(),
+    )?)?;
+    wait_for("alpha engaged again from europe", || {
+        demo.manager
+            .cluster(&alpha)
+            .is_some_and(|c| !c.same_instance(&before))
+    })
+    .await?;
+    println!("  alpha engaged again, from europe");
+    demo.finish().await
+}
+
 #[tokio::main]
 async fn main() -> Result {
     tracing_subscriber::fmt()
@@ -697,6 +754,7 @@ async fn main() -> Result {
         "cluster-api",
         "cluster-inventory",
         "kubefed",
+        "identity",
         "namespaces",
         "kind",
     ];
@@ -715,6 +773,7 @@ async fn main() -> Result {
             "cluster-api" => cluster_api().await?,
             "cluster-inventory" => cluster_inventory().await?,
             "kubefed" => kubefed().await?,
+            "identity" => identity().await?,
             "namespaces" => namespaces().await?,
             "kind" => kind().await?,
             other => return Err(format!("unknown provider {other:?}; one of {all:?}").into()),

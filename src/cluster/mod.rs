@@ -8,6 +8,7 @@ mod backoff;
 mod cache;
 mod client;
 mod id;
+mod identity;
 mod index;
 pub(crate) mod listing;
 mod source;
@@ -35,6 +36,8 @@ pub use cache::{Cache, CacheError};
 use client::{ClientLayer, ClientState, Forward};
 pub use client::{InvalidRateLimit, RateLimit};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
+pub use identity::ClusterIdentity;
+pub(crate) use identity::value_of as property_value;
 pub(crate) use index::Indexer;
 #[cfg(test)]
 pub(crate) use source::map_event;
@@ -76,6 +79,8 @@ struct Inner<C: ClusterId> {
     /// Event recorders by reporter, made on first use; they keep their series of repeated
     /// Events for as long as the cluster instance lives.
     recorders: Mutex<HashMap<Reporter, Recorder>>,
+    /// What the cluster says it is, where a provider reads it.
+    identity: Mutex<Option<ClusterIdentity>>,
 }
 
 /// A cluster's client: built with its layer, or (for a client given to [`Cluster::new`])
@@ -349,6 +354,7 @@ impl<C: ClusterId> Cluster<C> {
                 source,
                 attachment: Mutex::new(Attachment::default()),
                 recorders: Mutex::new(HashMap::new()),
+                identity: Mutex::new(None),
             }),
         }
     }
@@ -439,6 +445,17 @@ impl<C: ClusterId> Cluster<C> {
         WeakCluster {
             inner: Arc::downgrade(&self.inner),
         }
+    }
+
+    /// What the cluster says it is (KEP-2149), where its provider reads it
+    /// ([`Identified`](crate::providers::Identified), [`ById`](crate::providers::ById)):
+    /// kept up to date while it is engaged; `None` where nothing reads it.
+    pub fn identity(&self) -> Option<ClusterIdentity> {
+        lock(&self.inner.identity).clone()
+    }
+
+    pub(crate) fn set_identity(&self, identity: Option<ClusterIdentity>) {
+        *lock(&self.inner.identity) = identity;
     }
 
     /// Whether `self` and `other` are the same instance (not merely the same id).

@@ -12,6 +12,8 @@
 //! | [`ClusterInventory`] | one per healthy Cluster Inventory API `ClusterProfile` of a hub, through the operator's access providers (KEP-5339 exec plugins) or labelled kubeconfig Secrets | `<namespace>/<name>` | fleets registered by a cluster manager (OCM, Fleet, ...) |
 //! | [`KubeFed`] | one per ready KubeFed `KubeFedCluster` of the KubeFed system namespace of a hub, with the token of its Secret | `<namespace>/<name>` | fleets joined to KubeFed |
 //! | [`Namespaces`] | every namespace of a host cluster (optionally those matching a label selector) | the namespace | local fleets, tenants as namespaces; one watch per kind for all namespaces, scoped clients |
+//! | [`Identified`] | those of another provider, with their KEP-2149 identity (`ClusterProperty`), optionally only one ClusterSet's | the other provider's | identity on each cluster |
+//! | [`ById`] | those of another provider that have a KEP-2149 id, optionally only one ClusterSet's | the cluster's own id (`cluster.clusterset.k8s.io`) | names that survive renames |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
 mod cluster_api;
@@ -20,6 +22,7 @@ mod clusters;
 #[cfg(feature = "file")]
 mod file;
 mod hub;
+mod identity;
 #[cfg(feature = "kind")]
 mod kind;
 mod kubeconfig;
@@ -35,6 +38,7 @@ pub use cluster_inventory::{AccessProviders, AccessProvidersError, ClusterInvent
 pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
+pub use identity::{ById, Identified};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
 #[cfg(feature = "fuzzing")]
