@@ -222,6 +222,29 @@ async fn kubefed_clusters_engage_when_ready_follow_their_token_and_leave_when_de
     })
     .await;
 
+    // Joined again elsewhere: east's object now names west's endpoint, CA and Secret.
+    let moved = member("east", &west, "west-secret");
+    objects
+        .patch(
+            "east",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": moved.data["spec"]})),
+        )
+        .await
+        .unwrap();
+    eventually(30, "east re-engaged at west's endpoint", async || {
+        identity(&manager, &format!("{NS}/east")).await.as_deref()
+            == Some("system:serviceaccount:default:kubefed-west")
+    })
+    .await;
+    let server = manager
+        .cluster(&name(&format!("{NS}/east")))
+        .and_then(|c| c.config().map(|c| c.cluster_url.to_string()));
+    assert_eq!(
+        server.as_deref().map(|s| s.trim_end_matches('/')),
+        Some(west.server())
+    );
+
     // Unjoined: west leaves, the others stay.
     objects
         .delete("west", &DeleteParams::default())
