@@ -12,7 +12,7 @@ use std::sync::Arc;
 use base64::Engine;
 use common::*;
 use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use multicluster_runtime::providers::{AccessProviders, ClusterInventory};
 use multicluster_runtime::testenv::{TestCluster, TestEnv};
@@ -91,7 +91,8 @@ fn access(
     })
 }
 
-/// The Secret `secretreader` reads for `cluster_name`: `default/<cluster_name>`, key `token`.
+/// Writes the Secret `secretreader` reads for `cluster_name`: `default/<cluster_name>`, key
+/// `token` (created, or its token replaced).
 async fn store_token(hub: &kube::Client, cluster_name: &str, token: &str) {
     let secrets: Api<Secret> = Api::namespaced(hub.clone(), "default");
     let secret = Secret {
@@ -106,7 +107,11 @@ async fn store_token(hub: &kube::Client, cluster_name: &str, token: &str) {
         ..Default::default()
     };
     secrets
-        .create(&PostParams::default(), &secret)
+        .patch(
+            cluster_name,
+            &PatchParams::apply("cluster-inventory-test").force(),
+            &Patch::Apply(secret),
+        )
         .await
         .unwrap();
 }
@@ -281,6 +286,41 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
         manager.fleet().ids().contains(&name("fleet/east"))
     })
     .await;
+
+    // Rotation behind the plugin, the profile unchanged: the token Secret it names gets
+    // another account's token and the old account is deleted (its tokens revoked). The next
+    // request is answered 401, the plugin runs again (as client-go does) and reads the new
+    // token; the cluster is not engaged again.
+    let engaged = manager.cluster(&name("fleet/east")).unwrap();
+    assert_eq!(
+        identity(&manager, "fleet/east").await.as_deref(),
+        Some("system:serviceaccount:default:rotated-east")
+    );
+    store_token(
+        &hc,
+        "east-token-2",
+        &service_account_token(&east, "rotated-again").await,
+    )
+    .await;
+    Api::<ServiceAccount>::namespaced(east_client.clone(), "default")
+        .delete("rotated-east", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        60,
+        "east authenticated with the token the plugin read again",
+        async || {
+            identity(&manager, "fleet/east").await.as_deref()
+                == Some("system:serviceaccount:default:rotated-again")
+        },
+    )
+    .await;
+    assert!(
+        manager
+            .cluster(&name("fleet/east"))
+            .unwrap()
+            .same_instance(&engaged)
+    );
 
     // The CRD types an extension as an object: the additional-args extension, a list, is
     // refused by the API server (so a controller only ever sees it from other sources).

@@ -11,6 +11,7 @@ mod id;
 mod identity;
 mod index;
 pub(crate) mod listing;
+mod reauth;
 mod source;
 mod store;
 mod transform;

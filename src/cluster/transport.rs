@@ -675,6 +675,28 @@ where
     }
 }
 
+/// kube's authentication for `config`; for an exec plugin's credentials, one that runs the
+/// plugin again after a 401 (see `reauth`).
+fn auth_layer(
+    config: &kube::Config,
+) -> Result<
+    tower::util::Either<
+        super::reauth::ReauthLayer,
+        tower::util::Either<kube::client::middleware::AuthLayer, tower::layer::util::Identity>,
+    >,
+    kube::Error,
+> {
+    use tower::util::Either;
+    Ok(if config.auth_info.exec.is_some() {
+        Either::Left(super::reauth::ReauthLayer::new(config)?)
+    } else {
+        Either::Right(match config.auth_layer()? {
+            Some(layer) => Either::Left(layer),
+            None => Either::Right(tower::layer::util::Identity::new()),
+        })
+    })
+}
+
 /// A client for `config` whose requests go through `transport`, behind `outer` (the
 /// cluster's own layer) and kube's per-client layers: base URI, retries (if the
 /// configuration asks for them), authentication, extra and impersonation headers.
@@ -690,7 +712,7 @@ pub(crate) fn client(
         .layer(outer)
         .layer(config.base_uri_layer())
         .option_layer(retry)
-        .option_layer(config.auth_layer()?)
+        .layer(auth_layer(config)?)
         .layer(config.extra_headers_layer()?)
         .service(Shared(transport));
     Ok(kube::Client::new(service, config.default_namespace.clone()))

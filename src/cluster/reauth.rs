@@ -1,0 +1,166 @@
+//! Credentials from an exec plugin, asked for again when the server stops accepting them.
+//!
+//! kube-client runs an exec credential plugin once, when the client is built, and keeps a
+//! token that came without an expiry for the life of the client. client-go runs the plugin
+//! again when a request is answered 401 Unauthorized: that is how a credential rotated
+//! behind the plugin (a token Secret on a hub, a cloud session) reaches a running client.
+//! [`ReauthLayer`] does the same for the clients this crate builds: kube's own
+//! authentication layer, made again (the plugin run again, off the async workers) for the
+//! request after a 401.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use kube::client::middleware::AuthLayer;
+use kube::client::{Body, ConfigExt};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
+
+use crate::sync::lock;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A 401 to credentials younger than this does not run the plugin again (a plugin whose
+/// source was not rotated yet would be run for every request).
+const MIN_AGE: Duration = Duration::from_secs(5);
+/// How long the plugin may take.
+const PLUGIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The authentication of a config whose user is an exec plugin.
+pub(crate) struct ReauthLayer {
+    state: Arc<State>,
+}
+
+struct State {
+    config: kube::Config,
+    /// The layer in use and when it was made; `None` once a 401 retired it.
+    current: Mutex<Option<Current>>,
+    /// One plugin run at a time.
+    making: tokio::sync::Mutex<()>,
+}
+
+#[derive(Clone)]
+struct Current {
+    /// `None`: the plugin answered with a client certificate (used by the TLS set-up), no
+    /// header to add.
+    layer: Arc<Option<AuthLayer>>,
+    made: Instant,
+}
+
+impl ReauthLayer {
+    /// Runs the plugin once now (as kube does when it builds a client), so that a plugin
+    /// that fails is an error of the client's construction.
+    pub(crate) fn new(config: &kube::Config) -> Result<Self, kube::Error> {
+        let layer = config.auth_layer()?;
+        Ok(Self {
+            state: Arc::new(State {
+                config: config.clone(),
+                current: Mutex::new(Some(Current {
+                    layer: Arc::new(layer),
+                    made: Instant::now(),
+                })),
+                making: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+}
+
+impl State {
+    /// The layer to use: the current one, or a new one (the plugin run again).
+    async fn current(&self) -> Result<Current, BoxError> {
+        if let Some(current) = lock(&self.current).clone() {
+            return Ok(current);
+        }
+        let _making = self.making.lock().await;
+        if let Some(current) = lock(&self.current).clone() {
+            return Ok(current);
+        }
+        let config = self.config.clone();
+        let run = tokio::task::spawn_blocking(move || config.auth_layer());
+        let layer = match tokio::time::timeout(PLUGIN_TIMEOUT, run).await {
+            Ok(Ok(Ok(layer))) => layer,
+            Ok(Ok(Err(error))) => return Err(Box::new(error)),
+            Ok(Err(error)) => return Err(Box::new(error)),
+            Err(_) => {
+                return Err(format!(
+                    "the exec credential plugin did not answer within {} s",
+                    PLUGIN_TIMEOUT.as_secs()
+                )
+                .into());
+            }
+        };
+        tracing::debug!(server = %self.config.cluster_url, "exec credential plugin run again after a 401");
+        let current = Current {
+            layer: Arc::new(layer),
+            made: Instant::now(),
+        };
+        *lock(&self.current) = Some(current.clone());
+        Ok(current)
+    }
+
+    /// The server refused the credentials of `used`: the next request runs the plugin
+    /// again, unless they are newer than [`MIN_AGE`] or were retired already.
+    fn refused(&self, used: &Current) {
+        let mut current = lock(&self.current);
+        if current
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(&c.layer, &used.layer) && c.made.elapsed() >= MIN_AGE)
+        {
+            *current = None;
+        }
+    }
+}
+
+impl<S> Layer<S> for ReauthLayer {
+    type Service = Reauth<S>;
+
+    fn layer(&self, inner: S) -> Reauth<S> {
+        Reauth {
+            state: self.state.clone(),
+            inner,
+        }
+    }
+}
+
+/// See [`ReauthLayer`].
+#[derive(Clone)]
+pub(crate) struct Reauth<S> {
+    state: Arc<State>,
+    inner: S,
+}
+
+impl<S, B> Service<Request<Body>> for Reauth<S>
+where
+    S: Service<Request<Body>, Response = Response<B>, Error = BoxError> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<B>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<B>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // The inner service is cloned per request and made ready there.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let state = self.state.clone();
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let current = state.current().await?;
+            let response = match current.layer.as_ref() {
+                Some(layer) => layer.layer(inner).oneshot(request).await?,
+                None => inner.oneshot(request).await?,
+            };
+            if response.status() == StatusCode::UNAUTHORIZED {
+                state.refused(&current);
+            }
+            Ok(response)
+        })
+    }
+}
