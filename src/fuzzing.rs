@@ -17,13 +17,14 @@ use crate::providers::{ApiPath, File, Multi, Target, Trust};
 use crate::{Action, ClusterName, Request, SingleCluster};
 
 /// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
-pub const TARGETS: [&str; 6] = [
+pub const TARGETS: [&str; 7] = [
     "request_text",
     "cluster_names",
     "queue",
     "kubeconfig",
     "namespace_scope",
     "object_decoding",
+    "access_providers",
 ];
 
 /// Runs the target called `name` on `data`; false for an unknown name.
@@ -35,6 +36,7 @@ pub fn run(name: &str, data: &[u8]) -> bool {
         "kubeconfig" => kubeconfig(data),
         "namespace_scope" => namespace_scope(data),
         "object_decoding" => object_decoding(data),
+        "access_providers" => access_providers(data),
         _ => return false,
     }
     true
@@ -508,5 +510,92 @@ pub fn object_decoding(data: &[u8]) {
     if let Ok(text) = std::str::from_utf8(data) {
         check::<ConfigMap>(text);
         check::<DynamicObject>(text);
+    }
+}
+
+/// 7. The Cluster Inventory API's access providers: an operator's file (`from_json`) and a
+///    profile's status, both arbitrary (NUL-separated; an unusable file is replaced by a
+///    fixed one with every policy). Never a panic; when a kubeconfig comes out, its access
+///    provider is the first of the file's order that the profile lists, it runs that
+///    provider's command, the plugin's arguments start with the file's (and are exactly
+///    them unless the policy is `Append`), and every variable of the file is there, with the
+///    file's value unless the policy is `Replace`.
+pub fn access_providers(data: &[u8]) {
+    use crate::providers::AccessProviders;
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+
+    const FIXED: &str = r#"{"providers": [
+        {"name": "a", "execConfig": {"command": "/a", "args": ["--a"],
+         "env": [{"name": "A", "value": "file"}]}},
+        {"name": "b", "execConfig": {"command": "/b", "args": ["--b"],
+         "env": [{"name": "B", "value": "file"}]},
+         "profileSourcedCLIArgsPolicy": "Append", "profileSourcedEnvVarsPolicy": "Replace"},
+        {"name": "c", "execConfig": {"command": "/c"},
+         "profileSourcedEnvVarsPolicy": "AppendIfNotExists"}]}"#;
+    let [file, status] = <[String; 2]>::try_from(fields(data, 2)).expect("two fields");
+    let providers = AccessProviders::from_json(&file)
+        .unwrap_or_else(|_| AccessProviders::from_json(FIXED).expect("the fixed file parses"));
+    let Ok(status) = serde_json::from_str::<serde_json::Value>(&status) else {
+        return;
+    };
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "multicluster.x-k8s.io",
+        "v1alpha1",
+        "ClusterProfile",
+    ));
+    let profile = DynamicObject::new("p", &resource)
+        .within("ns")
+        .data(serde_json::json!({ "status": status }));
+    let Ok((name, kubeconfig)) = providers.kubeconfig_for(&profile) else {
+        return;
+    };
+    let listed = |list: &str| {
+        status[list]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e["name"].as_str())
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let profile_lists: Vec<String> =
+        [listed("accessProviders"), listed("credentialProviders")].concat();
+    let first = providers
+        .names()
+        .find(|n| profile_lists.iter().any(|l| l == n))
+        .expect("a provider was chosen, so the profile lists one of the file's");
+    assert_eq!(name, first);
+    let plugin = providers
+        .plugin_of(&name)
+        .expect("the chosen provider has a plugin");
+    let exec = kubeconfig.auth_infos[0]
+        .auth_info
+        .as_ref()
+        .and_then(|a| a.exec.as_ref())
+        .expect("an exec user");
+    assert_eq!(exec.command.as_deref(), Some(plugin.command));
+    let args = exec.args.clone().unwrap_or_default();
+    assert!(
+        args.starts_with(plugin.args),
+        "{args:?} after {:?}",
+        plugin.args
+    );
+    if !plugin.appends_args {
+        assert_eq!(args, plugin.args);
+    }
+    let env: Vec<(String, String)> = exec
+        .env
+        .iter()
+        .flatten()
+        .map(|v| (v["name"].clone(), v["value"].clone()))
+        .collect();
+    for (key, value) in plugin.env {
+        let got = env
+            .iter()
+            .find(|(k, _)| k == key)
+            .expect("the file's variable is kept");
+        if !plugin.replaces_env {
+            assert_eq!(&got.1, value);
+        }
     }
 }

@@ -165,6 +165,16 @@ pub struct AccessProviders {
     providers: Vec<AccessProvider>,
 }
 
+/// A provider's plugin as the file configures it.
+#[cfg(feature = "fuzzing")]
+pub(crate) struct PluginView<'a> {
+    pub(crate) command: &'a str,
+    pub(crate) args: &'a [String],
+    pub(crate) env: Vec<(&'a String, &'a String)>,
+    pub(crate) appends_args: bool,
+    pub(crate) replaces_env: bool,
+}
+
 /// One access provider of the operator's file.
 #[derive(Clone, Debug, Deserialize)]
 struct AccessProvider {
@@ -272,6 +282,25 @@ impl AccessProviders {
         Ok(parsed)
     }
 
+    /// Provider `name`'s plugin as the file configures it (for the fuzz target's checks).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn plugin_of(&self, name: &str) -> Option<PluginView<'_>> {
+        let provider = self.providers.iter().find(|p| p.name == name)?;
+        let exec = provider.exec.as_ref()?;
+        Some(PluginView {
+            command: &exec.command,
+            args: exec.args.as_deref().unwrap_or_default(),
+            env: exec
+                .env
+                .iter()
+                .flatten()
+                .map(|v| (&v.name, &v.value))
+                .collect(),
+            appends_args: provider.args_policy == ArgsPolicy::Append,
+            replaces_env: provider.envs_policy == EnvsPolicy::Replace,
+        })
+    }
+
     /// The providers' names, in the file's order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.providers.iter().map(|p| p.name.as_str())
@@ -281,7 +310,10 @@ impl AccessProviders {
     /// (credentialProviders, then accessProviders over them), the first of the operator's
     /// providers the profile lists, that provider's plugin with what the policies let the
     /// profile add. Returns the provider's name with the kubeconfig.
-    fn kubeconfig_for(&self, profile: &DynamicObject) -> Result<(String, Kubeconfig), String> {
+    pub(crate) fn kubeconfig_for(
+        &self,
+        profile: &DynamicObject,
+    ) -> Result<(String, Kubeconfig), String> {
         let mut entries: BTreeMap<String, &serde_json::Value> = BTreeMap::new();
         for list in ["credentialProviders", "accessProviders"] {
             for entry in field(profile, &["status", list])
