@@ -142,6 +142,25 @@ async fn a_fleet_keyed_by_cluster_id_follows_the_properties_across_renames() {
     .await;
     assert_eq!(server(&manager, "alpha").as_deref(), Some(a.server()));
 
+    // A second name for a's cluster (same endpoint and credentials) claims alpha too: it
+    // waits, and takes alpha over when the first name goes (a new instance, same server).
+    clusters.add(member("twin", &a)).unwrap();
+    let held = manager.cluster(&name("alpha")).unwrap();
+    eventually(30, "twin waits for alpha", async || {
+        !logs
+            .lines(&["not engaged", "twin", "holds the id alpha"])
+            .is_empty()
+    })
+    .await;
+    clusters.remove(&name("renamed-first"));
+    eventually(30, "alpha taken over by twin", async || {
+        manager
+            .cluster(&name("alpha"))
+            .is_some_and(|c| !c.same_instance(&held))
+    })
+    .await;
+    assert_eq!(server(&manager, "alpha").as_deref(), Some(a.server()));
+
     // c had no ClusterProperty kind; installed late with an id, it is engaged as gamma (its
     // property watch retries).
     c.install_crds(CRD).await.unwrap();
@@ -159,7 +178,7 @@ async fn a_fleet_keyed_by_cluster_id_follows_the_properties_across_renames() {
     })
     .await;
     assert_eq!(server(&manager, "alpha").as_deref(), Some(a.server()));
-    clusters.remove(&name("renamed-first"));
+    clusters.remove(&name("twin"));
     eventually(30, "alpha taken over by c", async || {
         server(&manager, "alpha").as_deref() == Some(c.server())
     })

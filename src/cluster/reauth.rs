@@ -29,6 +29,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const MIN_AGE: Duration = Duration::from_secs(5);
 /// How long the plugin may take.
 const PLUGIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a failed run stands before the plugin is run again.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// The authentication of a config whose user is an exec plugin.
 pub(crate) struct ReauthLayer {
@@ -41,6 +43,12 @@ struct State {
     current: Mutex<Option<Current>>,
     /// One plugin run at a time.
     making: tokio::sync::Mutex<()>,
+    /// A run that timed out and may still be going (its thread cannot be stopped): no
+    /// other starts until it ends.
+    running: Arc<std::sync::atomic::AtomicBool>,
+    /// When the last run failed, and why: requests meanwhile get that error for
+    /// [`RETRY_AFTER`] instead of a run each.
+    failed: Mutex<Option<(Instant, String)>>,
 }
 
 #[derive(Clone)]
@@ -64,6 +72,8 @@ impl ReauthLayer {
                     made: Instant::now(),
                 })),
                 making: tokio::sync::Mutex::new(()),
+                running: Arc::default(),
+                failed: Mutex::new(None),
             }),
         })
     }
@@ -79,20 +89,19 @@ impl State {
         if let Some(current) = lock(&self.current).clone() {
             return Ok(current);
         }
-        let config = self.config.clone();
-        let run = tokio::task::spawn_blocking(move || config.auth_layer());
-        let layer = match tokio::time::timeout(PLUGIN_TIMEOUT, run).await {
-            Ok(Ok(Ok(layer))) => layer,
-            Ok(Ok(Err(error))) => return Err(Box::new(error)),
-            Ok(Err(error)) => return Err(Box::new(error)),
-            Err(_) => {
-                return Err(format!(
-                    "the exec credential plugin did not answer within {} s",
-                    PLUGIN_TIMEOUT.as_secs()
-                )
-                .into());
+        if let Some((at, error)) = lock(&self.failed).as_ref()
+            && at.elapsed() < RETRY_AFTER
+        {
+            return Err(error.clone().into());
+        }
+        let layer = match self.run().await {
+            Ok(layer) => layer,
+            Err(error) => {
+                *lock(&self.failed) = Some((Instant::now(), error.clone()));
+                return Err(error.into());
             }
         };
+        *lock(&self.failed) = None;
         tracing::debug!(server = %self.config.cluster_url, "exec credential plugin run again after a 401");
         let current = Current {
             layer: Arc::new(layer),
@@ -100,6 +109,34 @@ impl State {
         };
         *lock(&self.current) = Some(current.clone());
         Ok(current)
+    }
+
+    /// Runs the plugin (through kube's construction of its auth layer) off the async
+    /// workers, for at most [`PLUGIN_TIMEOUT`].
+    async fn run(&self) -> Result<Option<AuthLayer>, String> {
+        use std::sync::atomic::Ordering;
+        if self.running.swap(true, Ordering::AcqRel) {
+            return Err("the exec credential plugin has not returned from an earlier run".into());
+        }
+        let config = self.config.clone();
+        let running = self.running.clone();
+        let run = tokio::task::spawn_blocking(move || {
+            let layer = config.auth_layer();
+            running.store(false, Ordering::Release);
+            layer
+        });
+        match tokio::time::timeout(PLUGIN_TIMEOUT, run).await {
+            Ok(Ok(Ok(layer))) => Ok(layer),
+            Ok(Ok(Err(error))) => Err(error.to_string()),
+            Ok(Err(error)) => {
+                self.running.store(false, Ordering::Release);
+                Err(error.to_string())
+            }
+            Err(_) => Err(format!(
+                "the exec credential plugin did not answer within {} s",
+                PLUGIN_TIMEOUT.as_secs()
+            )),
+        }
     }
 
     /// The server refused the credentials of `used`: the next request runs the plugin

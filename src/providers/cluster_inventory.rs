@@ -490,14 +490,18 @@ impl HubKind for Kind {
         match &self.access {
             Access::Providers(providers) => {
                 let (name, kubeconfig) = providers.kubeconfig_for(object)?;
-                // What the client would be built from; the plugin's answer is not known
-                // before it runs.
-                let cluster = serde_json::to_string(&kubeconfig.clusters).unwrap_or_default();
+                // What the client would be built from (the plugin's answer is not known
+                // before it runs), through `Value`, whose maps are sorted: the plugin's
+                // variables are hash maps, and written directly their order would vary.
+                let text = |v: serde_json::Result<serde_json::Value>| {
+                    v.map(|v| v.to_string()).unwrap_or_default()
+                };
+                let cluster = text(serde_json::to_value(&kubeconfig.clusters));
                 let user = kubeconfig.auth_infos[0]
                     .auth_info
                     .as_ref()
                     .and_then(|a| a.exec.as_ref())
-                    .map(|e| serde_json::to_string(e).unwrap_or_default());
+                    .map(|e| text(serde_json::to_value(e)));
                 Ok((
                     version_of(&(name, cluster, user)),
                     Recipe::Access(Box::new(kubeconfig)),
@@ -683,6 +687,28 @@ mod tests {
         let (_, again) = providers.kubeconfig_for(&profile(status)).unwrap();
         assert_eq!(env_of(exec_of(&again)), env_of(exec_of(&replaced)));
         assert_eq!(exec_of(&again).args, Some(vec!["--own".to_string()]));
+    }
+
+    /// The version decides whether the plugin runs again: the same profile must give the
+    /// same version every time (the plugin's variables were serialized in hash order).
+    #[test]
+    fn the_same_profile_gives_the_same_version() {
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a",
+                "env": [{"name": "ONE", "value": "1"}, {"name": "TWO", "value": "2"}]}}]}"#,
+        )
+        .unwrap();
+        let kind = Kind {
+            access: Access::Providers(providers),
+        };
+        let profile = profile(json!({
+            "accessProviders": [{"name": "a", "cluster": {"server": "https://a"}}],
+        }));
+        let version = |_| kind.recipe(&profile, &Secrets::default()).ok().unwrap().0;
+        let first = version(());
+        for _ in 0..20 {
+            assert_eq!(version(()), first);
+        }
     }
 
     #[test]

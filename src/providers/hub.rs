@@ -224,6 +224,9 @@ impl<K: HubKind> Engine<K> {
         let group = match kube::discovery::group(&self.host, K::GROUP).await {
             Ok(group) => group,
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
+            Err(kube::Error::Discovery(kube::error::DiscoveryError::MissingApiGroup(_))) => {
+                return Ok(None);
+            }
             Err(error) => return Err(error),
         };
         for version in K::VERSIONS {
@@ -294,7 +297,16 @@ impl<K: HubKind> Engine<K> {
         };
         match self.kind.recipe(object, &state.secrets) {
             Ok((version, recipe)) => {
-                if known.engaged == Some(version) || known.wanted == Some(version) {
+                if known.engaged == Some(version) {
+                    // Back to what is engaged: a build of something else in flight is
+                    // dropped when it lands, and a problem seen meanwhile is reported
+                    // again if it comes back.
+                    known.wanted = None;
+                    known.failed = None;
+                    known.reported = None;
+                    return Step::Nothing;
+                }
+                if known.wanted == Some(version) {
                     return Step::Nothing;
                 }
                 match &mut known.failed {

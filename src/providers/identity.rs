@@ -163,6 +163,16 @@ struct Outer<I: ClusterId, D: ClusterId> {
     source: Cluster<I>,
 }
 
+impl<I: ClusterId, D: ClusterId> Outer<I, D> {
+    /// Disengages the cluster now (if it is still the one engaged under its id), not when
+    /// the token's task gets to it: a cluster waiting for the id may take it in the same
+    /// pass, and one equal to this one would otherwise find it still engaged.
+    fn leave(&self, fleet: &Fleet<D>) {
+        fleet.disengage_instance(&self.cluster);
+        self.token.cancel();
+    }
+}
+
 /// What a property watch reports: the identity after a complete listing or a change.
 struct Report<I> {
     name: I,
@@ -218,9 +228,9 @@ async fn run<P: Provider, D: ClusterId>(
                 FleetEvent::Disengaged(engaged) => {
                     let id = engaged.cluster.id();
                     if members.get(id).is_some_and(|m| m.cluster.same_instance(&engaged.cluster))
-                        && let Some(Outer { token, .. }) = members.remove(id).and_then(|m| m.engaged)
+                        && let Some(outer) = members.remove(id).and_then(|m| m.engaged)
                     {
-                        token.cancel();
+                        outer.leave(&fleet);
                     }
                 }
             },
@@ -237,7 +247,7 @@ async fn run<P: Provider, D: ClusterId>(
     own.clear();
     for member in members.into_values() {
         if let Some(outer) = member.engaged {
-            outer.token.cancel();
+            outer.leave(&fleet);
         }
     }
     result
@@ -273,7 +283,7 @@ fn settle<I: ClusterId, D: ClusterId>(
         if let Some(outer) = &member.engaged
             && want.as_ref() != Some(&outer.id)
         {
-            outer.token.cancel();
+            outer.leave(fleet);
             member.engaged = None;
         }
         let Some(id) = want else {
