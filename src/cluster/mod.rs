@@ -739,7 +739,6 @@ impl<C: ClusterId> WeakCluster<C> {
 /// `AuthInfo`, secrets included: exec plugins, auth providers, impersonation). Timeouts and
 /// the like do not matter.
 fn same_endpoint_and_credentials(a: &kube::Config, b: &kube::Config) -> bool {
-    let auth = |c: &kube::Config| credentials(&c.auth_info);
     a.cluster_url == b.cluster_url
         && a.default_namespace == b.default_namespace
         && a.root_cert == b.root_cert
@@ -748,8 +747,7 @@ fn same_endpoint_and_credentials(a: &kube::Config, b: &kube::Config) -> bool {
         && a.accept_invalid_certs == b.accept_invalid_certs
         && a.proxy_url == b.proxy_url
         && a.headers == b.headers
-        && auth(a).is_some()
-        && auth(a) == auth(b)
+        && credentials(&a.auth_info).is_some_and(|auth| Some(auth) == credentials(&b.auth_info))
 }
 
 /// Everything in `auth` that decides as whom requests go, comparable: `AuthInfo` has no

@@ -95,17 +95,17 @@ impl ClusterApi {
 
 /// Cluster API's own readiness: the control plane is initialized.
 fn default_ready(cluster: &DynamicObject) -> bool {
-    let status = cluster.data.get("status");
-    let field = |path: &[&str]| path.iter().try_fold(status?, |v, key| v.get(key)).cloned();
+    let is_true = |path: &[&str]| hub::field(cluster, path).and_then(|v| v.as_bool()) == Some(true);
     let v1beta2 = cluster
         .types
         .as_ref()
         .is_none_or(|t| t.api_version.ends_with("/v1beta2"));
     if v1beta2 {
-        field(&["initialization", "controlPlaneInitialized"]) == Some(serde_json::Value::Bool(true))
+        is_true(&["status", "initialization", "controlPlaneInitialized"])
     } else {
-        field(&["controlPlaneReady"]) == Some(serde_json::Value::Bool(true))
-            || field(&["phase"]).as_ref().and_then(|p| p.as_str()) == Some("Provisioned")
+        is_true(&["status", "controlPlaneReady"])
+            || hub::field(cluster, &["status", "phase"]).and_then(|p| p.as_str())
+                == Some("Provisioned")
     }
 }
 

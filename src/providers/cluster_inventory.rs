@@ -8,15 +8,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kube::api::DynamicObject;
-use kube::config::{
-    AuthInfo, Context, ExecConfig, ExecInteractiveMode, Kubeconfig, NamedAuthInfo, NamedCluster,
-    NamedContext,
-};
+use kube::config::{AuthInfo, ExecConfig, ExecInteractiveMode, Kubeconfig};
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 use serde::Deserialize;
 
-use super::hub::{self, HubKind, Scope, Secrets, condition_true, field};
+use super::hub::{self, HubKind, Scope, Secrets, condition_true, field, kubeconfig_of};
 use super::kubeconfig::version_of;
 use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
 use crate::{Cluster, ClusterName};
@@ -425,32 +422,13 @@ impl AccessProviders {
             cluster: None,
             other: Default::default(),
         };
-        let kubeconfig = Kubeconfig {
-            clusters: vec![NamedCluster {
-                name: "profile".into(),
-                cluster: Some(cluster),
+        let kubeconfig = kubeconfig_of(
+            cluster,
+            AuthInfo {
+                exec: Some(exec),
                 ..Default::default()
-            }],
-            auth_infos: vec![NamedAuthInfo {
-                name: "plugin".into(),
-                auth_info: Some(AuthInfo {
-                    exec: Some(exec),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            contexts: vec![NamedContext {
-                name: "profile".into(),
-                context: Some(Context {
-                    cluster: "profile".into(),
-                    user: Some("plugin".into()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            current_context: Some("profile".into()),
-            ..Default::default()
-        };
+            },
+        );
         Ok((name.clone(), kubeconfig))
     }
 }

@@ -133,6 +133,37 @@ impl Secrets {
     }
 }
 
+/// A kubeconfig of one context: `cluster` reached as `user`.
+pub(crate) fn kubeconfig_of(
+    cluster: kube::config::Cluster,
+    user: kube::config::AuthInfo,
+) -> kube::config::Kubeconfig {
+    use kube::config::{Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext};
+    Kubeconfig {
+        clusters: vec![NamedCluster {
+            name: "cluster".into(),
+            cluster: Some(cluster),
+            ..Default::default()
+        }],
+        auth_infos: vec![NamedAuthInfo {
+            name: "user".into(),
+            auth_info: Some(user),
+            ..Default::default()
+        }],
+        contexts: vec![NamedContext {
+            name: "context".into(),
+            context: Some(Context {
+                cluster: "cluster".into(),
+                user: Some("user".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        current_context: Some("context".into()),
+        ..Default::default()
+    }
+}
+
 /// `<namespace>/<name>` of an object.
 pub(crate) fn key_of(object: &impl Resource) -> String {
     format!(
@@ -142,7 +173,7 @@ pub(crate) fn key_of(object: &impl Resource) -> String {
     )
 }
 
-/// A string at `path` of an object's JSON.
+/// The value at `path` of an object's JSON.
 pub(crate) fn field<'a>(object: &'a DynamicObject, path: &[&str]) -> Option<&'a serde_json::Value> {
     path.iter().try_fold(&object.data, |v, key| v.get(key))
 }

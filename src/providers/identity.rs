@@ -2,7 +2,7 @@
 //! from each cluster's `ClusterProperty` objects, kept by name or keyed by the cluster's own
 //! id, optionally only the members of one ClusterSet.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::pin::pin;
 
 use futures::StreamExt;
@@ -189,16 +189,20 @@ async fn run<P: Provider, D: ClusterId>(
     let own = Fleet::<P::Id>::new();
     let mut events = own.subscribe();
     let (reports, mut reported) = mpsc::unbounded_channel::<Report<P::Id>>();
-    let mut members: BTreeMap<P::Id, Member<P::Id, D>> = BTreeMap::new();
+    let mut members = Members::<P::Id, D>::default();
     let mut generation = 0u64;
     let mut run = pin!(inner.run(own.clone(), shutdown.clone()));
     let mut inner_done = false;
     let result = loop {
-        tokio::select! {
+        // The member whose cluster or identity changed.
+        let changed = tokio::select! {
             () = shutdown.cancelled() => break Ok(()),
             result = &mut run, if !inner_done => match result {
                 // A provider may engage its clusters and return; they stay.
-                Ok(()) => inner_done = true,
+                Ok(()) => {
+                    inner_done = true;
+                    continue;
+                }
                 Err(error) => break Err(error),
             },
             Some(event) = events.recv() => match event {
@@ -213,8 +217,8 @@ async fn run<P: Provider, D: ClusterId>(
                         watch.clone(),
                     ));
                     let name = cluster.id().clone();
-                    let previous = members.remove(&name);
-                    members.insert(name, Member {
+                    let previous = members.by_name.remove(&name);
+                    members.by_name.insert(name.clone(), Member {
                         cluster,
                         generation,
                         _watch: watch.drop_guard(),
@@ -224,28 +228,28 @@ async fn run<P: Provider, D: ClusterId>(
                         engaged: previous.and_then(|m| m.engaged),
                         warned: None,
                     });
+                    name
                 }
                 FleetEvent::Disengaged(engaged) => {
                     let id = engaged.cluster.id();
-                    if members.get(id).is_some_and(|m| m.cluster.same_instance(&engaged.cluster))
-                        && let Some(outer) = members.remove(id).and_then(|m| m.engaged)
-                    {
-                        outer.leave(&fleet);
+                    if members.by_name.get(id).is_some_and(|m| m.cluster.same_instance(&engaged.cluster)) {
+                        members.remove(&rule, &fleet, id);
                     }
+                    continue;
                 }
             },
-            Some(report) = reported.recv() => {
-                if let Some(member) = members.get_mut(&report.name)
-                    && member.generation == report.generation
-                {
+            Some(report) = reported.recv() => match members.by_name.get_mut(&report.name) {
+                Some(member) if member.generation == report.generation => {
                     member.identity = Some(report.identity);
+                    report.name
                 }
+                _ => continue,
             }
-        }
-        settle(&rule, &mut members, &fleet);
+        };
+        members.place(&rule, &fleet, &changed);
     };
     own.clear();
-    for member in members.into_values() {
+    for member in members.by_name.into_values() {
         if let Some(outer) = member.engaged {
             outer.leave(&fleet);
         }
@@ -253,65 +257,85 @@ async fn run<P: Provider, D: ClusterId>(
     result
 }
 
-/// Brings the outer fleet in line with the members and their identities.
-fn settle<I: ClusterId, D: ClusterId>(
-    rule: &Rule<I, D>,
-    members: &mut BTreeMap<I, Member<I, D>>,
-    fleet: &Fleet<D>,
-) {
-    // The ids members keep, so that a second claimant waits.
-    let mut held: BTreeSet<D> = BTreeSet::new();
-    let mut wanted: Vec<(I, Option<D>)> = Vec::new();
-    for (name, member) in members.iter() {
-        let want = match &member.identity {
-            None if rule.wait => None,
-            None => (rule.key)(name, &ClusterIdentity::default()),
-            Some(identity) => (rule.key)(name, identity),
-        };
-        if let Some(outer) = &member.engaged
-            && want.as_ref() == Some(&outer.id)
-        {
-            held.insert(outer.id.clone());
+/// The clusters of the inner provider, and which of them holds each outer id.
+struct Members<I: ClusterId, D: ClusterId> {
+    by_name: BTreeMap<I, Member<I, D>>,
+    /// The member engaged under each id: a second claimant waits for it.
+    holders: BTreeMap<D, I>,
+}
+
+impl<I: ClusterId, D: ClusterId> Default for Members<I, D> {
+    fn default() -> Self {
+        Self {
+            by_name: BTreeMap::new(),
+            holders: BTreeMap::new(),
         }
-        wanted.push((name.clone(), want));
     }
-    for (name, want) in wanted {
-        let Some(member) = members.get_mut(&name) else {
-            continue;
+}
+
+impl<I: ClusterId, D: ClusterId> Members<I, D> {
+    /// The member `name` is gone: its id goes to a member waiting for it.
+    fn remove(&mut self, rule: &Rule<I, D>, fleet: &Fleet<D>, name: &I) {
+        if let Some(outer) = self.by_name.remove(name).and_then(|m| m.engaged) {
+            outer.leave(fleet);
+            self.free(rule, fleet, &outer.id);
+        }
+    }
+
+    /// Nobody holds `id` any more: the first member that wants it takes it.
+    fn free(&mut self, rule: &Rule<I, D>, fleet: &Fleet<D>, id: &D) {
+        self.holders.remove(id);
+        let waiting = self.by_name.iter().find_map(|(name, member)| {
+            (member.engaged.is_none() && want(rule, name, member).as_ref() == Some(id))
+                .then(|| name.clone())
+        });
+        if let Some(name) = waiting {
+            self.place(rule, fleet, &name);
+        }
+    }
+
+    /// Brings the outer fleet in line with member `name`'s cluster and identity.
+    fn place(&mut self, rule: &Rule<I, D>, fleet: &Fleet<D>, name: &I) {
+        let Some(member) = self.by_name.get_mut(name) else {
+            return;
         };
+        let want = want(rule, name, member);
         // Leave the id it held if it wants another (or none).
         if let Some(outer) = &member.engaged
             && want.as_ref() != Some(&outer.id)
         {
             outer.leave(fleet);
+            let freed = outer.id.clone();
             member.engaged = None;
+            self.free(rule, fleet, &freed);
+            return self.place(rule, fleet, name);
         }
         let Some(id) = want else {
             if member.identity.is_some() {
                 warn_once(
                     member,
-                    &name,
+                    name,
                     "not engaged: no valid id, or not a member of the ClusterSet",
                 );
             }
-            continue;
+            return;
         };
         let identity = member.identity.clone();
         match &member.engaged {
             // The same instance: its identity refreshed in place.
             Some(outer) if outer.source.same_instance(&member.cluster) => {
                 outer.cluster.set_identity(identity);
-                continue;
+                return;
             }
             // The inner provider replaced it: engaged again below, from the new instance.
             Some(_) => {}
-            None if held.contains(&id) => {
+            None if self.holders.contains_key(&id) => {
                 warn_once(
                     member,
-                    &name,
+                    name,
                     &format!("not engaged: another cluster holds the id {id}"),
                 );
-                continue;
+                return;
             }
             None => {}
         }
@@ -330,7 +354,7 @@ fn settle<I: ClusterId, D: ClusterId>(
                 }
             }
             Ok(_) => {
-                held.insert(id.clone());
+                self.holders.insert(id.clone(), name.clone());
                 member.engaged = Some(Outer {
                     id,
                     cluster: renamed,
@@ -341,6 +365,19 @@ fn settle<I: ClusterId, D: ClusterId>(
             }
             Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
         }
+    }
+}
+
+/// The id member `name` is to be engaged under, if any.
+fn want<I: ClusterId, D: ClusterId>(
+    rule: &Rule<I, D>,
+    name: &I,
+    member: &Member<I, D>,
+) -> Option<D> {
+    match &member.identity {
+        None if rule.wait => None,
+        None => (rule.key)(name, &ClusterIdentity::default()),
+        Some(identity) => (rule.key)(name, identity),
     }
 }
 

@@ -4,11 +4,11 @@ use std::future::Future;
 use std::sync::Arc;
 
 use kube::api::DynamicObject;
-use kube::config::{AuthInfo, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext};
+use kube::config::{AuthInfo, Kubeconfig};
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 
-use super::hub::{self, HubKind, Scope, Secrets, condition_true, field};
+use super::hub::{self, HubKind, Scope, Secrets, condition_true, field, kubeconfig_of};
 use super::kubeconfig::version_of;
 use crate::{Cluster, ClusterName};
 
@@ -138,38 +138,19 @@ impl HubKind for Kind {
         let ca = text(&["spec", "caBundle"]).map(str::to_string);
         let proxy = text(&["spec", "proxyURL"]).map(str::to_string);
         let version = version_of(&(&server, &ca, &proxy, insecure, token_version));
-        let kubeconfig = Kubeconfig {
-            clusters: vec![NamedCluster {
-                name: "member".into(),
-                cluster: Some(kube::config::Cluster {
-                    server: Some(server),
-                    certificate_authority_data: ca,
-                    insecure_skip_tls_verify: insecure.then_some(true),
-                    proxy_url: proxy,
-                    ..Default::default()
-                }),
+        let kubeconfig = kubeconfig_of(
+            kube::config::Cluster {
+                server: Some(server),
+                certificate_authority_data: ca,
+                insecure_skip_tls_verify: insecure.then_some(true),
+                proxy_url: proxy,
                 ..Default::default()
-            }],
-            auth_infos: vec![NamedAuthInfo {
-                name: "member".into(),
-                auth_info: Some(AuthInfo {
-                    token: Some(token.into()),
-                    ..Default::default()
-                }),
+            },
+            AuthInfo {
+                token: Some(token.into()),
                 ..Default::default()
-            }],
-            contexts: vec![NamedContext {
-                name: "member".into(),
-                context: Some(Context {
-                    cluster: "member".into(),
-                    user: Some("member".into()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            current_context: Some("member".into()),
-            ..Default::default()
-        };
+            },
+        );
         Ok((version, kubeconfig))
     }
 
