@@ -3,12 +3,12 @@
 //!
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
-//! cargo bench --features testenv --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200 (0: none)] [--variant FLAG]
-//! cargo bench --features testenv --bench fleet -- w2 [--runs 3] [--compare] [--variant FLAG]...
+//! cargo bench --bench fleet -- w1 [--runs 3] [--n 1000] [--sequential 200 (0: none)] [--variant FLAG]
+//! cargo bench --bench fleet -- w2 [--runs 3] [--compare] [--variant FLAG]...
 //!
 //! Child flags for `--variant`: `--paged-lists`, `--keep-managed-fields`, `--kube-client`.
 //! `MCR_BENCH_WRAP="valgrind --tool=massif"` runs each child under that command.
-//! cargo bench --features testenv --bench fleet -- scale [--n 10000]
+//! cargo bench --bench fleet -- scale [--n 10000]
 //! ```
 //!
 //! W1: each apiserver has namespace `bench` with 10 ConfigMaps labelled `bench=mcr`. A child
@@ -45,8 +45,8 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::{WatchStreamExt, watcher};
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, Cluster, ClusterName, Context, Manager};
+use multicluster_runtime_testenv::TestEnv;
 
 const NAMESPACE: &str = "bench";
 const LABEL: &str = "bench=mcr";

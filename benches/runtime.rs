@@ -2,10 +2,10 @@
 //!
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
-//! cargo bench --features testenv --bench runtime -- callgrind [--fleet] [--runs N]   # zero cost of single-cluster mode
-//! cargo bench --features testenv --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
-//! cargo bench --features testenv --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
-//! cargo bench --features testenv --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
+//! cargo bench --bench runtime -- callgrind [--fleet] [--runs N]   # zero cost of single-cluster mode
+//! cargo bench --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
+//! cargo bench --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
+//! cargo bench --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
 //! ```
 //!
 //! Workload for `callgrind` and `throughput`: 5,000 ConfigMaps in one testenv cluster, created
@@ -32,8 +32,8 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::{Controller, watcher};
 use multicluster_runtime::providers::{Clusters, Namespaces, SingleProvider};
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
+use multicluster_runtime_testenv::TestEnv;
 
 const OBJECTS: usize = 5_000;
 const LABEL: &str = "bench=runtime";

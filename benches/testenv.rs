@@ -2,7 +2,7 @@
 //! cluster for both etcd layouts. Figures go to `BENCHMARKS.md`.
 //!
 //! ```sh
-//! MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh) cargo bench --features testenv --bench testenv
+//! MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh) cargo bench --bench testenv
 //! ```
 //!
 //! Environment: `MCR_BENCH_ROUNDS` (default 3) start rounds per configuration,
@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use multicluster_runtime::testenv::{EtcdLayout, TestEnv};
+use multicluster_runtime_testenv::{EtcdLayout, TestEnv};
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)

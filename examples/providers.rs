@@ -26,10 +26,10 @@ use kube_runtime::watcher;
 use multicluster_runtime::providers::{
     ClusterApi, Clusters, File, Kind, KubeconfigSecrets, Multi, Namespaces, Nop,
 };
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager, Provider,
 };
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 type Result<T = (), E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 

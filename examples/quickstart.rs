@@ -21,8 +21,8 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
+use multicluster_runtime_testenv::TestEnv;
 
 /// Reconciles seen, per cluster.
 #[derive(Default)]

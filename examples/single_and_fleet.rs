@@ -13,10 +13,10 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{Clusters, SingleProvider};
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager, Provider,
 };
+use multicluster_runtime_testenv::TestEnv;
 
 /// Stamps each `app=demo` ConfigMap with the cluster it was reconciled in. Generic over the
 /// cluster id, so it compiles for `SingleCluster` and for `ClusterName` alike.

@@ -12,7 +12,7 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -18,4 +18,4 @@ if [ -z "${MCR_PROVIDER_ASSETS:-}" ]; then
   export MCR_PROVIDER_ASSETS
 fi
 echo "provider assets: $MCR_PROVIDER_ASSETS" >&2
-exec cargo test --all-features "$@"
+exec cargo test --workspace --all-features "$@"

@@ -7,11 +7,32 @@
 //!
 //! # Features
 //!
-//! - `testenv`: [`testenv`], real `etcd` + `kube-apiserver` control planes on loopback for
-//!   tests of multi-cluster controllers (this crate's and yours).
 //! - `file`: the `providers::File` provider (kubeconfig files, hot-reloaded).
 //! - `kind`: the `providers::Kind` provider (the `kind` CLI).
 //! - `fuzzing`: entry points for the cargo-fuzz targets in `fuzz/`; not a public API.
+//!
+//! Real `etcd` + `kube-apiserver` control planes for tests (this crate's and yours) are the
+//! crate `multicluster-runtime-testenv`, a dev-dependency.
+//!
+//! # Kubernetes version
+//!
+//! Like kube-rs, this crate does not pick a `k8s-openapi` version feature: the final binary
+//! does (`k8s-openapi = { version = "0.29", features = ["v1_36"] }` in its `Cargo.toml`), so
+//! that every library in the build agrees on one. Any version `k8s-openapi` supports works.
+//!
+//! The kube crates are re-exported, so one dependency keeps their versions in step:
+//!
+//! ```
+//! use multicluster_runtime::k8s_openapi::api::core::v1::ConfigMap;
+//! use multicluster_runtime::kube::Resource;
+//! use multicluster_runtime::{predicates, watcher};
+//!
+//! let config = watcher::Config::default().labels("app=web");
+//! assert_eq!(config.label_selector.as_deref(), Some("app=web"));
+//! let cm = ConfigMap::default();
+//! assert_eq!(predicates::generation(&cm), None);
+//! assert_eq!(ConfigMap::kind(&()), "ConfigMap");
+//! ```
 #![forbid(unsafe_code)]
 // Nothing a user or a server can influence may panic the library; tests may unwrap.
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
@@ -34,6 +55,17 @@ mod request;
 mod serve;
 mod sync;
 
+/// The Kubernetes API types this crate's and kube's APIs use. The version feature is the
+/// final binary's choice (see [the crate docs](crate#kubernetes-version)).
+pub use k8s_openapi;
+/// kube-rs, as this crate builds on it: `kube::Client`, `kube::Api`, `kube::Config` and the
+/// `kube::runtime` pieces in this crate's API (`watcher::Config`, predicates, events). Use it
+/// to keep one kube version in step with this crate's.
+pub use kube;
+/// kube-runtime's watcher configuration, predicates, events and finalizer helper, which the
+/// [`Builder`] and the [`Context`] take and return.
+pub use kube::runtime::{Predicate, events, finalizer, predicates, watcher};
+
 pub use action::Action;
 #[doc(hidden)]
 pub use cluster::transport_keepalive;
@@ -53,19 +85,10 @@ pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};
 pub use serve::Endpoints;
 
-#[cfg(feature = "testenv")]
-#[cfg_attr(docsrs, doc(cfg(feature = "testenv")))]
-pub mod testenv;
-
 /// The README's code samples, compiled as doctests so the README stays true.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
-
-/// The code samples of `docs/testenv.md`, compiled as doctests.
-#[cfg(all(doctest, feature = "testenv"))]
-#[doc = include_str!("../docs/testenv.md")]
-struct TestenvDocDoctests;
 
 /// The code samples of `docs/providers.md`, compiled as doctests.
 #[cfg(doctest)]

@@ -15,10 +15,10 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::ObjectRef;
 use multicluster_runtime::providers::{Clusters, Namespaces, SingleProvider};
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterId, Context, LAST_APPLIED, Manager, Provider,
 };
+use multicluster_runtime_testenv::TestEnv;
 
 /// The objects the reconciler was handed, by name.
 #[derive(Default)]

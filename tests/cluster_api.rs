@@ -12,8 +12,8 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use multicluster_runtime::providers::ClusterApi;
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Builder, Manager};
+use multicluster_runtime_testenv::TestEnv;
 use serde_json::json;
 
 /// Cluster API's `Cluster` CRD, from the provider assets.

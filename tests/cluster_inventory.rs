@@ -15,8 +15,8 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use multicluster_runtime::providers::{AccessProviders, ClusterInventory};
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{Builder, Manager};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde_json::json;
 
 /// The provider assets' directory.

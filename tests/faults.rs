@@ -15,8 +15,8 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{Clusters, SingleProvider};
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{Action, Builder, Cluster, ClusterId, Context, Engaged, Manager};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 /// What a reconciler saw, with the phase of the test it saw it in.
 #[derive(Default)]

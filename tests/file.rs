@@ -16,8 +16,8 @@ use std::time::Duration;
 use base64::Engine as _;
 use common::*;
 use multicluster_runtime::providers::File;
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{ClusterName, Manager};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 fn id(file: &Path, context: &str) -> ClusterName {
     name(&File::default_name(file, context))

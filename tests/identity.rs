@@ -10,8 +10,8 @@ use common::*;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use multicluster_runtime::providers::{ById, Clusters, Identified};
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{Builder, Cluster, ClusterIdentity, ClusterName, Manager};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde_json::json;
 
 const CRD: &str = include_str!("crds/clusterproperty.yaml");

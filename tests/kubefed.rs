@@ -14,8 +14,8 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use multicluster_runtime::providers::KubeFed;
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{Builder, Manager};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde_json::json;
 
 const NS: &str = "kube-federation-system";

@@ -18,8 +18,8 @@ use kube_runtime::events::{Event, EventType, Recorder, Reporter};
 use kube_runtime::finalizer::{Event as Finalizer, finalizer};
 use kube_runtime::reflector::ObjectRef;
 use multicluster_runtime::providers::{ClusterScopedWrite, Namespaces, UnscopableRequest};
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, ClusterName, Context, Manager};
+use multicluster_runtime_testenv::TestEnv;
 
 async fn create(client: &kube::Client, cm: ConfigMap) {
     let ns = cm.namespace().unwrap();

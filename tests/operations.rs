@@ -12,11 +12,11 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterName, Context, Failure, LeaderElection, Manager, ManagerError,
     OnLoss,
 };
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 /// One reconcile: which replica ran it, and when it started and ended (ended includes
 /// dropped: the record is closed when the reconcile's future is dropped, finished or not).
@@ -253,7 +253,7 @@ async fn only_the_leader_reconciles_and_a_dead_leader_is_replaced_within_the_lea
 /// that [`LeaseRights::revoke`] deletes and [`LeaseRights::grant`] creates again.
 struct LeaseRights {
     bindings: Api<RoleBinding>,
-    user: multicluster_runtime::testenv::TestUser,
+    user: multicluster_runtime_testenv::TestUser,
 }
 
 impl LeaseRights {
@@ -1631,8 +1631,8 @@ struct Deployed {
     env: TestEnv,
     host: kube::Client,
     member: kube::Client,
-    operator_user: multicluster_runtime::testenv::TestUser,
-    member_user: multicluster_runtime::testenv::TestUser,
+    operator_user: multicluster_runtime_testenv::TestUser,
+    member_user: multicluster_runtime_testenv::TestUser,
 }
 
 async fn deployed() -> Deployed {

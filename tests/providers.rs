@@ -8,8 +8,8 @@ use common::*;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, PostParams};
 use multicluster_runtime::providers::{Clusters, Multi, Nop};
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Builder, Cluster, Manager};
+use multicluster_runtime_testenv::TestEnv;
 
 #[tokio::test]
 async fn multi_composes_providers_added_and_removed_while_controllers_run() {

@@ -13,10 +13,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterName, Context, Engaged, Manager, Request,
 };
+use multicluster_runtime_testenv::TestEnv;
 
 fn secret(ns: &str, name: &str, owner: Option<OwnerReference>) -> Secret {
     Secret {

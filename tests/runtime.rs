@@ -11,10 +11,10 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{Clusters, SingleProvider};
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterName, Context, Fleet, Manager, Provider, ProviderError,
 };
+use multicluster_runtime_testenv::TestEnv;
 use tokio_util::sync::CancellationToken;
 
 fn uniform_controller<P: Provider>(manager: &Manager<P>, seen: &Arc<Seen>) {

@@ -13,8 +13,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::SingleProvider;
-use multicluster_runtime::testenv::TestEnv;
 use multicluster_runtime::{Action, Builder, Context, Manager, Request, SingleCluster};
+use multicluster_runtime_testenv::TestEnv;
 
 const SINGLE: &str = "";
 

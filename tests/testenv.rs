@@ -13,7 +13,7 @@ use kube::api::{
 };
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::{WatchStreamExt, watcher};
-use multicluster_runtime::testenv::{Assets, Error, EtcdLayout, TestEnv};
+use multicluster_runtime_testenv::{Assets, Error, EtcdLayout, TestEnv};
 
 mod common;
 use common::WIDGET_CRD;

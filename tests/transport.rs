@@ -18,8 +18,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::testenv::{TestCluster, TestEnv};
 use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
+use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 fn never<K, C: ClusterId, S>(_: Arc<K>, _: &kube::Error, _: &Context<C, S>) -> Action {
     Action::await_change()

@@ -494,7 +494,7 @@ pub async fn gated<C: ClusterId>(
 /// A service account `account` of `member` (namespace `default`) bound to cluster-admin,
 /// and a token for it (an hour long).
 pub async fn service_account_token(
-    member: &multicluster_runtime::testenv::TestCluster,
+    member: &multicluster_runtime_testenv::TestCluster,
     account: &str,
 ) -> String {
     let client = member.client().unwrap();

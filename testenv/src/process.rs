@@ -212,7 +212,7 @@ impl Guardian {
     }
 
     fn send(&self, line: &str) {
-        let mut stdin = crate::sync::lock(&self.stdin);
+        let mut stdin = crate::lock(&self.stdin);
         if let Some(pipe) = stdin.as_mut() {
             // A failed write means the guardian is gone; Drop still cleans up normally.
             let _ = pipe.write_all(line.as_bytes()).and_then(|()| pipe.flush());
@@ -232,8 +232,8 @@ impl Drop for Guardian {
     fn drop(&mut self) {
         // Closing the pipe lets the guardian exit; every process was already stopped and
         // forgotten, so it has nothing left to kill. Reap it so it leaves no zombie.
-        drop(crate::sync::lock(&self.stdin).take());
-        if let Some(mut child) = crate::sync::lock(&self.child).take() {
+        drop(crate::lock(&self.stdin).take());
+        if let Some(mut child) = crate::lock(&self.child).take() {
             let _ = child.wait();
         }
     }

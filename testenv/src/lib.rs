@@ -7,7 +7,7 @@
 //! watched, RBAC is enforced, CRDs are served.
 //!
 //! ```no_run
-//! use multicluster_runtime::testenv::TestEnv;
+//! use multicluster_runtime_testenv::TestEnv;
 //! use k8s_openapi::api::core::v1::ConfigMap;
 //! use kube::Api;
 //!
@@ -34,6 +34,9 @@
 //! period) and removes its temporary directory, also while a test panics. If the test binary
 //! dies without unwinding (killed, aborted, `exit`), a small guardian process it leaves behind
 //! stops the control plane and removes the directory instead.
+
+#![forbid(unsafe_code)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
 mod assets;
 mod pki;
@@ -1308,7 +1311,14 @@ fn is_dns_label(s: &str) -> bool {
 
 /// Locks a mutex, recovering from poisoning: the data guarded here (process handles) stays
 /// valid if a thread panicked while holding the lock, and clean-up must still run.
-use crate::sync::lock;
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The code samples of `docs/testenv.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/testenv.md")]
+struct TestenvDocDoctests;
 
 #[cfg(test)]
 mod tests {
