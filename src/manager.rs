@@ -59,6 +59,8 @@ pub struct Manager<P: Provider> {
     rate_limit: Option<crate::RateLimit>,
     /// Shared with every run's watches and controllers.
     transforms: Arc<crate::cluster::Transforms>,
+    /// The namespaces each kind is watched in.
+    namespaces: Arc<crate::cluster::namespaces::NamespaceScopes>,
     /// Watches list in pages, never by streaming lists.
     paged_lists: bool,
     endpoints: Option<Endpoints>,
@@ -144,6 +146,7 @@ impl<P: Provider> Manager<P> {
             metrics: None,
             rate_limit: None,
             transforms: Arc::default(),
+            namespaces: Arc::default(),
             paged_lists: false,
             endpoints: None,
             served_at: Mutex::new(None),
@@ -202,6 +205,56 @@ impl<P: Provider> Manager<P> {
     #[must_use]
     pub fn keep_managed_fields(mut self) -> Self {
         Arc::make_mut(&mut self.transforms).keep_managed_fields = true;
+        self
+    }
+
+    /// Watches and caches of namespaced kinds, in every cluster, look only at `namespaces`
+    /// (an empty list: at all of them, the default): a controller whose RBAC grants it some
+    /// namespaces only can run. Controllers, relations and [`Cluster::cache`] reads all use
+    /// the same restricted watches; a reconcile never sees an object from elsewhere. With
+    /// several namespaces each has its own watch (and its own failures: a forbidden
+    /// namespace keeps the cache from syncing, as a forbidden kind does), merged into one
+    /// cache that lists once every namespace has listed. Cluster-scoped kinds are watched
+    /// whole; [`Manager::namespaces_for`] sets a kind apart. controller-runtime's
+    /// `cache.Options.DefaultNamespaces`, for every cluster of the fleet.
+    ///
+    /// Set it before the first cluster is engaged: watches started earlier keep their scope.
+    /// The namespace provider's clusters are namespaces already: this narrows the host
+    /// watches they share.
+    ///
+    /// [`Cluster::cache`]: crate::Cluster::cache
+    #[must_use]
+    pub fn namespaces(mut self, namespaces: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        let set = crate::cluster::namespaces::NamespaceScopes::set(namespaces);
+        Arc::make_mut(&mut self.namespaces).set_default(set);
+        self
+    }
+
+    /// Watches and caches of `K` look only at `namespaces` (an empty list: at all of them),
+    /// whatever [`Manager::namespaces`] says for other kinds (controller-runtime's
+    /// `cache.Options.ByObject`). A later call for the same kind replaces the earlier.
+    #[must_use]
+    pub fn namespaces_for<K: crate::Watchable>(
+        self,
+        namespaces: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self
+    where
+        K::DynamicType: Default,
+    {
+        self.namespaces_for_resource::<K>(&K::DynamicType::default(), namespaces)
+    }
+
+    /// [`Manager::namespaces_for`] for a kind known at run time (a `DynamicObject` with the
+    /// [`ApiResource`](kube::api::ApiResource) `dt`). A kind known only at run time is
+    /// restricted only this way, since its scope is not known before a server is asked.
+    #[must_use]
+    pub fn namespaces_for_resource<K: crate::Watchable>(
+        mut self,
+        dt: &K::DynamicType,
+        namespaces: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        let set = crate::cluster::namespaces::NamespaceScopes::set(namespaces);
+        Arc::make_mut(&mut self.namespaces).set_for(&K::group(dt), &K::kind(dt), set);
         self
     }
 
@@ -378,6 +431,7 @@ impl<P: Provider> Manager<P> {
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
             transforms: self.transforms.clone(),
+            namespaces: self.namespaces.clone(),
             paged_lists: self.paged_lists,
             instance: Arc::from(match &self.leader_election {
                 Some(election) => election.identity.clone(),
@@ -494,6 +548,7 @@ impl<P: Provider> Manager<P> {
             rate_limit: self.rate_limit,
             transforms: self.transforms.clone(),
             paged_lists: self.paged_lists,
+            namespaces: self.namespaces.clone(),
         };
         self.fleet.open(settings.clone());
         if let Some(metrics) = &self.metrics {

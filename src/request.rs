@@ -88,6 +88,18 @@ impl<C: ClusterId> Request<C> {
         }
     }
 
+    /// [`Request::object_ref`] for a kind known at run time, whose dynamic type is `dt`.
+    pub fn object_ref_with<K>(&self, dt: K::DynamicType) -> ObjectRef<K>
+    where
+        K: kube_runtime::reflector::Lookup,
+    {
+        let r = ObjectRef::new_with(&self.name, dt);
+        match &self.namespace {
+            Some(ns) => r.within(ns),
+            None => r,
+        }
+    }
+
     /// The same object key in another cluster.
     pub fn in_cluster<D: ClusterId>(&self, cluster: D) -> Request<D> {
         Request {

@@ -47,6 +47,32 @@ pub enum CacheError {
     },
 }
 
+/// Why [`Cluster::discover`](crate::Cluster::discover) found no resource for a kind.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiscoveryError {
+    /// The cluster's API server does not serve the kind (its CRD is not installed there, or
+    /// not in that version).
+    #[error("cluster {cluster}: {kind} is not served")]
+    NotServed {
+        /// The cluster asked.
+        cluster: String,
+        /// The kind, as `group/version/Kind`.
+        kind: String,
+    },
+    /// Discovery failed (an unreachable server, forbidden).
+    #[error("cluster {cluster}: discovery of {kind} failed: {source}")]
+    Failed {
+        /// The cluster asked.
+        cluster: String,
+        /// The kind, as `group/version/Kind`.
+        kind: String,
+        /// kube's error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
 /// A synced cache of one kind in one cluster, as [`Cluster::cache`](crate::Cluster::cache)
 /// returns it: its first complete listing is in. It stays current while the cluster is
 /// engaged (a relist keeps serving the old content until the new listing is complete) and
@@ -66,7 +92,7 @@ impl<K: Watchable> Clone for Cache<K> {
 impl<K: Watchable> std::fmt::Debug for Cache<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cache")
-            .field("kind", &K::kind(&()))
+            .field("kind", &self.watch.kind())
             .field("objects", &self.watch.store.len())
             .finish()
     }

@@ -6,7 +6,8 @@ use std::any::{Any, TypeId};
 use std::sync::Arc;
 
 use kube::Resource;
-use kube_runtime::reflector::ObjectRef;
+
+use super::store::ObjectKey;
 
 /// Computes the values an object is indexed under.
 pub(crate) type Extract<K> = Arc<dyn Fn(&K) -> Vec<String> + Send + Sync>;
@@ -50,18 +51,18 @@ impl Indexer {
 }
 
 /// Every field index of one watch.
-pub(crate) struct FieldIndexes<K: Resource<DynamicType = ()>> {
+pub(crate) struct FieldIndexes<K: Resource> {
     indexes: HashMap<Arc<str>, FieldIndex<K>>,
 }
 
-struct FieldIndex<K: Resource<DynamicType = ()>> {
+struct FieldIndex<K: Resource> {
     extract: Extract<K>,
-    by_value: HashMap<String, HashSet<ObjectRef<K>>>,
+    by_value: HashMap<String, HashSet<ObjectKey>>,
     /// The values each object is indexed under now, to remove them when it changes.
-    by_object: HashMap<ObjectRef<K>, Vec<String>>,
+    by_object: HashMap<ObjectKey, Vec<String>>,
 }
 
-impl<K: Resource<DynamicType = ()>> Default for FieldIndexes<K> {
+impl<K: Resource> Default for FieldIndexes<K> {
     fn default() -> Self {
         Self {
             indexes: HashMap::default(),
@@ -69,8 +70,8 @@ impl<K: Resource<DynamicType = ()>> Default for FieldIndexes<K> {
     }
 }
 
-impl<K: Resource<DynamicType = ()>> FieldIndex<K> {
-    fn remove(&mut self, key: &ObjectRef<K>) {
+impl<K: Resource> FieldIndex<K> {
+    fn remove(&mut self, key: &ObjectKey) {
         for value in self.by_object.remove(key).into_iter().flatten() {
             if let Some(set) = self.by_value.get_mut(&value) {
                 set.remove(key);
@@ -82,7 +83,7 @@ impl<K: Resource<DynamicType = ()>> FieldIndex<K> {
     }
 
     fn insert(&mut self, obj: &K) {
-        let key = ObjectRef::from_obj(obj);
+        let key = ObjectKey::of(obj);
         self.remove(&key);
         let values = (self.extract)(obj);
         for value in &values {
@@ -97,7 +98,7 @@ impl<K: Resource<DynamicType = ()>> FieldIndex<K> {
     }
 }
 
-impl<K: Resource<DynamicType = ()>> FieldIndexes<K> {
+impl<K: Resource> FieldIndexes<K> {
     /// Adds an index (if none of that name exists) and fills it from `objects`.
     pub(crate) fn add<'a>(
         &mut self,
@@ -130,7 +131,7 @@ impl<K: Resource<DynamicType = ()>> FieldIndexes<K> {
 
     /// `obj` was deleted.
     pub(crate) fn delete(&mut self, obj: &K) {
-        let key = ObjectRef::from_obj(obj);
+        let key = ObjectKey::of(obj);
         for index in self.indexes.values_mut() {
             index.remove(&key);
         }
@@ -151,7 +152,7 @@ impl<K: Resource<DynamicType = ()>> FieldIndexes<K> {
     }
 
     /// The objects indexed under `value` by `index`; `None` if there is no such index.
-    pub(crate) fn lookup(&self, index: &str, value: &str) -> Option<Vec<ObjectRef<K>>> {
+    pub(crate) fn lookup(&self, index: &str, value: &str) -> Option<Vec<ObjectKey>> {
         let index = self.indexes.get(index)?;
         Some(
             index
@@ -199,7 +200,7 @@ mod tests {
         })
     }
 
-    fn names(refs: Option<Vec<ObjectRef<ConfigMap>>>) -> Vec<String> {
+    fn names(refs: Option<Vec<ObjectKey>>) -> Vec<String> {
         let mut names: Vec<String> = refs.unwrap().into_iter().map(|r| r.name).collect();
         names.sort();
         names

@@ -16,21 +16,67 @@ use std::task::{Context, Poll, ready};
 
 use futures::future::Either;
 use futures::{Stream, TryStreamExt};
-use kube::Api;
+use kube::{Api, Client, Resource};
 use kube_runtime::watcher::{self, Event, InitialListStrategy, watcher};
 use pin_project::pin_project;
 
-use super::trim::{Trimmed, untrimmed};
+use super::trim::{Trimmed, Whole, untrimmed, unwrapped};
 use crate::Watchable;
 
-/// kube-runtime's watcher of `api` for `config`, listing by a streaming list when `streaming`
-/// (and `config` keeps bookmarks, which streaming lists need) and in pages when the server
-/// turns out not to serve streaming lists. A `config` that asks for streaming lists itself
-/// gets them whatever `streaming` says, and no fallback: that is the caller's choice.
+/// What a watch lists: a kind (with its dynamic type) through a client, in one namespace or
+/// in all.
+pub(crate) struct Target<K: Watchable> {
+    pub(crate) client: Client,
+    pub(crate) dt: K::DynamicType,
+    /// `None` for every namespace (and for cluster-scoped kinds).
+    pub(crate) namespace: Option<String>,
+}
+
+impl<K: Watchable> Clone for Target<K> {
+    fn clone(&self) -> Self {
+        Self {
+            client: self.client.clone(),
+            dt: self.dt.clone(),
+            namespace: self.namespace.clone(),
+        }
+    }
+}
+
+impl<K: Watchable> Target<K> {
+    /// The kind across all namespaces.
+    pub(crate) fn all(client: Client, dt: &K::DynamicType) -> Self {
+        Self {
+            client,
+            dt: dt.clone(),
+            namespace: None,
+        }
+    }
+
+    /// The kind in `namespace` (`None`: all).
+    pub(crate) fn within(mut self, namespace: Option<&str>) -> Self {
+        self.namespace = namespace.map(str::to_string);
+        self
+    }
+
+    /// An `Api` of `W`, a wrapper of `K`, for this target.
+    fn api<W: Resource<DynamicType = K::DynamicType, Scope = kube::core::DynamicResourceScope>>(
+        &self,
+    ) -> Api<W> {
+        match &self.namespace {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, &self.dt),
+            None => Api::all_with(self.client.clone(), &self.dt),
+        }
+    }
+}
+
+/// kube-runtime's watcher of `target` for `config`, listing by a streaming list when
+/// `streaming` (and `config` keeps bookmarks, which streaming lists need) and in pages when
+/// the server turns out not to serve streaming lists. A `config` that asks for streaming lists
+/// itself gets them whatever `streaming` says, and no fallback: that is the caller's choice.
 /// `cluster` names the cluster in the log line of a fallback. With `trim`, objects are decoded
-/// without their managed fields ([`Trimmed`]); `api` must be across all namespaces then.
+/// without their managed fields ([`Trimmed`]).
 pub(crate) fn watch<K: Watchable>(
-    api: Api<K>,
+    target: Target<K>,
     config: watcher::Config,
     streaming: bool,
     trim: bool,
@@ -47,39 +93,73 @@ pub(crate) fn watch<K: Watchable>(
         _ => config.clone(),
     };
     Listing {
-        inner: open(api.clone(), first, trim),
+        inner: open(&target, first, trim),
         open: open::<K>,
         cluster,
-        api,
+        target,
         trim,
         config,
         state,
     }
 }
 
-/// kube-runtime's watcher of `api`, of objects decoded without managed fields if `trim`.
+/// [`watch`] of `target` in each of `namespaces` (all if `None`), merged into one stream
+/// ([`merged`](super::namespaces::merged)) when there are several.
+pub(crate) fn scoped<K: Watchable>(
+    target: Target<K>,
+    namespaces: Option<super::namespaces::NamespaceSet>,
+    config: watcher::Config,
+    streaming: bool,
+    trim: bool,
+    cluster: Arc<str>,
+) -> futures::stream::BoxStream<'static, watcher::Result<Event<K>>> {
+    use futures::StreamExt as _;
+    let one = |namespace: Option<&str>| {
+        watch(
+            target.clone().within(namespace),
+            config.clone(),
+            streaming,
+            trim,
+            cluster.clone(),
+        )
+        .boxed()
+    };
+    match namespaces.as_deref() {
+        None => one(None),
+        Some([namespace]) => one(Some(namespace)),
+        Some(list) => {
+            super::namespaces::merged(list.iter().map(|ns| one(Some(ns))).collect(), |o: &K| {
+                o.meta().name.clone().unwrap_or_default()
+            })
+            .boxed()
+        }
+    }
+}
+
+/// kube-runtime's watcher of `target`, of objects decoded without managed fields if `trim`.
 fn open<K: Watchable>(
-    api: Api<K>,
+    target: &Target<K>,
     config: watcher::Config,
     trim: bool,
 ) -> impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K> {
     if trim {
-        let api = Api::<Trimmed<K>>::all(api.into_client());
+        let api = target.api::<Trimmed<K>>();
         Either::Left(watcher(api, config).map_ok(untrimmed as fn(_) -> _))
     } else {
-        Either::Right(watcher(api, config))
+        let api = target.api::<Whole<K>>();
+        Either::Right(watcher(api, config).map_ok(unwrapped as fn(_) -> _))
     }
 }
 
 /// See [`watch`].
 #[pin_project]
-pub(crate) struct Listing<K, S> {
+pub(crate) struct Listing<K: Watchable, S> {
     #[pin]
     inner: S,
     /// [`open`] (a pointer, so that the stream type can be named).
-    open: fn(Api<K>, watcher::Config, bool) -> S,
+    open: fn(&Target<K>, watcher::Config, bool) -> S,
     cluster: Arc<str>,
-    api: Api<K>,
+    target: Target<K>,
     /// Objects are decoded without managed fields.
     trim: bool,
     /// The caller's configuration, as given.
@@ -136,7 +216,7 @@ where
             if Self::unsupported(*this.state, &event) {
                 tracing::info!(
                     cluster = %this.cluster,
-                    kind = %K::kind(&()),
+                    kind = %K::kind(&this.target.dt),
                     reason = %match &event {
                         Err(error) => error.to_string(),
                         Ok(_) => "the listing ended without its closing bookmark".to_string(),
@@ -144,11 +224,8 @@ where
                     "the API server does not serve streaming lists; this watch lists in pages"
                 );
                 *this.state = State::AsConfigured;
-                this.inner.set((this.open)(
-                    this.api.clone(),
-                    this.config.clone(),
-                    *this.trim,
-                ));
+                this.inner
+                    .set((this.open)(this.target, this.config.clone(), *this.trim));
                 continue;
             }
             if let State::Trying { listing } = this.state {
@@ -191,12 +268,12 @@ mod tests {
         )))
     }
 
-    /// An `Api` whose client is never called: the streams below are canned.
-    fn api() -> Api<ConfigMap> {
+    /// A target whose client is never called: the streams below are canned.
+    fn target() -> Target<ConfigMap> {
         let service = tower::service_fn(|_: http::Request<kube::client::Body>| async {
             Err::<http::Response<kube::client::Body>, _>(std::io::Error::other("no server"))
         });
-        Api::all(kube::Client::new(service, "default"))
+        Target::all(kube::Client::new(service, "default"), &())
     }
 
     /// What the events the listing passes on look like: `Init`, `Apply:a`, `Done`, `Err`.
@@ -217,13 +294,13 @@ mod tests {
     /// A listing over `first` (as if it were the streaming watcher) that falls back to `open`.
     fn listing(
         first: Vec<watcher::Result<Event<ConfigMap>>>,
-        open: fn(Api<ConfigMap>, watcher::Config, bool) -> Events,
+        open: fn(&Target<ConfigMap>, watcher::Config, bool) -> Events,
     ) -> Listing<ConfigMap, Events> {
         Listing {
             inner: stream::iter(first).boxed(),
             open,
             cluster: "test".into(),
-            api: api(),
+            target: target(),
             trim: false,
             config: watcher::Config::default(),
             state: State::Trying { listing: false },
@@ -328,7 +405,7 @@ mod tests {
             tokio::runtime::Builder::new_current_thread()
                 .build()
                 .unwrap()
-                .block_on(async { watch(api(), config, streaming, false, "test".into()).state })
+                .block_on(async { watch(target(), config, streaming, false, "test".into()).state })
         };
         assert_eq!(
             state(watcher::Config::default(), true),

@@ -11,6 +11,7 @@ mod id;
 mod identity;
 mod index;
 pub(crate) mod listing;
+pub(crate) mod namespaces;
 mod reauth;
 mod source;
 mod store;
@@ -26,14 +27,14 @@ use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use futures::future::Either;
-use kube::{Api, Client};
+use kube::Client;
 use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 pub use backoff::WatchBackoff;
 pub(crate) use backoff::{Retrying, random_unit};
-pub use cache::{Cache, CacheError};
+pub use cache::{Cache, CacheError, DiscoveryError};
 use client::{ClientLayer, ClientState, Forward};
 pub use client::{InvalidRateLimit, RateLimit};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
@@ -43,6 +44,7 @@ pub(crate) use index::Indexer;
 #[cfg(test)]
 pub(crate) use source::map_event;
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
+pub(crate) use store::ObjectKey;
 pub use store::Store;
 pub(crate) use transform::Transforms;
 pub use transform::{LAST_APPLIED, strip_managed_fields};
@@ -136,9 +138,12 @@ impl Session {
     /// The watch of `K` for `config`, if one was started in this engagement.
     pub(crate) fn existing<K: Watchable>(
         &self,
+        dt: &K::DynamicType,
         config: &watcher::Config,
     ) -> Option<Arc<SharedWatch<K>>> {
-        let existing = lock(&self.watches).get(&WatchKey::of::<K>(config))?.clone();
+        let existing = lock(&self.watches)
+            .get(&WatchKey::of::<K>(dt, config))?
+            .clone();
         existing.as_any().downcast::<SharedWatch<K>>().ok()
     }
 
@@ -175,7 +180,7 @@ impl<K: Watchable> ErasedWatch for SharedWatch<K> {
     }
 
     fn kind(&self) -> String {
-        K::kind(&()).into_owned()
+        SharedWatch::kind(self).to_string()
     }
 
     fn state(&self) -> WatchState {
@@ -257,9 +262,10 @@ impl<C: ClusterId> Engagement<C> {
     /// The shared watch of `K` for `config` in this engagement; started on first use.
     pub(crate) fn watch<K: Watchable>(
         &self,
+        dt: &K::DynamicType,
         config: &watcher::Config,
     ) -> Result<Arc<SharedWatch<K>>, CacheError> {
-        self.cluster.watch_in(&self.session, config)
+        self.cluster.watch_in(&self.session, dt, config)
     }
 
     /// Whether both are the same engagement of the same cluster.
@@ -588,6 +594,41 @@ impl<C: ClusterId> Cluster<C> {
         status
     }
 
+    /// The resource serving the kind `gvk` in this cluster (its plural, for
+    /// [`Builder::new_with`](crate::Builder::new_with) and the other `_with` calls with a
+    /// [`DynamicObject`](kube::api::DynamicObject)), found by API discovery. Kinds of one name
+    /// may be served in some clusters of a fleet and not in others: ask each.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{Cluster, ClusterName};
+    /// # use kube::api::{DynamicObject, GroupVersionKind};
+    /// # use kube::runtime::watcher;
+    /// # async fn f(cluster: Cluster<ClusterName>) -> Result<(), Box<dyn std::error::Error>> {
+    /// let gvk = GroupVersionKind::gvk("example.com", "v1", "Widget");
+    /// let widgets = cluster.discover(&gvk).await?;
+    /// let cache = cluster.cache_with::<DynamicObject>(&widgets, &watcher::Config::default()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn discover(
+        &self,
+        gvk: &kube::api::GroupVersionKind,
+    ) -> Result<kube::api::ApiResource, DiscoveryError> {
+        let kind = format!("{}/{}/{}", gvk.group, gvk.version, gvk.kind);
+        let cluster = self.inner.id.to_string();
+        match kube::discovery::pinned_kind(&self.client(), gvk).await {
+            Ok((resource, _)) => Ok(resource),
+            Err(kube::Error::Discovery(_)) => Err(DiscoveryError::NotServed { cluster, kind }),
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                Err(DiscoveryError::NotServed { cluster, kind })
+            }
+            Err(source) => Err(DiscoveryError::Failed {
+                cluster,
+                kind,
+                source,
+            }),
+        }
+    }
+
     /// The store of `K` objects matching `config`, started on first use and shared
     /// by every controller of this process that asks for the same type and configuration.
     ///
@@ -595,8 +636,21 @@ impl<C: ClusterId> Cluster<C> {
     /// reconciler that decides from what is missing ("no child yet, create one") must use
     /// [`Cluster::cache`], which waits for the listing. The controllers' own lookups of their
     /// primary objects always wait.
-    pub fn store<K: Watchable>(&self, config: &watcher::Config) -> Result<Store<K>, CacheError> {
-        Ok(self.watch::<K>(config)?.store.clone())
+    pub fn store<K: Watchable>(&self, config: &watcher::Config) -> Result<Store<K>, CacheError>
+    where
+        K::DynamicType: Default,
+    {
+        self.store_with(&K::DynamicType::default(), config)
+    }
+
+    /// [`Cluster::store`] for a kind known at run time: `dt` is its dynamic type (an
+    /// [`ApiResource`](kube::api::ApiResource) for a `DynamicObject`).
+    pub fn store_with<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+    ) -> Result<Store<K>, CacheError> {
+        Ok(self.watch::<K>(dt, config)?.store.clone())
     }
 
     /// The cache of `K` objects matching `config` once its first listing is in: started on
@@ -619,8 +673,22 @@ impl<C: ClusterId> Cluster<C> {
     pub async fn cache<K: Watchable>(
         &self,
         config: &watcher::Config,
+    ) -> Result<Cache<K>, CacheError>
+    where
+        K::DynamicType: Default,
+    {
+        self.cache_with(&K::DynamicType::default(), config).await
+    }
+
+    /// [`Cluster::cache`] for a kind known at run time: `dt` is its dynamic type (an
+    /// [`ApiResource`](kube::api::ApiResource) for a `DynamicObject`). In a cluster that does
+    /// not serve the kind, it waits (like a CRD not installed yet) until the cluster does.
+    pub async fn cache_with<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
     ) -> Result<Cache<K>, CacheError> {
-        let watch = self.watch::<K>(config)?;
+        let watch = self.watch::<K>(dt, config)?;
         watch.synced().await?;
         Ok(Cache::new(watch))
     }
@@ -628,21 +696,24 @@ impl<C: ClusterId> Cluster<C> {
     /// The shared watch of `K` objects matching `config` in the current engagement.
     fn watch<K: Watchable>(
         &self,
+        dt: &K::DynamicType,
         config: &watcher::Config,
     ) -> Result<Arc<SharedWatch<K>>, CacheError> {
         let session = self.session().ok_or_else(|| CacheError::NotEngaged {
             cluster: self.inner.id.to_string(),
         })?;
-        self.watch_in(&session, config)
+        self.watch_in(&session, dt, config)
     }
 
     /// The shared watch of `K` objects matching `config` in `session`; started on first use.
+    /// It is restricted to the namespaces the manager's settings give `K`.
     fn watch_in<K: Watchable>(
         &self,
         session: &Session,
+        dt: &K::DynamicType,
         config: &watcher::Config,
     ) -> Result<Arc<SharedWatch<K>>, CacheError> {
-        let key = WatchKey::of::<K>(config);
+        let key = WatchKey::of::<K>(dt, config);
         let mut watches = lock(&session.watches);
         if let Some(existing) = watches.get(&key).cloned()
             && let Ok(watch) = existing.as_any().downcast::<SharedWatch<K>>()
@@ -660,27 +731,44 @@ impl<C: ClusterId> Cluster<C> {
         let stop = session.token.child_token();
         let transform = session.settings.transforms.of::<K>();
         let cluster: Arc<str> = Arc::from(self.inner.id.to_string());
+        let namespaces = session.settings.namespaces.of::<K>(dt);
         let events = match &self.inner.source {
-            None => Either::Left(
-                backoff::Retrying::new(
-                    listing::watch(
-                        Api::<K>::all(self.client()),
-                        config.clone(),
-                        !session.settings.paged_lists,
-                        transform.as_ref().is_some_and(transform::Transform::strips),
-                        cluster.clone(),
-                    ),
-                    session.settings.backoff.delays(),
-                )
-                .map(move |event| {
-                    event.map(|event| {
-                        source::map_event(event, |o| transform::shared(o, transform.as_ref()))
+            None => {
+                let target = listing::Target::<K>::all(self.client(), dt);
+                let one = |namespace: Option<&str>| {
+                    let transform = transform.clone();
+                    backoff::Retrying::new(
+                        listing::watch(
+                            target.clone().within(namespace),
+                            config.clone(),
+                            !session.settings.paged_lists,
+                            transform.as_ref().is_some_and(transform::Transform::strips),
+                            cluster.clone(),
+                        ),
+                        session.settings.backoff.delays(),
+                    )
+                    .map(move |event| {
+                        event.map(|event| {
+                            source::map_event(event, |o| transform::shared(o, transform.as_ref()))
+                        })
                     })
-                }),
-            ),
+                    .boxed()
+                };
+                Either::Left(match namespaces.as_deref() {
+                    None => one(None),
+                    Some([namespace]) => one(Some(namespace)),
+                    Some(list) => namespaces::merged(
+                        list.iter().map(|ns| one(Some(ns))).collect(),
+                        |o: &Arc<K>| o.meta().name.clone().unwrap_or_default(),
+                    )
+                    .boxed(),
+                })
+            }
             Some(source) => Either::Right(
                 source::events_from::<K>(
                     &**source,
+                    dt,
+                    namespaces,
                     config,
                     transform,
                     !session.settings.paged_lists,
@@ -692,6 +780,7 @@ impl<C: ClusterId> Cluster<C> {
         let indexers = lock(&self.inner.indexers).clone();
         let (watch, task) = SharedWatch::start(
             events,
+            dt,
             cluster,
             stop,
             &indexers,

@@ -8,10 +8,12 @@ use std::sync::Arc;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::{Api, Client};
+use kube::Client;
 use kube_runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
+use super::listing::Target;
+use super::namespaces::{NamespaceSet, merged};
 use super::transform::Transform;
 use crate::Watchable;
 
@@ -46,13 +48,21 @@ pub(crate) type SharedEvents = BoxStream<'static, Result<Event<SharedObject>, wa
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct WatchKey {
     pub(crate) kind: TypeId,
+    /// `apiVersion/plural` of a kind known only at run time.
+    pub(crate) resource: Option<Arc<str>>,
     pub(crate) config: watcher::Config,
 }
 
 impl WatchKey {
-    pub(crate) fn of<K: 'static>(config: &watcher::Config) -> Self {
+    /// The key of `K`'s watch for `config`. A kind known only at run time (a dynamic type
+    /// other than `()`) is told apart from others of its Rust type by its API version and
+    /// plural.
+    pub(crate) fn of<K: Watchable>(dt: &K::DynamicType, config: &watcher::Config) -> Self {
+        let resource = (TypeId::of::<K::DynamicType>() != TypeId::of::<()>())
+            .then(|| Arc::from(format!("{}/{}", K::api_version(dt), K::plural(dt))));
         Self {
             kind: TypeId::of::<K>(),
+            resource,
             config: config.clone(),
         }
     }
@@ -65,6 +75,7 @@ impl std::hash::Hash for WatchKey {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         // The selectors tell watches apart; the rest is compared on a collision only.
         self.kind.hash(state);
+        self.resource.hash(state);
         self.config.label_selector.hash(state);
         self.config.field_selector.hash(state);
     }
@@ -92,36 +103,51 @@ pub(crate) trait WatchSource: Send + Sync + 'static {
 }
 
 /// The events of `K` objects matching `config` from `source`, typed again.
+/// The watch is of the host's objects in `namespaces` (all if `None`).
 pub(crate) fn events_from<K: Watchable>(
     source: &dyn WatchSource,
+    dt: &K::DynamicType,
+    namespaces: Option<NamespaceSet>,
     config: &watcher::Config,
     transform: Option<Transform<K>>,
     streaming: bool,
     engagement: &CancellationToken,
 ) -> BoxStream<'static, Event<Arc<K>>> {
     let watch_config = config.clone();
+    let target_dt = dt.clone();
     let open = move |client: Client| -> SharedEvents {
-        let transform = transform.clone();
-        super::listing::watch(
-            Api::<K>::all(client),
-            watch_config.clone(),
-            streaming,
-            transform.as_ref().is_some_and(Transform::strips),
-            "the namespace provider's host".into(),
-        )
-        .map(move |event| {
-            event.map(|event| {
-                map_event(event, |o: K| {
-                    super::transform::shared(o, transform.as_ref()) as SharedObject
+        let one = |namespace: Option<&str>| -> SharedEvents {
+            let transform = transform.clone();
+            super::listing::watch(
+                Target::<K>::all(client.clone(), &target_dt).within(namespace),
+                watch_config.clone(),
+                streaming,
+                transform.as_ref().is_some_and(Transform::strips),
+                "the namespace provider's host".into(),
+            )
+            .map(move |event| {
+                event.map(|event| {
+                    map_event(event, |o: K| {
+                        super::transform::shared(o, transform.as_ref()) as SharedObject
+                    })
                 })
             })
-        })
-        .boxed()
+            .boxed()
+        };
+        match namespaces.as_deref() {
+            None => one(None),
+            Some([namespace]) => one(Some(namespace)),
+            Some(list) => merged(
+                list.iter().map(|ns| one(Some(ns))).collect(),
+                |o: &SharedObject| o.meta().name.clone().unwrap_or_default(),
+            )
+            .boxed(),
+        }
     };
-    let kind = <K as kube::Resource>::kind(&());
+    let kind = K::kind(dt);
     source
         .events(WatchRequest {
-            key: WatchKey::of::<K>(config),
+            key: WatchKey::of::<K>(dt, config),
             kind: &kind,
             open: &open,
             engagement,

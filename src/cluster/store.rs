@@ -45,6 +45,26 @@ impl<K: Resource> fmt::Debug for Store<K> {
     }
 }
 
+/// An object's namespace and name: how the crate tells objects of one kind apart, for kinds
+/// known at compile time and at run time alike (kube-runtime's `ObjectRef` needs the dynamic
+/// type to be built).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ObjectKey {
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: String,
+}
+
+impl ObjectKey {
+    /// The key of `object`.
+    pub(crate) fn of<K: Resource>(object: &K) -> Self {
+        let meta = object.meta();
+        Self {
+            namespace: meta.namespace.clone(),
+            name: meta.name.clone().unwrap_or_default(),
+        }
+    }
+}
+
 /// Objects keyed by namespace and name, each key taken from the object itself (no copy of it).
 struct Objects<K> {
     table: HashTable<Arc<K>>,
@@ -126,15 +146,21 @@ impl<K: Resource> Store<K> {
     /// ```
     #[must_use]
     pub fn get(&self, key: &ObjectRef<K>) -> Option<Arc<K>> {
+        self.get_named(key.namespace.as_deref(), &key.name)
+    }
+
+    /// The object of `namespace` and `name`, as [`get`](Self::get) finds it.
+    pub(crate) fn get_named(&self, namespace: Option<&str>, name: &str) -> Option<Arc<K>> {
         let objects = read(&self.objects);
         objects
-            .get(key.namespace.as_deref(), &key.name)
-            .or_else(|| {
-                key.namespace
-                    .as_ref()
-                    .and_then(|_| objects.get(None, &key.name))
-            })
+            .get(namespace, name)
+            .or_else(|| namespace.and_then(|_| objects.get(None, name)))
             .cloned()
+    }
+
+    /// The object `key` names, as [`get`](Self::get) finds it.
+    pub(crate) fn get_key(&self, key: &ObjectKey) -> Option<Arc<K>> {
+        self.get_named(key.namespace.as_deref(), &key.name)
     }
 
     /// Every object in the store, in no particular order.

@@ -15,6 +15,8 @@ use std::fmt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube_runtime::watcher::Event;
+
+use super::source::map_event;
 use serde::de::value::StrDeserializer;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
@@ -22,46 +24,60 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visi
 #[derive(Clone, Debug)]
 pub(crate) struct Trimmed<K>(pub(crate) K);
 
-impl<K: Resource> Resource for Trimmed<K> {
-    type DynamicType = K::DynamicType;
-    type Scope = K::Scope;
+/// `K`, decoded as it is. Like [`Trimmed`], it can be watched in one namespace whatever
+/// `K`'s scope type says (kube builds a namespaced `Api` only for scopes known to be
+/// namespaced; the crate knows at run time).
+#[derive(Clone, Debug)]
+pub(crate) struct Whole<K>(pub(crate) K);
 
-    fn kind(dt: &Self::DynamicType) -> Cow<'_, str> {
-        K::kind(dt)
-    }
+/// `Resource` for a wrapper of `K`: the same kind and paths, a scope that allows a namespace.
+macro_rules! wire_resource {
+    ($wrapper:ident) => {
+        impl<K: Resource> Resource for $wrapper<K> {
+            type DynamicType = K::DynamicType;
+            type Scope = kube::core::DynamicResourceScope;
 
-    fn group(dt: &Self::DynamicType) -> Cow<'_, str> {
-        K::group(dt)
-    }
+            fn kind(dt: &Self::DynamicType) -> Cow<'_, str> {
+                K::kind(dt)
+            }
 
-    fn version(dt: &Self::DynamicType) -> Cow<'_, str> {
-        K::version(dt)
-    }
+            fn group(dt: &Self::DynamicType) -> Cow<'_, str> {
+                K::group(dt)
+            }
 
-    fn api_version(dt: &Self::DynamicType) -> Cow<'_, str> {
-        K::api_version(dt)
-    }
+            fn version(dt: &Self::DynamicType) -> Cow<'_, str> {
+                K::version(dt)
+            }
 
-    fn plural(dt: &Self::DynamicType) -> Cow<'_, str> {
-        K::plural(dt)
-    }
+            fn api_version(dt: &Self::DynamicType) -> Cow<'_, str> {
+                K::api_version(dt)
+            }
 
-    fn metadata_api() -> bool {
-        K::metadata_api()
-    }
+            fn plural(dt: &Self::DynamicType) -> Cow<'_, str> {
+                K::plural(dt)
+            }
 
-    fn url_path(dt: &Self::DynamicType, namespace: Option<&str>) -> String {
-        K::url_path(dt, namespace)
-    }
+            fn metadata_api() -> bool {
+                K::metadata_api()
+            }
 
-    fn meta(&self) -> &ObjectMeta {
-        self.0.meta()
-    }
+            fn url_path(dt: &Self::DynamicType, namespace: Option<&str>) -> String {
+                K::url_path(dt, namespace)
+            }
 
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        self.0.meta_mut()
-    }
+            fn meta(&self) -> &ObjectMeta {
+                self.0.meta()
+            }
+
+            fn meta_mut(&mut self) -> &mut ObjectMeta {
+                self.0.meta_mut()
+            }
+        }
+    };
 }
+
+wire_resource!(Trimmed);
+wire_resource!(Whole);
 
 impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Trimmed<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -69,15 +85,20 @@ impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Trimmed<K> {
     }
 }
 
+impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Whole<K> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        K::deserialize(deserializer).map(Whole)
+    }
+}
+
 /// The event of `K` an event of `Trimmed<K>` is.
 pub(crate) fn untrimmed<K>(event: Event<Trimmed<K>>) -> Event<K> {
-    match event {
-        Event::Apply(o) => Event::Apply(o.0),
-        Event::Delete(o) => Event::Delete(o.0),
-        Event::Init => Event::Init,
-        Event::InitApply(o) => Event::InitApply(o.0),
-        Event::InitDone => Event::InitDone,
-    }
+    map_event(event, |o| o.0)
+}
+
+/// The event of `K` an event of `Whole<K>` is.
+pub(crate) fn unwrapped<K>(event: Event<Whole<K>>) -> Event<K> {
+    map_event(event, |o| o.0)
 }
 
 /// A map key as the input has it.

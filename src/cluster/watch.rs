@@ -7,13 +7,12 @@ use std::sync::{Arc, Mutex, Weak};
 
 use futures::{Stream, StreamExt};
 use kube::Resource;
-use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::index::{FieldIndexes, Indexer};
-use super::store::{Store, Writer};
+use super::store::{ObjectKey, Store, Writer};
 use super::{CacheError, WatchBackoff};
 use crate::Watchable;
 use crate::sync::lock;
@@ -33,6 +32,8 @@ pub(crate) struct WatchSettings {
     pub(crate) transforms: Arc<super::Transforms>,
     /// Watches list in pages of list requests, never by streaming lists.
     pub(crate) paged_lists: bool,
+    /// The namespaces each kind is watched in.
+    pub(crate) namespaces: Arc<super::namespaces::NamespaceScopes>,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index
@@ -81,20 +82,20 @@ impl<K> Clone for Change<K> {
 
 /// A change is a resource for kube-runtime's predicate filter, which keys its cache by the
 /// object's metadata (uid included); the flags ride along.
-impl<K: Resource<DynamicType = ()> + Clone> Resource for Change<K> {
-    type DynamicType = ();
+impl<K: Watchable> Resource for Change<K> {
+    type DynamicType = K::DynamicType;
     type Scope = K::Scope;
 
-    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
+    fn kind(dt: &K::DynamicType) -> std::borrow::Cow<'_, str> {
         K::kind(dt)
     }
-    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
+    fn group(dt: &K::DynamicType) -> std::borrow::Cow<'_, str> {
         K::group(dt)
     }
-    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
+    fn version(dt: &K::DynamicType) -> std::borrow::Cow<'_, str> {
         K::version(dt)
     }
-    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
+    fn plural(dt: &K::DynamicType) -> std::borrow::Cow<'_, str> {
         K::plural(dt)
     }
     fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
@@ -127,7 +128,7 @@ struct Subscribers<K> {
 
 /// One watch of one resource type and configuration in one engagement of a cluster, feeding a
 /// reflector store, field indexes and any number of subscribers (one per controller relation).
-pub(crate) struct SharedWatch<K: Resource<DynamicType = ()> + Clone + 'static> {
+pub(crate) struct SharedWatch<K: Watchable> {
     pub(crate) store: Store<K>,
     subscribers: Mutex<Subscribers<K>>,
     /// Field indexes over `store`, updated with it.
@@ -138,6 +139,8 @@ pub(crate) struct SharedWatch<K: Resource<DynamicType = ()> + Clone + 'static> {
     /// Stops the watch task: cancelled with the engagement, or when the watch fails.
     stop: CancellationToken,
     cluster: Arc<str>,
+    /// The kind's name, for logs and errors.
+    kind: Arc<str>,
     faults: Option<mpsc::UnboundedSender<Fault>>,
 }
 
@@ -148,6 +151,7 @@ where
     /// A watch of `events` for `cluster`, running on `runtime` until `stop` is cancelled.
     pub(crate) fn start(
         events: impl Stream<Item = Result<Event<Arc<K>>, watcher::Error>> + Send + 'static,
+        dt: &K::DynamicType,
         cluster: Arc<str>,
         stop: CancellationToken,
         indexers: &[Indexer],
@@ -165,6 +169,7 @@ where
             state: tokio::sync::watch::Sender::new(WatchState::Listing { error: None }),
             stop,
             cluster,
+            kind: Arc::from(K::kind(dt).as_ref()),
             faults,
         });
         for indexer in indexers {
@@ -201,6 +206,7 @@ where
     ) -> impl std::future::Future<Output = Result<(), CacheError>> + Send + 'static {
         let mut rx = self.state.subscribe();
         let cluster = self.cluster.clone();
+        let kind = self.kind.clone();
         async move {
             let state = rx
                 .wait_for(|s| !matches!(s, WatchState::Listing { .. }))
@@ -216,11 +222,16 @@ where
                     failure: Some(reason),
                 } => Err(CacheError::WatchFailed {
                     cluster: cluster.to_string(),
-                    kind: K::kind(&()).into_owned(),
+                    kind: kind.to_string(),
                     reason,
                 }),
             }
         }
+    }
+
+    /// The kind's name.
+    pub(crate) fn kind(&self) -> &str {
+        &self.kind
     }
 
     /// Whether the first listing is in the store.
@@ -262,10 +273,10 @@ where
                 .lookup(index, value)
                 .ok_or_else(|| CacheError::UnknownIndex {
                     cluster: self.cluster.to_string(),
-                    kind: K::kind(&()).into_owned(),
+                    kind: self.kind.to_string(),
                     index: index.to_string(),
                 })?;
-        Ok(refs.iter().filter_map(|r| self.store.get(r)).collect())
+        Ok(refs.iter().filter_map(|r| self.store.get_key(r)).collect())
     }
 
     fn notify(&self, change: Change<K>) {
@@ -276,7 +287,7 @@ where
 
     /// Stops the watch for good because of `reason`, and reports it to the manager.
     fn fail(&self, reason: String) {
-        let kind = K::kind(&()).into_owned();
+        let kind = self.kind.to_string();
         tracing::error!(cluster = %self.cluster, %kind, %reason, "watch stopped");
         if let Some(faults) = &self.faults {
             let _ = faults.send(Fault {
@@ -307,8 +318,8 @@ where
 
 /// The objects of a listing in progress: the store swaps them in only at InitDone, so their
 /// notifications wait until then (a reconcile must find the object in the store).
-struct Listing<K: Resource<DynamicType = ()>> {
-    refs: Vec<ObjectRef<K>>,
+struct Listing {
+    refs: Vec<ObjectKey>,
     first: bool,
 }
 
@@ -318,8 +329,7 @@ async fn run<K: Watchable>(
     mut writer: Writer<K>,
     shared: Weak<SharedWatch<K>>,
 ) {
-    let kind = K::kind(&()).into_owned();
-    let Some(stop) = shared.upgrade().map(|s| s.stop.clone()) else {
+    let Some((stop, kind)) = shared.upgrade().map(|s| (s.stop.clone(), s.kind.clone())) else {
         return;
     };
     let mut events = std::pin::pin!(events);
@@ -397,7 +407,7 @@ fn step<K: Watchable>(
     shared: &SharedWatch<K>,
     writer: &mut Writer<K>,
     event: Event<Arc<K>>,
-    listing: &mut Listing<K>,
+    listing: &mut Listing,
 ) {
     let store = &shared.store;
     match event {
@@ -424,7 +434,7 @@ fn step<K: Watchable>(
             writer.init();
         }
         Event::InitApply(obj) => {
-            listing.refs.push(ObjectRef::from_obj(&*obj));
+            listing.refs.push(ObjectKey::of(&*obj));
             writer.init_apply(obj);
         }
         Event::InitDone => {
@@ -442,7 +452,7 @@ fn step<K: Watchable>(
                 .send_replace(WatchState::Synced { error: None });
             // Taken, not drained: a big listing's buffer is not kept for the next one.
             for obj_ref in std::mem::take(&mut listing.refs) {
-                if let Some(object) = store.get(&obj_ref) {
+                if let Some(object) = store.get_key(&obj_ref) {
                     shared.notify(Change {
                         object,
                         deleted: false,
@@ -451,7 +461,7 @@ fn step<K: Watchable>(
                 }
             }
             for object in before {
-                if store.get(&ObjectRef::from_obj(&*object)).is_none() {
+                if store.get_key(&ObjectKey::of(&*object)).is_none() {
                     shared.notify(Change {
                         object,
                         deleted: true,
@@ -517,6 +527,7 @@ mod tests {
         };
         let (watch, _task) = SharedWatch::start(
             events,
+            &(),
             Arc::from("c0"),
             CancellationToken::new(),
             indexers,

@@ -2,6 +2,7 @@
 
 use std::fmt::Debug;
 use std::future::Future;
+use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,28 +29,70 @@ use crate::{Action, Cluster, Context, Manager, Provider, Request};
 /// of a disengaged cluster dropped after [`DEFAULT_DISENGAGE_GRACE`](crate::DEFAULT_DISENGAGE_GRACE);
 /// named after the kind.
 #[must_use]
-pub struct Builder<'m, P: Provider, K> {
+pub struct Builder<'m, P: Provider, K: Watchable> {
     manager: &'m Manager<P>,
     spec: Spec<K, P::Id>,
 }
 
-/// Everything a primary or related kind must be to be watched.
+/// Everything a primary or related kind must be to be watched: a kube [`Resource`] whose
+/// objects can be decoded and shared across tasks.
+///
+/// Kinds known at compile time (k8s-openapi's types, `#[derive(CustomResource)]` types) have
+/// `()` as their dynamic type and need no more; kinds known only at run time
+/// ([`DynamicObject`](kube::api::DynamicObject) with an [`ApiResource`](kube::api::ApiResource))
+/// pass that dynamic type to the `_with` variants ([`Builder::new_with`],
+/// [`Builder::owns_with`], [`Builder::watches_with`], [`Cluster::cache_with`](crate::Cluster::cache_with)).
 pub trait Watchable:
-    Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static
+    Resource<DynamicType: Clone + Eq + Hash + Debug + Unpin + Send + Sync + 'static, Scope: 'static>
+    + Clone
+    + DeserializeOwned
+    + Debug
+    + Send
+    + Sync
+    + 'static
 {
 }
 impl<T> Watchable for T where
-    T: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static
+    T: Resource<
+            DynamicType: Clone + Eq + Hash + Debug + Unpin + Send + Sync + 'static,
+            Scope: 'static,
+        > + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + Sync
+        + 'static
 {
 }
 
-impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
+impl<'m, P: Provider, K: Watchable> Builder<'m, P, K>
+where
+    K::DynamicType: Default,
+{
     /// A controller for `K` objects matching `watcher_config`.
     pub fn new(manager: &'m Manager<P>, watcher_config: watcher::Config) -> Self {
+        Self::new_with(manager, K::DynamicType::default(), watcher_config)
+    }
+}
+
+impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
+    /// A controller for a kind known at run time: `K` is usually
+    /// [`DynamicObject`](kube::api::DynamicObject) and `dt` its
+    /// [`ApiResource`](kube::api::ApiResource) (from a group, version and kind with
+    /// [`ApiResource::from_gvk_with_plural`](kube::api::ApiResource::from_gvk_with_plural), or
+    /// discovered with [`Cluster::discover`](crate::Cluster::discover)). In a cluster that does
+    /// not serve the kind, the controller's watch retries (as for a CRD not installed yet)
+    /// and its requests wait; the other clusters go on.
+    pub fn new_with(
+        manager: &'m Manager<P>,
+        dt: K::DynamicType,
+        watcher_config: watcher::Config,
+    ) -> Self {
         Self {
             manager,
             spec: Spec {
-                name: Arc::from(K::kind(&()).as_ref()),
+                name: Arc::from(K::kind(&dt).as_ref()),
+                dt,
                 watcher_config,
                 relations: Vec::new(),
                 predicate: None,
@@ -73,10 +116,23 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
 
     /// Also reconciles a `K` when a `Child` it owns (an owner reference to it, in the same
     /// cluster) changes or is deleted.
-    pub fn owns<Child: Watchable>(mut self, watcher_config: watcher::Config) -> Self {
-        self.spec.relations.push(Arc::new(Owns::<Child> {
+    pub fn owns<Child: Watchable>(self, watcher_config: watcher::Config) -> Self
+    where
+        Child::DynamicType: Default,
+    {
+        self.owns_with::<Child>(Child::DynamicType::default(), watcher_config)
+    }
+
+    /// [`owns`](Self::owns) for a child kind known at run time, of dynamic type `dt`.
+    pub fn owns_with<Child: Watchable>(
+        mut self,
+        dt: Child::DynamicType,
+        watcher_config: watcher::Config,
+    ) -> Self {
+        self.spec.relations.push(Arc::new(Owns::<K, Child> {
             watcher_config,
-            _child: std::marker::PhantomData,
+            owner: self.spec.dt.clone(),
+            child: dt,
         }));
         self
     }
@@ -89,7 +145,10 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// them is better served by `owns`, which shares one watch with its reads.
     /// Metadata-only watches work for `watches` and caches too: name the kind
     /// `PartialObjectMeta<Other>`.
-    pub fn owns_metadata<Child: Watchable>(self, watcher_config: watcher::Config) -> Self {
+    pub fn owns_metadata<Child: Watchable>(self, watcher_config: watcher::Config) -> Self
+    where
+        Child::DynamicType: Default,
+    {
         self.owns::<PartialObjectMeta<Child>>(watcher_config)
     }
 
@@ -98,7 +157,22 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// cluster (multi-cluster-aware controllers: watch here, act there); requests for
     /// clusters this controller does not engage are dropped.
     pub fn watches<Other, I>(
+        self,
+        watcher_config: watcher::Config,
+        mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        Other: Watchable,
+        Other::DynamicType: Default,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
+        self.watches_with(Other::DynamicType::default(), watcher_config, mapper)
+    }
+
+    /// [`watches`](Self::watches) for a kind known at run time, of dynamic type `dt`.
+    pub fn watches_with<Other, I>(
         mut self,
+        dt: Other::DynamicType,
         watcher_config: watcher::Config,
         mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
     ) -> Self
@@ -109,10 +183,14 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         let mapper = Arc::new(move |id: &P::Id, obj: &Other| {
             mapper(id, obj).into_iter().collect::<Vec<_>>()
         });
-        self.spec.relations.push(Arc::new(Watches {
-            watcher_config,
-            mapper,
-        }));
+        self.spec
+            .relations
+            .push(Arc::new(Watches::<P::Id, K, Other> {
+                watcher_config,
+                mapper,
+                primary: self.spec.dt.clone(),
+                other: dt,
+            }));
         self
     }
 

@@ -36,7 +36,6 @@ use std::sync::Arc;
 use crate::cluster::Store;
 use futures::stream::{BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
-use kube::Resource;
 use kube_runtime::controller::trigger_self;
 use kube_runtime::events::Reporter;
 use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
@@ -72,19 +71,19 @@ type Reconciling<C> = Pin<
 type Synced<C> = Pin<Box<dyn Future<Output = (C, u64, Result<(), CacheError>)> + Send>>;
 
 /// The last synced engagement of an id, and its primary cache.
-struct Reference<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+struct Reference<K: Watchable, C: ClusterId> {
     engagement: Engagement<C>,
     store: Store<K>,
 }
 
 /// Where a slot is; see the module documentation.
-enum Phase<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+enum Phase<K: Watchable, C: ClusterId> {
     Syncing { reference: Option<Reference<K, C>> },
     Synced,
 }
 
 /// One cluster id as the controller follows it.
-struct Slot<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+struct Slot<K: Watchable, C: ClusterId> {
     engagement: Engagement<C>,
     /// The primary watch of `engagement`; `None` if the engagement had already ended when
     /// the controller got to it (a later event of the same id is on its way).
@@ -228,7 +227,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
 }
 
 /// Every cluster id the controller follows, and what feeds its queue.
-struct Slots<K: Resource<DynamicType = ()> + Clone + 'static, C: ClusterId> {
+struct Slots<K: Watchable, C: ClusterId> {
     spec: Arc<Spec<K, C>>,
     slots: HashMap<C, Slot<K, C>>,
     triggers: SelectAll<BoxStream<'static, Trigger<C>>>,
@@ -265,7 +264,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         // An engagement that has already ended (replaced again, or disengaged, before this
         // controller got to it) gets a slot without watches: it keeps the reference and the
         // parked requests for the event that follows.
-        let watch = engagement.watch::<K>(&spec.watcher_config).ok();
+        let watch = engagement.watch::<K>(&spec.dt, &spec.watcher_config).ok();
         self.epoch += 1;
         let epoch = self.epoch;
         if let Some(watch) = &watch {
@@ -368,7 +367,6 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         };
         // A cache that has just listed serves at once, before its signal comes round.
         slot.catch_up(&mut self.queue);
-        let key = req.object_ref::<K>();
         let cache = match &slot.phase {
             // An engagement that ended reconciles nothing more; the event that ended it
             // (a replacement or a disengagement) decides what becomes of the request.
@@ -383,7 +381,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
                 .finish(req.clone(), Action::await_change(), reason.clone(), None);
             return None;
         };
-        let object = cache.get(&key);
+        let object = cache.get_named(req.namespace.as_deref(), &req.name);
         match object {
             Some(object) => Some((object, slot.engagement.clone())),
             None => {
@@ -429,7 +427,7 @@ fn primary<K: Watchable, C: ClusterId>(
     });
     // kube-runtime's own trigger, then the cluster id on top (moving the key's strings).
     let id = id.clone();
-    trigger_self::<K, _>(fresh, ())
+    trigger_self::<K, _>(fresh, spec.dt.clone())
         .filter_map(move |request| {
             std::future::ready(request.ok().map(|r| {
                 (
@@ -456,7 +454,7 @@ fn start<K, C, S, F, Fut, E, P>(
     timed: bool,
 ) -> Reconciling<C>
 where
-    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    K: Watchable,
     C: ClusterId,
     S: Send + Sync + 'static,
     F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
@@ -590,6 +588,7 @@ mod tests {
         .boxed();
         SharedWatch::start(
             events,
+            &(),
             Arc::from("c0"),
             CancellationToken::new(),
             &[],
@@ -603,6 +602,7 @@ mod tests {
         Spec {
             observer: None,
             name: Arc::from("test"),
+            dt: (),
             watcher_config: watcher::Config::default(),
             relations: Vec::new(),
             predicate,

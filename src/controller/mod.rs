@@ -129,8 +129,10 @@ pub(crate) type PredicateFn<K> = Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>;
 pub(crate) type ClusterFilter<C> = Arc<dyn Fn(&Cluster<C>) -> bool + Send + Sync>;
 
 /// The controller's settings, fixed when it is built.
-pub(crate) struct Spec<K, C: ClusterId> {
+pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) name: Arc<str>,
+    /// The primary kind's dynamic type (`()` for kinds known at compile time).
+    pub(crate) dt: K::DynamicType,
     pub(crate) watcher_config: watcher::Config,
     pub(crate) relations: Vec<Arc<dyn relations::Relation<C, K>>>,
     pub(crate) predicate: Option<PredicateFn<K>>,
@@ -148,7 +150,7 @@ pub(crate) struct Spec<K, C: ClusterId> {
     pub(crate) observer: Option<Observer<C>>,
 }
 
-impl<K, C: ClusterId> Spec<K, C> {
+impl<K: Watchable, C: ClusterId> Spec<K, C> {
     /// The per-cluster cap: as set, else one less than the concurrency (so one cluster never
     /// holds every slot while others wait), else none.
     pub(crate) fn per_cluster_cap(&self) -> usize {
@@ -170,6 +172,8 @@ pub(crate) struct Env<C: ClusterId> {
     pub(crate) metrics: Option<crate::Metrics>,
     /// What caches keep of each object (single mode applies them to its controller's store).
     pub(crate) transforms: Arc<crate::cluster::Transforms>,
+    /// The namespaces each kind is watched in (single mode builds its own watches).
+    pub(crate) namespaces: Arc<crate::cluster::namespaces::NamespaceScopes>,
     /// Watches list in pages, never by streaming lists (`Manager::paged_lists`).
     pub(crate) paged_lists: bool,
     /// Who this replica is, in the Events it records (the leader election identity, or the
@@ -207,6 +211,7 @@ impl<C: ClusterId> Clone for Env<C> {
             backoff: self.backoff.clone(),
             metrics: self.metrics.clone(),
             transforms: self.transforms.clone(),
+            namespaces: self.namespaces.clone(),
             paged_lists: self.paged_lists,
             instance: self.instance.clone(),
         }

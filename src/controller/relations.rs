@@ -9,14 +9,15 @@ use crate::cluster::Store;
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
 use kube::core::PartialObjectMeta;
-use kube::{Api, Resource};
 use kube_runtime::WatchStreamExt;
 use kube_runtime::controller::trigger_with;
 use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher;
 
 use super::{ReconcileReason, Trigger};
-use crate::cluster::{CacheError, Change, Engagement, listing};
+use crate::cluster::listing::Target;
+use crate::cluster::namespaces::NamespaceScopes;
+use crate::cluster::{CacheError, Change, Engagement, ObjectKey, listing};
 use crate::{Cluster, ClusterId, Request, Watchable};
 
 /// A relation of the primary kind `K` to other objects (owned, watched), type-erased.
@@ -38,6 +39,7 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
+        namespaces: &NamespaceScopes,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K>
@@ -46,11 +48,12 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
 }
 
 /// What a cache held: each object's uid and resourceVersion, without the objects themselves.
-pub(crate) struct Baseline<K: Resource<DynamicType = ()>> {
-    versions: HashMap<ObjectRef<K>, (Option<String>, Option<String>)>,
+pub(crate) struct Baseline<K: Watchable> {
+    versions: HashMap<ObjectKey, (Option<String>, Option<String>)>,
+    _kind: std::marker::PhantomData<fn() -> K>,
 }
 
-impl<K: Resource<DynamicType = ()> + Clone> Baseline<K> {
+impl<K: Watchable> Baseline<K> {
     /// The versions in `store`, if there is one and it holds anything.
     pub(crate) fn of(store: Option<&Store<K>>) -> Option<Self> {
         let versions: HashMap<_, _> = store?
@@ -59,23 +62,24 @@ impl<K: Resource<DynamicType = ()> + Clone> Baseline<K> {
             .map(|obj| {
                 let meta = obj.meta();
                 (
-                    ObjectRef::from_obj(&**obj),
+                    ObjectKey::of(&**obj),
                     (meta.uid.clone(), meta.resource_version.clone()),
                 )
             })
             .collect();
-        (!versions.is_empty()).then_some(Self { versions })
+        (!versions.is_empty()).then_some(Self {
+            versions,
+            _kind: std::marker::PhantomData,
+        })
     }
 
     /// The versions in the synced cache of `X` for `config` in `engagement`.
     fn of_engagement<C: ClusterId>(
         engagement: Option<&Engagement<C>>,
+        dt: &K::DynamicType,
         config: &watcher::Config,
-    ) -> Option<Self>
-    where
-        K: Watchable,
-    {
-        let watch = engagement?.session.existing::<K>(config)?;
+    ) -> Option<Self> {
+        let watch = engagement?.session.existing::<K>(dt, config)?;
         watch.is_synced().then(|| Self::of(Some(&watch.store)))?
     }
 }
@@ -83,7 +87,7 @@ impl<K: Resource<DynamicType = ()> + Clone> Baseline<K> {
 /// Whether `change` is the first listing's version of an object the reference cache already
 /// held at the same uid and resourceVersion, so its change was seen there. The baseline is
 /// needed only during that listing; it is dropped at the first later change.
-pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
+pub(crate) fn seen_before<K: Watchable>(
     change: &Change<K>,
     baseline: &mut Option<Baseline<K>>,
 ) -> bool {
@@ -97,7 +101,7 @@ pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
     let meta = change.object.meta();
     baseline
         .versions
-        .get(&ObjectRef::from_obj(&*change.object))
+        .get(&ObjectKey::of(&*change.object))
         .is_some_and(|(uid, rv)| *uid == meta.uid && *rv == meta.resource_version)
 }
 
@@ -107,11 +111,12 @@ pub(crate) fn seen_before<K: Resource<DynamicType = ()> + Clone>(
 pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
     cluster: &Engagement<C>,
     reference: Option<&Engagement<C>>,
+    dt: &X::DynamicType,
     config: &watcher::Config,
 ) -> Result<impl futures::Stream<Item = Arc<X>> + Send + 'static, CacheError> {
-    let mut baseline = Baseline::of_engagement(reference, config);
+    let mut baseline = Baseline::of_engagement(reference, dt, config);
     Ok(cluster
-        .watch::<X>(config)?
+        .watch::<X>(dt, config)?
         .subscribe()
         .filter_map(move |change| {
             let fresh = !seen_before(&change, &mut baseline);
@@ -120,21 +125,25 @@ pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
 }
 
 /// `K` is reconciled when a `Child` it owns changes.
-pub(crate) struct Owns<Child> {
+pub(crate) struct Owns<K: Watchable, Child: Watchable> {
     pub(crate) watcher_config: watcher::Config,
-    pub(crate) _child: std::marker::PhantomData<fn() -> Child>,
+    /// The owners' dynamic type (to recognise their owner references).
+    pub(crate) owner: K::DynamicType,
+    pub(crate) child: Child::DynamicType,
 }
 
-impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child> {
+impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Child> {
     fn triggers(
         &self,
         cluster: &Engagement<C>,
         reference: Option<&Engagement<C>>,
     ) -> Result<BoxStream<'static, Trigger<C>>, CacheError> {
-        let changes = fresh_changes::<C, Child>(cluster, reference, &self.watcher_config)?
-            .map(Ok::<_, Infallible>);
+        let changes =
+            fresh_changes::<C, Child>(cluster, reference, &self.child, &self.watcher_config)?
+                .map(Ok::<_, Infallible>);
         let id = cluster.id().clone();
-        let kind: Arc<str> = Arc::from(Child::kind(&()).as_ref());
+        let kind: Arc<str> = Arc::from(Child::kind(&self.child).as_ref());
+        let owner = self.owner.clone();
         // kube-runtime's trigger primitive with its owner-reference mapping; the cluster id
         // goes on afterwards.
         let owners = move |child: Arc<Child>| {
@@ -143,7 +152,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
             meta.owner_references
                 .iter()
                 .flatten()
-                .filter_map(|owner| ObjectRef::<K>::from_owner_ref(ns, owner, ()))
+                .filter_map(|r| ObjectRef::<K>::from_owner_ref(ns, r, owner.clone()))
                 .collect::<Vec<_>>()
         };
         Ok(trigger_with(changes, owners)
@@ -161,31 +170,36 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<Child
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
+        namespaces: &NamespaceScopes,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
         // Only the owner references matter here: the children's metadata, as kube-runtime's
         // own `Controller::owns` watches them.
-        let children = listing::watch(
-            Api::<PartialObjectMeta<Child>>::all(cluster.client()),
+        let children = listing::scoped(
+            Target::<PartialObjectMeta<Child>>::all(cluster.client(), &self.child),
+            namespaces.of::<PartialObjectMeta<Child>>(&self.child),
             self.watcher_config.clone(),
             streaming,
             trim,
             super::ClusterField(cluster.id()).to_string().into(),
         );
-        controller.owns_stream(children.touched_objects())
+        controller.owns_stream_with(children.touched_objects(), self.child.clone())
     }
 }
 
 pub(crate) type Mapper<C, Other> = Arc<dyn Fn(&C, &Other) -> Vec<Request<C>> + Send + Sync>;
 
 /// The requests a mapper returns are reconciled when an `Other` changes.
-pub(crate) struct Watches<C: ClusterId, Other> {
+pub(crate) struct Watches<C: ClusterId, K: Watchable, Other: Watchable> {
     pub(crate) watcher_config: watcher::Config,
     pub(crate) mapper: Mapper<C, Other>,
+    /// The primary kind's dynamic type (to look its objects up).
+    pub(crate) primary: K::DynamicType,
+    pub(crate) other: Other::DynamicType,
 }
 
-impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C, Other> {
+impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C, K, Other> {
     fn triggers(
         &self,
         cluster: &Engagement<C>,
@@ -193,9 +207,9 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
     ) -> Result<BoxStream<'static, Trigger<C>>, CacheError> {
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
-        let kind: Arc<str> = Arc::from(Other::kind(&()).as_ref());
+        let kind: Arc<str> = Arc::from(Other::kind(&self.other).as_ref());
         Ok(
-            fresh_changes::<C, Other>(cluster, reference, &self.watcher_config)?
+            fresh_changes::<C, Other>(cluster, reference, &self.other, &self.watcher_config)?
                 .flat_map(move |object| {
                     let kind = kind.clone();
                     let requests = mapper(&id, &object).into_iter();
@@ -212,25 +226,32 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
+        namespaces: &NamespaceScopes,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
-        let others = listing::watch(
-            Api::<Other>::all(cluster.client()),
+        let others = listing::scoped(
+            Target::<Other>::all(cluster.client(), &self.other),
+            namespaces.of::<Other>(&self.other),
             self.watcher_config.clone(),
             streaming,
             trim,
             super::ClusterField(cluster.id()).to_string().into(),
         );
-        controller.watches_stream(others.touched_objects(), move |obj: Other| {
-            // One cluster: requests for any other id have nowhere to go.
-            mapper(&id, &obj)
-                .into_iter()
-                .filter(|r| r.cluster == id)
-                .map(|r| r.object_ref::<K>())
-                .collect::<Vec<_>>()
-        })
+        let primary = self.primary.clone();
+        controller.watches_stream_with(
+            others.touched_objects(),
+            move |obj: Other| {
+                // One cluster: requests for any other id have nowhere to go.
+                mapper(&id, &obj)
+                    .into_iter()
+                    .filter(|r| r.cluster == id)
+                    .map(|r| r.object_ref_with::<K>(primary.clone()))
+                    .collect::<Vec<_>>()
+            },
+            self.other.clone(),
+        )
     }
 }

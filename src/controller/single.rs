@@ -129,19 +129,28 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         env.shutdown.cancelled().await;
         return;
     }
-    let api = Api::<K>::all(cluster.client());
     let transform = env.transforms.of::<K>();
     let streaming = !env.paged_lists;
     // Managed fields are not decoded where the caches would drop them.
     let trim = !env.transforms.keep_managed_fields;
+    let namespaces = env.namespaces.of::<K>(&spec.dt);
+    let dt = spec.dt.clone();
     let mut controller = match (&spec.predicate, transform) {
-        // kube-runtime's own path, when objects are kept as they come and listed in pages.
-        (None, None) if !streaming => Controller::new(api, spec.watcher_config.clone()),
+        // kube-runtime's own path, when objects are kept as they come, listed in pages, in
+        // every namespace.
+        (None, None) if !streaming && namespaces.is_none() => Controller::new_with(
+            Api::all_with(cluster.client(), &dt),
+            spec.watcher_config.clone(),
+            dt,
+        ),
         (predicate, transform) => {
-            let (reader, writer) = kube_runtime::reflector::store();
+            let writer = kube_runtime::reflector::store::Writer::new(dt.clone());
+            let reader = writer.as_reader();
             // The controller's trigger backoff covers this stream too (errors pass through).
             let id = ClusterField(cluster.id()).to_string().into();
-            let stream = listing::watch(api, spec.watcher_config.clone(), streaming, trim, id)
+            let target = listing::Target::all(cluster.client(), &dt);
+            let config = spec.watcher_config.clone();
+            let stream = listing::scoped(target, namespaces, config, streaming, trim, id)
                 .map_ok(move |event| match &transform {
                     Some(transform) => event.modify(|o| transform.apply(o)),
                     None => event,
@@ -149,16 +158,17 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 .reflect(writer)
                 .applied_objects();
             match predicate.clone() {
-                Some(predicate) => Controller::for_stream(
+                Some(predicate) => Controller::for_stream_with(
                     stream.predicate_filter(move |obj: &K| predicate(obj), Default::default()),
                     reader,
+                    dt,
                 ),
-                None => Controller::for_stream(stream, reader),
+                None => Controller::for_stream_with(stream, reader, dt),
             }
         }
     };
     for relation in &spec.relations {
-        controller = relation.attach(controller, &cluster, streaming, trim);
+        controller = relation.attach(controller, &cluster, &env.namespaces, streaming, trim);
     }
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
