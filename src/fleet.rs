@@ -80,6 +80,85 @@ impl<C: ClusterId> Clone for FleetEvent<C> {
     }
 }
 
+/// A change of the fleet, as [`Fleet::events`] reports it (Go's `multicluster.Aware`, as a
+/// stream): per-cluster work starts at `Engaged` and stops when its token is cancelled.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum ClusterEvent<C: ClusterId> {
+    /// `cluster` joined the fleet. `until` is cancelled when this engagement ends: when the
+    /// cluster is disengaged or replaced, and when the manager's run ends.
+    Engaged {
+        /// The engaged cluster.
+        cluster: Cluster<C>,
+        /// Cancelled when this engagement ends.
+        until: CancellationToken,
+    },
+    /// The id was engaged again with another endpoint or credentials: `old`'s engagement
+    /// has ended (its token is cancelled) and `new` takes its place; `until` is `new`'s.
+    Replaced {
+        /// The cluster that left.
+        old: Cluster<C>,
+        /// The cluster that took its place under the same id.
+        new: Cluster<C>,
+        /// Cancelled when `new`'s engagement ends.
+        until: CancellationToken,
+    },
+    /// `cluster` left the fleet (its engagement's token is cancelled).
+    Disengaged {
+        /// The cluster that left.
+        cluster: Cluster<C>,
+    },
+}
+
+impl<C: ClusterId> ClusterEvent<C> {
+    fn of(event: FleetEvent<C>) -> Self {
+        match event {
+            FleetEvent::Engaged(e) => Self::Engaged {
+                until: e.session.token().child_token(),
+                cluster: e.cluster,
+            },
+            FleetEvent::Replaced { old, new } => Self::Replaced {
+                old: old.cluster,
+                until: new.session.token().child_token(),
+                new: new.cluster,
+            },
+            FleetEvent::Disengaged(e) => Self::Disengaged { cluster: e.cluster },
+        }
+    }
+
+    /// The id of the cluster the event is about.
+    pub fn id(&self) -> &C {
+        match self {
+            Self::Engaged { cluster, .. } | Self::Disengaged { cluster } => cluster.id(),
+            Self::Replaced { new, .. } => new.id(),
+        }
+    }
+}
+
+/// The changes of a fleet from the moment [`Fleet::events`] was called, starting with an
+/// `Engaged` for every cluster engaged then. Unbounded: a subscriber that does not read
+/// holds the events for it. The stream ends when the fleet is dropped.
+pub struct ClusterEvents<C: ClusterId> {
+    rx: mpsc::UnboundedReceiver<FleetEvent<C>>,
+}
+
+impl<C: ClusterId> futures::Stream for ClusterEvents<C> {
+    type Item = ClusterEvent<C>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx).map(|e| e.map(ClusterEvent::of))
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for ClusterEvents<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClusterEvents").finish_non_exhaustive()
+    }
+}
+
 /// What [`Fleet::engage`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -331,6 +410,32 @@ impl<C: ClusterId> Fleet<C> {
         rx
     }
 
+    /// Every change of the fleet from now on, starting with an `Engaged` for each cluster
+    /// engaged now: for components that run per-cluster work (Go's `multicluster.Aware`).
+    /// [`Manager::per_cluster`](crate::Manager::per_cluster) runs a task per engagement
+    /// with it.
+    ///
+    /// ```no_run
+    /// # use futures::StreamExt;
+    /// # use multicluster_runtime::{ClusterEvent, ClusterName, Fleet};
+    /// # async fn f(fleet: Fleet<ClusterName>) {
+    /// let mut events = fleet.events();
+    /// while let Some(event) = events.next().await {
+    ///     if let ClusterEvent::Engaged { cluster, until } = event {
+    ///         tokio::spawn(async move {
+    ///             // ... per-cluster work with cluster.client() ...
+    ///             until.cancelled().await;
+    ///         });
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn events(&self) -> ClusterEvents<C> {
+        ClusterEvents {
+            rx: self.subscribe(),
+        }
+    }
+
     /// An identity of this fleet (shared by its clones).
     pub(crate) fn key(&self) -> usize {
         Arc::as_ptr(&self.inner) as usize
@@ -441,6 +546,16 @@ impl<C: ClusterId> fmt::Debug for FleetView<C> {
 }
 
 impl<C: ClusterId> FleetView<C> {
+    /// The fleet behind the view.
+    pub(crate) fn fleet(&self) -> &Fleet<C> {
+        &self.fleet
+    }
+
+    /// The fleet's changes from now on; see [`Fleet::events`].
+    pub fn events(&self) -> ClusterEvents<C> {
+        self.fleet.events()
+    }
+
     pub(crate) fn new(fleet: Fleet<C>) -> Self {
         Self { fleet }
     }

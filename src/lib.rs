@@ -41,7 +41,9 @@
 mod action;
 mod cluster;
 mod controller;
+pub mod finalizer;
 mod fleet;
+mod fleet_api;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -49,6 +51,7 @@ mod hashing;
 mod leader;
 mod manager;
 mod metrics;
+mod per_cluster;
 mod provider;
 pub mod providers;
 mod request;
@@ -62,9 +65,10 @@ pub use k8s_openapi;
 /// `kube::runtime` pieces in this crate's API (`watcher::Config`, predicates, events). Use it
 /// to keep one kube version in step with this crate's.
 pub use kube;
-/// kube-runtime's watcher configuration, predicates, events and finalizer helper, which the
-/// [`Builder`] and the [`Context`] take and return.
-pub use kube::runtime::{Predicate, events, finalizer, predicates, watcher};
+/// kube-runtime's watcher configuration, predicates and events, which the [`Builder`] and the
+/// [`Context`] take and return. Its finalizer helper is [`finalizer`](mod@finalizer), with
+/// this crate's [`Action`].
+pub use kube::runtime::{Predicate, events, predicates, watcher};
 
 pub use action::Action;
 #[doc(hidden)]
@@ -77,7 +81,10 @@ pub use cluster::{
 pub use controller::{
     Builder, Context, DEFAULT_DISENGAGE_GRACE, Failure, PANIC_REQUEUE, Reconciled, Watchable,
 };
-pub use fleet::{EngageError, Engaged, Fleet, FleetView};
+pub use fleet::{ClusterEvent, ClusterEvents, EngageError, Engaged, Fleet, FleetView};
+pub use fleet_api::{
+    DEFAULT_FLEET_CONCURRENCY, DEFAULT_FLEET_TIMEOUT, FleetApi, FleetApiError, Members, PerCluster,
+};
 pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use metrics::Metrics;
@@ -90,12 +97,44 @@ pub use serve::Endpoints;
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
-/// The code samples of `docs/providers.md`, compiled as doctests.
+/// The book's chapters (`docs/`), their code samples compiled as doctests so the book stays
+/// true. (`docs/testenv.md` is the testenv crate's.)
 #[cfg(doctest)]
-#[doc = include_str!("../docs/providers.md")]
-struct ProvidersDocDoctests;
-
-/// The code samples of `docs/operations.md`, compiled as doctests.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/operations.md")]
-struct OperationsDocDoctests;
+mod book {
+    #[doc = include_str!("../docs/introduction.md")]
+    struct Introduction;
+    #[doc = include_str!("../docs/getting-started.md")]
+    struct GettingStarted;
+    #[doc = include_str!("../docs/concepts/manager.md")]
+    struct ConceptsManager;
+    #[doc = include_str!("../docs/concepts/providers.md")]
+    struct ConceptsProviders;
+    #[doc = include_str!("../docs/concepts/clusters.md")]
+    struct ConceptsClusters;
+    #[doc = include_str!("../docs/concepts/reconcile.md")]
+    struct ConceptsReconcile;
+    #[doc = include_str!("../docs/patterns/uniform.md")]
+    struct PatternsUniform;
+    #[doc = include_str!("../docs/patterns/aware.md")]
+    struct PatternsAware;
+    #[doc = include_str!("../docs/patterns/builder.md")]
+    struct PatternsBuilder;
+    #[doc = include_str!("../docs/migration.md")]
+    struct Migration;
+    #[doc = include_str!("../docs/providers.md")]
+    struct Providers;
+    #[doc = include_str!("../docs/operations.md")]
+    struct Operations;
+    #[doc = include_str!("../docs/architecture.md")]
+    struct Architecture;
+    #[doc = include_str!("../docs/advanced/events.md")]
+    struct AdvancedEvents;
+    #[doc = include_str!("../docs/advanced/mapping.md")]
+    struct AdvancedMapping;
+    #[doc = include_str!("../docs/advanced/authentication.md")]
+    struct AdvancedAuthentication;
+    #[doc = include_str!("../docs/advanced/identity.md")]
+    struct AdvancedIdentity;
+    #[doc = include_str!("../docs/contributing.md")]
+    struct Contributing;
+}

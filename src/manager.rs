@@ -458,6 +458,42 @@ impl<P: Provider> Manager<P> {
     }
 
     /// Adds a controller: started in the current run (if any) and in every later one.
+    /// Runs `task` once per engagement of each provider cluster, in this run and every
+    /// later one: started when the cluster is engaged (and again for the cluster that
+    /// replaces it under the same id), handed the cluster and a token cancelled when that
+    /// engagement ends or the manager shuts down; it gets the graceful timeout to return
+    /// after that. For per-cluster background work that must stop with its cluster: a
+    /// health probe, a cache warmer, a per-cluster informer of your own (Go's
+    /// `multicluster.Aware` components). Like controllers, it runs on the leader only when
+    /// leader election is on. A panic ends that cluster's task only. `name` is for logs.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{providers::Clusters, ClusterName, Manager};
+    /// let manager = Manager::new(Clusters::<ClusterName>::new());
+    /// manager.per_cluster("version-probe", |cluster, until| async move {
+    ///     loop {
+    ///         if let Ok(version) = cluster.client().apiserver_version().await {
+    ///             tracing::info!(cluster = %cluster.id(), version = %version.git_version);
+    ///         }
+    ///         tokio::select! {
+    ///             () = until.cancelled() => return,
+    ///             () = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+    ///         }
+    ///     }
+    /// });
+    /// ```
+    pub fn per_cluster<F, Fut>(&self, name: &str, task: F)
+    where
+        F: Fn(Cluster<P::Id>, CancellationToken) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let task = crate::per_cluster::boxed(task);
+        let name: Arc<str> = Arc::from(name);
+        self.add_controller(Arc::new(move |env| {
+            Box::pin(crate::per_cluster::run(env, name.clone(), task.clone()))
+        }));
+    }
+
     pub(crate) fn add_controller(&self, factory: ControllerFactory<P::Id>) {
         let running = lock(&self.running);
         lock(&self.controllers).push(factory);

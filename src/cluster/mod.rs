@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 pub use backoff::WatchBackoff;
 pub(crate) use backoff::{Retrying, random_unit};
 pub use cache::{Cache, CacheError, DiscoveryError};
+pub(crate) use client::describe_client;
 use client::{ClientLayer, ClientState, Forward};
 pub use client::{InvalidRateLimit, RateLimit};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};

@@ -127,7 +127,9 @@ impl State {
         });
         match tokio::time::timeout(PLUGIN_TIMEOUT, run).await {
             Ok(Ok(Ok(layer))) => Ok(layer),
-            Ok(Ok(Err(error))) => Err(error.to_string()),
+            // kube's text of a failed run has the plugin's command line (environment
+            // included) and output: credentials. Only what failed goes on.
+            Ok(Ok(Err(error))) => Err(super::describe_client(&error)),
             Ok(Err(error)) => {
                 self.running.store(false, Ordering::Release);
                 Err(error.to_string())
@@ -199,5 +201,55 @@ where
             }
             Ok(response)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config whose exec plugin fails, printing secrets, with a secret in its arguments
+    /// and in its environment.
+    fn failing_plugin() -> kube::Config {
+        let mut config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
+        config.auth_info.exec = Some(kube::config::ExecConfig {
+            api_version: Some("client.authentication.k8s.io/v1".into()),
+            command: Some("sh".into()),
+            args: Some(vec![
+                "-c".into(),
+                "echo SECRET-STDOUT; echo SECRET-STDERR >&2; exit 3".into(),
+                "SECRET-ARG".into(),
+            ]),
+            env: Some(vec![std::collections::HashMap::from([
+                ("name".to_string(), "TOKEN".to_string()),
+                ("value".to_string(), "SECRET-ENV".to_string()),
+            ])]),
+            drop_env: None,
+            install_hint: None,
+            provide_cluster_info: false,
+            cluster: None,
+            interactive_mode: None,
+            other: Default::default(),
+        });
+        config
+    }
+
+    #[tokio::test]
+    async fn a_plugin_that_fails_on_a_rerun_is_reported_without_its_output_or_command_line() {
+        let state = State {
+            config: failing_plugin(),
+            current: Mutex::new(None),
+            making: tokio::sync::Mutex::new(()),
+            running: Arc::default(),
+            failed: Mutex::new(None),
+        };
+        let error = state
+            .current()
+            .await
+            .err()
+            .expect("the plugin fails")
+            .to_string();
+        assert!(!error.contains("SECRET"), "{error}");
+        assert!(error.contains("exited with status 3"), "{error}");
     }
 }

@@ -13,8 +13,10 @@ use kube_runtime::{Predicate, watcher};
 use serde::de::DeserializeOwned;
 
 use super::relations::{Owns, Watches};
+use super::sources::{FromFleet, FromLocal, Given, mapped_stream, owners_of};
 use super::{DEFAULT_DISENGAGE_GRACE, Env, Spec};
 use crate::{Action, Cluster, Context, Manager, Provider, Request};
+use futures::StreamExt;
 
 /// Configures and runs a controller for the primary kind `K` on a [`Manager`].
 ///
@@ -95,6 +97,8 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 dt,
                 watcher_config,
                 relations: Vec::new(),
+                sources: Vec::new(),
+                bulk: std::sync::Mutex::new(None),
                 predicate: None,
                 engage_local: false,
                 engage_fleet: true,
@@ -133,6 +137,47 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
             watcher_config,
             owner: self.spec.dt.clone(),
             child: dt,
+            predicate: None,
+        }));
+        self
+    }
+
+    /// [`owns`](Self::owns), reconciling the owner only when `predicate`'s value for the
+    /// child changed (for example `predicates::generation`, to ignore status updates of
+    /// children); a deleted child always reconciles its owner. Uses kube-runtime's predicate
+    /// filter, as [`with_predicate`](Self::with_predicate) does.
+    pub fn owns_filtered<Child: Watchable>(
+        mut self,
+        watcher_config: watcher::Config,
+        predicate: impl Predicate<Child> + Send + Sync + 'static,
+    ) -> Self
+    where
+        Child::DynamicType: Default,
+    {
+        self.spec.relations.push(Arc::new(Owns::<K, Child> {
+            watcher_config,
+            owner: self.spec.dt.clone(),
+            child: Child::DynamicType::default(),
+            predicate: Some(Arc::new(move |c: &Child| predicate.hash_property(c))),
+        }));
+        self
+    }
+
+    /// Reconciles the owners of each child `children` yields, as `(cluster, child)`: a
+    /// watch of your own (shared with other code, filtered, or from another source) in place
+    /// of the one [`owns`](Self::owns) starts. kube-runtime's `Controller::owns_stream`.
+    /// The stream is consumed by the manager's first run of the controller.
+    pub fn owns_stream<Child: Watchable>(
+        mut self,
+        children: impl futures::Stream<Item = (P::Id, Arc<Child>)> + Send + 'static,
+    ) -> Self
+    where
+        Child::DynamicType: Default,
+    {
+        let kind: Arc<str> = Arc::from(Child::kind(&Default::default()).as_ref());
+        let triggers = owners_of::<P::Id, K, Child>(children, self.spec.dt.clone(), kind);
+        self.spec.sources.push(Arc::new(Given {
+            stream: std::sync::Mutex::new(Some(triggers)),
         }));
         self
     }
@@ -171,7 +216,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
 
     /// [`watches`](Self::watches) for a kind known at run time, of dynamic type `dt`.
     pub fn watches_with<Other, I>(
-        mut self,
+        self,
         dt: Other::DynamicType,
         watcher_config: watcher::Config,
         mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
@@ -180,17 +225,149 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         Other: Watchable,
         I: IntoIterator<Item = Request<P::Id>>,
     {
-        let mapper = Arc::new(move |id: &P::Id, obj: &Other| {
-            mapper(id, obj).into_iter().collect::<Vec<_>>()
-        });
+        self.watches_relation(dt, watcher_config, None, mapper)
+    }
+
+    /// Adds a `watches` relation.
+    fn watches_relation<Other, I>(
+        mut self,
+        dt: Other::DynamicType,
+        watcher_config: watcher::Config,
+        predicate: Option<super::PredicateFn<Other>>,
+        mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        Other: Watchable,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
         self.spec
             .relations
             .push(Arc::new(Watches::<P::Id, K, Other> {
                 watcher_config,
-                mapper,
+                mapper: collected(mapper),
                 primary: self.spec.dt.clone(),
                 other: dt,
+                predicate,
             }));
+        self
+    }
+
+    /// [`watches`](Self::watches), mapping an `Other` only when `predicate`'s value for it
+    /// changed; a deleted `Other` is always mapped.
+    pub fn watches_filtered<Other, I>(
+        self,
+        watcher_config: watcher::Config,
+        predicate: impl Predicate<Other> + Send + Sync + 'static,
+        mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        Other: Watchable,
+        Other::DynamicType: Default,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
+        let predicate: super::PredicateFn<Other> =
+            Arc::new(move |o: &Other| predicate.hash_property(o));
+        self.watches_relation(
+            Other::DynamicType::default(),
+            watcher_config,
+            Some(predicate),
+            mapper,
+        )
+    }
+
+    /// Reconciles the requests `mapper` returns for each `(cluster, object)` `objects`
+    /// yields: a stream of your own in place of the watch [`watches`](Self::watches) starts
+    /// (kube-runtime's `Controller::watches_stream`). Consumed by the manager's first run of
+    /// the controller.
+    pub fn watches_stream<Other, I>(
+        mut self,
+        objects: impl futures::Stream<Item = (P::Id, Arc<Other>)> + Send + 'static,
+        mapper: impl Fn(&P::Id, &Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        Other: Watchable,
+        Other::DynamicType: Default,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
+        let kind: Arc<str> = Arc::from(Other::kind(&Default::default()).as_ref());
+        self.spec.sources.push(Arc::new(Given {
+            stream: std::sync::Mutex::new(Some(mapped_stream(objects, kind, collected(mapper)))),
+        }));
+        self
+    }
+
+    /// Also reconciles the requests `mapper` returns when an `Other` changes in any cluster
+    /// of `fleet`: another provider's clusters (run by a manager of its own), whose ids have
+    /// their own type `D`. The controller reconciles in its own clusters; `fleet`'s are
+    /// only watched (Go multicluster-runtime's "local cluster as just another provider").
+    /// Requests for clusters this controller does not engage are dropped.
+    pub fn watches_from<D, Other, I>(
+        mut self,
+        fleet: &crate::Fleet<D>,
+        watcher_config: watcher::Config,
+        mapper: impl Fn(&D, &Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        D: crate::ClusterId,
+        Other: Watchable,
+        Other::DynamicType: Default,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
+        self.spec.sources.push(Arc::new(FromFleet {
+            fleet: fleet.clone(),
+            dt: Other::DynamicType::default(),
+            config: watcher_config,
+            mapper: collected(mapper),
+        }));
+        self
+    }
+
+    /// Also reconciles the requests `mapper` returns when an `Other` changes in the
+    /// manager's local cluster ([`Manager::with_local`](crate::Manager::with_local)), while
+    /// the controller reconciles in the provider's clusters: the multi-cluster-aware pattern
+    /// where a resource on the host drives work in the fleet.
+    pub fn watches_local<Other, I>(
+        mut self,
+        watcher_config: watcher::Config,
+        mapper: impl Fn(&Other) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        Other: Watchable,
+        Other::DynamicType: Default,
+        I: IntoIterator<Item = Request<P::Id>>,
+    {
+        self.spec.sources.push(Arc::new(FromLocal {
+            dt: Other::DynamicType::default(),
+            config: watcher_config,
+            mapper: Arc::new(move |obj: &Other| mapper(obj).into_iter().collect::<Vec<_>>()),
+        }));
+        self
+    }
+
+    /// Reconciles each request `requests` yields (kube-runtime's `Controller::reconcile_on`):
+    /// for triggers from outside Kubernetes, or from a source of your own. Requests for
+    /// clusters this controller does not engage, or for objects not in its caches, are
+    /// dropped. Consumed by the manager's first run of the controller.
+    pub fn reconcile_on(
+        mut self,
+        requests: impl futures::Stream<Item = Request<P::Id>> + Send + 'static,
+    ) -> Self {
+        let triggers = requests.map(|r| (r, super::ReconcileReason::Given)).boxed();
+        self.spec.sources.push(Arc::new(Given {
+            stream: std::sync::Mutex::new(Some(triggers)),
+        }));
+        self
+    }
+
+    /// Reconciles every object of every cluster the controller follows each time `trigger`
+    /// yields (kube-runtime's `Controller::reconcile_all_on`), for example when a
+    /// configuration the reconciler reads changes. Consumed by the manager's first run of
+    /// the controller.
+    pub fn reconcile_all_on(
+        self,
+        trigger: impl futures::Stream<Item = ()> + Send + 'static,
+    ) -> Self {
+        *crate::sync::lock(&self.spec.bulk) = Some(trigger.boxed());
         self
     }
 
@@ -362,4 +539,17 @@ where
         ),
         _ => Either::Right(super::fleet::run(spec, env, reconcile, error_policy, state)),
     }
+}
+
+/// `mapper` returning its requests collected, type-erased.
+fn collected<D, X, C, I>(
+    mapper: impl Fn(&D, &X) -> I + Send + Sync + 'static,
+) -> super::sources::Mapper<D, X, C>
+where
+    D: 'static,
+    X: 'static,
+    C: crate::ClusterId,
+    I: IntoIterator<Item = Request<C>>,
+{
+    Arc::new(move |id: &D, obj: &X| mapper(id, obj).into_iter().collect())
 }

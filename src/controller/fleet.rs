@@ -162,6 +162,12 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         epoch: 0,
     };
     let mut running: FuturesUnordered<Reconciling<C>> = FuturesUnordered::new();
+    for source in &spec.sources {
+        if let Some(triggers) = source.triggers(&env) {
+            slots.triggers.push(triggers);
+        }
+    }
+    let mut bulk = crate::sync::lock(&spec.bulk).take();
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -194,6 +200,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             Some((req, reason)) = slots.triggers.next(), if !slots.triggers.is_empty() => {
                 slots.queue.trigger(req, reason);
             }
+            bulk_item = next_opt(&mut bulk) => match bulk_item {
+                Some(()) => slots.reconcile_all(),
+                None => bulk = None,
+            },
             Some((req, action, reason, ended, took)) = running.next(), if !running.is_empty() => {
                 // A reconcile whose engagement ended while it ran (its cluster was replaced:
                 // the client it used stopped, its context was cancelled) may have been cut
@@ -298,6 +308,21 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
         );
         self.synced(&id, epoch);
         true
+    }
+
+    /// Queues every object of every cluster whose cache can be read (a cluster still listing
+    /// reconciles all it lists anyway).
+    fn reconcile_all(&mut self) {
+        for (id, slot) in &self.slots {
+            let store = match &slot.phase {
+                Phase::Synced => slot.watch.as_ref().map(|w| &w.store),
+                Phase::Syncing { reference } => reference.as_ref().map(|r| &r.store),
+            };
+            for object in store.map(Store::state).unwrap_or_default() {
+                let request = Request::from_obj(id.clone(), &*object);
+                self.queue.trigger(request, ReconcileReason::Bulk);
+            }
+        }
     }
 
     /// `old` was replaced by `new` under the same id.
@@ -547,6 +572,13 @@ where
     .boxed()
 }
 
+async fn next_opt<T>(stream: &mut Option<BoxStream<'static, T>>) -> Option<T> {
+    match stream {
+        Some(stream) => stream.next().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn recv_opt<T>(rx: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
     match rx {
         Some(rx) => rx.recv().await,
@@ -605,6 +637,8 @@ mod tests {
             dt: (),
             watcher_config: watcher::Config::default(),
             relations: Vec::new(),
+            sources: Vec::new(),
+            bulk: std::sync::Mutex::new(None),
             predicate,
             engage_local: false,
             engage_fleet: true,

@@ -8,6 +8,7 @@ mod fleet;
 mod queue;
 mod relations;
 mod single;
+mod sources;
 
 use std::fmt;
 use std::sync::Arc;
@@ -38,6 +39,10 @@ pub(crate) enum ReconcileReason {
     /// The previous reconcile (or its error policy) panicked; it runs again after
     /// [`PANIC_REQUEUE`].
     Panicked,
+    /// Every object was asked for (`reconcile_all_on`).
+    Bulk,
+    /// A request from a stream the user brought (`reconcile_on`).
+    Given,
 }
 
 impl fmt::Display for ReconcileReason {
@@ -48,6 +53,8 @@ impl fmt::Display for ReconcileReason {
             Self::Requeue => f.write_str("requeue"),
             Self::ErrorPolicy => f.write_str("error policy requeue"),
             Self::Panicked => f.write_str("panic requeue"),
+            Self::Bulk => f.write_str("bulk reconcile"),
+            Self::Given => f.write_str("trigger stream"),
         }
     }
 }
@@ -135,6 +142,10 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) dt: K::DynamicType,
     pub(crate) watcher_config: watcher::Config,
     pub(crate) relations: Vec<Arc<dyn relations::Relation<C, K>>>,
+    /// Requests from elsewhere than the watches of the controller's clusters.
+    pub(crate) sources: Vec<Arc<dyn sources::Source<C>>>,
+    /// `reconcile_all_on`'s stream, taken by the first run.
+    pub(crate) bulk: std::sync::Mutex<Option<futures::stream::BoxStream<'static, ()>>>,
     pub(crate) predicate: Option<PredicateFn<K>>,
     pub(crate) engage_local: bool,
     pub(crate) engage_fleet: bool,

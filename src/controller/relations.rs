@@ -14,7 +14,7 @@ use kube_runtime::controller::trigger_with;
 use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher;
 
-use super::{ReconcileReason, Trigger};
+use super::{PredicateFn, ReconcileReason, Trigger};
 use crate::cluster::listing::Target;
 use crate::cluster::namespaces::NamespaceScopes;
 use crate::cluster::{CacheError, Change, Engagement, ObjectKey, listing};
@@ -108,20 +108,73 @@ pub(crate) fn seen_before<K: Watchable>(
 /// The objects of `X` in `cluster` as they change (deletions included, also those a relist
 /// found), leaving out those of the first listing that the reference cache had already seen
 /// at the same version. The watch for `config` is started on first use.
+/// With a `predicate`, changes whose value for it did not change are left out too
+/// (kube-runtime's filter, keyed by uid); deletions always pass.
 pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
     cluster: &Engagement<C>,
     reference: Option<&Engagement<C>>,
     dt: &X::DynamicType,
     config: &watcher::Config,
-) -> Result<impl futures::Stream<Item = Arc<X>> + Send + 'static, CacheError> {
+    predicate: Option<&PredicateFn<X>>,
+) -> Result<BoxStream<'static, Arc<X>>, CacheError> {
     let mut baseline = Baseline::of_engagement(reference, dt, config);
-    Ok(cluster
-        .watch::<X>(dt, config)?
-        .subscribe()
+    let changes = cluster.watch::<X>(dt, config)?.subscribe();
+    let changes = match predicate {
+        Some(predicate) => filtered(changes.map(Ok::<_, watcher::Error>), predicate.clone())
+            .filter_map(|c| std::future::ready(c.ok()))
+            .boxed(),
+        None => changes.boxed(),
+    };
+    Ok(changes
         .filter_map(move |change| {
             let fresh = !seen_before(&change, &mut baseline);
             std::future::ready(fresh.then_some(change.object))
-        }))
+        })
+        .boxed())
+}
+
+/// `changes` through kube-runtime's predicate filter with `predicate`; deletions pass.
+pub(crate) fn filtered<X: Watchable>(
+    changes: impl futures::Stream<Item = watcher::Result<Change<X>>> + Send + 'static,
+    predicate: PredicateFn<X>,
+) -> impl futures::Stream<Item = watcher::Result<Change<X>>> + Send + 'static {
+    changes.predicate_filter(
+        move |change: &Change<X>| {
+            // No value: always passes (a deletion must reach the owner or the mapper).
+            (!change.deleted)
+                .then(|| predicate(&change.object))
+                .flatten()
+        },
+        kube_runtime::PredicateConfig::default(),
+    )
+}
+
+/// The objects of `changes` again (each `Arc` is the only one: no copy is made).
+pub(crate) fn unchanged<X: Watchable>(
+    changes: impl futures::Stream<Item = watcher::Result<Change<X>>> + Send + 'static,
+) -> impl futures::Stream<Item = watcher::Result<X>> + Send + 'static {
+    changes.map(|change| change.map(|c| Arc::unwrap_or_clone(c.object)))
+}
+
+/// The changes a watcher's events show (a listing's objects, changes, deletions).
+pub(crate) fn touched<X: Watchable>(
+    events: impl futures::Stream<Item = watcher::Result<watcher::Event<X>>> + Send + 'static,
+) -> impl futures::Stream<Item = watcher::Result<Change<X>>> + Send + 'static {
+    events.filter_map(|event| {
+        let change = |object: X, deleted| Change {
+            object: Arc::new(object),
+            deleted,
+            initial: false,
+        };
+        std::future::ready(match event {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                Some(Ok(change(o, false)))
+            }
+            Ok(watcher::Event::Delete(o)) => Some(Ok(change(o, true))),
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+            Err(error) => Some(Err(error)),
+        })
+    })
 }
 
 /// `K` is reconciled when a `Child` it owns changes.
@@ -130,6 +183,8 @@ pub(crate) struct Owns<K: Watchable, Child: Watchable> {
     /// The owners' dynamic type (to recognise their owner references).
     pub(crate) owner: K::DynamicType,
     pub(crate) child: Child::DynamicType,
+    /// Only children whose value for it changed reconcile their owners.
+    pub(crate) predicate: Option<PredicateFn<Child>>,
 }
 
 impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Child> {
@@ -138,9 +193,14 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         cluster: &Engagement<C>,
         reference: Option<&Engagement<C>>,
     ) -> Result<BoxStream<'static, Trigger<C>>, CacheError> {
-        let changes =
-            fresh_changes::<C, Child>(cluster, reference, &self.child, &self.watcher_config)?
-                .map(Ok::<_, Infallible>);
+        let changes = fresh_changes::<C, Child>(
+            cluster,
+            reference,
+            &self.child,
+            &self.watcher_config,
+            self.predicate.as_ref(),
+        )?
+        .map(Ok::<_, Infallible>);
         let id = cluster.id().clone();
         let kind: Arc<str> = Arc::from(Child::kind(&self.child).as_ref());
         let owner = self.owner.clone();
@@ -174,6 +234,22 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
+        let id: Arc<str> = super::ClusterField(cluster.id()).to_string().into();
+        if let Some(predicate) = &self.predicate {
+            // The predicate reads whole children.
+            let children = listing::scoped(
+                Target::<Child>::all(cluster.client(), &self.child),
+                namespaces.of::<Child>(&self.child),
+                self.watcher_config.clone(),
+                streaming,
+                trim,
+                id,
+            );
+            return controller.owns_stream_with(
+                unchanged(filtered(touched(children), predicate.clone())),
+                self.child.clone(),
+            );
+        }
         // Only the owner references matter here: the children's metadata, as kube-runtime's
         // own `Controller::owns` watches them.
         let children = listing::scoped(
@@ -197,6 +273,8 @@ pub(crate) struct Watches<C: ClusterId, K: Watchable, Other: Watchable> {
     /// The primary kind's dynamic type (to look its objects up).
     pub(crate) primary: K::DynamicType,
     pub(crate) other: Other::DynamicType,
+    /// Only objects whose value for it changed are mapped.
+    pub(crate) predicate: Option<PredicateFn<Other>>,
 }
 
 impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C, K, Other> {
@@ -208,18 +286,21 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
         let kind: Arc<str> = Arc::from(Other::kind(&self.other).as_ref());
-        Ok(
-            fresh_changes::<C, Other>(cluster, reference, &self.other, &self.watcher_config)?
-                .flat_map(move |object| {
-                    let kind = kind.clone();
-                    let requests = mapper(&id, &object).into_iter();
-                    stream::iter(
-                        requests
-                            .map(move |r| (r, ReconcileReason::RelatedObjectChanged(kind.clone()))),
-                    )
-                })
-                .boxed(),
-        )
+        Ok(fresh_changes::<C, Other>(
+            cluster,
+            reference,
+            &self.other,
+            &self.watcher_config,
+            self.predicate.as_ref(),
+        )?
+        .flat_map(move |object| {
+            let kind = kind.clone();
+            let requests = mapper(&id, &object).into_iter();
+            stream::iter(
+                requests.map(move |r| (r, ReconcileReason::RelatedObjectChanged(kind.clone()))),
+            )
+        })
+        .boxed())
     }
 
     fn attach(
@@ -241,8 +322,12 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             super::ClusterField(cluster.id()).to_string().into(),
         );
         let primary = self.primary.clone();
+        let others = match &self.predicate {
+            Some(predicate) => unchanged(filtered(touched(others), predicate.clone())).boxed(),
+            None => others.touched_objects().boxed(),
+        };
         controller.watches_stream_with(
-            others.touched_objects(),
+            others,
             move |obj: Other| {
                 // One cluster: requests for any other id have nowhere to go.
                 mapper(&id, &obj)

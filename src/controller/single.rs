@@ -170,6 +170,24 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     for relation in &spec.relations {
         controller = relation.attach(controller, &cluster, &env.namespaces, streaming, trim);
     }
+    // Requests from elsewhere (another fleet, the local cluster, the user's streams) for
+    // this cluster, through kube-runtime's own entry points.
+    let given: Vec<_> = spec
+        .sources
+        .iter()
+        .filter_map(|s| s.triggers(&env))
+        .collect();
+    if !given.is_empty() {
+        let (id, dt) = (cluster.id().clone(), spec.dt.clone());
+        let refs = futures::stream::select_all(given).filter_map(move |(request, _)| {
+            let this = request.cluster == id;
+            std::future::ready(this.then(|| request.object_ref_with::<K>(dt.clone())))
+        });
+        controller = controller.reconcile_on(refs);
+    }
+    if let Some(bulk) = crate::sync::lock(&spec.bulk).take() {
+        controller = controller.reconcile_all_on(bulk);
+    }
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
         .debounce(spec.debounce);

@@ -1,0 +1,168 @@
+//! The book (`docs/`, an mdBook): every chapter is listed in `SUMMARY.md` and every file it
+//! lists exists, and every link between chapters reaches an existing file and, if it names
+//! one, an existing heading (mdBook's anchors). Its code samples are doctests of the crates.
+
+use std::collections::BTreeSet;
+use std::path::{Component, Path, PathBuf};
+
+fn docs() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("docs")
+}
+
+/// Every Markdown file under `dir`, relative to it.
+fn markdown_files(dir: &Path, base: &Path, out: &mut BTreeSet<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            markdown_files(&path, base, out);
+        } else if path.extension().is_some_and(|e| e == "md") {
+            out.insert(path.strip_prefix(base).unwrap().to_path_buf());
+        }
+    }
+}
+
+/// The targets of the inline links `[text](target)` in `text`, outside code.
+fn links(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut in_fence = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            in_fence = !in_fence;
+            continue;
+        }
+        if in_fence {
+            continue;
+        }
+        // Inline code spans are not links.
+        let mut plain = String::new();
+        for (i, part) in line.split('`').enumerate() {
+            if i % 2 == 0 {
+                plain.push_str(part);
+            }
+        }
+        let mut rest = plain.as_str();
+        while let Some(start) = rest.find("](") {
+            let after = &rest[start + 2..];
+            let Some(end) = after.find(')') else { break };
+            found.push(after[..end].trim().to_string());
+            rest = &after[end..];
+        }
+    }
+    found
+}
+
+/// mdBook's anchor of a heading: lower case, spaces to dashes, other punctuation dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of `text`'s headings.
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut in_fence = false;
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            in_fence = !in_fence;
+        } else if !in_fence && line.starts_with('#') {
+            let title = line.trim_start_matches('#').replace('`', "");
+            out.insert(anchor(&title));
+        }
+    }
+    out
+}
+
+/// `path` with `.` and `..` resolved, without touching the file system.
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+#[test]
+fn every_chapter_is_in_the_summary_and_every_listed_chapter_exists() {
+    let docs = docs();
+    let summary = std::fs::read_to_string(docs.join("SUMMARY.md")).unwrap();
+    let listed: BTreeSet<PathBuf> = links(&summary).iter().map(PathBuf::from).collect();
+    let mut files = BTreeSet::new();
+    markdown_files(&docs, &docs, &mut files);
+    files.remove(Path::new("SUMMARY.md"));
+    let missing: Vec<_> = listed.difference(&files).collect();
+    assert!(missing.is_empty(), "listed but not written: {missing:?}");
+    let unlisted: Vec<_> = files.difference(&listed).collect();
+    assert!(
+        unlisted.is_empty(),
+        "written but not in SUMMARY.md: {unlisted:?}"
+    );
+}
+
+#[test]
+fn every_link_between_chapters_reaches_a_file_and_heading() {
+    let docs = docs();
+    let mut files = BTreeSet::new();
+    markdown_files(&docs, &docs, &mut files);
+    let mut broken = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(docs.join(file)).unwrap();
+        for target in links(&text) {
+            if target.starts_with("http://")
+                || target.starts_with("https://")
+                || target.starts_with("mailto:")
+            {
+                continue;
+            }
+            let (path, fragment) = match target.split_once('#') {
+                Some((path, fragment)) => (path, Some(fragment)),
+                None => (target.as_str(), None),
+            };
+            let resolved = if path.is_empty() {
+                file.clone()
+            } else {
+                normalize(&file.parent().unwrap_or(Path::new("")).join(path))
+            };
+            if resolved.starts_with("..") || !docs.join(&resolved).is_file() {
+                broken.push(format!(
+                    "{}: {target} (no such chapter in docs/)",
+                    file.display()
+                ));
+                continue;
+            }
+            if let Some(fragment) = fragment {
+                let target_text = std::fs::read_to_string(docs.join(&resolved)).unwrap();
+                if !anchors(&target_text).contains(fragment) {
+                    broken.push(format!("{}: {target} (no such heading)", file.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn anchors_follow_mdbook() {
+    assert_eq!(
+        anchor("Cluster identity (KEP-2149)"),
+        "cluster-identity-kep-2149"
+    );
+    assert_eq!(anchor("The `Provider` trait"), "the-provider-trait");
+    assert_eq!(
+        links("see [a](x.md#y) and `[b](not.md)`\n```\n[c](no.md)\n```"),
+        ["x.md#y"]
+    );
+}
