@@ -8,7 +8,8 @@
 //! deleted is put back (the members' ConfigMaps are watched and mapped back to the host
 //! object), a member that joins later gets the copy, a member that is down shows as failing
 //! without holding up the others, and deleting the host object removes every copy first (a
-//! finalizer).
+//! finalizer). Clusters are named by an id type of the example's own, `Site` (a region and
+//! a name).
 //!
 //! ```sh
 //! scripts/example.sh federated
@@ -28,8 +29,8 @@ use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use multicluster_runtime::finalizer::{Error as FinalizerError, Event, finalizer};
 use multicluster_runtime::providers::Clusters;
 use multicluster_runtime::{
-    Action, Builder, Cluster, ClusterEvent, ClusterName, Context, FleetApi, Manager, Request,
-    watcher,
+    Action, Builder, Cluster, ClusterEvent, ClusterId, Context, FleetApi, InvalidClusterId,
+    Manager, Request, watcher,
 };
 use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde::{Deserialize, Serialize};
@@ -128,6 +129,41 @@ impl FederatedConfig {
     }
 }
 
+/// A cluster's id: its region and its name, `region.name` as text. Any type with a text
+/// form that reads back can be a [`ClusterId`]; requests, logs, metrics and this example's
+/// status use the text form.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Site {
+    region: String,
+    name: String,
+}
+
+impl Site {
+    fn new(region: &str, name: &str) -> Self {
+        Self {
+            region: region.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Site {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.region, self.name)
+    }
+}
+
+impl ClusterId for Site {
+    fn parse(s: &str) -> Result<Self, InvalidClusterId> {
+        match s.split_once('.') {
+            Some((region, name)) if !region.is_empty() && !name.is_empty() => {
+                Ok(Self::new(region, name))
+            }
+            _ => Err(InvalidClusterId::new(s, "expected region.name")),
+        }
+    }
+}
+
 /// Marks the member copies, naming the host object they come from.
 const FROM: &str = "demo.multicluster.example/federated-config";
 const FINALIZER: &str = "demo.multicluster.example/cleanup";
@@ -145,10 +181,7 @@ enum Error {
 
 // ANCHOR: reconcile
 /// The host object: fan out (or clean up), then write each member's outcome to its status.
-async fn reconcile(
-    fc: Arc<FederatedConfig>,
-    ctx: Context<ClusterName, ()>,
-) -> Result<Action, Error> {
+async fn reconcile(fc: Arc<FederatedConfig>, ctx: Context<Site, ()>) -> Result<Action, Error> {
     let ns = fc.namespace().unwrap_or_default();
     let host = Api::<FederatedConfig>::namespaced(ctx.client(), &ns);
     let copies =
@@ -177,7 +210,7 @@ async fn reconcile(
 async fn fan_out(
     fc: &FederatedConfig,
     host: &Api<FederatedConfig>,
-    copies: &FleetApi<ClusterName, ConfigMap>,
+    copies: &FleetApi<Site, ConfigMap>,
 ) -> Result<Action, Error> {
     let name = fc.name_any();
     let copy = ConfigMap {
@@ -219,7 +252,7 @@ async fn fan_out(
 }
 // ANCHOR_END: reconcile
 
-fn error_policy(_: Arc<FederatedConfig>, error: &Error, ctx: &Context<ClusterName, ()>) -> Action {
+fn error_policy(_: Arc<FederatedConfig>, error: &Error, ctx: &Context<Site, ()>) -> Action {
     println!("  {}: {error}; retrying in 1 s", ctx.request());
     Action::requeue(Duration::from_secs(1))
 }
@@ -237,14 +270,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     host.install_crds(CRD).await?;
     println!("started a host and 3 members; the FederatedConfig CRD is on the host");
 
-    let fleet = Clusters::<ClusterName>::new();
+    // The members' ids are typed: a region and a name (`eu.cluster-1`).
+    let fleet = Clusters::<Site>::new();
     for m in &members[..2] {
-        fleet.add(Cluster::from_config(
-            ClusterName::from(m.name()),
-            m.config(),
-        )?)?;
+        fleet.add(Cluster::from_config(Site::new("eu", m.name()), m.config())?)?;
     }
-    let host_cluster = Cluster::from_config(ClusterName::from("host"), host.config())?;
+    let hub = Site::new("global", "host");
+    let host_cluster = Cluster::from_config(hub.clone(), host.config())?;
     let manager = Arc::new(Manager::new(fleet.clone()).with_local(host_cluster));
     // ANCHOR: builder
     // Every host object again whenever a member joins (or comes back replaced).
@@ -265,10 +297,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .watches_from(
             manager.fleet(),
             watcher::Config::default().labels(FROM),
-            |_, cm: &ConfigMap| {
+            move |_: &Site, cm: &ConfigMap| {
                 let from = cm.labels().get(FROM).cloned();
                 let ns = cm.namespace();
-                from.map(|name| Request::new(ClusterName::from("host"), ns, name))
+                from.map(|name| Request::new(hub.clone(), ns, name))
             },
         )
         .reconcile_all_on(joined)
@@ -311,7 +343,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     wait_for("status: the stopped member failing, by name", || {
         let api = host_api.clone();
-        let down = down.name().to_string();
+        let down = Site::new("eu", down.name()).to_string();
         async move {
             let Ok(fc) = api.get("greeting").await else {
                 return false;
@@ -356,7 +388,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A member that joins later gets the copy.
     let late = &members[2];
     fleet.add(Cluster::from_config(
-        ClusterName::from(late.name()),
+        Site::new("us", late.name()),
         late.config(),
     )?)?;
     wait_for("the copy in the late member", || {

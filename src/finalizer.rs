@@ -28,7 +28,8 @@ use crate::Action;
 /// use multicluster_runtime::{Action, ClusterName, Context};
 ///
 /// async fn reconcile(cm: Arc<ConfigMap>, ctx: Context<ClusterName, ()>) -> Result<Action, multicluster_runtime::finalizer::Error<kube::Error>> {
-///     let api: Api<ConfigMap> = Api::namespaced(ctx.client(), "default");
+///     let ns = cm.metadata.namespace.clone().unwrap_or_default();
+///     let api: Api<ConfigMap> = Api::namespaced(ctx.client(), &ns);
 ///     finalizer(&api, "example.com/cleanup", cm, |event| async move {
 ///         match event {
 ///             Event::Apply(_) => Ok::<_, kube::Error>(Action::await_change()),

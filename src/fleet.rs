@@ -371,7 +371,11 @@ impl<C: ClusterId> Fleet<C> {
         &self,
         name: &str,
         extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
-    ) {
+    ) where
+        // Indexes are kept by Rust type: one for `DynamicObject` would run on every kind a
+        // `DynamicObject` stands for.
+        K::DynamicType: Default,
+    {
         let indexer = Indexer::new::<K>(name, extract);
         let clusters = {
             let mut state = self.state();
@@ -434,6 +438,11 @@ impl<C: ClusterId> Fleet<C> {
         ClusterEvents {
             rx: self.subscribe(),
         }
+    }
+
+    /// How its clusters' watches retry (the running manager's setting).
+    pub(crate) fn watch_backoff(&self) -> crate::WatchBackoff {
+        self.state().settings.backoff.clone()
     }
 
     /// An identity of this fleet (shared by its clones).

@@ -50,6 +50,17 @@ pub enum FleetApiError {
         /// The cluster.
         cluster: String,
     },
+    /// A call on one object of a namespaced kind through [`FleetApi::all`]: such an object
+    /// is reached through [`FleetApi::namespaced`].
+    #[error(
+        "cluster {cluster}: {kind} is namespaced: calls on one object need FleetApi::namespaced"
+    )]
+    NoNamespace {
+        /// The cluster.
+        cluster: String,
+        /// The kind.
+        kind: String,
+    },
     /// A cached read failed (the cache is not there or stopped).
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -61,7 +72,8 @@ impl FleetApiError {
         match self {
             Self::Api { cluster, .. }
             | Self::Timeout { cluster, .. }
-            | Self::NotEngaged { cluster } => cluster,
+            | Self::NotEngaged { cluster }
+            | Self::NoNamespace { cluster, .. } => cluster,
             Self::Cache(
                 CacheError::NotEngaged { cluster }
                 | CacheError::NoRuntime { cluster }
@@ -253,7 +265,9 @@ where
     K::DynamicType: Default,
 {
     /// `K` across all namespaces of every cluster (or cluster-scoped objects) of `fleet` (a
-    /// [`Fleet`] or a [`FleetView`](crate::FleetView)).
+    /// [`Fleet`] or a [`FleetView`](crate::FleetView)). For a namespaced kind this lists,
+    /// watches and reads caches across namespaces; calls on one object are refused
+    /// ([`FleetApiError::NoNamespace`]): use [`FleetApi::namespaced`].
     pub fn all(fleet: &impl Members<C>) -> Self {
         Self::all_with(fleet, K::DynamicType::default())
     }
@@ -343,6 +357,42 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
             })
     }
 
+    /// Whether calls on one object are refused: a namespaced kind (known at compile time)
+    /// without a namespace would reach a cluster-wide URL, which serves lists and watches
+    /// only (every object would look absent).
+    fn needs_namespace(&self) -> bool {
+        let namespaced = std::any::TypeId::of::<K::Scope>()
+            == std::any::TypeId::of::<kube::core::NamespaceResourceScope>();
+        namespaced && self.namespace.is_none()
+    }
+
+    /// The refusal of a call on one object in `cluster`.
+    fn no_namespace(&self, cluster: &C) -> FleetApiError {
+        FleetApiError::NoNamespace {
+            cluster: cluster.to_string(),
+            kind: K::kind(&self.dt).into_owned(),
+        }
+    }
+
+    /// Every target's refusal of a call on one object, if calls on one object are refused.
+    fn refused<T>(&self) -> Option<PerCluster<C, T>> {
+        self.needs_namespace().then(|| PerCluster {
+            results: self
+                .targets()
+                .into_iter()
+                .map(|c| (c.id().clone(), Err(self.no_namespace(c.id()))))
+                .collect(),
+        })
+    }
+
+    /// The engaged cluster `id`, if a call on one object may be made there.
+    fn target_for_object(&self, id: &C) -> Result<Cluster<C>, FleetApiError> {
+        if self.needs_namespace() {
+            return Err(self.no_namespace(id));
+        }
+        self.target(id)
+    }
+
     /// `call` on `cluster`'s `Api`, bounded by the timeout, its errors naming the cluster.
     async fn one<T, Fut>(
         &self,
@@ -394,13 +444,16 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
 
     /// The object `name` in every cluster (`None` where there is none).
     pub async fn get(&self, name: &str) -> PerCluster<C, Option<K>> {
+        if let Some(refused) = self.refused() {
+            return refused;
+        }
         self.fan_out(|api| async move { api.get_opt(name).await })
             .await
     }
 
     /// The object `name` in cluster `id`.
     pub async fn get_in(&self, id: &C, name: &str) -> Result<Option<K>, FleetApiError> {
-        let cluster = self.target(id)?;
+        let cluster = self.target_for_object(id)?;
         self.one(&cluster, |api| async move { api.get_opt(name).await })
             .await
     }
@@ -410,6 +463,9 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     where
         K: Serialize,
     {
+        if let Some(refused) = self.refused() {
+            return refused;
+        }
         self.fan_out(|api| async move { api.create(params, object).await })
             .await
     }
@@ -424,7 +480,7 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     where
         K: Serialize,
     {
-        let cluster = self.target(id)?;
+        let cluster = self.target_for_object(id)?;
         self.one(
             &cluster,
             |api| async move { api.create(params, object).await },
@@ -438,6 +494,9 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     where
         K: Serialize,
     {
+        if let Some(refused) = self.refused() {
+            return refused;
+        }
         let params = PatchParams::apply(field_manager).force();
         let params = &params;
         self.fan_out(|api| async move { api.patch(name, params, &Patch::Apply(object)).await })
@@ -455,7 +514,7 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     where
         K: Serialize,
     {
-        let cluster = self.target(id)?;
+        let cluster = self.target_for_object(id)?;
         let params = PatchParams::apply(field_manager).force();
         let params = &params;
         self.one(&cluster, |api| async move {
@@ -467,6 +526,9 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     /// Deletes the object `name` in every cluster. Each result says whether there was one
     /// (a cluster without it is not an error).
     pub async fn delete(&self, name: &str, params: &DeleteParams) -> PerCluster<C, bool> {
+        if let Some(refused) = self.refused() {
+            return refused;
+        }
         self.fan_out(|api| async move { deleted(api.delete(name, params).await) })
             .await
     }
@@ -478,7 +540,7 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
         name: &str,
         params: &DeleteParams,
     ) -> Result<bool, FleetApiError> {
-        let cluster = self.target(id)?;
+        let cluster = self.target_for_object(id)?;
         self.one(&cluster, |api| async move {
             deleted(api.delete(name, params).await)
         })
@@ -488,14 +550,16 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     /// Watches `K` in every cluster this client reaches, as clusters join and leave: each
     /// event comes with its cluster's id; a cluster that joins later starts with a listing
     /// of its own (kube-runtime's watcher events, `Init` to `InitDone`), a cluster that
-    /// leaves stops. Errors are the watcher's and it retries them (as kube-runtime's
-    /// watcher does with a backoff; add one with `WatchStreamExt::default_backoff` on
-    /// your side if you poll it in a loop). The stream ends when the fleet is dropped.
+    /// leaves stops (when the stream is next polled: read it from a task of its own). A
+    /// cluster's errors come through and its watch retries them on its own, with the
+    /// manager's watch backoff, while the others go on. The stream ends when the fleet is
+    /// dropped.
     pub fn watch(
         &self,
         config: watcher::Config,
     ) -> impl Stream<Item = (C, Result<watcher::Event<K>, watcher::Error>)> + Send + 'static {
         let mut events = self.fleet.subscribe();
+        let backoff = self.fleet.watch_backoff();
         let this = self.clone();
         let engagements = stream::poll_fn(move |cx| events.poll_recv(cx)).filter_map(|event| {
             std::future::ready(match event {
@@ -509,7 +573,8 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
                 let watch: Option<BoxStream<'static, _>> = keep.then(|| {
                     let id = engagement.id().clone();
                     let until = engagement.session.token().clone().cancelled_owned();
-                    watcher::watcher(this.api(&engagement.cluster), config.clone())
+                    let watch = watcher::watcher(this.api(&engagement.cluster), config.clone());
+                    crate::cluster::Retrying::new(watch, backoff.delays())
                         .take_until(until)
                         .map(move |event| (id.clone(), event))
                         .boxed()

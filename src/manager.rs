@@ -192,7 +192,12 @@ impl<P: Provider> Manager<P> {
     pub fn transform<K: crate::Watchable>(
         mut self,
         transform: impl Fn(&mut K) + Send + Sync + 'static,
-    ) -> Self {
+    ) -> Self
+    where
+        // Transforms are kept by Rust type: one for every kind a `DynamicObject` stands for
+        // would run on all of them.
+        K::DynamicType: Default,
+    {
         Arc::make_mut(&mut self.transforms).set(transform);
         self
     }
@@ -384,7 +389,10 @@ impl<P: Provider> Manager<P> {
         &self,
         name: &str,
         extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
-    ) {
+    ) where
+        // Indexes are kept by Rust type (see `Manager::transform`).
+        K::DynamicType: Default,
+    {
         let extract = Arc::new(extract);
         if let Some(local) = &self.local {
             let extract = extract.clone();

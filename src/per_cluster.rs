@@ -64,6 +64,8 @@ pub(crate) async fn run<C: ClusterId>(env: Env<C>, name: Arc<str>, task: PerClus
         () = env.grace.over() => {
             tracing::warn!(task = %name, "per-cluster tasks still running after the graceful timeout were dropped");
             tasks.abort_all();
+            // Aborted tasks end at their next await; nothing of this run goes on after it.
+            while tasks.join_next().await.is_some() {}
         }
     }
 }

@@ -83,6 +83,28 @@ async fn a_fleet_client_acts_on_every_cluster_and_reports_the_stopped_one_by_nam
     );
     assert_eq!(listed.errors().count(), 1);
 
+    // Across all namespaces: lists work; a call on one object of a namespaced kind is
+    // refused, not answered "absent" from a cluster-wide URL.
+    let across = FleetApi::<_, ConfigMap>::all(manager.fleet()).timeout(Duration::from_secs(10));
+    let everywhere = across
+        .list(&kube::api::ListParams::default().labels("fleet"))
+        .await;
+    assert_eq!(everywhere.objects().len(), 2);
+    let refused = across.get("settings").await;
+    assert_eq!(refused.len(), 3);
+    assert!(
+        refused
+            .errors()
+            .all(|e| matches!(e, FleetApiError::NoNamespace { .. })),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        across
+            .delete_in(&name("c0"), "settings", &DeleteParams::default())
+            .await,
+        Err(FleetApiError::NoNamespace { cluster, .. }) if cluster == "c0"
+    ));
+
     // One cluster by id; an id the fleet does not have is an error naming it.
     let c1 = name("c1");
     let one = cms.get_in(&c1, "settings").await.unwrap().unwrap();

@@ -270,6 +270,50 @@ async fn given_requests_and_reconcile_all_work_with_a_single_cluster() {
     run.await.unwrap();
 }
 
+#[tokio::test]
+async fn the_users_streams_go_on_in_the_managers_next_run() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    fixture(&client).await;
+    let clusters = Clusters::<ClusterName>::new();
+    let manager = Arc::new(Manager::new(clusters.clone()));
+    let (requests, requests_rx) = mpsc::unbounded_channel();
+    let (everything, everything_rx) = mpsc::unbounded_channel::<()>();
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects())
+        .reconcile_on(stream(requests_rx))
+        .reconcile_all_on(stream(everything_rx))
+        .start(record, retry_soon, seen.clone());
+    clusters
+        .add(Cluster::new(name("c0"), client.clone()))
+        .unwrap();
+    for _ in 0..2 {
+        // Each run engages the cluster anew and lists its objects.
+        let start = seen.total();
+        let run = spawn_manager(&manager);
+        eventually(60, "the run's first reconciles", async || {
+            seen.total() >= start + 9
+        })
+        .await;
+        requests
+            .send(Request::new(name("c0"), Some("zoo"), "rock"))
+            .unwrap();
+        let rock = seen.count("cluster://c0/zoo/rock");
+        eventually(30, "the request given in this run", async || {
+            seen.count("cluster://c0/zoo/rock") > rock
+        })
+        .await;
+        let before = seen.total();
+        everything.send(()).unwrap();
+        eventually(30, "everything again in this run", async || {
+            seen.total() >= before + 9
+        })
+        .await;
+        manager.shutdown();
+        run.await.unwrap();
+    }
+}
+
 /// Sets `label=value` and a data key on a ConfigMap or Secret named `name` in `zoo`.
 async fn touch<K>(client: &kube::Client, name: &str, patch: serde_json::Value)
 where

@@ -104,7 +104,10 @@ pub(crate) fn watch<K: Watchable>(
 }
 
 /// [`watch`] of `target` in each of `namespaces` (all if `None`), merged into one stream
-/// ([`merged`](super::namespaces::merged)) when there are several.
+/// ([`merged`](super::namespaces::merged)) when there are several. Merged namespaces each
+/// wait out `backoff` after their own failures, so that one failing namespace neither holds
+/// up the others nor is retried at their pace; a single watch is left to the caller's
+/// backoff.
 pub(crate) fn scoped<K: Watchable>(
     target: Target<K>,
     namespaces: Option<super::namespaces::NamespaceSet>,
@@ -112,6 +115,7 @@ pub(crate) fn scoped<K: Watchable>(
     streaming: bool,
     trim: bool,
     cluster: Arc<str>,
+    backoff: &super::WatchBackoff,
 ) -> futures::stream::BoxStream<'static, watcher::Result<Event<K>>> {
     use futures::StreamExt as _;
     let one = |namespace: Option<&str>| {
@@ -128,10 +132,12 @@ pub(crate) fn scoped<K: Watchable>(
         None => one(None),
         Some([namespace]) => one(Some(namespace)),
         Some(list) => {
-            super::namespaces::merged(list.iter().map(|ns| one(Some(ns))).collect(), |o: &K| {
-                o.meta().name.clone().unwrap_or_default()
-            })
-            .boxed()
+            let parts = list
+                .iter()
+                .map(|ns| super::Retrying::new(one(Some(ns)), backoff.delays()).boxed())
+                .collect();
+            super::namespaces::merged(parts, |o: &K| o.meta().name.clone().unwrap_or_default())
+                .boxed()
         }
     }
 }

@@ -769,10 +769,9 @@ impl<C: ClusterId> Cluster<C> {
                 source::events_from::<K>(
                     &**source,
                     dt,
-                    namespaces,
                     config,
                     transform,
-                    !session.settings.paged_lists,
+                    &session.settings,
                     &session.token,
                 )
                 .map(Ok),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use futures::stream::{self, BoxStream, SelectAll};
 use futures::{Stream, StreamExt};
-use kube::core::NamespaceResourceScope;
+use kube::core::{ClusterResourceScope, NamespaceResourceScope};
 use kube_runtime::watcher::Event;
 
 use crate::Watchable;
@@ -18,8 +18,9 @@ pub(crate) type NamespaceSet = Arc<[String]>;
 
 /// The namespaces each kind is watched in. A kind named on its own gets its own set (or all
 /// namespaces); other namespaced kinds get the default, if one is set. Cluster-scoped kinds
-/// are watched whole; a kind known only at run time gets a set only when named on its own
-/// (its scope is not known before the API server is asked).
+/// are watched whole, even when named; a kind known only at run time gets a set only when
+/// named on its own (its scope is not known before the API server is asked: naming a
+/// cluster-scoped one is a mistake its watch reports as not found).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NamespaceScopes {
     default: Option<NamespaceSet>,
@@ -52,6 +53,10 @@ impl NamespaceScopes {
     /// The namespaces `K` (of dynamic type `dt`) is watched in; `None` for all.
     pub(crate) fn of<K: Watchable>(&self, dt: &K::DynamicType) -> Option<NamespaceSet> {
         if self.default.is_none() && self.by_kind.is_empty() {
+            return None;
+        }
+        // A cluster-scoped kind has no namespaces to restrict to (its URL has none).
+        if TypeId::of::<K::Scope>() == TypeId::of::<ClusterResourceScope>() {
             return None;
         }
         let named = self
@@ -162,6 +167,36 @@ where
 mod tests {
     use super::*;
     use futures::channel::mpsc;
+    use k8s_openapi::api::core::v1::{ConfigMap, Node};
+    use k8s_openapi::api::rbac::v1::ClusterRole;
+
+    #[test]
+    fn the_default_applies_to_namespaced_kinds_and_no_set_to_cluster_scoped_ones() {
+        let mut scopes = NamespaceScopes::default();
+        scopes.set_default(NamespaceScopes::set(["b", "a", "a"]));
+        scopes.set_for(
+            "rbac.authorization.k8s.io",
+            "ClusterRole",
+            NamespaceScopes::set(["x"]),
+        );
+        scopes.set_for("", "Secret", None);
+        assert_eq!(
+            scopes.of::<ConfigMap>(&()).as_deref(),
+            Some(&["a".to_string(), "b".to_string()][..])
+        );
+        assert_eq!(
+            scopes.of::<k8s_openapi::api::core::v1::Secret>(&()),
+            None,
+            "named: all"
+        );
+        assert_eq!(scopes.of::<Node>(&()), None);
+        assert_eq!(
+            scopes.of::<ClusterRole>(&()),
+            None,
+            "cluster-scoped even when named"
+        );
+        assert_eq!(NamespaceScopes::set(Vec::<String>::new()), None);
+    }
 
     type Ev = Result<Event<(String, u32)>, String>;
 

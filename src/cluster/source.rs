@@ -13,7 +13,7 @@ use kube_runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
 use super::listing::Target;
-use super::namespaces::{NamespaceSet, merged};
+use super::namespaces::merged;
 use super::transform::Transform;
 use crate::Watchable;
 
@@ -87,7 +87,8 @@ pub(crate) struct WatchRequest<'a> {
     pub(crate) key: WatchKey,
     /// The kind's name, for logs.
     pub(crate) kind: &'a str,
-    /// Opens the underlying watch (the kind, with the configuration) through a client.
+    /// Opens the underlying watch (the kind, with the configuration) through a client; it
+    /// waits out the manager's watch backoff after each failure.
     pub(crate) open: &'a (dyn Fn(Client) -> SharedEvents + Send + Sync),
     /// Cancelled when the requesting cluster's engagement ends; the source lets go of the
     /// subscription then.
@@ -103,27 +104,33 @@ pub(crate) trait WatchSource: Send + Sync + 'static {
 }
 
 /// The events of `K` objects matching `config` from `source`, typed again.
-/// The watch is of the host's objects in `namespaces` (all if `None`).
+/// The watch is of the host's objects in the namespaces the settings give `K`.
 pub(crate) fn events_from<K: Watchable>(
     source: &dyn WatchSource,
     dt: &K::DynamicType,
-    namespaces: Option<NamespaceSet>,
     config: &watcher::Config,
     transform: Option<Transform<K>>,
-    streaming: bool,
+    settings: &super::WatchSettings,
     engagement: &CancellationToken,
 ) -> BoxStream<'static, Event<Arc<K>>> {
     let watch_config = config.clone();
+    let backoff = settings.backoff.clone();
+    let streaming = !settings.paged_lists;
+    let namespaces = settings.namespaces.of::<K>(dt);
     let target_dt = dt.clone();
     let open = move |client: Client| -> SharedEvents {
         let one = |namespace: Option<&str>| -> SharedEvents {
             let transform = transform.clone();
-            super::listing::watch(
-                Target::<K>::all(client.clone(), &target_dt).within(namespace),
-                watch_config.clone(),
-                streaming,
-                transform.as_ref().is_some_and(Transform::strips),
-                "the namespace provider's host".into(),
+            // Each namespace waits out its own failures (the host watch has no other backoff).
+            super::Retrying::new(
+                super::listing::watch(
+                    Target::<K>::all(client.clone(), &target_dt).within(namespace),
+                    watch_config.clone(),
+                    streaming,
+                    transform.as_ref().is_some_and(Transform::strips),
+                    "the namespace provider's host".into(),
+                ),
+                backoff.delays(),
             )
             .map(move |event| {
                 event.map(|event| {

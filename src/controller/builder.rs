@@ -98,7 +98,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 watcher_config,
                 relations: Vec::new(),
                 sources: Vec::new(),
-                bulk: std::sync::Mutex::new(None),
+                bulk: None,
                 predicate: None,
                 engage_local: false,
                 engage_fleet: true,
@@ -166,7 +166,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// Reconciles the owners of each child `children` yields, as `(cluster, child)`: a
     /// watch of your own (shared with other code, filtered, or from another source) in place
     /// of the one [`owns`](Self::owns) starts. kube-runtime's `Controller::owns_stream`.
-    /// The stream is consumed by the manager's first run of the controller.
+    /// Each run of the controller reads the stream in turn (a run gives it back when it ends).
     pub fn owns_stream<Child: Watchable>(
         mut self,
         children: impl futures::Stream<Item = (P::Id, Arc<Child>)> + Send + 'static,
@@ -176,9 +176,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     {
         let kind: Arc<str> = Arc::from(Child::kind(&Default::default()).as_ref());
         let triggers = owners_of::<P::Id, K, Child>(children, self.spec.dt.clone(), kind);
-        self.spec.sources.push(Arc::new(Given {
-            stream: std::sync::Mutex::new(Some(triggers)),
-        }));
+        self.spec.sources.push(Arc::new(Given::new(triggers)));
         self
     }
 
@@ -277,8 +275,8 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
 
     /// Reconciles the requests `mapper` returns for each `(cluster, object)` `objects`
     /// yields: a stream of your own in place of the watch [`watches`](Self::watches) starts
-    /// (kube-runtime's `Controller::watches_stream`). Consumed by the manager's first run of
-    /// the controller.
+    /// (kube-runtime's `Controller::watches_stream`). Read by each run of the controller in turn
+    /// (a run gives it back when it ends).
     pub fn watches_stream<Other, I>(
         mut self,
         objects: impl futures::Stream<Item = (P::Id, Arc<Other>)> + Send + 'static,
@@ -290,9 +288,8 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         I: IntoIterator<Item = Request<P::Id>>,
     {
         let kind: Arc<str> = Arc::from(Other::kind(&Default::default()).as_ref());
-        self.spec.sources.push(Arc::new(Given {
-            stream: std::sync::Mutex::new(Some(mapped_stream(objects, kind, collected(mapper)))),
-        }));
+        let triggers = mapped_stream(objects, kind, collected(mapper));
+        self.spec.sources.push(Arc::new(Given::new(triggers)));
         self
     }
 
@@ -347,27 +344,26 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// Reconciles each request `requests` yields (kube-runtime's `Controller::reconcile_on`):
     /// for triggers from outside Kubernetes, or from a source of your own. Requests for
     /// clusters this controller does not engage, or for objects not in its caches, are
-    /// dropped. Consumed by the manager's first run of the controller.
+    /// dropped. Each run of the controller reads the stream in turn (a run gives it back
+    /// when it ends).
     pub fn reconcile_on(
         mut self,
         requests: impl futures::Stream<Item = Request<P::Id>> + Send + 'static,
     ) -> Self {
         let triggers = requests.map(|r| (r, super::ReconcileReason::Given)).boxed();
-        self.spec.sources.push(Arc::new(Given {
-            stream: std::sync::Mutex::new(Some(triggers)),
-        }));
+        self.spec.sources.push(Arc::new(Given::new(triggers)));
         self
     }
 
     /// Reconciles every object of every cluster the controller follows each time `trigger`
     /// yields (kube-runtime's `Controller::reconcile_all_on`), for example when a
-    /// configuration the reconciler reads changes. Consumed by the manager's first run of
-    /// the controller.
+    /// configuration the reconciler reads changes. Read by each run of the controller in turn
+    /// (a run gives it back when it ends).
     pub fn reconcile_all_on(
-        self,
+        mut self,
         trigger: impl futures::Stream<Item = ()> + Send + 'static,
     ) -> Self {
-        *crate::sync::lock(&self.spec.bulk) = Some(trigger.boxed());
+        self.spec.bulk = Some(Arc::new(Given::new(trigger.boxed())));
         self
     }
 

@@ -167,7 +167,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             slots.triggers.push(triggers);
         }
     }
-    let mut bulk = crate::sync::lock(&spec.bulk).take();
+    let mut bulk = spec.bulk.as_ref().and_then(|b| b.lend());
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -638,7 +638,7 @@ mod tests {
             watcher_config: watcher::Config::default(),
             relations: Vec::new(),
             sources: Vec::new(),
-            bulk: std::sync::Mutex::new(None),
+            bulk: None,
             predicate,
             engage_local: false,
             engage_fleet: true,

@@ -144,8 +144,8 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) relations: Vec<Arc<dyn relations::Relation<C, K>>>,
     /// Requests from elsewhere than the watches of the controller's clusters.
     pub(crate) sources: Vec<Arc<dyn sources::Source<C>>>,
-    /// `reconcile_all_on`'s stream, taken by the first run.
-    pub(crate) bulk: std::sync::Mutex<Option<futures::stream::BoxStream<'static, ()>>>,
+    /// `reconcile_all_on`'s stream, lent to each run.
+    pub(crate) bulk: Option<Arc<sources::Given<()>>>,
     pub(crate) predicate: Option<PredicateFn<K>>,
     pub(crate) engage_local: bool,
     pub(crate) engage_fleet: bool,

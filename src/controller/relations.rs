@@ -40,6 +40,7 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
+        backoff: &crate::WatchBackoff,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K>
@@ -231,6 +232,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
+        backoff: &crate::WatchBackoff,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
@@ -244,6 +246,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
                 streaming,
                 trim,
                 id,
+                backoff,
             );
             return controller.owns_stream_with(
                 unchanged(filtered(touched(children), predicate.clone())),
@@ -259,6 +262,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
             streaming,
             trim,
             super::ClusterField(cluster.id()).to_string().into(),
+            backoff,
         );
         controller.owns_stream_with(children.touched_objects(), self.child.clone())
     }
@@ -308,6 +312,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
+        backoff: &crate::WatchBackoff,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
@@ -320,6 +325,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             streaming,
             trim,
             super::ClusterField(cluster.id()).to_string().into(),
+            backoff,
         );
         let primary = self.primary.clone();
         let others = match &self.predicate {

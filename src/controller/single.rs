@@ -150,13 +150,21 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             let id = ClusterField(cluster.id()).to_string().into();
             let target = listing::Target::all(cluster.client(), &dt);
             let config = spec.watcher_config.clone();
-            let stream = listing::scoped(target, namespaces, config, streaming, trim, id)
-                .map_ok(move |event| match &transform {
-                    Some(transform) => event.modify(|o| transform.apply(o)),
-                    None => event,
-                })
-                .reflect(writer)
-                .applied_objects();
+            let stream = listing::scoped(
+                target,
+                namespaces,
+                config,
+                streaming,
+                trim,
+                id,
+                &env.backoff,
+            )
+            .map_ok(move |event| match &transform {
+                Some(transform) => event.modify(|o| transform.apply(o)),
+                None => event,
+            })
+            .reflect(writer)
+            .applied_objects();
             match predicate.clone() {
                 Some(predicate) => Controller::for_stream_with(
                     stream.predicate_filter(move |obj: &K| predicate(obj), Default::default()),
@@ -168,7 +176,14 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         }
     };
     for relation in &spec.relations {
-        controller = relation.attach(controller, &cluster, &env.namespaces, streaming, trim);
+        controller = relation.attach(
+            controller,
+            &cluster,
+            &env.namespaces,
+            &env.backoff,
+            streaming,
+            trim,
+        );
     }
     // Requests from elsewhere (another fleet, the local cluster, the user's streams) for
     // this cluster, through kube-runtime's own entry points.
@@ -185,7 +200,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         });
         controller = controller.reconcile_on(refs);
     }
-    if let Some(bulk) = crate::sync::lock(&spec.bulk).take() {
+    if let Some(bulk) = spec.bulk.as_ref().and_then(|b| b.lend()) {
         controller = controller.reconcile_all_on(bulk);
     }
     let config = kube_runtime::controller::Config::default()

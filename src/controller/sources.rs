@@ -121,19 +121,69 @@ impl<C: ClusterId, Other: Watchable> Source<C> for FromLocal<C, Other> {
     }
 }
 
-/// A stream the user brings: taken by the first run of the controller (a stream cannot be
-/// replayed), nothing in later runs.
-pub(crate) struct Given<C: ClusterId> {
-    pub(crate) stream: Mutex<Option<BoxStream<'static, Trigger<C>>>>,
+/// A stream the user brings. A run of the controller borrows it and gives it back when the
+/// run ends, so the next run (leadership won again, the manager run again) goes on reading
+/// it; a stream that ended is not given back.
+pub(crate) struct Given<T> {
+    stream: Arc<Mutex<Option<BoxStream<'static, T>>>>,
 }
 
-impl<C: ClusterId> Source<C> for Given<C> {
-    fn triggers(&self, _: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>> {
-        let taken = lock(&self.stream).take();
-        if taken.is_none() {
-            tracing::debug!("a trigger stream was consumed by an earlier run of the controller");
+impl<T: Send + 'static> Given<T> {
+    pub(crate) fn new(stream: BoxStream<'static, T>) -> Self {
+        Self {
+            stream: Arc::new(Mutex::new(Some(stream))),
         }
-        taken
+    }
+
+    /// The stream for one run; `None` if another run holds it or it has ended.
+    pub(crate) fn lend(&self) -> Option<BoxStream<'static, T>> {
+        let stream = lock(&self.stream).take()?;
+        Some(
+            Lent {
+                stream: Some(stream),
+                home: self.stream.clone(),
+            }
+            .boxed(),
+        )
+    }
+}
+
+/// A [`Given`] stream lent to a run; it goes back when the run drops it.
+struct Lent<T> {
+    /// `None` once it ended.
+    stream: Option<BoxStream<'static, T>>,
+    home: Arc<Mutex<Option<BoxStream<'static, T>>>>,
+}
+
+impl<T> futures::Stream for Lent<T> {
+    type Item = T;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        let Some(stream) = self.stream.as_mut() else {
+            return std::task::Poll::Ready(None);
+        };
+        let item = std::task::ready!(stream.poll_next_unpin(cx));
+        if item.is_none() {
+            self.stream = None;
+        }
+        std::task::Poll::Ready(item)
+    }
+}
+
+impl<T> Drop for Lent<T> {
+    fn drop(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            *lock(&self.home) = Some(stream);
+        }
+    }
+}
+
+impl<C: ClusterId> Source<C> for Given<Trigger<C>> {
+    fn triggers(&self, _: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>> {
+        self.lend()
     }
 }
 

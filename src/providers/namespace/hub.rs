@@ -16,8 +16,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::scope::Discovery;
-use crate::WatchBackoff;
-use crate::cluster::{Retrying, SharedObject, WatchKey, WatchRequest, WatchSource};
+use crate::cluster::{SharedObject, WatchKey, WatchRequest, WatchSource};
 use crate::sync::lock;
 
 /// The host's shared watches and discovery cache, shared by one provider's
@@ -66,10 +65,8 @@ impl Hub {
             .subscribe(namespace, request.engagement)
             .unwrap_or_else(Receiver::closed);
         tokio::spawn(run_host_watch(
-            Retrying::new(
-                (request.open)(self.host.clone()),
-                WatchBackoff::default().delays(),
-            ),
+            // Retried with backoff inside, namespace by namespace.
+            (request.open)(self.host.clone()),
             subscriptions,
             Arc::downgrade(&watch),
             watch.stop.clone(),
