@@ -56,6 +56,7 @@ mod provider;
 pub mod providers;
 mod request;
 mod serve;
+mod shard;
 mod sync;
 
 /// The Kubernetes API types this crate's and kube's APIs use. The version feature is the
