@@ -3,4 +3,6 @@
 
 // Used by the sharding coordinator still being written; tested on its own meanwhile.
 #[cfg_attr(not(test), allow(dead_code))]
+mod peers;
+#[cfg_attr(not(test), allow(dead_code))]
 mod rendezvous;

@@ -42,6 +42,11 @@ fn mix(mut h: u64) -> u64 {
     h ^ (h >> 31)
 }
 
+/// The crate's fixed 64-bit hash of `parts`, for names that must agree across replicas.
+pub(crate) fn digest(parts: &[&str]) -> u64 {
+    hash(parts)
+}
+
 /// The score of `peer` for `cluster`: `-weight / ln(u)` with `u` uniform in (0, 1) from the
 /// hash, whose maximum over the peers falls on each peer with probability weight / total.
 fn score(peer: &Peer, cluster: &str) -> f64 {

@@ -1,0 +1,298 @@
+//! Peer Leases: each replica announces itself with a `coordination.k8s.io` Lease on the host
+//! cluster, and the live peers are those whose Lease this replica has seen renewed within the
+//! Lease's duration, by its own clock (as the leader elector judges a leader: clocks of
+//! different machines are never compared).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Api, Patch, PatchParams};
+use tokio::time::Instant;
+
+use super::rendezvous::Peer;
+
+/// The label every peer Lease of a group carries, with the group as its value.
+pub(crate) const GROUP_LABEL: &str = "multicluster-runtime.io/shard-group";
+/// The annotation holding a peer's weight (a positive decimal; 1 if absent or invalid).
+pub(crate) const WEIGHT_ANNOTATION: &str = "multicluster-runtime.io/shard-weight";
+/// The field manager of the peer Leases.
+const FIELD_MANAGER: &str = "multicluster-runtime-shard";
+
+/// One replica's announcement.
+#[derive(Clone, Debug)]
+pub(crate) struct Announcement {
+    pub(crate) group: String,
+    pub(crate) id: String,
+    pub(crate) weight: f64,
+    pub(crate) lease_duration: Duration,
+}
+
+impl Announcement {
+    /// The name of this replica's Lease: `mcr-peer-`, then the group and the id reduced to
+    /// what a Lease name may hold, then a hash of both (two ids that reduce alike stay apart).
+    pub(crate) fn lease_name(&self) -> String {
+        let readable: String = format!("{}-{}", self.group, self.id)
+            .to_ascii_lowercase()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .take(200)
+            .collect();
+        let digest = super::rendezvous::digest(&[&self.group, &self.id]);
+        format!("mcr-peer-{}-{digest:016x}", readable.trim_matches('-'))
+    }
+
+    /// Creates or renews the Lease in `leases`' namespace (server-side apply).
+    pub(crate) async fn renew(&self, leases: &Api<Lease>) -> Result<(), kube::Error> {
+        let seconds = i32::try_from(self.lease_duration.as_secs().max(1)).unwrap_or(i32::MAX);
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(self.lease_name()),
+                labels: Some([(GROUP_LABEL.to_string(), self.group.clone())].into()),
+                annotations: Some(
+                    [(WEIGHT_ANNOTATION.to_string(), self.weight.to_string())].into(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(self.id.clone()),
+                lease_duration_seconds: Some(seconds),
+                renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+                ..Default::default()
+            }),
+        };
+        let value = serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": lease.metadata,
+            "spec": lease.spec,
+        });
+        leases
+            .patch(
+                &self.lease_name(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(value),
+            )
+            .await
+            .map(|_| ())
+    }
+}
+
+/// What this replica has seen of each peer Lease: its last renewal record and when (by this
+/// replica's clock) it last changed.
+#[derive(Default)]
+pub(crate) struct Observed {
+    by_lease: HashMap<String, Seen>,
+}
+
+struct Seen {
+    record: Option<String>,
+    changed: Instant,
+    peer: Peer,
+    duration: Duration,
+}
+
+impl Observed {
+    /// Takes in a listing of the group's Leases at `now`: a Lease whose renewal record
+    /// changed (or that is new) counts from `now`; Leases gone from the listing are dropped.
+    pub(crate) fn update(&mut self, leases: &[Lease], now: Instant) {
+        let mut next = HashMap::new();
+        for lease in leases {
+            let Some(name) = lease.metadata.name.clone() else {
+                continue;
+            };
+            let spec = lease.spec.as_ref();
+            let Some(id) = spec.and_then(|s| s.holder_identity.clone()) else {
+                continue;
+            };
+            let record = spec
+                .and_then(|s| s.renew_time.as_ref())
+                .map(|t| t.0.to_string());
+            let duration = Duration::from_secs(
+                spec.and_then(|s| s.lease_duration_seconds)
+                    .and_then(|s| u64::try_from(s).ok())
+                    .unwrap_or(0),
+            );
+            let weight = lease
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(WEIGHT_ANNOTATION))
+                .and_then(|w| w.parse::<f64>().ok())
+                .filter(|w| w.is_finite() && *w >= 0.0)
+                .unwrap_or(1.0);
+            let changed = match self.by_lease.get(&name) {
+                Some(seen) if seen.record == record => seen.changed,
+                _ => now,
+            };
+            next.insert(
+                name,
+                Seen {
+                    record,
+                    changed,
+                    peer: Peer { id, weight },
+                    duration,
+                },
+            );
+        }
+        self.by_lease = next;
+    }
+
+    /// The peers whose Lease was renewed (as seen here) within its duration before `now`,
+    /// by id.
+    pub(crate) fn live(&self, now: Instant) -> Vec<Peer> {
+        let mut peers: Vec<Peer> = self
+            .by_lease
+            .values()
+            .filter(|seen| now.duration_since(seen.changed) < seen.duration)
+            .map(|seen| seen.peer.clone())
+            .collect();
+        peers.sort_by(|a, b| a.id.cmp(&b.id));
+        peers.dedup_by(|a, b| a.id == b.id);
+        peers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(name: &str, id: &str, renewed: &str, seconds: i32, weight: Option<&str>) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                annotations: weight
+                    .map(|w| [(WEIGHT_ANNOTATION.to_string(), w.to_string())].into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(id.into()),
+                lease_duration_seconds: Some(seconds),
+                renew_time: Some(MicroTime(renewed.parse().unwrap())),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn ids(peers: &[Peer]) -> Vec<&str> {
+        peers.iter().map(|p| p.id.as_str()).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_is_live_while_its_lease_changes_within_its_duration_by_our_clock() {
+        let mut observed = Observed::default();
+        // b's renew time lies far in the past by the wall clock: only changes count.
+        let t0 = Instant::now();
+        observed.update(
+            &[
+                lease("a", "replica-a", "2026-11-24T10:00:00Z", 10, None),
+                lease("b", "replica-b", "2000-01-01T00:00:00Z", 10, Some("2.5")),
+            ],
+            t0,
+        );
+        assert_eq!(ids(&observed.live(t0)), ["replica-a", "replica-b"]);
+        assert_eq!(observed.live(t0)[1].weight, 2.5);
+        // 8 s later a renewed, b did not.
+        tokio::time::advance(Duration::from_secs(8)).await;
+        let t1 = Instant::now();
+        observed.update(
+            &[
+                lease("a", "replica-a", "2026-11-24T10:00:08Z", 10, None),
+                lease("b", "replica-b", "2000-01-01T00:00:00Z", 10, Some("2.5")),
+            ],
+            t1,
+        );
+        assert_eq!(ids(&observed.live(t1)), ["replica-a", "replica-b"]);
+        // 3 s more: b's last change is 11 s old, past its 10 s.
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let t2 = Instant::now();
+        assert_eq!(ids(&observed.live(t2)), ["replica-a"]);
+        // A Lease deleted (a replica that gave its place up) is gone at once.
+        observed.update(
+            &[lease(
+                "b",
+                "replica-b",
+                "2000-01-01T00:00:01Z",
+                10,
+                Some("x"),
+            )],
+            t2,
+        );
+        assert_eq!(ids(&observed.live(t2)), ["replica-b"]);
+        assert_eq!(
+            observed.live(t2)[0].weight,
+            1.0,
+            "an invalid weight counts as 1"
+        );
+    }
+
+    #[test]
+    fn lease_names_are_valid_and_apart_for_ids_that_reduce_alike() {
+        let a = Announcement {
+            group: "Fleet".into(),
+            id: "host_1".into(),
+            weight: 1.0,
+            lease_duration: Duration::from_secs(15),
+        };
+        let b = Announcement {
+            id: "host.1".into(),
+            ..a.clone()
+        };
+        let (na, nb) = (a.lease_name(), b.lease_name());
+        assert!(na.starts_with("mcr-peer-fleet-host-1-"), "{na}");
+        assert_ne!(na, nb);
+        for name in [na, nb] {
+            assert!(name.len() <= 253);
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn peers_announce_themselves_with_labelled_leases_on_a_real_apiserver() {
+        let env = multicluster_runtime_testenv::TestEnv::start()
+            .await
+            .unwrap();
+        let leases: Api<Lease> =
+            Api::namespaced(env.cluster(0).unwrap().client().unwrap(), "default");
+        let announce = |id: &str, weight: f64| Announcement {
+            group: "fleet".into(),
+            id: id.into(),
+            weight,
+            lease_duration: Duration::from_secs(15),
+        };
+        let (a, b) = (announce("replica-a", 1.0), announce("replica-b", 3.0));
+        a.renew(&leases).await.unwrap();
+        b.renew(&leases).await.unwrap();
+        // Another group's peer is not listed with this group.
+        Announcement {
+            group: "other".into(),
+            ..announce("replica-c", 1.0)
+        }
+        .renew(&leases)
+        .await
+        .unwrap();
+        let listed = leases
+            .list(&kube::api::ListParams::default().labels(&format!("{GROUP_LABEL}=fleet")))
+            .await
+            .unwrap()
+            .items;
+        let mut observed = Observed::default();
+        observed.update(&listed, Instant::now());
+        let live = observed.live(Instant::now());
+        assert_eq!(ids(&live), ["replica-a", "replica-b"]);
+        assert_eq!(live[1].weight, 3.0);
+        // A renewal changes the record (and so keeps the peer live for others).
+        let before = leases.get(&a.lease_name()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        a.renew(&leases).await.unwrap();
+        let after = leases.get(&a.lease_name()).await.unwrap();
+        assert_ne!(
+            before.spec.unwrap().renew_time,
+            after.spec.unwrap().renew_time
+        );
+    }
+}
