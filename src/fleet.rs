@@ -440,6 +440,21 @@ impl<C: ClusterId> Fleet<C> {
         }
     }
 
+    /// Every engagement from now on (those engaged now first, then each new or replacing
+    /// one); an engagement's end shows in its session token.
+    pub(crate) fn engagements(
+        &self,
+    ) -> impl futures::Stream<Item = Engagement<C>> + Send + 'static + use<C> {
+        use futures::StreamExt;
+        let mut events = self.subscribe();
+        futures::stream::poll_fn(move |cx| events.poll_recv(cx)).filter_map(|event| {
+            std::future::ready(match event {
+                FleetEvent::Engaged(e) | FleetEvent::Replaced { new: e, .. } => Some(e),
+                FleetEvent::Disengaged(_) => None,
+            })
+        })
+    }
+
     /// How its clusters' watches retry (the running manager's setting).
     pub(crate) fn watch_backoff(&self) -> crate::WatchBackoff {
         self.state().settings.backoff.clone()

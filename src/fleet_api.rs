@@ -15,7 +15,6 @@ use kube::{Client, Resource};
 use kube_runtime::watcher;
 use serde::Serialize;
 
-use crate::fleet::FleetEvent;
 use crate::{CacheError, Cluster, ClusterId, Fleet, Watchable};
 
 /// How many clusters a fan-out call talks to at once, by default.
@@ -558,16 +557,10 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
         &self,
         config: watcher::Config,
     ) -> impl Stream<Item = (C, Result<watcher::Event<K>, watcher::Error>)> + Send + 'static {
-        let mut events = self.fleet.subscribe();
         let backoff = self.fleet.watch_backoff();
         let this = self.clone();
-        let engagements = stream::poll_fn(move |cx| events.poll_recv(cx)).filter_map(|event| {
-            std::future::ready(match event {
-                FleetEvent::Engaged(e) | FleetEvent::Replaced { new: e, .. } => Some(e),
-                FleetEvent::Disengaged(_) => None,
-            })
-        });
-        engagements
+        self.fleet
+            .engagements()
             .filter_map(move |engagement| {
                 let keep = this.filter.as_ref().is_none_or(|f| f(&engagement.cluster));
                 let watch: Option<BoxStream<'static, _>> = keep.then(|| {

@@ -129,15 +129,25 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
 
     /// [`owns`](Self::owns) for a child kind known at run time, of dynamic type `dt`.
     pub fn owns_with<Child: Watchable>(
+        self,
+        dt: Child::DynamicType,
+        watcher_config: watcher::Config,
+    ) -> Self {
+        self.owns_relation::<Child>(dt, watcher_config, None)
+    }
+
+    /// Adds an `owns` relation.
+    fn owns_relation<Child: Watchable>(
         mut self,
         dt: Child::DynamicType,
         watcher_config: watcher::Config,
+        predicate: Option<super::PredicateFn<Child>>,
     ) -> Self {
         self.spec.relations.push(Arc::new(Owns::<K, Child> {
             watcher_config,
             owner: self.spec.dt.clone(),
             child: dt,
-            predicate: None,
+            predicate,
         }));
         self
     }
@@ -147,20 +157,20 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// children); a deleted child always reconciles its owner. Uses kube-runtime's predicate
     /// filter, as [`with_predicate`](Self::with_predicate) does.
     pub fn owns_filtered<Child: Watchable>(
-        mut self,
+        self,
         watcher_config: watcher::Config,
         predicate: impl Predicate<Child> + Send + Sync + 'static,
     ) -> Self
     where
         Child::DynamicType: Default,
     {
-        self.spec.relations.push(Arc::new(Owns::<K, Child> {
+        let predicate: super::PredicateFn<Child> =
+            Arc::new(move |c: &Child| predicate.hash_property(c));
+        self.owns_relation(
+            Child::DynamicType::default(),
             watcher_config,
-            owner: self.spec.dt.clone(),
-            child: Child::DynamicType::default(),
-            predicate: Some(Arc::new(move |c: &Child| predicate.hash_property(c))),
-        }));
-        self
+            Some(predicate),
+        )
     }
 
     /// Reconciles the owners of each child `children` yields, as `(cluster, child)`: a

@@ -12,7 +12,6 @@ use kube_runtime::watcher;
 use super::relations;
 use super::{Env, ReconcileReason, Trigger};
 use crate::cluster::Engagement;
-use crate::fleet::FleetEvent;
 use crate::sync::lock;
 use crate::{ClusterId, Fleet, Request, Watchable};
 
@@ -66,13 +65,7 @@ impl<D: ClusterId, C: ClusterId, Other: Watchable> Source<C> for FromFleet<D, C,
     fn triggers(&self, _: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>> {
         let (dt, config, mapper) = (self.dt.clone(), self.config.clone(), self.mapper.clone());
         let kind: Arc<str> = Arc::from(Other::kind(&dt).as_ref());
-        let mut events = self.fleet.subscribe();
-        let engagements = stream::poll_fn(move |cx| events.poll_recv(cx)).filter_map(|event| {
-            std::future::ready(match event {
-                FleetEvent::Engaged(e) | FleetEvent::Replaced { new: e, .. } => Some(e),
-                FleetEvent::Disengaged(_) => None,
-            })
-        });
+        let engagements = self.fleet.engagements();
         // One subscription per engagement, read side by side; each ends with its
         // engagement (its watch stops).
         Some(
