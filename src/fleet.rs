@@ -34,6 +34,29 @@ struct State<C: ClusterId> {
     /// Engagements this fleet ended whose watch tasks may still be winding down; awaited when
     /// the fleet closes, so that nothing of a stopped manager runs on.
     ended: Vec<Arc<Session>>,
+    /// With sharding: the clusters the provider engaged, of which only those this replica
+    /// owns are members.
+    shard: Option<Shard<C>>,
+}
+
+/// A sharded fleet's view of what its provider discovered and what this replica owns.
+struct Shard<C: ClusterId> {
+    /// Every cluster the provider engaged, owned here or not: the handle only (its client
+    /// is not used, nothing is watched) until this replica owns it.
+    discovered: BTreeMap<C, Discovered<C>>,
+    /// The ids this replica holds the fence of; those discovered are members.
+    owned: std::collections::BTreeSet<C>,
+    /// The engagements of owned ids since they were owned: a hand-off waits for their work.
+    sessions: std::collections::HashMap<C, Vec<Weak<Session>>>,
+    /// Told when `discovered` changes.
+    changed: Arc<tokio::sync::Notify>,
+}
+
+/// A discovered cluster, and the task that forgets it when the token given to
+/// [`Fleet::engage_until`] is cancelled.
+struct Discovered<C: ClusterId> {
+    cluster: Cluster<C>,
+    _until: Option<AbortOnDrop>,
 }
 
 /// One engaged cluster.
@@ -210,6 +233,7 @@ impl<C: ClusterId> Default for Fleet<C> {
                 indexers: Vec::new(),
                 settings: WatchSettings::default(),
                 ended: Vec::new(),
+                shard: None,
             })),
         }
     }
@@ -267,45 +291,38 @@ impl<C: ClusterId> Fleet<C> {
                 cluster: cluster.id().to_string(),
             });
         }
-        if let Some(member) = state.members.get(cluster.id())
-            && !member.engagement.cluster.differs_from(&cluster)
+        let fleet = Arc::downgrade(&self.inner);
+        let Some(shard) = &mut state.shard else {
+            return Ok(state.admit(&fleet, cluster, until));
+        };
+        // Sharded: the cluster is discovered; it joins only where this replica owns it.
+        if let Some(known) = shard.discovered.get(cluster.id())
+            && !known.cluster.differs_from(&cluster)
         {
             return Ok(Engaged::Unchanged);
         }
-        // Indexes first, so no controller sees the cluster without them.
-        for indexer in &state.indexers {
-            cluster.add_indexer(indexer);
-        }
-        let engagement = cluster.attach(&state.settings);
         let until = until.map(|(token, runtime)| {
-            let fleet = Arc::downgrade(&self.inner);
-            let engaged = engagement.clone();
+            let instance = cluster.clone();
             AbortOnDrop(runtime.spawn(async move {
-                tokio::select! {
-                    () = token.cancelled() => disengage_instance(&fleet, &engaged),
-                    () = engaged.session.token().cancelled() => {}
-                }
+                token.cancelled().await;
+                forget_instance(&fleet, &instance);
             }))
         });
-        let member = Member {
-            engagement: engagement.clone(),
+        let id = cluster.id().clone();
+        let known = Discovered {
+            cluster: cluster.clone(),
             _until: until,
         };
-        let outcome = match state.members.insert(cluster.id().clone(), member) {
-            Some(old) => {
-                let old = state.end(old);
-                state.broadcast(FleetEvent::Replaced {
-                    old,
-                    new: engagement,
-                });
-                Engaged::Replaced
-            }
-            None => {
-                state.broadcast(FleetEvent::Engaged(engagement));
-                Engaged::New
-            }
+        let outcome = match shard.discovered.insert(id.clone(), known) {
+            Some(_) => Engaged::Replaced,
+            None => Engaged::New,
         };
-        tracing::info!(cluster = %cluster.id(), ?outcome, "cluster engaged");
+        shard.changed.notify_one();
+        if shard.owned.contains(&id) {
+            state.admit(&Weak::new(), cluster, None);
+        } else {
+            tracing::debug!(cluster = %id, ?outcome, "cluster discovered (not owned by this replica)");
+        }
         Ok(outcome)
     }
 
@@ -313,18 +330,87 @@ impl<C: ClusterId> Fleet<C> {
     /// requests, and reconciles in flight see [`Cluster::disengaged`] complete. Returns
     /// whether it was engaged.
     pub fn disengage(&self, id: &C) -> bool {
-        self.state().remove(id)
+        let mut state = self.state();
+        if let Some(shard) = &mut state.shard {
+            let known = shard.discovered.remove(id).is_some();
+            if known {
+                shard.changed.notify_one();
+            }
+            state.remove(id);
+            return known;
+        }
+        state.remove(id)
     }
 
     /// Disengages `cluster` if it is the one engaged under its id (not a cluster engaged
     /// under the same id since). Returns whether it was.
     pub(crate) fn disengage_instance(&self, cluster: &Cluster<C>) -> bool {
         let mut state = self.state();
+        if state.shard.is_some() {
+            return state.forget(cluster);
+        }
         let ours = state
             .members
             .get(cluster.id())
             .is_some_and(|m| m.engagement.cluster.same_instance(cluster));
         ours && state.remove(cluster.id())
+    }
+
+    /// Any cluster the provider engaged, whether this replica owns it or not: with
+    /// [`Manager::sharding`](crate::Manager::sharding), the way to reach a cluster another
+    /// replica owns. Its client works (requests go straight to its API server); it has no
+    /// caches here unless this replica owns it ([`Cluster::cache`] says `NotEngaged`), and
+    /// no controller reconciles it here. Without sharding, the same as [`Fleet::get`].
+    pub fn discovered(&self, id: &C) -> Option<Cluster<C>> {
+        let state = self.state();
+        match &state.shard {
+            Some(shard) => shard.discovered.get(id).map(|d| d.cluster.clone()),
+            None => state.members.get(id).map(|m| m.engagement.cluster.clone()),
+        }
+    }
+
+    /// The ids of every cluster the provider engaged, owned here or not, in order (see
+    /// [`Fleet::discovered`]); without sharding, the same as [`Fleet::ids`].
+    pub fn discovered_ids(&self) -> Vec<C> {
+        let state = self.state();
+        match &state.shard {
+            Some(shard) => shard.discovered.keys().cloned().collect(),
+            None => state.members.keys().cloned().collect(),
+        }
+    }
+
+    /// Told whenever the discovered clusters change (sharded fleets).
+    pub(crate) fn discovery_changes(&self) -> Option<Arc<tokio::sync::Notify>> {
+        self.state().shard.as_ref().map(|s| s.changed.clone())
+    }
+
+    /// This replica now owns `id` (it holds the fence): the cluster joins if it was
+    /// discovered, and any cluster engaged under the id later joins too. Returns whether it
+    /// joined now.
+    pub(crate) fn own(&self, id: &C) -> bool {
+        let mut state = self.state();
+        let Some(shard) = &mut state.shard else {
+            return false;
+        };
+        shard.owned.insert(id.clone());
+        let Some(cluster) = shard.discovered.get(id).map(|d| d.cluster.clone()) else {
+            return false;
+        };
+        state.admit(&Weak::new(), cluster, None);
+        true
+    }
+
+    /// This replica gives `id` up: the cluster leaves (if it was a member) and the
+    /// engagements it had since it was owned are returned, to wait for their work.
+    pub(crate) fn disown(&self, id: &C) -> Vec<Arc<Session>> {
+        let mut state = self.state();
+        let Some(shard) = &mut state.shard else {
+            return Vec::new();
+        };
+        shard.owned.remove(id);
+        let sessions = shard.sessions.remove(id).unwrap_or_default();
+        state.remove(id);
+        sessions.iter().filter_map(Weak::upgrade).collect()
     }
 
     /// The engaged cluster with this id.
@@ -396,6 +482,10 @@ impl<C: ClusterId> Fleet<C> {
     /// Disengages every cluster.
     pub fn clear(&self) {
         let mut state = self.state();
+        if let Some(shard) = &mut state.shard {
+            shard.discovered.clear();
+            shard.changed.notify_one();
+        }
         let ids: Vec<C> = state.members.keys().cloned().collect();
         for id in ids {
             state.remove(&id);
@@ -466,10 +556,16 @@ impl<C: ClusterId> Fleet<C> {
     }
 
     /// Opens the fleet for a manager's run, with the settings its clusters' watches get.
-    pub(crate) fn open(&self, settings: WatchSettings) {
+    pub(crate) fn open(&self, settings: WatchSettings, sharded: bool) {
         let mut state = self.state();
         state.closed = false;
         state.settings = settings;
+        state.shard = sharded.then(|| Shard {
+            discovered: BTreeMap::new(),
+            owned: std::collections::BTreeSet::new(),
+            sessions: std::collections::HashMap::new(),
+            changed: Arc::new(tokio::sync::Notify::new()),
+        });
     }
 
     /// Ends a manager's run: disengages every cluster, refuses engagements until the next
@@ -479,6 +575,7 @@ impl<C: ClusterId> Fleet<C> {
             let mut state = self.state();
             state.closed = true;
             state.settings.faults = None;
+            state.shard = None;
             let ids: Vec<C> = state.members.keys().cloned().collect();
             for id in ids {
                 state.remove(&id);
@@ -506,7 +603,89 @@ fn disengage_instance<C: ClusterId>(fleet: &Weak<Mutex<State<C>>>, engagement: &
     }
 }
 
+/// Forgets `cluster` if it is still the one discovered under its id (sharded fleets).
+fn forget_instance<C: ClusterId>(fleet: &Weak<Mutex<State<C>>>, cluster: &Cluster<C>) {
+    if let Some(inner) = fleet.upgrade() {
+        lock(&inner).forget(cluster);
+    }
+}
+
 impl<C: ClusterId> State<C> {
+    /// Makes `cluster` a member: engaged, or replacing the member of its id. `fleet` is the
+    /// fleet itself, for the task watching `until`.
+    fn admit(
+        &mut self,
+        fleet: &Weak<Mutex<State<C>>>,
+        cluster: Cluster<C>,
+        until: Option<(CancellationToken, tokio::runtime::Handle)>,
+    ) -> Engaged {
+        if let Some(member) = self.members.get(cluster.id())
+            && !member.engagement.cluster.differs_from(&cluster)
+        {
+            return Engaged::Unchanged;
+        }
+        // Indexes first, so no controller sees the cluster without them.
+        for indexer in &self.indexers {
+            cluster.add_indexer(indexer);
+        }
+        let engagement = cluster.attach(&self.settings);
+        let until = until.map(|(token, runtime)| {
+            let fleet = fleet.clone();
+            let engaged = engagement.clone();
+            AbortOnDrop(runtime.spawn(async move {
+                tokio::select! {
+                    () = token.cancelled() => disengage_instance(&fleet, &engaged),
+                    () = engaged.session.token().cancelled() => {}
+                }
+            }))
+        });
+        if let Some(shard) = &mut self.shard {
+            shard
+                .sessions
+                .entry(cluster.id().clone())
+                .or_default()
+                .push(Arc::downgrade(&engagement.session));
+        }
+        let member = Member {
+            engagement: engagement.clone(),
+            _until: until,
+        };
+        let outcome = match self.members.insert(cluster.id().clone(), member) {
+            Some(old) => {
+                let old = self.end(old);
+                self.broadcast(FleetEvent::Replaced {
+                    old,
+                    new: engagement,
+                });
+                Engaged::Replaced
+            }
+            None => {
+                self.broadcast(FleetEvent::Engaged(engagement));
+                Engaged::New
+            }
+        };
+        tracing::info!(cluster = %cluster.id(), ?outcome, "cluster engaged");
+        outcome
+    }
+
+    /// Sharded: forgets `cluster` if it is the one discovered under its id (and ends its
+    /// membership). Returns whether it was.
+    fn forget(&mut self, cluster: &Cluster<C>) -> bool {
+        let Some(shard) = &mut self.shard else {
+            return false;
+        };
+        let ours = shard
+            .discovered
+            .get(cluster.id())
+            .is_some_and(|d| d.cluster.same_instance(cluster));
+        if ours {
+            shard.discovered.remove(cluster.id());
+            shard.changed.notify_one();
+            self.remove(cluster.id());
+        }
+        ours
+    }
+
     fn clusters(&self) -> Vec<Cluster<C>> {
         self.members
             .values()
@@ -587,6 +766,18 @@ impl<C: ClusterId> FleetView<C> {
     /// The engaged cluster with this id.
     pub fn get(&self, id: &C) -> Option<Cluster<C>> {
         self.fleet.get(id)
+    }
+
+    /// Any cluster the provider engaged, owned by this replica or not; see
+    /// [`Fleet::discovered`]. For reads of clusters another replica owns: never cached here,
+    /// never reconciled here.
+    pub fn discovered(&self, id: &C) -> Option<Cluster<C>> {
+        self.fleet.discovered(id)
+    }
+
+    /// The ids of every cluster the provider engaged; see [`Fleet::discovered_ids`].
+    pub fn discovered_ids(&self) -> Vec<C> {
+        self.fleet.discovered_ids()
     }
 
     /// Every engaged cluster, ordered by id.
@@ -782,7 +973,7 @@ mod tests {
             fleet.engage(a.clone()),
             Err(EngageError::Stopped { .. })
         ));
-        fleet.open(WatchSettings::default());
+        fleet.open(WatchSettings::default(), false);
         assert_eq!(fleet.engage(a.clone()).unwrap(), Engaged::New);
         assert!(a.is_engaged());
     }

@@ -215,7 +215,7 @@ pub(crate) fn host_name() -> String {
         .unwrap_or_else(|| "replica".to_string())
 }
 
-fn default_identity() -> String {
+pub(crate) fn default_identity() -> String {
     let host = host_name();
     let suffix = (crate::cluster::random_unit() * f64::from(u32::MAX)) as u32;
     format!("{host}_{suffix:08x}")

@@ -56,7 +56,7 @@ mod provider;
 pub mod providers;
 mod request;
 mod serve;
-mod shard;
+pub mod shard;
 mod sync;
 
 /// The Kubernetes API types this crate's and kube's APIs use. The version feature is the
@@ -92,6 +92,7 @@ pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};
 pub use serve::Endpoints;
+pub use shard::{InvalidSharding, ShardStatus, Sharding};
 
 /// The README's code samples, compiled as doctests so the README stays true.
 #[cfg(doctest)]

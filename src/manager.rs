@@ -49,12 +49,17 @@ pub struct Manager<P: Provider> {
     shutdown: Mutex<CancellationToken>,
     graceful_timeout: Duration,
     backoff: WatchBackoff,
-    /// Controllers from [`Builder::start`](crate::Builder::start), started in every run.
-    controllers: Mutex<Vec<ControllerFactory<P::Id>>>,
+    /// Controllers from [`Builder::start`](crate::Builder::start), started in every run, and
+    /// whether each is leader-only.
+    controllers: Mutex<Vec<(ControllerFactory<P::Id>, bool)>>,
     /// While running, where new controllers and tasks are announced; otherwise `None`.
     running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
     /// Controllers run only while this replica holds the lease, if set.
     leader_election: Option<LeaderElection>,
+    /// Replicas split the fleet, if set.
+    sharding: Option<crate::Sharding>,
+    /// What the sharding coordinator of the current run last saw.
+    shard_status: Arc<Mutex<Option<crate::ShardStatus>>>,
     metrics: Option<Metrics>,
     rate_limit: Option<crate::RateLimit>,
     /// Shared with every run's watches and controllers.
@@ -93,6 +98,9 @@ pub enum ManagerError {
     /// The leader election settings cannot work.
     #[error("{0}")]
     InvalidLeaderElection(#[source] InvalidLeaderElection),
+    /// The sharding settings cannot work.
+    #[error("{0}")]
+    InvalidSharding(#[source] crate::shard::InvalidSharding),
     /// The endpoints could not listen on their address ([`Manager::serve`]).
     #[error("cannot serve the endpoints on {addr}: {error}")]
     Serve {
@@ -143,6 +151,8 @@ impl<P: Provider> Manager<P> {
             running: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             leader_election: None,
+            sharding: None,
+            shard_status: Arc::default(),
             metrics: None,
             rate_limit: None,
             transforms: Arc::default(),
@@ -162,6 +172,26 @@ impl<P: Provider> Manager<P> {
     pub fn leader_election(mut self, election: LeaderElection) -> Self {
         self.leader_election = Some(election);
         self
+    }
+
+    /// Splits the fleet between the replicas of `sharding`'s group: each replica builds
+    /// watches and caches, and reconciles, only for the clusters it owns (it holds their fence
+    /// Lease), while its provider still discovers them all. Controllers and per-cluster tasks
+    /// run on every replica, each on its share; controllers built with
+    /// [`Builder::leader_only`](crate::Builder::leader_only) run on the replica holding the
+    /// [`Manager::leader_election`] Lease. Reach clusters another replica owns through
+    /// [`Fleet::discovered`]. See [`Sharding`](crate::Sharding) for the protocol; needs a
+    /// fleet provider (not `SingleProvider`).
+    #[must_use]
+    pub fn sharding(mut self, sharding: crate::Sharding) -> Self {
+        self.sharding = Some(sharding);
+        self
+    }
+
+    /// What this replica's sharding saw and held at its last round, while a sharded run goes
+    /// on; `None` otherwise.
+    pub fn shard_status(&self) -> Option<crate::ShardStatus> {
+        lock(&self.shard_status).clone()
     }
 
     /// Keeps Prometheus metrics of the controllers, the fleet and the leader election in
@@ -441,9 +471,10 @@ impl<P: Provider> Manager<P> {
             transforms: self.transforms.clone(),
             namespaces: self.namespaces.clone(),
             paged_lists: self.paged_lists,
-            instance: Arc::from(match &self.leader_election {
-                Some(election) => election.identity.clone(),
-                None => crate::leader::host_name(),
+            instance: Arc::from(match (&self.sharding, &self.leader_election) {
+                (Some(sharding), _) => sharding.identity.clone(),
+                (None, Some(election)) => election.identity.clone(),
+                (None, None) => crate::leader::host_name(),
             }),
         }
     }
@@ -497,14 +528,15 @@ impl<P: Provider> Manager<P> {
     {
         let task = crate::per_cluster::boxed(task);
         let name: Arc<str> = Arc::from(name);
-        self.add_controller(Arc::new(move |env| {
-            Box::pin(crate::per_cluster::run(env, name.clone(), task.clone()))
-        }));
+        self.add_controller(
+            false,
+            Arc::new(move |env| Box::pin(crate::per_cluster::run(env, name.clone(), task.clone()))),
+        );
     }
 
-    pub(crate) fn add_controller(&self, factory: ControllerFactory<P::Id>) {
+    pub(crate) fn add_controller(&self, leader_only: bool, factory: ControllerFactory<P::Id>) {
         let running = lock(&self.running);
-        lock(&self.controllers).push(factory);
+        lock(&self.controllers).push((factory, leader_only));
         if let Some(tx) = &*running {
             let _ = tx.send(Job::Controller);
         }
@@ -557,6 +589,21 @@ impl<P: Provider> Manager<P> {
             }
             None => None,
         };
+        let sharding = match &self.sharding {
+            Some(sharding) => {
+                sharding.validate().map_err(ManagerError::InvalidSharding)?;
+                if self.provider.single().is_some() {
+                    return Err(ManagerError::InvalidSharding(
+                        crate::shard::InvalidSharding {
+                            reason: "a single-cluster provider has nothing to split",
+                            ..sharding.invalid()
+                        },
+                    ));
+                }
+                Some(sharding.clone())
+            }
+            None => None,
+        };
         let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel();
         let shutdown = {
             let mut running = lock(&self.running);
@@ -594,7 +641,7 @@ impl<P: Provider> Manager<P> {
             paged_lists: self.paged_lists,
             namespaces: self.namespaces.clone(),
         };
-        self.fleet.open(settings.clone());
+        self.fleet.open(settings.clone(), sharding.is_some());
         if let Some(metrics) = &self.metrics {
             // The watch gauges read this manager's clusters at scrape time (one source per
             // manager: a later run replaces its own).
@@ -645,7 +692,25 @@ impl<P: Provider> Manager<P> {
             }
             _ => None,
         };
-        let mut term = Term::default();
+        // Sharded: every controller but the leader-only ones runs from the start, each on this
+        // replica's share, which the coordinator keeps in the fleet.
+        let mut term = Term::new(if sharding.is_some() {
+            Scope::LeaderOnly
+        } else {
+            Scope::All
+        });
+        let mut shared_term = Term::new(Scope::Sharded);
+        let coordinator_stop = CancellationToken::new();
+        let coordinator = sharding.map(|sharding| {
+            shared_term.begin(self, &shutdown);
+            let coordinator = crate::shard::Coordinator::new(
+                sharding,
+                self.fleet.clone(),
+                self.metrics.as_ref(),
+                self.shard_status.clone(),
+            );
+            AbortOnDropHandle::new(tokio::spawn(coordinator.run(coordinator_stop.clone())))
+        });
         // Leadership: without an election, controllers run from the start.
         let (leadership_tx, mut leadership) = mpsc::unbounded_channel();
         let campaign_stop = CancellationToken::new();
@@ -686,7 +751,10 @@ impl<P: Provider> Manager<P> {
                     Job::Task(task) => {
                         tasks.spawn(task);
                     }
-                    Job::Controller => term.start_new(self),
+                    Job::Controller => {
+                        term.start_new(self);
+                        shared_term.start_new(self);
+                    }
                 },
                 event = leadership.recv(), if campaigning => match event {
                     Some(Leadership::Acquired) => {
@@ -736,6 +804,12 @@ impl<P: Provider> Manager<P> {
                         break;
                     }
                 }
+                Some(joined) = shared_term.controllers.join_next(), if !shared_term.controllers.is_empty() => {
+                    if let Err(panic) = controller_panic(joined) {
+                        result = Err(panic);
+                        break;
+                    }
+                }
                 Some(fault) = faults_rx.recv() => {
                     tracing::error!(%fault, "shutting down");
                     result = Err(ManagerError::WatchFailed(fault));
@@ -767,7 +841,8 @@ impl<P: Provider> Manager<P> {
             };
             let tasks = async { while tasks.join_next().await.is_some() {} };
             let controllers = async { while term.controllers.join_next().await.is_some() {} };
-            futures::join!(provider, tasks, controllers);
+            let shared = async { while shared_term.controllers.join_next().await.is_some() {} };
+            futures::join!(provider, tasks, controllers, shared);
         };
         let lost_meanwhile = async {
             while let Some(event) = leadership.recv().await {
@@ -794,11 +869,12 @@ impl<P: Provider> Manager<P> {
         .await;
         if drained.is_err() {
             tracing::warn!(
-                remaining = tasks.len() + term.controllers.len(),
+                remaining = tasks.len() + term.controllers.len() + shared_term.controllers.len(),
                 "tasks did not stop within the graceful timeout; dropping them"
             );
             tasks.shutdown().await;
             term.controllers.shutdown().await;
+            shared_term.controllers.shutdown().await;
         }
         self.leading.send_replace(None);
         if let Some(metrics) = self.metrics.as_ref().filter(|_| election.is_some()) {
@@ -819,6 +895,12 @@ impl<P: Provider> Manager<P> {
                         tracing::warn!(lease = %lease, "releasing the lease timed out; it expires on its own")
                     }
                 }
+            }
+        }
+        if let Some(coordinator) = coordinator {
+            coordinator_stop.cancel();
+            if let Ok(coordinator) = coordinator.await {
+                coordinator.leave().await;
             }
         }
         self.fleet.close().await;
@@ -880,8 +962,9 @@ impl Signals {
 
 /// The controllers of one term: from winning the lease (or the start of a run, without
 /// leader election) to losing it or the run's end.
-#[derive(Default)]
 struct Term {
+    /// Which of the manager's controllers the term runs.
+    scope: Scope,
     controllers: JoinSet<()>,
     /// Ends the term (a child of the run's shutdown).
     stop: CancellationToken,
@@ -891,7 +974,28 @@ struct Term {
     started: Option<usize>,
 }
 
+/// Which controllers a term runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// Every controller (unsharded).
+    All,
+    /// The leader-only controllers of a sharded manager.
+    LeaderOnly,
+    /// The others of a sharded manager.
+    Sharded,
+}
+
 impl Term {
+    fn new(scope: Scope) -> Self {
+        Self {
+            scope,
+            controllers: JoinSet::new(),
+            stop: CancellationToken::new(),
+            abort: CancellationToken::new(),
+            started: None,
+        }
+    }
+
     /// Starts every controller.
     fn begin<P: Provider>(&mut self, manager: &Manager<P>, shutdown: &CancellationToken) {
         self.stop = shutdown.child_token();
@@ -907,8 +1011,15 @@ impl Term {
         };
         let controllers = lock(&manager.controllers);
         let env = manager.term_env(self.stop.clone(), self.abort.clone());
-        for factory in controllers.iter().skip(started) {
-            self.controllers.spawn(factory(env.clone()));
+        for (factory, leader_only) in controllers.iter().skip(started) {
+            let runs_here = match self.scope {
+                Scope::All => true,
+                Scope::LeaderOnly => *leader_only,
+                Scope::Sharded => !*leader_only,
+            };
+            if runs_here {
+                self.controllers.spawn(factory(env.clone()));
+            }
         }
         self.started = Some(controllers.len());
     }

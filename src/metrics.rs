@@ -116,6 +116,11 @@ impl prometheus_client::collector::Collector for Watches {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GroupLabels {
+    group: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LeaseLabels {
     name: Arc<str>,
 }
@@ -184,6 +189,11 @@ fn duration_histogram() -> Histogram {
 /// | `multicluster_runtime_watch_synced` | `cluster`, `kind` | how many of the cluster's watches of the kind have listed (one per watcher configuration) |
 /// | `multicluster_runtime_watch_failing` | `cluster`, `kind` | how many of them fail now (forbidden, kind missing, server unreachable) |
 /// | `rest_client_requests_total` | `cluster`, `code` (`<error>`: no response), `method` | API requests of each engaged cluster's client, the controllers' and the reconcilers' |
+/// | `multicluster_runtime_shard_owned_clusters` | `group` | clusters this replica owns (holds the fence of, not handing over) |
+/// | `multicluster_runtime_shard_peers` | `group` | live peers as this replica sees them, itself included |
+/// | `multicluster_runtime_shard_handoffs_total` | `group` | clusters this replica handed over (work stopped, fence released) |
+/// | `multicluster_runtime_shard_fence_acquisitions_total` | `group` | fences this replica took |
+/// | `multicluster_runtime_shard_fence_losses_total` | `group` | fences this replica lost (not renewed within the renew deadline, or taken over) |
 ///
 /// `cluster` is the cluster id as text (`single` for a single-cluster manager). The series of
 /// a cluster are removed when a controller stops following it, not left stale. For a very
@@ -228,6 +238,21 @@ struct Inner {
     engaged: Gauge,
     requests: Family<RequestLabels, Counter>,
     watches: Arc<Watches>,
+    shard_owned: Family<GroupLabels, Gauge>,
+    shard_peers: Family<GroupLabels, Gauge>,
+    shard_handoffs: Family<GroupLabels, Counter>,
+    shard_acquired: Family<GroupLabels, Counter>,
+    shard_lost: Family<GroupLabels, Counter>,
+}
+
+/// A sharding group's series.
+#[derive(Clone)]
+pub(crate) struct ShardSeries {
+    pub(crate) owned: Gauge,
+    pub(crate) peers: Gauge,
+    pub(crate) handoffs: Counter,
+    pub(crate) acquired: Counter,
+    pub(crate) lost: Counter,
 }
 
 impl Metrics {
@@ -264,6 +289,11 @@ impl Metrics {
                 cluster_label,
                 sources: std::sync::Mutex::new(Vec::new()),
             }),
+            shard_owned: Family::default(),
+            shard_peers: Family::default(),
+            shard_handoffs: Family::default(),
+            shard_acquired: Family::default(),
+            shard_lost: Family::default(),
         };
         registry.register_collector(Box::new(inner.watches.clone()));
         // prometheus-client adds `_total` to counters' names.
@@ -337,8 +367,47 @@ impl Metrics {
             "API requests made by each cluster's client, per cluster, status code and method",
             inner.requests.clone(),
         );
+        registry.register(
+            "multicluster_runtime_shard_owned_clusters",
+            "Clusters this replica owns in its sharding group",
+            inner.shard_owned.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_shard_peers",
+            "Live peers of the sharding group as this replica sees them, itself included",
+            inner.shard_peers.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_shard_handoffs",
+            "Clusters this replica handed over to another",
+            inner.shard_handoffs.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_shard_fence_acquisitions",
+            "Cluster fences this replica took",
+            inner.shard_acquired.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_shard_fence_losses",
+            "Cluster fences this replica lost without handing the cluster over",
+            inner.shard_lost.clone(),
+        );
         Self {
             inner: Arc::new(inner),
+        }
+    }
+
+    /// The series of sharding group `group`.
+    pub(crate) fn shard(&self, group: &str) -> ShardSeries {
+        let labels = GroupLabels {
+            group: Arc::from(group),
+        };
+        ShardSeries {
+            owned: self.inner.shard_owned.get_or_create_owned(&labels),
+            peers: self.inner.shard_peers.get_or_create_owned(&labels),
+            handoffs: self.inner.shard_handoffs.get_or_create_owned(&labels),
+            acquired: self.inner.shard_acquired.get_or_create_owned(&labels),
+            lost: self.inner.shard_lost.get_or_create_owned(&labels),
         }
     }
 

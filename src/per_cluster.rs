@@ -4,12 +4,13 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use futures::StreamExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::cluster::Engagement;
 use crate::controller::Env;
-use crate::{Cluster, ClusterEvent, ClusterId};
+use crate::fleet::FleetEvent;
+use crate::{Cluster, ClusterId};
 
 /// A per-cluster task as the manager keeps it.
 pub(crate) type PerCluster<C> = Arc<
@@ -29,29 +30,44 @@ where
 /// Runs `task` for each engagement of the fleet until the manager shuts down; then every
 /// task's token is cancelled and they get the graceful timeout to return.
 pub(crate) async fn run<C: ClusterId>(env: Env<C>, name: Arc<str>, task: PerCluster<C>) {
-    let mut events = env.fleet.events();
+    let mut events = env.fleet.subscribe();
     let mut tasks = JoinSet::new();
     let stop_all = env.shutdown.child_token();
-    let start = |tasks: &mut JoinSet<()>, cluster: Cluster<C>, until: CancellationToken| {
+    let start = |tasks: &mut JoinSet<()>, engagement: Engagement<C>| {
+        // Counted on the engagement while it runs (a sharded replica hands the cluster over
+        // once it has returned); nothing starts on an engagement that already ended.
+        let Some(busy) = engagement.session.busy() else {
+            return;
+        };
+        let aborted = engagement.session.aborted().clone();
         // Cancelled when the engagement ends, or when the manager shuts down.
-        let until = until_either(until, stop_all.clone());
+        let until = until_either(engagement.session.token().child_token(), stop_all.clone());
+        let cluster = engagement.cluster;
         let id = cluster.id().to_string();
         let work = task(cluster, until);
         let name = name.clone();
         tasks.spawn(async move {
+            let _busy = busy;
             // A panic ends this cluster's task only.
-            if let Err(panic) = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(work)).await {
-                tracing::error!(task = %name, cluster = %id, panic = %crate::cluster::panic_message(&*panic), "per-cluster task panicked");
+            let work = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(work));
+            tokio::select! {
+                ended = work => if let Err(panic) = ended {
+                    tracing::error!(task = %name, cluster = %id, panic = %crate::cluster::panic_message(&*panic), "per-cluster task panicked");
+                },
+                // A sharded replica about to lose the cluster's fence.
+                () = aborted.cancelled() => {
+                    tracing::warn!(task = %name, cluster = %id, "per-cluster task dropped: this replica is losing the cluster");
+                }
             }
         });
     };
     loop {
         tokio::select! {
             () = env.shutdown.cancelled() => break,
-            event = events.next() => match event {
-                Some(ClusterEvent::Engaged { cluster, until }) => start(&mut tasks, cluster, until),
-                Some(ClusterEvent::Replaced { new, until, .. }) => start(&mut tasks, new, until),
-                Some(ClusterEvent::Disengaged { .. }) => {}
+            event = events.recv() => match event {
+                Some(FleetEvent::Engaged(engagement)) => start(&mut tasks, engagement),
+                Some(FleetEvent::Replaced { new, .. }) => start(&mut tasks, new),
+                Some(FleetEvent::Disengaged(_)) => {}
                 None => break,
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}

@@ -114,6 +114,26 @@ pub(crate) struct Session {
     watches: Mutex<HashMap<WatchKey, Arc<dyn ErasedWatch>>>,
     /// The watch tasks, awaited when the engagement ends.
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// User work on this engagement running now (reconciles, per-cluster tasks): a sharded
+    /// replica hands a cluster over only once it is none.
+    busy: Mutex<usize>,
+    idle: tokio::sync::Notify,
+    /// Cancelled to drop that work at once rather than after its grace (a sharded replica
+    /// whose fence is about to expire).
+    abort: CancellationToken,
+}
+
+/// One piece of user work on an engagement, counted while it lives.
+pub(crate) struct Busy(Arc<Session>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut busy = lock(&self.0.busy);
+        *busy = busy.saturating_sub(1);
+        if *busy == 0 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl Session {
@@ -123,7 +143,47 @@ impl Session {
             settings,
             watches: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
+            busy: Mutex::new(0),
+            idle: tokio::sync::Notify::new(),
+            abort: CancellationToken::new(),
         }
+    }
+
+    /// Counts a piece of user work on this engagement while the guard lives; `None` once
+    /// the engagement has ended (nothing new may start on it then).
+    pub(crate) fn busy(self: &Arc<Self>) -> Option<Busy> {
+        let mut busy = lock(&self.busy);
+        // Under the lock: whoever waits for `idle` after the end sees this work counted.
+        if self.token.is_cancelled() {
+            return None;
+        }
+        *busy += 1;
+        Some(Busy(self.clone()))
+    }
+
+    /// Completes when no user work runs on this engagement.
+    pub(crate) async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if *lock(&self.busy) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Ends the engagement and drops its user work at once (reconciles are not given their
+    /// disengage grace).
+    pub(crate) fn abort(&self) {
+        self.token.cancel();
+        self.abort.cancel();
+    }
+
+    /// Cancelled when the engagement's work is to be dropped at once.
+    pub(crate) fn aborted(&self) -> &CancellationToken {
+        &self.abort
     }
 
     /// Cancelled when the engagement ends.

@@ -108,6 +108,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 debounce: Duration::ZERO,
                 disengage_grace: DEFAULT_DISENGAGE_GRACE,
                 observer: None,
+                leader_only: false,
             },
         }
     }
@@ -430,6 +431,19 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         self
     }
 
+    /// On a sharded manager ([`Manager::sharding`](crate::Manager::sharding)), runs this
+    /// controller only on the replica holding the manager's leader election Lease
+    /// ([`Manager::leader_election`](crate::Manager::leader_election)) rather than on every
+    /// replica: for work done once for the whole group, such as a report of the fleet or
+    /// reconciling objects of the local cluster. Its fleet is still that replica's share; it
+    /// reaches the other clusters through [`FleetView::discovered`](crate::FleetView::discovered).
+    /// Without sharding every controller runs on the leader (when there is leader election),
+    /// and this changes nothing.
+    pub fn leader_only(mut self) -> Self {
+        self.spec.leader_only = true;
+        self
+    }
+
     /// Waits `debounce` for further changes before reconciling (default: none).
     pub fn debounce(mut self, debounce: Duration) -> Self {
         self.spec.debounce = debounce;
@@ -508,16 +522,20 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         let spec = Arc::new(self.spec);
         let single = manager.provider().single();
         let (reconcile, error_policy) = (Arc::new(reconcile), Arc::new(error_policy));
-        manager.add_controller(Arc::new(move |env: Env<P::Id>| {
-            Box::pin(run(
-                spec.clone(),
-                env,
-                single.clone(),
-                reconcile.clone(),
-                error_policy.clone(),
-                state.clone(),
-            ))
-        }));
+        let leader_only = spec.leader_only;
+        manager.add_controller(
+            leader_only,
+            Arc::new(move |env: Env<P::Id>| {
+                Box::pin(run(
+                    spec.clone(),
+                    env,
+                    single.clone(),
+                    reconcile.clone(),
+                    error_policy.clone(),
+                    state.clone(),
+                ))
+            }),
+        );
     }
 }
 

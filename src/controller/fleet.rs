@@ -488,6 +488,9 @@ where
     P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
 {
     let token = engagement.session.token().clone();
+    let aborted = engagement.session.aborted().clone();
+    // Counted on its engagement while it runs; nothing starts on an engagement that ended.
+    let busy = engagement.session.busy();
     let ctx = Context::new(
         req.clone(),
         engagement.cluster,
@@ -509,6 +512,11 @@ where
     let grace = spec.disengage_grace;
     let observer = spec.observer.clone();
     async move {
+        let Some(_busy) = busy else {
+            // Its cluster left between the request coming due and now: it runs again on a
+            // new engagement of the id, if there is one.
+            return (req, Action::await_change(), reason, true, None);
+        };
         let began = (timed || observer.is_some()).then(std::time::Instant::now);
         // A panic of the reconciler or its error policy ends this reconcile only: the
         // controller goes on with every other request and cluster.
@@ -552,8 +560,14 @@ where
             (action, reason)
         });
         let abandoned = async {
-            token.cancelled().await;
-            tokio::time::sleep(grace).await;
+            tokio::select! {
+                () = async {
+                    token.cancelled().await;
+                    tokio::time::sleep(grace).await;
+                } => {}
+                // A sharded replica about to lose the cluster's fence: no grace.
+                () = aborted.cancelled() => {}
+            }
         };
         // Biased: a reconcile that is done is not made to wait on the token first.
         tokio::select! {
@@ -647,6 +661,7 @@ mod tests {
             per_cluster: None,
             debounce: std::time::Duration::ZERO,
             disengage_grace: std::time::Duration::ZERO,
+            leader_only: false,
         }
     }
 

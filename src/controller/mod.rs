@@ -159,6 +159,9 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     /// dropped.
     pub(crate) disengage_grace: Duration,
     pub(crate) observer: Option<Observer<C>>,
+    /// Runs on the leader only when the manager is sharded (without sharding, every
+    /// controller is the leader's when there is leader election).
+    pub(crate) leader_only: bool,
 }
 
 impl<K: Watchable, C: ClusterId> Spec<K, C> {

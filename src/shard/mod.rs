@@ -1,8 +1,246 @@
-//! Sharding the fleet across replicas (issue 16, in progress): which replica owns which
-//! cluster. Not wired into the manager yet.
+//! [`Sharding`]: several replicas share a fleet, each owning a part of it, coordinated with
+//! `coordination.k8s.io/v1` Leases on the host cluster.
+//!
+//! - Every replica announces itself with a peer Lease (`mcr-peer-…`, labelled with the group)
+//!   and renews it; the live peers are those whose Lease this replica saw renewed within its
+//!   duration, by its own clock ([`peers`]).
+//! - Each cluster belongs to one live peer, by weighted rendezvous hashing of its id
+//!   ([`rendezvous`]): a peer joining or leaving moves only the clusters it gains or held.
+//! - A replica reconciles a cluster only while it holds the cluster's fence Lease
+//!   (`mcr-shard-…`, [`fence`]); only then is the cluster a member of its fleet, with clients
+//!   in use, watches and caches. A hand-off: the old owner takes the cluster out of its fleet,
+//!   waits (bounded) for its reconciles there, releases the fence; the new owner then takes
+//!   the fence and the cluster joins its fleet. A replica whose fence renewals fail for the
+//!   renew deadline drops its work there at once, before the fence can expire for the others.
 
-// Used by the sharding coordinator still being written; tested on its own meanwhile.
-#[cfg_attr(not(test), allow(dead_code))]
+mod coordinator;
+mod fence;
 mod peers;
-#[cfg_attr(not(test), allow(dead_code))]
 mod rendezvous;
+
+use std::time::Duration;
+
+use kube::Client;
+
+pub(crate) use coordinator::Coordinator;
+pub use coordinator::ShardStatus;
+
+/// The label on every Lease of a sharding group, with the group as its value.
+pub const GROUP_LABEL: &str = "multicluster-runtime.io/shard-group";
+/// The label saying what a group's Lease is: `peer` or `fence`.
+pub const ROLE_LABEL: &str = "multicluster-runtime.io/shard-role";
+/// The annotation on a peer Lease holding the peer's weight.
+pub const WEIGHT_ANNOTATION: &str = "multicluster-runtime.io/shard-weight";
+/// The annotation on a fence Lease naming its cluster (as the cluster id's text).
+pub const CLUSTER_ANNOTATION: &str = "multicluster-runtime.io/shard-cluster";
+
+/// Sharding settings for a [`Manager`](crate::Manager): replicas of one group split the
+/// fleet between them; each builds watches and caches, and reconciles, only for the clusters
+/// it owns.
+///
+/// ```no_run
+/// # use multicluster_runtime::{Sharding, Manager, providers::Clusters, ClusterName};
+/// # async fn f(host: kube::Client) {
+/// let manager = Manager::new(Clusters::<ClusterName>::new())
+///     .sharding(Sharding::new(host, "operators", "my-operator"));
+/// # }
+/// ```
+///
+/// Timings follow leader election's: every retry period a replica renews its peer Lease and
+/// the fences it holds, lists the group's Leases and takes the fences of clusters that are
+/// now its own; a fence not renewed within the renew deadline is given up at once (its
+/// reconciles dropped), and another replica takes it over once it has seen it unchanged
+/// for the lease duration. Each owned cluster costs one Lease write per retry period on the
+/// host.
+#[derive(Clone)]
+pub struct Sharding {
+    pub(crate) client: Client,
+    pub(crate) namespace: String,
+    pub(crate) group: String,
+    pub(crate) identity: String,
+    pub(crate) weight: f64,
+    pub(crate) lease_duration: Duration,
+    pub(crate) renew_deadline: Duration,
+    pub(crate) retry_period: Duration,
+    pub(crate) handoff_timeout: Duration,
+}
+
+impl std::fmt::Debug for Sharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sharding")
+            .field("namespace", &self.namespace)
+            .field("group", &self.group)
+            .field("identity", &self.identity)
+            .field("weight", &self.weight)
+            .field("lease_duration", &self.lease_duration)
+            .field("renew_deadline", &self.renew_deadline)
+            .field("retry_period", &self.retry_period)
+            .field("handoff_timeout", &self.handoff_timeout)
+            .finish()
+    }
+}
+
+/// Sharding settings that cannot work.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error(
+    "sharding group {group}: {reason} (lease duration {lease_duration:?}, renew deadline {renew_deadline:?}, retry period {retry_period:?}, weight {weight})"
+)]
+pub struct InvalidSharding {
+    /// The group.
+    pub group: String,
+    /// What is wrong.
+    pub reason: &'static str,
+    /// The settings.
+    pub lease_duration: Duration,
+    /// The settings.
+    pub renew_deadline: Duration,
+    /// The settings.
+    pub retry_period: Duration,
+    /// The settings.
+    pub weight: f64,
+}
+
+impl Sharding {
+    /// Sharding among the replicas of `group`, with their Leases in `namespace` of the host
+    /// cluster `client` reaches; weight 1, leader election's timings (lease duration 15 s,
+    /// renew deadline 10 s, retry period 2 s), a hand-off timeout of 30 s and an identity of
+    /// the host name and a random suffix.
+    pub fn new(client: Client, namespace: &str, group: &str) -> Self {
+        Self {
+            client,
+            namespace: namespace.to_string(),
+            group: group.to_string(),
+            identity: crate::leader::default_identity(),
+            weight: 1.0,
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+            handoff_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// This replica's name among the peers; unique in the group.
+    #[must_use]
+    pub fn identity(mut self, identity: impl Into<String>) -> Self {
+        self.identity = identity.into();
+        self
+    }
+
+    /// This replica's share relative to the others' (a replica of weight 2 owns about twice
+    /// as many clusters as one of weight 1); 0 owns none. Default 1.
+    #[must_use]
+    pub fn weight(mut self, weight: f64) -> Self {
+        self.weight = weight;
+        self
+    }
+
+    /// How long the others wait, after a peer or fence Lease was last renewed (as they saw
+    /// it), before they count the peer gone or take the fence over. Longer than the renew
+    /// deadline.
+    #[must_use]
+    pub fn lease_duration(mut self, duration: Duration) -> Self {
+        self.lease_duration = duration;
+        self
+    }
+
+    /// How long a replica goes on reconciling a cluster whose fence it could not renew: its
+    /// work there is dropped as soon as this passes.
+    #[must_use]
+    pub fn renew_deadline(mut self, deadline: Duration) -> Self {
+        self.renew_deadline = deadline;
+        self
+    }
+
+    /// How often Leases are renewed and listed (jittered by up to 20 %).
+    #[must_use]
+    pub fn retry_period(mut self, period: Duration) -> Self {
+        self.retry_period = period;
+        self
+    }
+
+    /// How long a hand-off waits for the reconciles and per-cluster tasks still running in
+    /// the cluster given up before dropping them and releasing its fence. Each controller's
+    /// [`disengage_grace`](crate::Builder::disengage_grace) ends its reconciles sooner.
+    #[must_use]
+    pub fn handoff_timeout(mut self, timeout: Duration) -> Self {
+        self.handoff_timeout = timeout;
+        self
+    }
+
+    /// This replica's identity.
+    pub fn holder_identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The settings' consistency, as for leader election, and a finite weight that is not
+    /// negative.
+    pub fn validate(&self) -> Result<(), InvalidSharding> {
+        let reason = if self.retry_period.is_zero() {
+            Some("the retry period is zero")
+        } else if self.renew_deadline <= self.retry_period.mul_f64(1.2) {
+            Some("the renew deadline must be longer than the retry period (with its 20 % jitter)")
+        } else if self.lease_duration <= self.renew_deadline {
+            Some("the lease duration must be longer than the renew deadline")
+        } else if self.identity.is_empty() {
+            Some("the identity is empty")
+        } else if self.group.is_empty() {
+            Some("the group is empty")
+        } else if !self.weight.is_finite() || self.weight < 0.0 {
+            Some("the weight must be a finite number, 0 or more")
+        } else {
+            None
+        };
+        match reason {
+            None => Ok(()),
+            Some(reason) => Err(InvalidSharding {
+                reason,
+                ..self.invalid()
+            }),
+        }
+    }
+
+    /// The error for these settings, with its reason to fill in.
+    pub(crate) fn invalid(&self) -> InvalidSharding {
+        InvalidSharding {
+            group: self.group.clone(),
+            reason: "",
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+            weight: self.weight,
+        }
+    }
+
+    /// The lease duration in whole seconds, rounded up.
+    pub(crate) fn lease_seconds(&self) -> i32 {
+        let d = self.lease_duration;
+        let seconds = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+        i32::try_from(seconds.max(1)).unwrap_or(i32::MAX)
+    }
+
+    /// The retry period, jittered by up to 20 %.
+    pub(crate) fn jittered_retry(&self) -> Duration {
+        self.retry_period
+            .mul_f64(1.0 + 0.2 * crate::cluster::random_unit())
+    }
+}
+
+/// A name for a Lease of `kind` (`peer`, `shard`) about `parts`: `mcr-<kind>-`, the parts
+/// reduced to what a Lease name may hold, then the crate's fixed hash of the parts (two that
+/// reduce alike stay apart).
+pub(crate) fn lease_name(kind: &str, parts: &[&str]) -> String {
+    let readable: String = parts
+        .join("-")
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .take(200)
+        .collect();
+    let digest = rendezvous::digest(parts);
+    let readable = readable.trim_matches('-');
+    if readable.is_empty() {
+        format!("mcr-{kind}-{digest:016x}")
+    } else {
+        format!("mcr-{kind}-{readable}-{digest:016x}")
+    }
+}

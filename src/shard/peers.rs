@@ -13,10 +13,8 @@ use tokio::time::Instant;
 
 use super::rendezvous::Peer;
 
-/// The label every peer Lease of a group carries, with the group as its value.
-pub(crate) const GROUP_LABEL: &str = "multicluster-runtime.io/shard-group";
-/// The annotation holding a peer's weight (a positive decimal; 1 if absent or invalid).
-pub(crate) const WEIGHT_ANNOTATION: &str = "multicluster-runtime.io/shard-weight";
+use super::{GROUP_LABEL, ROLE_LABEL, WEIGHT_ANNOTATION};
+
 /// The field manager of the peer Leases.
 const FIELD_MANAGER: &str = "multicluster-runtime-shard";
 
@@ -33,14 +31,7 @@ impl Announcement {
     /// The name of this replica's Lease: `mcr-peer-`, then the group and the id reduced to
     /// what a Lease name may hold, then a hash of both (two ids that reduce alike stay apart).
     pub(crate) fn lease_name(&self) -> String {
-        let readable: String = format!("{}-{}", self.group, self.id)
-            .to_ascii_lowercase()
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-            .take(200)
-            .collect();
-        let digest = super::rendezvous::digest(&[&self.group, &self.id]);
-        format!("mcr-peer-{}-{digest:016x}", readable.trim_matches('-'))
+        super::lease_name("peer", &[&self.group, &self.id])
     }
 
     /// Creates or renews the Lease in `leases`' namespace (server-side apply).
@@ -49,7 +40,13 @@ impl Announcement {
         let lease = Lease {
             metadata: ObjectMeta {
                 name: Some(self.lease_name()),
-                labels: Some([(GROUP_LABEL.to_string(), self.group.clone())].into()),
+                labels: Some(
+                    [
+                        (GROUP_LABEL.to_string(), self.group.clone()),
+                        (ROLE_LABEL.to_string(), "peer".to_string()),
+                    ]
+                    .into(),
+                ),
                 annotations: Some(
                     [(WEIGHT_ANNOTATION.to_string(), self.weight.to_string())].into(),
                 ),
