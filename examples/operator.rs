@@ -17,7 +17,13 @@
 //! (default: the cluster's default namespace; a namespace-cluster's own namespace). The
 //! original gets the annotation `mcr.example.io/copied-to` (the clusters, sorted) and an
 //! Event when that set changes, a Warning Event naming a cluster where the copy failed. A
-//! cluster engaged later gets its copies at the next resync (`--resync-seconds`).
+//! cluster engaged later gets its copies at once, and a copy edited or deleted in a cluster is
+//! put back (the copies are watched in every cluster); every ConfigMap is copied again each
+//! `--resync-seconds`.
+//!
+//! With `--shard-group`, replicas split the clusters between them (see `docs/sharding.md`):
+//! each replica watches and copies into the clusters it owns only, and reports its share in
+//! Events of its own (the annotation, which would need the whole fleet, is left out).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,13 +35,13 @@ use clap::{Parser, ValueEnum};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Resource, ResourceExt};
 use kube_runtime::events::{Event, EventType, Recorder};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{KubeconfigSecrets, Namespaces};
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterName, Context, Endpoints, LeaderElection, Manager, Metrics,
-    Provider, RateLimit,
+    Provider, RateLimit, Request, Sharding,
 };
 
 const COPY_LABEL: &str = "mcr.example.io/copy";
@@ -106,6 +112,13 @@ struct Args {
     /// Requests at once to each cluster.
     #[arg(long, default_value_t = 40)]
     burst: u32,
+    /// Split the clusters between the replicas of this group (Leases in the operator's
+    /// namespace; the lease timings above apply).
+    #[arg(long)]
+    shard_group: Option<String>,
+    /// This replica's share relative to the others' (with `--shard-group`).
+    #[arg(long, default_value_t = 1.0)]
+    shard_weight: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +136,8 @@ enum Error {
 struct State {
     target_namespace: Option<String>,
     resync: Duration,
+    /// Sharded: this replica's identity, and the share last reported for each original.
+    shard: Option<(String, std::sync::Mutex<BTreeMap<String, String>>)>,
 }
 
 #[tokio::main]
@@ -148,15 +163,19 @@ async fn main() -> anyhow::Result<()> {
         }
         None => kube::Config::infer().await?,
     };
-    let host = Client::try_from(config)?;
+    // The host through the crate's shared transport (HTTP/2, one connection per API server
+    // for every client of the process) rather than kube's own pool of HTTP/1.1 connections,
+    // which opens one per request in flight: the Leases of a sharded replica are many.
+    let local = Cluster::from_config(ClusterName::from("host"), config)?;
+    let host = local.client();
     match args.provider {
         ProviderKind::Secrets => {
             let provider = KubeconfigSecrets::new(host.clone(), args.namespace.clone());
-            operate(provider, host, &args).await
+            operate(provider, local, &args).await
         }
         ProviderKind::Namespaces => {
             let provider = Namespaces::new(host.clone()).labels(&args.namespace_labels);
-            operate(provider, host, &args).await
+            operate(provider, local, &args).await
         }
     }
 }
@@ -164,21 +183,46 @@ async fn main() -> anyhow::Result<()> {
 /// Runs the operator with `provider`'s clusters until SIGTERM or SIGINT.
 async fn operate<P: Provider<Id = ClusterName>>(
     provider: P,
-    host: Client,
+    local: Cluster<ClusterName>,
     args: &Args,
 ) -> anyhow::Result<()> {
+    let host = local.client();
+    let local_config = local.config().cloned();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::new(&mut registry);
     let mut manager = Manager::new(provider)
-        .with_local(Cluster::new(ClusterName::from("host"), host.clone()))
+        .with_local(local)
         .metrics(metrics)
         .client_rate_limit(RateLimit::new(args.qps, args.burst)?)
         .serve(Endpoints::new(args.bind_address).metrics(Arc::new(registry)));
-    if args.leader_elect {
-        let mut election = LeaderElection::new(host.clone(), &args.namespace, "mcr-operator")
-            .lease_duration(Duration::try_from_secs_f64(args.lease_duration_seconds)?)
-            .renew_deadline(Duration::try_from_secs_f64(args.renew_deadline_seconds)?)
-            .retry_period(Duration::try_from_secs_f64(args.retry_period_seconds)?);
+    let lease_duration = Duration::try_from_secs_f64(args.lease_duration_seconds)?;
+    let renew_deadline = Duration::try_from_secs_f64(args.renew_deadline_seconds)?;
+    let retry_period = Duration::try_from_secs_f64(args.retry_period_seconds)?;
+    // Leases go through a client of their own: the manager's rate limit, which the local
+    // cluster's client gets, must not hold up the renewals that keep this replica's share.
+    let coordination = match local_config {
+        Some(config) => Cluster::from_config(ClusterName::from("host"), config)?.client(),
+        None => host.clone(),
+    };
+    let mut shard = None;
+    if let Some(group) = &args.shard_group {
+        // Every replica copies, each into its own share: no leader election needed.
+        let mut sharding = Sharding::new(coordination.clone(), &args.namespace, group)
+            .weight(args.shard_weight)
+            .lease_duration(lease_duration)
+            .renew_deadline(renew_deadline)
+            .retry_period(retry_period);
+        if let Some(identity) = &args.identity {
+            sharding = sharding.identity(identity);
+        }
+        shard = Some((sharding.holder_identity().to_string(), Default::default()));
+        manager = manager.sharding(sharding);
+    } else if args.leader_elect {
+        let mut election =
+            LeaderElection::new(coordination.clone(), &args.namespace, "mcr-operator")
+                .lease_duration(lease_duration)
+                .renew_deadline(renew_deadline)
+                .retry_period(retry_period);
         if let Some(identity) = &args.identity {
             election = election.identity(identity);
         }
@@ -188,10 +232,24 @@ async fn operate<P: Provider<Id = ClusterName>>(
     let originals = watcher::Config::default()
         .labels(&format!("{COPY_LABEL}=true"))
         .fields(&format!("metadata.namespace={}", args.namespace));
+    // Each cluster's copies are watched: one edited or deleted there is put back.
+    let copies =
+        watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={FIELD_MANAGER}"));
+    let local = ClusterName::from("host");
+    // Clusters joining the fleet (or this replica's share) get their copies at once.
+    let joined = futures::StreamExt::map(manager.fleet().events(), |_| ());
     Builder::<_, ConfigMap>::new(&manager, originals)
         .named("mcr-operator")
         .engage_local(true)
-        .engage_provider(false)
+        .watches(copies, move |_, copy: &ConfigMap| {
+            copy.annotations()
+                .get(COPIED_FROM)
+                .and_then(|from| from.split_once('/'))
+                .map(|(ns, name)| Request::new(local.clone(), Some(ns), name))
+        })
+        .reconcile_all_on(joined)
+        // Clusters joining together are caught up in one round.
+        .debounce(Duration::from_millis(300))
         .start(
             reconcile,
             |_, error: &Error, _| {
@@ -202,6 +260,7 @@ async fn operate<P: Provider<Id = ClusterName>>(
                 target_namespace: args.target_namespace.clone(),
                 resync: Duration::try_from_secs_f64(args.resync_seconds)?
                     .max(Duration::from_secs(1)),
+                shard,
             }),
         );
     tracing::info!(provider = ?args.provider, namespace = %args.namespace, "starting");
@@ -217,6 +276,10 @@ async fn reconcile(
 ) -> Result<Action, Error> {
     let name = original.name_any();
     let from = format!("{}/{}", original.namespace().unwrap_or_default(), name);
+    // The originals are on the host; the fleet's clusters only hold copies.
+    if ctx.cluster_id().as_str() != "host" {
+        return Ok(Action::await_change());
+    }
     let mut clusters = ctx.fleet().clusters();
     clusters.sort_by(|a, b| a.id().cmp(b.id()));
     let copies = clusters.iter().map(|cluster| {
@@ -270,7 +333,29 @@ async fn reconcile(
     let copied_to = copied.join(",");
     let recorder = ctx.recorder();
     let reference = original.object_ref(&());
-    if original.annotations().get(COPIED_TO) != Some(&copied_to) {
+    if let Some((identity, reported)) = &ctx.state().shard {
+        // Sharded: this replica's share, in an Event when it changes.
+        let changed = reported
+            .lock()
+            .unwrap()
+            .insert(from.clone(), copied_to.clone())
+            != Some(copied_to.clone());
+        if changed {
+            let event = Event {
+                type_: EventType::Normal,
+                reason: "Copied".into(),
+                note: Some(format!(
+                    "replica {identity} copied into its {} clusters",
+                    copied.len()
+                )),
+                action: "Copy".into(),
+                secondary: None,
+            };
+            Recorder::new(ctx.client(), ctx.reporter().clone())
+                .publish(&event, &reference)
+                .await?;
+        }
+    } else if original.annotations().get(COPIED_TO) != Some(&copied_to) {
         let api: Api<ConfigMap> =
             Api::namespaced(ctx.client(), &original.namespace().unwrap_or_default());
         let patch = serde_json::json!({"metadata": {"annotations": {COPIED_TO: copied_to}}});

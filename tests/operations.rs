@@ -583,21 +583,6 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
     println!("stopped {stopped_after:?} after the second signal");
 }
 
-/// The value of the series `name` whose labels include `labels`, in Prometheus text.
-fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines().find_map(|line| {
-        let rest = line.strip_prefix(name)?;
-        let (label_text, value) = match rest.strip_prefix('{') {
-            Some(rest) => rest.split_once("} ")?,
-            None => ("", rest.strip_prefix(' ')?),
-        };
-        labels
-            .iter()
-            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")))
-            .then(|| value.trim().parse().ok())?
-    })
-}
-
 fn scrape(registry: &prometheus_client::registry::Registry) -> String {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
@@ -809,26 +794,6 @@ async fn metrics_carry_the_cluster_follow_reconciles_and_leave_with_a_disengaged
         sample(&text, "multicluster_runtime_engaged_clusters", &[]),
         Some(0.0)
     );
-}
-
-/// GET `path` from `addr` over plain HTTP/1.1: the status code and the body.
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
 }
 
 #[tokio::test]
@@ -1506,35 +1471,6 @@ fn manifest(file: &str) -> String {
     std::fs::read_to_string(format!("{}/deploy/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
 
-/// The example binary, built (or found fresh) in this test's target directory.
-fn operator_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    let target_dir = profile_dir.parent().unwrap();
-    let mut build = std::process::Command::new(env!("CARGO"));
-    build
-        .args(["build", "--all-features", "--example", "operator"])
-        .arg("--target-dir")
-        .arg(target_dir);
-    if profile_dir.ends_with("release") {
-        build.arg("--release");
-    }
-    let status = build
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .unwrap();
-    assert!(status.success(), "building examples/operator.rs");
-    profile_dir.join("examples").join("operator")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// One operator process: its endpoints' address and its log file.
 struct OperatorProcess {
     child: tokio::process::Child,
@@ -1608,14 +1544,6 @@ impl OperatorProcess {
             &[("name", "mcr-system/mcr-operator")],
         ) == Some(1.0)
     }
-}
-
-/// `http_get`, or `Err` when nothing listens (yet).
-async fn http_get_opt(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), ()> {
-    if tokio::net::TcpStream::connect(addr).await.is_err() {
-        return Err(());
-    }
-    Ok(http_get(addr, path).await)
 }
 
 async fn configmap_in(client: &kube::Client, ns: &str, name: &str) -> Option<ConfigMap> {

@@ -543,14 +543,14 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
             );
         }
         assert!((1..CLUSTERS).contains(&r4_share), "r4 owns {r4_share}");
-        assert_eq!(
-            r4.metric("multicluster_runtime_shard_fence_acquisitions_total"),
-            r4_share as f64
+        // The metrics count what happened (more than the net share when views differed for
+        // a moment while r4 joined).
+        assert!(
+            r4.metric("multicluster_runtime_shard_fence_acquisitions_total") >= r4_share as f64
         );
-        assert_eq!(
-            handoffs(&[&r1, &r2, &r3]) - handed_before,
-            r4_share as f64,
-            "r4's clusters, and only those, were handed over to it"
+        assert!(
+            handoffs(&[&r1, &r2, &r3]) - handed_before >= r4_share as f64,
+            "r4's clusters were handed over to it"
         );
         // 4 → 2: r1 and r2 leave gracefully.
         phase("4 settled");
@@ -718,4 +718,337 @@ fn the_audit_finds_reconciles_of_two_replicas_that_overlap() {
     let overlaps = audit.overlaps();
     assert_eq!(overlaps.len(), 1, "{overlaps:?}");
     assert_eq!(overlaps[0].0.end, at(1000));
+}
+
+/// The two scenarios each start four API servers and keep the machine busy: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A process of the operator example in sharding group `test`.
+fn operator(
+    binary: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    identity: &str,
+    weight: f64,
+    dir: &std::path::Path,
+) -> (tokio::process::Child, std::net::SocketAddr) {
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
+    let child = tokio::process::Command::new(binary)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["--namespace", "mcr-system", "--provider", "secrets"])
+        .args(["--shard-group", "test", "--identity", identity])
+        .arg(format!("--shard-weight={weight}"))
+        .args(["--log-format", "json", "--resync-seconds", "60"])
+        .arg(format!("--lease-duration-seconds={}", LEASE.as_secs_f64()))
+        .arg(format!(
+            "--renew-deadline-seconds={}",
+            RENEW_DEADLINE.as_secs_f64()
+        ))
+        .arg(format!("--retry-period-seconds={}", RETRY.as_secs_f64()))
+        .arg(format!("--bind-address={addr}"))
+        .env("RUST_LOG", "info")
+        .stdout(std::fs::File::create(dir.join(format!("{identity}.log"))).unwrap())
+        .stderr(std::process::Stdio::inherit())
+        // A failing test ends it.
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    (child, addr)
+}
+
+/// A process's resident memory (kB) and open sockets.
+fn rss_and_sockets(pid: u32) -> (u64, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let sockets = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("socket:"))
+        .count();
+    (rss, sockets)
+}
+
+/// The holders of the group's fences, by cluster.
+async fn fence_holders(host: &Client) -> BTreeMap<String, Option<String>> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let selector = format!(
+        "{}=test,{}=fence",
+        multicluster_runtime::shard::GROUP_LABEL,
+        multicluster_runtime::shard::ROLE_LABEL
+    );
+    Api::<Lease>::namespaced(host.clone(), "mcr-system")
+        .list(&kube::api::ListParams::default().labels(&selector))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|lease| {
+            let cluster =
+                lease.annotations()[multicluster_runtime::shard::CLUSTER_ANNOTATION].clone();
+            let holder = lease.spec.and_then(|s| s.holder_identity);
+            (cluster, holder)
+        })
+        .collect()
+}
+
+/// How many clusters hold the copy of `settings` with `colour`.
+async fn copies_with(env: &TestEnv, colour: &str) -> usize {
+    let mut n = 0;
+    for i in 0..3 {
+        let client = env.cluster(i).unwrap().client().unwrap();
+        let copies = Api::<ConfigMap>::all(client)
+            .list(
+                &kube::api::ListParams::default()
+                    .labels("app.kubernetes.io/managed-by=mcr-operator"),
+            )
+            .await
+            .unwrap();
+        n += copies
+            .items
+            .iter()
+            .filter(|c| {
+                c.data
+                    .as_ref()
+                    .and_then(|d| d.get("colour"))
+                    .map(String::as_str)
+                    == Some(colour)
+            })
+            .count();
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_operator_processes_split_the_fleet_and_take_over_from_a_killed_one() {
+    let _serial = SERIAL.lock().await;
+    let binary = common::operator_binary();
+    let env = TestEnv::builder().clusters(4).start().await.unwrap();
+    let host = env.cluster(HOST).unwrap().client().unwrap();
+    common::create_namespace(&host, "mcr-system").await;
+    // 300 kubeconfig Secrets: cluster i is API server i % 3 with default namespace c<i>.
+    futures::stream::iter(0..CLUSTERS)
+        .for_each_concurrent(32, |i| {
+            let host = host.clone();
+            let member = env.cluster(i % 3).unwrap();
+            async move {
+                let cluster = cluster_name(i);
+                common::create_namespace(&member.client().unwrap(), &cluster).await;
+                let mut kubeconfig =
+                    kube::config::Kubeconfig::from_yaml(member.kubeconfig()).unwrap();
+                for context in &mut kubeconfig.contexts {
+                    if let Some(context) = &mut context.context {
+                        context.namespace = Some(cluster.clone());
+                    }
+                }
+                let secret = k8s_openapi::api::core::v1::Secret {
+                    metadata: ObjectMeta {
+                        name: Some(cluster.clone()),
+                        labels: Some(
+                            [(
+                                multicluster_runtime::providers::KUBECONFIG_SECRET_LABEL
+                                    .to_string(),
+                                "true".to_string(),
+                            )]
+                            .into(),
+                        ),
+                        ..Default::default()
+                    },
+                    string_data: Some(
+                        [(
+                            "kubeconfig".to_string(),
+                            serde_json::to_string(&kubeconfig).unwrap(),
+                        )]
+                        .into(),
+                    ),
+                    ..Default::default()
+                };
+                Api::<k8s_openapi::api::core::v1::Secret>::namespaced(host, "mcr-system")
+                    .create(&PostParams::default(), &secret)
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+    let original = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("settings".into()),
+            labels: Some([("mcr.example.io/copy".to_string(), "true".to_string())].into()),
+            ..Default::default()
+        },
+        data: Some([("colour".to_string(), "blue".to_string())].into()),
+        ..Default::default()
+    };
+    let originals = Api::<ConfigMap>::namespaced(host.clone(), "mcr-system");
+    originals
+        .create(&PostParams::default(), &original)
+        .await
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let kubeconfig = env.cluster(HOST).unwrap().kubeconfig_path().to_path_buf();
+
+    // For comparison (BENCHMARKS.md): one process alone owns all 300 clusters.
+    let (mut solo, solo_addr) = operator(&binary, &kubeconfig, "p0", 1.0, dir);
+    eventually(180, "300 copies from one process", async || {
+        copies_with(&env, "blue").await == CLUSTERS
+    })
+    .await;
+    eventually(30, "p0 owns all 300", async || {
+        let Ok((200, text)) = common::http_get_opt(solo_addr, "/metrics").await else {
+            return false;
+        };
+        common::sample(&text, "multicluster_runtime_shard_owned_clusters", &[])
+            == Some(CLUSTERS as f64)
+    })
+    .await;
+    let (rss, sockets) = rss_and_sockets(solo.id().unwrap());
+    eprintln!("p0 alone: {CLUSTERS} clusters, RSS {rss} kB, {sockets} sockets");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(solo.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), solo.wait())
+        .await
+        .expect("p0 exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "p0: {status:?}");
+    // A graceful stop gives every fence up.
+    let holders = fence_holders(&host).await;
+    assert_eq!(holders.len(), CLUSTERS);
+    assert!(holders.values().all(Option::is_none), "p0 left fences held");
+    let patch = serde_json::json!({"data": {"colour": "yellow"}});
+    originals
+        .patch("settings", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+
+    let mut processes: BTreeMap<String, (tokio::process::Child, std::net::SocketAddr)> =
+        [("p1", 1.0), ("p2", 1.0), ("p3", 1.0), ("p4", 0.0)]
+            .into_iter()
+            .map(|(id, weight)| {
+                let process = operator(&binary, &kubeconfig, id, weight, dir);
+                (id.to_string(), process)
+            })
+            .collect();
+
+    // Every cluster gets its copy; each is owned by exactly one process (its fence's holder,
+    // which reports the same count), shares within 20 % of even.
+    eventually(180, "300 copies", async || {
+        copies_with(&env, "blue").await == CLUSTERS
+    })
+    .await;
+    let mut shares: BTreeMap<String, usize> = BTreeMap::new();
+    eventually(
+        60,
+        "the fences' holders agree with each process's count",
+        async || {
+            let holders = fence_holders(&host).await;
+            shares.clear();
+            for holder in holders.values().flatten() {
+                *shares.entry(holder.clone()).or_default() += 1;
+            }
+            if holders.len() != CLUSTERS || shares.values().sum::<usize>() != CLUSTERS {
+                return false;
+            }
+            for (id, (_, addr)) in &processes {
+                let Ok((200, text)) = common::http_get_opt(*addr, "/metrics").await else {
+                    return false;
+                };
+                let owned = common::sample(
+                    &text,
+                    "multicluster_runtime_shard_owned_clusters",
+                    &[("group", "test")],
+                );
+                if owned != Some(shares.get(id).copied().unwrap_or(0) as f64) {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    // p4 (weight 0) is a peer that owns nothing, though it discovers all 300.
+    assert_eq!(shares.keys().collect::<Vec<_>>(), ["p1", "p2", "p3"]);
+    for (id, share) in &shares {
+        assert!(
+            (80..=120).contains(share),
+            "{id} owns {share} of 300 clusters"
+        );
+    }
+    for (id, (child, _)) in &processes {
+        let share = shares.get(id).copied().unwrap_or(0);
+        let (rss, sockets) = rss_and_sockets(child.id().unwrap());
+        eprintln!("{id}: {share} clusters, RSS {rss} kB, {sockets} sockets");
+    }
+
+    // SIGKILL one: the others take its clusters over within a lease duration and 5 s, and a
+    // change made meanwhile reaches all 300 clusters.
+    let victim = "p2";
+    let victims: Vec<String> = fence_holders(&host)
+        .await
+        .into_iter()
+        .filter(|(_, h)| h.as_deref() == Some(victim))
+        .map(|(c, _)| c)
+        .collect();
+    let (mut child, _) = processes.remove(victim).unwrap();
+    child.start_kill().unwrap();
+    let killed_at = Instant::now();
+    child.wait().await.unwrap();
+    let patch = serde_json::json!({"data": {"colour": "green"}});
+    originals
+        .patch("settings", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    eventually(60, "the change copied into all 300 clusters", async || {
+        copies_with(&env, "green").await == CLUSTERS
+    })
+    .await;
+    let took = killed_at.elapsed();
+    eprintln!(
+        "the killed replica's {} clusters reconciled {took:?} after the kill",
+        victims.len()
+    );
+    assert!(took <= LEASE + Duration::from_secs(5), "took {took:?}");
+    let holders = fence_holders(&host).await;
+    for cluster in &victims {
+        let holder = holders[cluster].as_deref();
+        assert!(
+            matches!(holder, Some("p1" | "p3")),
+            "{cluster} is held by {holder:?}"
+        );
+    }
+
+    // A graceful stop (SIGTERM) gives the fences up.
+    for (_, (child, _)) in processes.iter_mut() {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id().unwrap() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+    }
+    for (id, (mut child, _)) in processes {
+        let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{id} exits after SIGTERM"))
+            .unwrap();
+        assert!(status.success(), "{id}: {status:?}");
+    }
+    let holders = fence_holders(&host).await;
+    assert!(
+        holders.values().all(Option::is_none),
+        "fences still held after a graceful stop: {:?}",
+        holders
+            .iter()
+            .filter(|(_, h)| h.is_some())
+            .take(3)
+            .collect::<Vec<_>>()
+    );
 }

@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::fence::{self, Fences, Holder, RenewError};
+use super::fence::{self, Fences, Holder};
 use super::peers::{Announcement, Observed};
 use super::rendezvous::{Peer, owner};
 use super::{GROUP_LABEL, ROLE_LABEL, Sharding};
@@ -42,9 +42,8 @@ pub struct ShardStatus {
 
 /// A fence this replica holds.
 struct Held {
+    /// As last written or listed (its `resourceVersion` is what the release writes over).
     lease: Lease,
-    /// When the last successful write of it began (the others' clocks start no earlier).
-    renewed: Instant,
     /// The cluster left the fleet; its work is being waited for before the release.
     handing_off: bool,
 }
@@ -65,7 +64,9 @@ pub(crate) struct Coordinator<C: ClusterId> {
     /// The ids assigned to this replica at the last round.
     mine: HashSet<C>,
     handoffs: FuturesUnordered<Handoff<C>>,
-    /// When the last successful renewal of this replica's peer Lease began.
+    /// When the last successful renewal of this replica's peer Lease began: the fences it
+    /// holds are good until the renew deadline from then (the others' clocks start no
+    /// earlier than that write).
     announced: Option<Instant>,
     /// Past the first round.
     started: bool,
@@ -135,12 +136,15 @@ impl<C: ClusterId> Coordinator<C> {
         }
     }
 
-    /// The earliest moment a held fence passes its renew deadline.
+    /// When the fences held pass their renew deadline, if any are held.
     fn next_deadline(&self) -> Option<Instant> {
-        self.held
-            .values()
-            .map(|h| h.renewed + self.config.renew_deadline)
-            .min()
+        if self.held.is_empty() {
+            return None;
+        }
+        Some(match self.announced {
+            Some(at) => at + self.config.renew_deadline,
+            None => Instant::now(),
+        })
     }
 
     /// Runs `work`, dropping fences whose deadline passes meanwhile.
@@ -155,19 +159,20 @@ impl<C: ClusterId> Coordinator<C> {
         }
     }
 
-    /// Drops every fence not renewed within the renew deadline.
+    /// Drops every fence once this replica's peer Lease has gone unrenewed for the renew
+    /// deadline: the others may count it gone from the lease duration on.
     fn expire(&mut self) {
-        let now = Instant::now();
-        let expired: Vec<C> = self
-            .held
-            .iter()
-            .filter(|(_, h)| now.duration_since(h.renewed) >= self.config.renew_deadline)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in expired {
+        let Some(deadline) = self.next_deadline() else {
+            return;
+        };
+        if Instant::now() < deadline {
+            return;
+        }
+        let held: Vec<C> = self.held.keys().cloned().collect();
+        for id in held {
             self.lose(
                 &id,
-                "its fence was not renewed within the renew deadline (the host unreachable?)",
+                "this replica's peer lease was not renewed within the renew deadline (the host unreachable?)",
             );
         }
     }
@@ -199,27 +204,9 @@ impl<C: ClusterId> Coordinator<C> {
         let list = async move {
             tokio::time::timeout(bound, leases.list(&ListParams::default().labels(&selector))).await
         };
-        let renewals: Vec<_> = self
-            .held
-            .iter()
-            .map(|(id, h)| (id.clone(), h.lease.clone()))
-            .collect();
-        let holder = self.holder.clone();
-        let renewals = futures::stream::iter(renewals)
-            .map(move |(id, lease)| {
-                let holder = holder.clone();
-                async move {
-                    let began = Instant::now();
-                    let out = tokio::time::timeout(bound, holder.renew(&lease)).await;
-                    (id, began, out)
-                }
-            })
-            .buffer_unordered(32)
-            .collect::<Vec<_>>();
-        let (peer, list, renewals) = self
-            .guarded(futures::future::join3(peer, list, renewals))
-            .await;
+        let (peer, list) = self.guarded(futures::future::join(peer, list)).await;
         let now = Instant::now();
+        let listed = matches!(list, Ok(Ok(_)));
         match peer {
             Ok(Ok(())) => self.announced = Some(began),
             Ok(Err(error)) => {
@@ -240,31 +227,14 @@ impl<C: ClusterId> Coordinator<C> {
                             .is_some_and(|r| r == "peer")
                     });
                 self.peers.update(&peers, now);
-                self.fences.update(fences, now);
+                self.fences.update(fences);
+                self.verify();
             }
             Ok(Err(error)) => {
                 tracing::warn!(group = %self.config.group, %error, "sharding: could not list the group's leases")
             }
             Err(_) => {
                 tracing::warn!(group = %self.config.group, "sharding: listing the group's leases timed out")
-            }
-        }
-        for (id, began, out) in renewals {
-            match out {
-                Ok(Ok(lease)) => {
-                    self.fences.wrote(&lease, now);
-                    if let Some(held) = self.held.get_mut(&id) {
-                        held.lease = lease;
-                        held.renewed = began;
-                    }
-                }
-                Ok(Err(RenewError::Lost(by))) => {
-                    self.lose(&id, &format!("another replica took the fence over ({by})"));
-                }
-                Ok(Err(RenewError::Api(error))) => {
-                    tracing::warn!(cluster = %id, %error, "sharding: could not renew the fence")
-                }
-                Err(_) => tracing::warn!(cluster = %id, "sharding: renewing the fence timed out"),
             }
         }
         self.expire();
@@ -310,7 +280,9 @@ impl<C: ClusterId> Coordinator<C> {
 
         // Take what is, where the fence is free; not in the first round, when peers started
         // at the same time may not have announced themselves yet.
-        if !std::mem::replace(&mut self.started, true) {
+        // Nor without this round's listing: fences are not renewed, so whether a holder is
+        // gone is judged from its peer Lease alone, which only a fresh listing shows.
+        if !std::mem::replace(&mut self.started, true) || !listed {
             self.publish();
             return;
         }
@@ -321,13 +293,16 @@ impl<C: ClusterId> Coordinator<C> {
             .filter(|id| !self.held.contains_key(*id))
             .filter_map(|id| {
                 let name = fence::name(&self.config.group, &id.to_string());
-                match self.fences.get(&name) {
-                    None => Some((id.clone(), name, None)),
-                    Some(seen) if seen.free_for(&me, now) => {
-                        Some((id.clone(), name, Some(seen.lease.clone())))
-                    }
-                    Some(_) => None,
+                if self.fences.get(&name).is_none() {
+                    return Some((id.clone(), name, None));
                 }
+                let seen = self.fences.get(&name)?;
+                let free = match fence::holder(seen) {
+                    None => true,
+                    Some(holder) if holder == me => true,
+                    Some(holder) => self.peers.gone(holder, now, self.config.lease_duration),
+                };
+                free.then(|| (id.clone(), name, Some(seen.clone())))
             })
             .collect();
         if !wanted.is_empty() {
@@ -336,29 +311,26 @@ impl<C: ClusterId> Coordinator<C> {
                 .map(move |(id, name, seen)| {
                     let holder = holder.clone();
                     async move {
-                        let began = Instant::now();
                         let text = id.to_string();
                         let out = tokio::time::timeout(
                             bound,
                             holder.acquire(&name, &text, seen.as_ref()),
                         )
                         .await;
-                        (id, began, out)
+                        (id, out)
                     }
                 })
                 .buffer_unordered(32)
                 .collect::<Vec<_>>();
             let attempts = self.guarded(attempts).await;
-            let now = Instant::now();
-            for (id, began, out) in attempts {
+            for (id, out) in attempts {
                 match out {
                     Ok(Ok(Some(lease))) => {
-                        self.fences.wrote(&lease, now);
+                        self.fences.wrote(&lease);
                         self.held.insert(
                             id.clone(),
                             Held {
                                 lease,
-                                renewed: began,
                                 handing_off: false,
                             },
                         );
@@ -379,6 +351,37 @@ impl<C: ClusterId> Coordinator<C> {
             }
         }
         self.publish();
+    }
+
+    /// Checks the fences held against the latest listing: one that shows another holder, or
+    /// is gone, is no longer this replica's (someone deleted or overwrote it).
+    fn verify(&mut self) {
+        let checks: Vec<(C, String)> = self
+            .held
+            .keys()
+            .map(|id| (id.clone(), fence::name(&self.config.group, &id.to_string())))
+            .collect();
+        for (id, name) in checks {
+            match self
+                .fences
+                .get(&name)
+                .map(|l| (fence::holder(l).map(str::to_string), l.clone()))
+            {
+                Some((Some(holder), lease)) if holder == self.me.id => {
+                    if let Some(held) = self.held.get_mut(&id) {
+                        held.lease = lease;
+                    }
+                }
+                Some((holder, _)) => self.lose(
+                    &id,
+                    &format!(
+                        "its fence names {} now",
+                        holder.as_deref().unwrap_or("no holder")
+                    ),
+                ),
+                None => self.lose(&id, "its fence was deleted"),
+            }
+        }
     }
 
     /// Starts handing `id` over: it leaves the fleet now; the fence is released once its
@@ -489,7 +492,9 @@ impl<C: ClusterId> Coordinator<C> {
             let holder = self.holder.clone();
             let timeout = self.config.handoff_timeout;
             let after_abort = self.config.renew_deadline;
-            let deadline = h.renewed + self.config.renew_deadline;
+            let deadline = self
+                .announced
+                .map_or_else(Instant::now, |at| at + self.config.renew_deadline);
             releases.push(async move {
                 if drained(&sessions, timeout, after_abort, &id).await && Instant::now() < deadline
                 {

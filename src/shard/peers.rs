@@ -81,6 +81,10 @@ impl Announcement {
 #[derive(Default)]
 pub(crate) struct Observed {
     by_lease: HashMap<String, Seen>,
+    /// By peer id: when its Lease last changed (or its id was first seen, on a fence it
+    /// holds), and its Lease's duration. Kept after its Lease goes: a fence it holds is
+    /// taken over only once it has been silent for that duration.
+    heard: HashMap<String, (Instant, Duration)>,
 }
 
 struct Seen {
@@ -123,6 +127,9 @@ impl Observed {
                 Some(seen) if seen.record == record => seen.changed,
                 _ => now,
             };
+            if changed == now {
+                self.heard.insert(id.clone(), (now, duration));
+            }
             next.insert(
                 name,
                 Seen {
@@ -134,6 +141,18 @@ impl Observed {
             );
         }
         self.by_lease = next;
+        // Ids silent for ten of their durations are forgotten: one seen again (on a fence)
+        // starts a new wait.
+        self.heard
+            .retain(|_, (at, duration)| now.duration_since(*at) < duration.saturating_mul(10));
+    }
+
+    /// Whether peer `id` has been silent (its Lease unchanged, or gone) for its Lease's
+    /// duration (at least `minimum`) as this replica saw it, at `now`. An id never heard of
+    /// counts from now on: it is not gone until it has been silent that long.
+    pub(crate) fn gone(&mut self, id: &str, now: Instant, minimum: Duration) -> bool {
+        let (at, duration) = *self.heard.entry(id.to_string()).or_insert((now, minimum));
+        now.duration_since(at) >= duration.max(minimum)
     }
 
     /// The peers whose Lease was renewed (as seen here) within its duration before `now`,

@@ -562,3 +562,77 @@ pub async fn identity<P: multicluster_runtime::Provider<Id = multicluster_runtim
         .ok()?;
     review.status?.user_info?.username
 }
+
+// The example operator's process and endpoints (tests/operations.rs, tests/sharding.rs).
+
+/// The value of the series `name` whose labels include `labels`, in Prometheus text.
+pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        let (label_text, value) = match rest.strip_prefix('{') {
+            Some(rest) => rest.split_once("} ")?,
+            None => ("", rest.strip_prefix(' ')?),
+        };
+        labels
+            .iter()
+            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")))
+            .then(|| value.trim().parse().ok())?
+    })
+}
+
+/// GET `path` from `addr` over plain HTTP/1.1: the status code and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The example binary, built (or found fresh) in this test's target directory.
+pub fn operator_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let target_dir = profile_dir.parent().unwrap();
+    let mut build = std::process::Command::new(env!("CARGO"));
+    build
+        .args(["build", "--all-features", "--example", "operator"])
+        .arg("--target-dir")
+        .arg(target_dir);
+    if profile_dir.ends_with("release") {
+        build.arg("--release");
+    }
+    let status = build
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "building examples/operator.rs");
+    profile_dir.join("examples").join("operator")
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `http_get`, or `Err` when nothing listens (yet).
+pub async fn http_get_opt(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), ()> {
+    if tokio::net::TcpStream::connect(addr).await.is_err() {
+        return Err(());
+    }
+    Ok(http_get(addr, path).await)
+}
