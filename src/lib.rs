@@ -127,6 +127,8 @@ mod book {
     struct Providers;
     #[doc = include_str!("../docs/operations.md")]
     struct Operations;
+    #[doc = include_str!("../docs/sharding.md")]
+    struct Sharding;
     #[doc = include_str!("../docs/architecture.md")]
     struct Architecture;
     #[doc = include_str!("../docs/advanced/events.md")]
