@@ -963,6 +963,80 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_sharded_fleet_makes_members_of_the_discovered_clusters_it_owns_only() {
+        let fleet = Fleet::new();
+        fleet.open(WatchSettings::default(), true);
+        let mut rx = fleet.subscribe();
+        let id = ClusterName::from;
+        let a = cluster("a", "https://127.0.0.1:1");
+        assert_eq!(fleet.engage(a.clone()).unwrap(), Engaged::New);
+        assert_eq!(
+            fleet.engage(cluster("b", "https://127.0.0.1:2")).unwrap(),
+            Engaged::New
+        );
+        assert_eq!(
+            fleet.engage(cluster("b", "https://127.0.0.1:2")).unwrap(),
+            Engaged::Unchanged
+        );
+        // Discovered, reachable for reads, not members: nothing engaged, nothing told.
+        assert!(fleet.is_empty() && !a.is_engaged());
+        assert_eq!(fleet.discovered_ids(), [id("a"), id("b")]);
+        assert!(fleet.discovered(&id("a")).unwrap().same_instance(&a));
+        assert!(kinds(&mut rx).is_empty());
+        // Owned: a member.
+        assert!(fleet.own(&id("a")));
+        assert!(a.is_engaged() && fleet.ids() == [id("a")]);
+        // Replaced by its provider while owned: the member is replaced too.
+        let moved = cluster("a", "https://127.0.0.1:3");
+        assert_eq!(fleet.engage(moved.clone()).unwrap(), Engaged::Replaced);
+        assert!(moved.is_engaged() && !a.is_engaged());
+        // Owned before it is discovered: a member once it is.
+        assert!(!fleet.own(&id("c")));
+        fleet.engage(cluster("c", "https://127.0.0.1:4")).unwrap();
+        assert_eq!(fleet.ids(), [id("a"), id("c")]);
+        // Given up: no longer a member, still discovered; its engagements are handed back,
+        // ended, and take no new work.
+        let sessions = fleet.disown(&id("a"));
+        assert!(!sessions.is_empty());
+        assert!(
+            sessions
+                .iter()
+                .all(|s| !s.is_active() && s.busy().is_none())
+        );
+        assert_eq!(fleet.ids(), [id("c")]);
+        assert!(fleet.discovered(&id("a")).unwrap().same_instance(&moved));
+        // The provider forgets one: gone from both.
+        assert!(fleet.disengage(&id("c")));
+        assert!(fleet.is_empty());
+        assert_eq!(fleet.discovered_ids(), [id("a"), id("b")]);
+        assert_eq!(kinds(&mut rx), ["+a", "~a", "+c", "-a", "-c"]);
+    }
+
+    #[tokio::test]
+    async fn a_hand_off_waits_until_the_work_on_an_engagement_has_ended() {
+        let fleet = Fleet::new();
+        fleet.open(WatchSettings::default(), true);
+        let a = ClusterName::from("a");
+        fleet.engage(cluster("a", "https://127.0.0.1:1")).unwrap();
+        fleet.own(&a);
+        let engagement = fleet.get(&a).unwrap().engagement().unwrap();
+        let work = engagement.session.busy().unwrap();
+        let sessions = fleet.disown(&a);
+        let idle = sessions[0].idle();
+        tokio::pin!(idle);
+        assert!(
+            futures::poll!(idle.as_mut()).is_pending(),
+            "work still runs"
+        );
+        assert!(!sessions[0].aborted().is_cancelled());
+        drop(work);
+        assert!(futures::poll!(idle.as_mut()).is_ready());
+        // Aborting tells work to stop at once.
+        sessions[0].abort();
+        assert!(sessions[0].aborted().is_cancelled());
+    }
+
+    #[tokio::test]
     async fn a_closed_fleet_refuses_clusters_until_it_is_opened_again() {
         let fleet = Fleet::new();
         let a = cluster("a", "https://127.0.0.1:1");

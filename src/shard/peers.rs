@@ -243,6 +243,36 @@ mod tests {
         );
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_fence_holder_is_gone_once_its_peer_lease_was_silent_for_its_duration() {
+        let mut observed = Observed::default();
+        let minimum = Duration::from_secs(5);
+        let listing = |renewed: &str| [lease("a", "replica-a", renewed, 10, None)];
+        observed.update(&listing("2026-11-24T10:00:00Z"), Instant::now());
+        assert!(!observed.gone("replica-a", Instant::now(), minimum));
+        // Renewed within its 10 s: alive; silent for 10 s: gone.
+        tokio::time::advance(Duration::from_secs(9)).await;
+        observed.update(&listing("2026-11-24T10:00:09Z"), Instant::now());
+        tokio::time::advance(Duration::from_secs(9)).await;
+        observed.update(&listing("2026-11-24T10:00:09Z"), Instant::now());
+        assert!(!observed.gone("replica-a", Instant::now(), minimum));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(observed.gone("replica-a", Instant::now(), minimum));
+        // A Lease deleted is not taken for a holder gone: its silence counts from its last
+        // change, as if it were still there.
+        observed.update(&listing("2026-11-24T10:00:20Z"), Instant::now());
+        observed.update(&[], Instant::now());
+        assert!(!observed.gone("replica-a", Instant::now(), minimum));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(observed.gone("replica-a", Instant::now(), minimum));
+        // A holder never heard of (only its fence seen) counts from the first sight.
+        assert!(!observed.gone("replica-x", Instant::now(), minimum));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(!observed.gone("replica-x", Instant::now(), minimum));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(observed.gone("replica-x", Instant::now(), minimum));
+    }
+
     #[test]
     fn lease_names_are_valid_and_apart_for_ids_that_reduce_alike() {
         let a = Announcement {
