@@ -507,7 +507,9 @@ impl<C: ClusterId> Fleet<C> {
     /// Every change of the fleet from now on, starting with an `Engaged` for each cluster
     /// engaged now: for components that run per-cluster work (Go's `multicluster.Aware`).
     /// [`Manager::per_cluster`](crate::Manager::per_cluster) runs a task per engagement
-    /// with it.
+    /// with it. On a sharded manager, prefer that: a hand-off waits for its tasks (and
+    /// drops them at the hand-off timeout), while work started from these events is only
+    /// told through `until`.
     ///
     /// ```no_run
     /// # use futures::StreamExt;
@@ -640,11 +642,9 @@ impl<C: ClusterId> State<C> {
             }))
         });
         if let Some(shard) = &mut self.shard {
-            shard
-                .sessions
-                .entry(cluster.id().clone())
-                .or_default()
-                .push(Arc::downgrade(&engagement.session));
+            let sessions = shard.sessions.entry(cluster.id().clone()).or_default();
+            sessions.retain(|s| s.strong_count() > 0);
+            sessions.push(Arc::downgrade(&engagement.session));
         }
         let member = Member {
             engagement: engagement.clone(),

@@ -101,6 +101,10 @@ pub enum ManagerError {
     /// The sharding settings cannot work.
     #[error("{0}")]
     InvalidSharding(#[source] crate::shard::InvalidSharding),
+    /// The sharding coordinator stopped (it panicked): the run ended rather than go on
+    /// without anything keeping this replica's share.
+    #[error("the sharding coordinator stopped: {0}")]
+    ShardingFailed(String),
     /// The endpoints could not listen on their address ([`Manager::serve`]).
     #[error("cannot serve the endpoints on {addr}: {error}")]
     Serve {
@@ -600,6 +604,14 @@ impl<P: Provider> Manager<P> {
                         },
                     ));
                 }
+                if election.is_none() && lock(&self.controllers).iter().any(|(_, l)| *l) {
+                    return Err(ManagerError::InvalidSharding(
+                        crate::shard::InvalidSharding {
+                            reason: "a leader-only controller needs Manager::leader_election",
+                            ..sharding.invalid()
+                        },
+                    ));
+                }
                 Some(sharding.clone())
             }
             None => None,
@@ -694,14 +706,15 @@ impl<P: Provider> Manager<P> {
         };
         // Sharded: every controller but the leader-only ones runs from the start, each on this
         // replica's share, which the coordinator keeps in the fleet.
-        let mut term = Term::new(if sharding.is_some() {
-            Scope::LeaderOnly
-        } else {
-            Scope::All
+        let mut term = Term::new(match (&sharding, &election) {
+            (None, _) => Scope::All,
+            (Some(_), Some(_)) => Scope::LeaderOnly,
+            // Refused above; one added later is never started (and said so).
+            (Some(_), None) => Scope::Nothing,
         });
         let mut shared_term = Term::new(Scope::Sharded);
         let coordinator_stop = CancellationToken::new();
-        let coordinator = sharding.map(|sharding| {
+        let mut coordinator = sharding.map(|sharding| {
             shared_term.begin(self, &shutdown);
             let coordinator = crate::shard::Coordinator::new(
                 sharding,
@@ -730,6 +743,7 @@ impl<P: Provider> Manager<P> {
             .map(|e| format!("{}/{}", e.namespace, e.name))
             .unwrap_or_default();
         let mut campaigning = true;
+        let mut coordinating = coordinator.is_some();
         let provider = self
             .provider
             .run(self.fleet.clone(), shutdown.child_token());
@@ -809,6 +823,23 @@ impl<P: Provider> Manager<P> {
                         result = Err(panic);
                         break;
                     }
+                }
+                joined = async {
+                    match coordinator.as_mut() {
+                        Some(handle) => handle.await,
+                        None => std::future::pending().await,
+                    }
+                }, if coordinating => {
+                    // It runs until the run's end: without it nothing keeps this replica's
+                    // share, nor stops its work when the host is out of reach.
+                    coordinating = false;
+                    let reason = match joined {
+                        Ok(_) => "it ended".to_string(),
+                        Err(error) => panic_text(error),
+                    };
+                    tracing::error!(%reason, "the sharding coordinator stopped; shutting down");
+                    result = Err(ManagerError::ShardingFailed(reason));
+                    break;
                 }
                 Some(fault) = faults_rx.recv() => {
                     tracing::error!(%fault, "shutting down");
@@ -897,7 +928,7 @@ impl<P: Provider> Manager<P> {
                 }
             }
         }
-        if let Some(coordinator) = coordinator {
+        if let Some(coordinator) = coordinator.filter(|_| coordinating) {
             coordinator_stop.cancel();
             if let Ok(coordinator) = coordinator.await {
                 coordinator.leave().await;
@@ -981,6 +1012,9 @@ enum Scope {
     All,
     /// The leader-only controllers of a sharded manager.
     LeaderOnly,
+    /// None (a sharded manager without leader election: leader-only controllers are
+    /// refused).
+    Nothing,
     /// The others of a sharded manager.
     Sharded,
 }
@@ -1016,6 +1050,14 @@ impl Term {
                 Scope::All => true,
                 Scope::LeaderOnly => *leader_only,
                 Scope::Sharded => !*leader_only,
+                Scope::Nothing => {
+                    if *leader_only {
+                        tracing::error!(
+                            "a leader-only controller was added to a sharded manager without leader election: not started"
+                        );
+                    }
+                    false
+                }
             };
             if runs_here {
                 self.controllers.spawn(factory(env.clone()));

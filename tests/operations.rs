@@ -1417,31 +1417,6 @@ async fn the_recorder_puts_events_in_the_objects_cluster_and_counts_repeats_acro
 // ---------------------------------------------------------------------------------------
 // The production-shaped example (examples/operator.rs) with the manifests of deploy/.
 
-/// Applies every document of `yaml` server-side, as `client`'s user.
-async fn apply_manifests(client: &kube::Client, yaml: &str) {
-    use kube::api::{DynamicObject, Patch, PatchParams};
-    use kube::discovery::{Scope, pinned_kind};
-    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(yaml).unwrap();
-    for doc in docs.into_iter().filter(|d| !d.is_null()) {
-        let object: DynamicObject = serde_json::from_value(doc).unwrap();
-        let types = object.types.clone().unwrap();
-        let gvk = kube::api::GroupVersionKind::try_from(&types).unwrap();
-        let (resource, caps) = pinned_kind(client, &gvk).await.unwrap();
-        let api: Api<DynamicObject> = match (caps.scope, object.metadata.namespace.as_deref()) {
-            (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &resource),
-            _ => Api::all_with(client.clone(), &resource),
-        };
-        let name = object.metadata.name.clone().unwrap();
-        api.patch(
-            &name,
-            &PatchParams::apply("operations-test"),
-            &Patch::Apply(&object),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("applying {} {name}: {e}", gvk.kind));
-    }
-}
-
 /// The member cluster `east` as a kubeconfig Secret in `namespace` of the host, the way the
 /// secrets provider finds it.
 async fn member_secret(host: &kube::Client, namespace: &str, kubeconfig: &str) {
@@ -1465,10 +1440,6 @@ async fn member_secret(host: &kube::Client, namespace: &str, kubeconfig: &str) {
         .create(&PostParams::default(), &secret)
         .await
         .unwrap();
-}
-
-fn manifest(file: &str) -> String {
-    std::fs::read_to_string(format!("{}/deploy/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
 
 /// One operator process: its endpoints' address and its log file.

@@ -829,8 +829,20 @@ async fn three_operator_processes_split_the_fleet_and_take_over_from_a_killed_on
     let _serial = SERIAL.lock().await;
     let binary = common::operator_binary();
     let env = TestEnv::builder().clusters(4).start().await.unwrap();
-    let host = env.cluster(HOST).unwrap().client().unwrap();
-    common::create_namespace(&host, "mcr-system").await;
+    let host_cluster = env.cluster(HOST).unwrap();
+    let host = host_cluster.client().unwrap();
+    // The operator's manifests: its namespace, ServiceAccount and Role (the RBAC that
+    // docs/sharding.md names), as whose identity the processes run.
+    common::apply_manifests(&host, &common::manifest("operator.yaml")).await;
+    let operator_user = host_cluster
+        .add_user(
+            "system:serviceaccount:mcr-system:mcr-operator",
+            &[
+                "system:serviceaccounts",
+                "system:serviceaccounts:mcr-system",
+            ],
+        )
+        .unwrap();
     // 300 kubeconfig Secrets: cluster i is API server i % 3 with default namespace c<i>.
     futures::stream::iter(0..CLUSTERS)
         .for_each_concurrent(32, |i| {
@@ -892,7 +904,7 @@ async fn three_operator_processes_split_the_fleet_and_take_over_from_a_killed_on
 
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    let kubeconfig = env.cluster(HOST).unwrap().kubeconfig_path().to_path_buf();
+    let kubeconfig = operator_user.kubeconfig_path().to_path_buf();
 
     // For comparison (BENCHMARKS.md): one process alone owns all 300 clusters.
     let (mut solo, solo_addr) = operator(&binary, &kubeconfig, "p0", 1.0, dir);
@@ -1050,5 +1062,28 @@ async fn three_operator_processes_split_the_fleet_and_take_over_from_a_killed_on
             .filter(|(_, h)| h.is_some())
             .take(3)
             .collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn a_leader_only_controller_on_a_sharded_manager_needs_leader_election() {
+    // Nothing is sent anywhere: the run refuses before it starts.
+    let host = Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap())).unwrap();
+    let manager =
+        Manager::new(Clusters::<ClusterName>::new()).sharding(Sharding::new(host, "shard", "test"));
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default())
+        .leader_only()
+        .start(
+            leader_only,
+            |_, _, _| Action::await_change(),
+            Arc::new(State {
+                replica: "r".into(),
+                audit: Arc::default(),
+            }),
+        );
+    let error = manager.run().await.unwrap_err();
+    assert!(
+        matches!(error, multicluster_runtime::ManagerError::InvalidSharding(ref e) if e.reason.contains("leader_election")),
+        "{error}"
     );
 }

@@ -87,15 +87,26 @@ struct Inner<C: ClusterId> {
     identity: Mutex<Option<ClusterIdentity>>,
 }
 
-/// A cluster's client: built with its layer, or (for a client given to [`Cluster::new`])
-/// wrapped on first use inside a runtime, since the wrapper's buffer needs one to start.
+/// A cluster's client: built with its layer, made on first use from its configuration, or
+/// (for a client given to [`Cluster::new`]) wrapped on first use inside a runtime, since the
+/// wrapper's buffer needs one to start.
 enum ClientSlot {
     Built(Client),
+    /// From a configuration: everything that can fail was done by `from_config`; the client
+    /// (and its buffer's task) is made when first asked for, so a cluster that is only
+    /// discovered (a sharded replica that does not own it) costs no task.
+    Deferred {
+        make: Mutex<Option<MakeClient>>,
+        made: std::sync::OnceLock<Client>,
+    },
     Given {
         given: Client,
         layered: std::sync::OnceLock<Client>,
     },
 }
+
+/// Makes a client whose layers are all set up.
+pub(crate) type MakeClient = Box<dyn FnOnce() -> Client + Send>;
 
 /// How many fleets hold the cluster engaged, and the engagement they share.
 #[derive(Default)]
@@ -159,6 +170,11 @@ impl Session {
         }
         *busy += 1;
         Some(Busy(self.clone()))
+    }
+
+    /// Whether no user work runs on this engagement now.
+    pub(crate) fn is_idle(&self) -> bool {
+        *lock(&self.busy) == 0
     }
 
     /// Completes when no user work runs on this engagement.
@@ -351,19 +367,19 @@ impl<C: ClusterId> Cluster<C> {
     pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
         let state = Arc::new(ClientState::default());
         let layer = ClientLayer(state.clone());
-        let client = match transport::shared(&config)? {
+        let make: MakeClient = match transport::shared(&config)? {
             Some(transport) => transport::client(&config, transport, layer)?,
-            None => kube::client::ClientBuilder::try_from(config.clone())?
-                .with_layer(&layer)
-                .build(),
+            None => {
+                let builder =
+                    kube::client::ClientBuilder::try_from(config.clone())?.with_layer(&layer);
+                Box::new(move || builder.build())
+            }
         };
-        Ok(Self::build(
-            id,
-            ClientSlot::Built(client),
-            state,
-            Some(config),
-            None,
-        ))
+        let slot = ClientSlot::Deferred {
+            make: Mutex::new(Some(make)),
+            made: std::sync::OnceLock::new(),
+        };
+        Ok(Self::build(id, slot, state, Some(config), None))
     }
 
     /// A cluster whose requests go to `service` (through the cluster's layer) and whose
@@ -463,6 +479,22 @@ impl<C: ClusterId> Cluster<C> {
     pub fn client(&self) -> Client {
         match &self.inner.client {
             ClientSlot::Built(client) => client.clone(),
+            ClientSlot::Deferred { make, made } => made
+                .get_or_init(|| {
+                    // Taken once: `get_or_init` runs one initialiser at a time, and only
+                    // until one returns.
+                    let make = lock(make).take();
+                    match make {
+                        Some(make) => make(),
+                        // Only if making it panicked before (outside a Tokio runtime, as
+                        // building a kube client eagerly would have).
+                        None => panic!(
+                            "the client of cluster {} could not be made: it needs a Tokio runtime",
+                            self.inner.id
+                        ),
+                    }
+                })
+                .clone(),
             ClientSlot::Given { given, layered } => {
                 if let Some(client) = layered.get() {
                     return client.clone();

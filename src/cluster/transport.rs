@@ -700,11 +700,14 @@ fn auth_layer(
 /// A client for `config` whose requests go through `transport`, behind `outer` (the
 /// cluster's own layer) and kube's per-client layers: base URI, retries (if the
 /// configuration asks for them), authentication, extra and impersonation headers.
+///
+/// The client itself (whose request buffer is a task of its own) is made when the returned
+/// function is called: everything that can fail is done here.
 pub(crate) fn client(
     config: &kube::Config,
     transport: Arc<Transport>,
     outer: super::client::ClientLayer,
-) -> Result<kube::Client, kube::Error> {
+) -> Result<super::MakeClient, kube::Error> {
     let retry = config
         .default_retry
         .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
@@ -715,7 +718,8 @@ pub(crate) fn client(
         .layer(auth_layer(config)?)
         .layer(config.extra_headers_layer()?)
         .service(Shared(transport));
-    Ok(kube::Client::new(service, config.default_namespace.clone()))
+    let namespace = config.default_namespace.clone();
+    Ok(Box::new(move || kube::Client::new(service, namespace)))
 }
 
 #[cfg(test)]

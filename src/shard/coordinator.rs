@@ -46,10 +46,15 @@ struct Held {
     lease: Lease,
     /// The cluster left the fleet; its work is being waited for before the release.
     handing_off: bool,
+    /// The engagements a hand-off waits for: aborted if the fence is lost meanwhile.
+    sessions: Vec<Arc<Session>>,
+    /// Tells this holding from a later one of the same cluster (a hand-off's wait that
+    /// ends after the fence was lost and taken again is about the old one).
+    generation: u64,
 }
 
-/// A hand-off's wait: the cluster, and whether its work ended.
-type Handoff<C> = futures::future::BoxFuture<'static, (C, bool)>;
+/// A hand-off's wait: the cluster, the holding's generation, and whether its work ended.
+type Handoff<C> = futures::future::BoxFuture<'static, (C, u64, bool)>;
 
 /// One replica's side of sharding.
 pub(crate) struct Coordinator<C: ClusterId> {
@@ -70,6 +75,11 @@ pub(crate) struct Coordinator<C: ClusterId> {
     announced: Option<Instant>,
     /// Past the first round.
     started: bool,
+    /// The next holding's generation.
+    generation: u64,
+    /// Fences lost, with the engagements whose (aborted) work must end before a fence
+    /// still naming this replica is released.
+    lost: HashMap<C, Vec<Arc<Session>>>,
     metrics: Option<ShardSeries>,
     status: Arc<Mutex<Option<ShardStatus>>>,
 }
@@ -108,6 +118,8 @@ impl<C: ClusterId> Coordinator<C> {
             handoffs: FuturesUnordered::new(),
             announced: None,
             started: false,
+            generation: 0,
+            lost: HashMap::new(),
             status,
         }
     }
@@ -117,18 +129,26 @@ impl<C: ClusterId> Coordinator<C> {
         let changes = self.fleet.discovery_changes();
         tracing::info!(group = %self.config.group, identity = %self.config.identity, weight = self.config.weight, "sharding: joining the group");
         loop {
+            let began = Instant::now();
             self.round().await;
             let wake = tokio::time::sleep(self.config.jittered_retry());
             tokio::pin!(wake);
+            // A change of the discovered clusters starts the next round early, but no sooner
+            // than a quarter retry period after this one began: a provider engaging clusters
+            // one by one does not set off a round (a write and a list on the host) for each.
+            let early = tokio::time::sleep_until(began + self.config.retry_period / 4);
+            tokio::pin!(early);
+            let mut changed = false;
             // Between rounds: hand-offs finishing and fences reaching their deadline.
             loop {
                 let deadline = self.next_deadline();
                 tokio::select! {
                     () = stop.cancelled() => return self,
                     () = &mut wake => break,
-                    () = notified(changes.as_deref()) => break,
-                    Some((id, drained)) = self.handoffs.next(), if !self.handoffs.is_empty() => {
-                        self.handed_off(id, drained).await;
+                    () = notified(changes.as_deref()), if !changed => changed = true,
+                    () = &mut early, if changed => break,
+                    Some((id, generation, drained)) = self.handoffs.next(), if !self.handoffs.is_empty() => {
+                        self.handed_off(id, generation, drained).await;
                     }
                     () = sleep_until(deadline) => self.expire(),
                 }
@@ -145,6 +165,12 @@ impl<C: ClusterId> Coordinator<C> {
             Some(at) => at + self.config.renew_deadline,
             None => Instant::now(),
         })
+    }
+
+    /// Whether the fences held (or about to be) are past their renew deadline.
+    fn next_deadline_passed(&self) -> bool {
+        self.announced
+            .is_none_or(|at| Instant::now() >= at + self.config.renew_deadline)
     }
 
     /// Runs `work`, dropping fences whose deadline passes meanwhile.
@@ -179,12 +205,16 @@ impl<C: ClusterId> Coordinator<C> {
 
     /// The fence of `id` is no longer this replica's: its work there stops now.
     fn lose(&mut self, id: &C, reason: &str) {
-        if self.held.remove(id).is_none() {
+        let Some(held) = self.held.remove(id) else {
             return;
-        }
-        for session in self.fleet.disown(id) {
+        };
+        // Its current engagements, and those a hand-off in progress waits for.
+        let mut sessions = self.fleet.disown(id);
+        sessions.extend(held.sessions);
+        for session in &sessions {
             session.abort();
         }
+        self.lost.insert(id.clone(), sessions);
         if let Some(m) = &self.metrics {
             m.lost.inc();
         }
@@ -278,6 +308,13 @@ impl<C: ClusterId> Coordinator<C> {
             self.hand_off(id);
         }
 
+        // Release fences still naming this replica that it no longer holds and that are not
+        // its own (a release that failed, a fence lost, a take that landed after its cut),
+        // once the work it had there has ended: they would stay blocked while it lives.
+        if listed {
+            self.release_strays().await;
+        }
+
         // Take what is, where the fence is free; not in the first round, when peers started
         // at the same time may not have announced themselves yet.
         // Nor without this round's listing: fences are not renewed, so whether a holder is
@@ -321,17 +358,30 @@ impl<C: ClusterId> Coordinator<C> {
                     }
                 })
                 .buffer_unordered(32)
+                // At most a retry period of taking per round, so that this replica's peer
+                // Lease is renewed in time however many fences it wants; what is left is
+                // taken in the next rounds (a write that landed after the cut shows as a
+                // fence naming this replica, taken back then).
+                .take_until(tokio::time::sleep(bound))
                 .collect::<Vec<_>>();
             let attempts = self.guarded(attempts).await;
             for (id, out) in attempts {
                 match out {
+                    // Past the renew deadline the fence would be dropped at once: left named
+                    // after this replica, it is taken back (or released) in a later round.
+                    Ok(Ok(Some(lease))) if self.next_deadline_passed() => {
+                        self.fences.wrote(&lease);
+                    }
                     Ok(Ok(Some(lease))) => {
                         self.fences.wrote(&lease);
+                        self.generation += 1;
                         self.held.insert(
                             id.clone(),
                             Held {
                                 lease,
                                 handing_off: false,
+                                sessions: Vec::new(),
+                                generation: self.generation,
                             },
                         );
                         if let Some(m) = &self.metrics {
@@ -351,6 +401,72 @@ impl<C: ClusterId> Coordinator<C> {
             }
         }
         self.publish();
+    }
+
+    /// Releases the fences of the latest listing that name this replica but are neither held
+    /// nor assigned to it, where no work of it runs in the cluster any more.
+    async fn release_strays(&mut self) {
+        let strays: Vec<(Option<C>, Lease)> = self
+            .fences
+            .held_by(&self.me.id)
+            .into_iter()
+            .map(|lease| {
+                let id = lease
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(super::CLUSTER_ANNOTATION))
+                    .and_then(|text| C::parse(text).ok());
+                (id, lease)
+            })
+            .filter(|(id, _)| match id {
+                Some(id) => {
+                    !self.held.contains_key(id)
+                        && !self.mine.contains(id)
+                        && self
+                            .lost
+                            .get(id)
+                            .is_none_or(|sessions| sessions.iter().all(|s| s.is_idle()))
+                }
+                // Not a cluster id of this replica's kind: nothing of it runs here.
+                None => true,
+            })
+            .collect();
+        self.lost.retain(|id, sessions| {
+            self.held.contains_key(id) || sessions.iter().any(|s| !s.is_idle())
+        });
+        if strays.is_empty() {
+            return;
+        }
+        let holder = self.holder.clone();
+        let bound = self.config.retry_period;
+        let releases = futures::stream::iter(strays)
+            .map(move |(id, lease)| {
+                let holder = holder.clone();
+                async move {
+                    (
+                        id,
+                        tokio::time::timeout(bound, holder.release(&lease)).await,
+                    )
+                }
+            })
+            .buffer_unordered(32)
+            .take_until(tokio::time::sleep(bound))
+            .collect::<Vec<_>>();
+        for (id, released) in self.guarded(releases).await {
+            let cluster = id.map(|id| id.to_string()).unwrap_or_default();
+            match released {
+                Ok(Ok(())) => {
+                    tracing::info!(%cluster, "sharding: released a fence this replica no longer held")
+                }
+                Ok(Err(error)) => {
+                    tracing::warn!(%cluster, %error, "sharding: could not release a fence this replica no longer holds; trying again at the next round")
+                }
+                Err(_) => {
+                    tracing::warn!(%cluster, "sharding: releasing a fence timed out; trying again at the next round")
+                }
+            }
+        }
     }
 
     /// Checks the fences held against the latest listing: one that shows another holder, or
@@ -391,14 +507,16 @@ impl<C: ClusterId> Coordinator<C> {
             return;
         };
         held.handing_off = true;
+        let generation = held.generation;
         let sessions = self.fleet.disown(&id);
+        held.sessions = sessions.clone();
         tracing::info!(cluster = %id, group = %self.config.group, "sharding: the cluster is no longer this replica's; stopping its work there");
         let timeout = self.config.handoff_timeout;
         let after_abort = self.config.renew_deadline;
         self.handoffs.push(
             async move {
                 let ended = drained(&sessions, timeout, after_abort, &id).await;
-                (id, ended)
+                (id, generation, ended)
             }
             .boxed(),
         );
@@ -406,18 +524,27 @@ impl<C: ClusterId> Coordinator<C> {
 
     /// `id`'s work has ended (`drained`; or it would not stop): release its fence (or, if
     /// the work would not stop, let it expire), unless the cluster is this replica's again.
-    async fn handed_off(&mut self, id: C, drained: bool) {
-        let Some(held) = self.held.get_mut(&id) else {
+    async fn handed_off(&mut self, id: C, generation: u64, drained: bool) {
+        let Some(held) = self
+            .held
+            .get_mut(&id)
+            .filter(|h| h.generation == generation)
+        else {
+            // Lost meanwhile (and maybe taken again since: a later holding).
             return;
         };
         if !drained {
-            // Not renewed from now on: the others wait out its lease duration.
-            self.held.remove(&id);
+            // Its fence stays named after this replica, released once the work has ended
+            // (checked each round), so nobody else reconciles the cluster meanwhile.
+            let held = self.held.remove(&id);
+            self.lost
+                .insert(id.clone(), held.map(|h| h.sessions).unwrap_or_default());
             self.publish();
             return;
         }
         if self.mine.contains(&id) {
             held.handing_off = false;
+            held.sessions.clear();
             tracing::info!(cluster = %id, "sharding: the cluster is this replica's again");
             self.fleet.own(&id);
             return;
@@ -434,15 +561,17 @@ impl<C: ClusterId> Coordinator<C> {
             // Lost meanwhile (its deadline passed).
             return;
         }
+        // A release that failed leaves the fence named after this replica: released again
+        // at a later round.
         match released {
             Ok(Ok(())) => {
                 tracing::info!(cluster = %id, group = %self.config.group, "sharding: cluster handed over; fence released")
             }
             Ok(Err(error)) => {
-                tracing::warn!(cluster = %id, %error, "sharding: could not release the fence; it expires on its own")
+                tracing::warn!(cluster = %id, %error, "sharding: could not release the fence; trying again at the next round")
             }
             Err(_) => {
-                tracing::warn!(cluster = %id, "sharding: releasing the fence timed out; it expires on its own")
+                tracing::warn!(cluster = %id, "sharding: releasing the fence timed out; trying again at the next round")
             }
         }
         if let Some(m) = &self.metrics {

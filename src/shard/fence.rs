@@ -36,6 +36,15 @@ impl Fences {
         self.seen.get(name)
     }
 
+    /// The fences naming `holder`.
+    pub(crate) fn held_by(&self, holder: &str) -> Vec<Lease> {
+        self.seen
+            .values()
+            .filter(|l| self::holder(l) == Some(holder))
+            .cloned()
+            .collect()
+    }
+
     /// Notes a Lease this replica wrote.
     pub(crate) fn wrote(&mut self, lease: &Lease) {
         if let Some(name) = &lease.metadata.name {

@@ -119,7 +119,9 @@ impl Sharding {
         }
     }
 
-    /// This replica's name among the peers; unique in the group.
+    /// This replica's name among the peers; unique in the group. Two live processes must
+    /// never share one: a replica takes a fence naming itself as its own (a stable name
+    /// such as a StatefulSet pod's, whose predecessor is gone before it starts, is fine).
     #[must_use]
     pub fn identity(mut self, identity: impl Into<String>) -> Self {
         self.identity = identity.into();
@@ -172,15 +174,21 @@ impl Sharding {
         &self.identity
     }
 
-    /// The settings' consistency, as for leader election, and a finite weight that is not
-    /// negative.
+    /// The settings' consistency: the lease duration longer than the renew deadline and the
+    /// retry period together, the renew deadline longer than the retry period with its
+    /// jitter, a finite weight that is not negative.
     pub fn validate(&self) -> Result<(), InvalidSharding> {
         let reason = if self.retry_period.is_zero() {
             Some("the retry period is zero")
         } else if self.renew_deadline <= self.retry_period.mul_f64(1.2) {
             Some("the renew deadline must be longer than the retry period (with its 20 % jitter)")
-        } else if self.lease_duration <= self.renew_deadline {
-            Some("the lease duration must be longer than the renew deadline")
+        } else if self.lease_duration <= self.renew_deadline + self.retry_period {
+            // Fences are not renewed: another replica judges a holder gone from listings up
+            // to a retry period old, so the holder must have stopped a retry period before
+            // the lease duration is up.
+            Some(
+                "the lease duration must be longer than the renew deadline and the retry period together",
+            )
         } else if self.identity.is_empty() {
             Some("the identity is empty")
         } else if self.group.is_empty() {
@@ -242,5 +250,31 @@ pub(crate) fn lease_name(kind: &str, parts: &[&str]) -> String {
         format!("mcr-{kind}-{digest:016x}")
     } else {
         format!("mcr-{kind}-{readable}-{digest:016x}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn settings_leave_a_holder_time_to_stop_before_anyone_counts_it_gone() {
+        let client =
+            Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap())).unwrap();
+        let sharding = Sharding::new(client, "ns", "group");
+        assert_eq!(sharding.validate(), Ok(()), "the defaults");
+        let secs = Duration::from_secs;
+        // 11 s is longer than the 10 s renew deadline, not than it and the 2 s retry period.
+        let error = sharding
+            .clone()
+            .lease_duration(secs(11))
+            .validate()
+            .unwrap_err();
+        assert!(error.reason.contains("retry period together"), "{error}");
+        assert!(sharding.clone().lease_duration(secs(13)).validate().is_ok());
+        assert!(sharding.clone().weight(-1.0).validate().is_err());
+        assert!(sharding.clone().weight(f64::NAN).validate().is_err());
+        assert!(sharding.clone().weight(0.0).validate().is_ok());
+        assert!(sharding.identity("").validate().is_err());
     }
 }

@@ -636,3 +636,32 @@ pub async fn http_get_opt(addr: std::net::SocketAddr, path: &str) -> Result<(u16
     }
     Ok(http_get(addr, path).await)
 }
+
+/// Applies every document of `yaml` server-side, as `client`'s user.
+pub async fn apply_manifests(client: &kube::Client, yaml: &str) {
+    use kube::api::{DynamicObject, Patch, PatchParams};
+    use kube::discovery::{Scope, pinned_kind};
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(yaml).unwrap();
+    for doc in docs.into_iter().filter(|d| !d.is_null()) {
+        let object: DynamicObject = serde_json::from_value(doc).unwrap();
+        let types = object.types.clone().unwrap();
+        let gvk = kube::api::GroupVersionKind::try_from(&types).unwrap();
+        let (resource, caps) = pinned_kind(client, &gvk).await.unwrap();
+        let api: Api<DynamicObject> = match (caps.scope, object.metadata.namespace.as_deref()) {
+            (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &resource),
+            _ => Api::all_with(client.clone(), &resource),
+        };
+        let name = object.metadata.name.clone().unwrap();
+        api.patch(
+            &name,
+            &PatchParams::apply("operations-test"),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying {} {name}: {e}", gvk.kind));
+    }
+}
+
+pub fn manifest(file: &str) -> String {
+    std::fs::read_to_string(format!("{}/deploy/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
