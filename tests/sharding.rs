@@ -51,6 +51,10 @@ struct Audit {
     seen: Mutex<Vec<(String, u64, Instant, String)>>,
     /// Reconciles of the leader-only controller, by replica.
     leader_only: Mutex<Vec<String>>,
+    /// Per-cluster tasks (`Manager::per_cluster`), each from its engagement to its end:
+    /// those ended, and those running (by replica and cluster) since when.
+    tasks: Mutex<Vec<Interval>>,
+    running_tasks: Mutex<HashMap<(String, String), Instant>>,
 }
 
 impl Audit {
@@ -76,9 +80,32 @@ impl Audit {
     }
 
     /// Pairs of reconciles of one cluster by two replicas that overlapped in time.
+    /// Reconciles and per-cluster tasks (running ones up to now) alike.
     fn overlaps(&self) -> Vec<(Interval, Interval)> {
         let mut by_cluster: BTreeMap<String, Vec<Interval>> = BTreeMap::new();
-        for interval in self.intervals.lock().unwrap().iter() {
+        let now = Instant::now();
+        let running: Vec<Interval> = self
+            .running_tasks
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|((replica, cluster), start)| Interval {
+                replica: replica.clone(),
+                cluster: cluster.clone(),
+                start: *start,
+                end: now,
+            })
+            .collect();
+        let all: Vec<Interval> = self
+            .intervals
+            .lock()
+            .unwrap()
+            .iter()
+            .chain(self.tasks.lock().unwrap().iter())
+            .cloned()
+            .chain(running)
+            .collect();
+        for interval in all.iter() {
             by_cluster
                 .entry(interval.cluster.clone())
                 .or_default()
@@ -222,6 +249,31 @@ impl Replica {
         let state = Arc::new(State {
             replica: id.to_string(),
             audit: audit.clone(),
+        });
+        // A task per owned cluster, audited like reconciles: a hand-off waits for it too.
+        let (tasks_audit, replica) = (audit.clone(), id.to_string());
+        manager.per_cluster("audit", move |cluster, until| {
+            let (audit, replica) = (tasks_audit.clone(), replica.clone());
+            async move {
+                let key = (replica.clone(), cluster.id().to_string());
+                let start = Instant::now();
+                audit
+                    .running_tasks
+                    .lock()
+                    .unwrap()
+                    .insert(key.clone(), start);
+                until.cancelled().await;
+                // Some clean-up after the engagement ended: the new owner's task must not
+                // begin before it is done.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                audit.running_tasks.lock().unwrap().remove(&key);
+                audit.tasks.lock().unwrap().push(Interval {
+                    replica,
+                    cluster: key.1,
+                    start,
+                    end: Instant::now(),
+                });
+            }
         });
         Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("probe"))
             .named("probes")
@@ -561,6 +613,9 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
             handoffs(&[&r1, &r2, &r3]) - handed_before >= r4_share as f64,
             "r4's clusters were handed over to it"
         );
+        // Each hand-off so far, and each cluster of r1 and r2 when they stop, ends a task.
+        let ended_tasks =
+            handoffs(&[&r1, &r2, &r3, &r4]) as usize + r1.owned().len() + r2.owned().len();
         // 4 → 2: r1 and r2 leave gracefully.
         phase("4 settled");
         let (stop1, stop2) = (r1.stop(), r2.stop());
@@ -574,9 +629,9 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
         // A few more rounds with the final two.
         tokio::time::sleep(Duration::from_secs(3)).await;
         stop_writing.cancel();
-        r4
+        (r4, ended_tasks)
     };
-    let (_, r4) = futures::join!(writer, scaling);
+    let (_, (r4, ended_tasks)) = futures::join!(writer, scaling);
 
     eventually(60, "every change reconciled", async || {
         writes
@@ -642,6 +697,13 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
     assert!(
         intervals > CLUSTERS * 3,
         "only {intervals} reconciles audited"
+    );
+    // Hand-offs ended per-cluster tasks on the old owners, before the new owners' began (the
+    // audit above covers them).
+    let tasks = audit.tasks.lock().unwrap().len();
+    assert!(
+        tasks >= ended_tasks,
+        "{tasks} per-cluster tasks ended, {ended_tasks} expected"
     );
 
     // The host stops answering (SIGSTOP) while the clusters stay reachable: each replica drops
