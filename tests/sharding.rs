@@ -1166,3 +1166,75 @@ async fn a_leader_only_controller_on_a_sharded_manager_needs_leader_election() {
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn a_fence_left_naming_a_live_replica_is_released_to_the_cluster_s_owner() {
+    use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+    use multicluster_runtime::shard;
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let host = tc.client().unwrap();
+    common::create_namespace(&host, "shard").await;
+    let names: Vec<String> = (0..20).map(|i| format!("s{i:02}")).collect();
+    // Fences naming r1 for every cluster, as a release that failed or a fence lost would
+    // leave them: r1 holds none of them when it starts.
+    let leases = Api::<Lease>::namespaced(host.clone(), "shard");
+    for cluster in &names {
+        let fence = Lease {
+            metadata: ObjectMeta {
+                name: Some(shard::fence_lease_name("test", cluster)),
+                labels: Some(
+                    [
+                        (shard::GROUP_LABEL.to_string(), "test".to_string()),
+                        (shard::ROLE_LABEL.to_string(), "fence".to_string()),
+                    ]
+                    .into(),
+                ),
+                annotations: Some(
+                    [(shard::CLUSTER_ANNOTATION.to_string(), cluster.clone())].into(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some("r1".into()),
+                lease_duration_seconds: Some(6),
+                ..Default::default()
+            }),
+        };
+        leases.create(&PostParams::default(), &fence).await.unwrap();
+    }
+    let start = |id: &str| {
+        let provider = Clusters::<ClusterName>::new();
+        for cluster in &names {
+            provider
+                .add(Cluster::from_config(name(cluster), tc.config()).unwrap())
+                .unwrap();
+        }
+        let manager = Arc::new(
+            Manager::new(provider).sharding(
+                Sharding::new(tc.client().unwrap(), "shard", "test")
+                    .identity(id)
+                    .lease_duration(LEASE)
+                    .renew_deadline(RENEW_DEADLINE)
+                    .retry_period(RETRY),
+            ),
+        );
+        (manager.clone(), common::spawn_manager(&manager))
+    };
+    let (r1, run1) = start("r1");
+    let (r2, run2) = start("r2");
+    // r2's share was blocked by fences naming r1, which lives: r1 gives them up.
+    eventually(60, "the clusters split between r1 and r2", async || {
+        let (a, b) = (r1.fleet().ids(), r2.fleet().ids());
+        !a.is_empty()
+            && !b.is_empty()
+            && a.len() + b.len() == names.len()
+            && a.iter().all(|id| !b.contains(id))
+    })
+    .await;
+    for (manager, run) in [(r1, run1), (r2, run2)] {
+        manager.shutdown();
+        run.await.unwrap();
+    }
+}

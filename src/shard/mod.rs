@@ -233,6 +233,12 @@ impl Sharding {
     }
 }
 
+/// The name of the fence Lease of `cluster` (the cluster id's text) in sharding group
+/// `group`: `mcr-shard-`, both reduced to what a Lease name may hold, then a hash of both.
+pub fn fence_lease_name(group: &str, cluster: &str) -> String {
+    fence::name(group, cluster)
+}
+
 /// A name for a Lease of `kind` (`peer`, `shard`) about `parts`: `mcr-<kind>-`, the parts
 /// reduced to what a Lease name may hold, then the crate's fixed hash of the parts (two that
 /// reduce alike stay apart).
