@@ -166,10 +166,8 @@ impl LeaderElection {
     /// The settings' consistency: the lease duration longer than the renew deadline, which is
     /// longer than the retry period with its jitter.
     pub fn validate(&self) -> Result<(), InvalidLeaderElection> {
-        let reason = if self.retry_period.is_zero() {
-            Some("the retry period is zero")
-        } else if self.renew_deadline <= self.retry_period.mul_f64(1.2) {
-            Some("the renew deadline must be longer than the retry period (with its 20 % jitter)")
+        let reason = if let Some(reason) = retry_problem(self.renew_deadline, self.retry_period) {
+            Some(reason)
         } else if self.lease_duration <= self.renew_deadline {
             Some("the lease duration must be longer than the renew deadline")
         } else if self.identity.is_empty() {
@@ -189,19 +187,42 @@ impl LeaderElection {
         }
     }
 
-    /// The lease duration as the Lease records it: whole seconds, rounded up (rounding down
-    /// would let the others take over before this replica's renew deadline).
+    /// The lease duration as the Lease records it ([`whole_seconds`]).
     pub(crate) fn lease_seconds(&self) -> i32 {
-        let d = self.lease_duration;
-        let seconds = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-        i32::try_from(seconds.max(1)).unwrap_or(i32::MAX)
+        whole_seconds(self.lease_duration)
     }
 
     /// The retry period, jittered by up to 20 %.
     pub(crate) fn jittered_retry(&self) -> Duration {
-        self.retry_period
-            .mul_f64(1.0 + 0.2 * crate::cluster::random_unit())
+        jittered(self.retry_period)
     }
+}
+
+/// What is wrong with a renew deadline and a retry period, if anything (leader election's
+/// and sharding's rule): a zero period, or a deadline that one jittered period can miss.
+pub(crate) fn retry_problem(
+    renew_deadline: Duration,
+    retry_period: Duration,
+) -> Option<&'static str> {
+    if retry_period.is_zero() {
+        Some("the retry period is zero")
+    } else if renew_deadline <= retry_period.mul_f64(1.2) {
+        Some("the renew deadline must be longer than the retry period (with its 20 % jitter)")
+    } else {
+        None
+    }
+}
+
+/// A lease duration as a Lease records it: whole seconds, rounded up (rounding down would
+/// let the others take over before the holder's renew deadline), at least 1.
+pub(crate) fn whole_seconds(d: Duration) -> i32 {
+    let seconds = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    i32::try_from(seconds.max(1)).unwrap_or(i32::MAX)
+}
+
+/// `period`, jittered by up to 20 %.
+pub(crate) fn jittered(period: Duration) -> Duration {
+    period.mul_f64(1.0 + 0.2 * crate::cluster::random_unit())
 }
 
 /// The host name, then `_` and eight random hex digits.

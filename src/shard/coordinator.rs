@@ -102,7 +102,7 @@ impl<C: ClusterId> Coordinator<C> {
             group: config.group.clone(),
             id: config.identity.clone(),
             weight: config.weight,
-            lease_duration: Duration::from_secs(u64::from(config.lease_seconds().unsigned_abs())),
+            lease_seconds: config.lease_seconds(),
         };
         Self {
             metrics: metrics.map(|m| m.shard(&config.group)),
@@ -156,21 +156,20 @@ impl<C: ClusterId> Coordinator<C> {
         }
     }
 
-    /// When the fences held pass their renew deadline, if any are held.
-    fn next_deadline(&self) -> Option<Instant> {
-        if self.held.is_empty() {
-            return None;
-        }
-        Some(match self.announced {
-            Some(at) => at + self.config.renew_deadline,
-            None => Instant::now(),
-        })
+    /// When fences held by this replica pass their renew deadline: the last renewal of its
+    /// peer Lease and the renew deadline; `None` if it was never renewed.
+    fn renew_deadline(&self) -> Option<Instant> {
+        self.announced.map(|at| at + self.config.renew_deadline)
     }
 
-    /// Whether the fences held (or about to be) are past their renew deadline.
-    fn next_deadline_passed(&self) -> bool {
-        self.announced
-            .is_none_or(|at| Instant::now() >= at + self.config.renew_deadline)
+    /// Whether `at` is before the renew deadline.
+    fn within_renew_deadline(&self, at: Instant) -> bool {
+        self.renew_deadline().is_some_and(|deadline| at < deadline)
+    }
+
+    /// When the fences held pass their renew deadline (now if never renewed), if any are held.
+    fn next_deadline(&self) -> Option<Instant> {
+        (!self.held.is_empty()).then(|| self.renew_deadline().unwrap_or_else(Instant::now))
     }
 
     /// Runs `work`, dropping fences whose deadline passes meanwhile.
@@ -222,6 +221,25 @@ impl<C: ClusterId> Coordinator<C> {
         self.publish();
     }
 
+    /// The live peers at `now`, by id: the others as the listings showed them, and this
+    /// replica while its own peer Lease is renewed within the renew deadline.
+    fn live(&self, now: Instant) -> Vec<Peer> {
+        let mut live: Vec<Peer> = self
+            .peers
+            .live(now)
+            .into_iter()
+            .filter(|p| p.id != self.me.id)
+            .collect();
+        if self.within_renew_deadline(now) {
+            live.push(Peer {
+                id: self.me.id.clone(),
+                weight: self.me.weight,
+            });
+            live.sort_by(|a, b| a.id.cmp(&b.id));
+        }
+        live
+    }
+
     /// One round: renew, list, then give up and take fences as the assignment says.
     async fn round(&mut self) {
         let bound = self.config.retry_period;
@@ -271,21 +289,7 @@ impl<C: ClusterId> Coordinator<C> {
 
         // The assignment, over the live peers as this replica sees them.
         let now = Instant::now();
-        let mut live: Vec<Peer> = self
-            .peers
-            .live(now)
-            .into_iter()
-            .filter(|p| p.id != self.me.id)
-            .collect();
-        if self
-            .announced
-            .is_some_and(|t| now.duration_since(t) < self.config.renew_deadline)
-        {
-            live.push(Peer {
-                id: self.me.id.clone(),
-                weight: self.me.weight,
-            });
-        }
+        let live = self.live(now);
         let discovered = self.fleet.discovered_ids();
         let mine: HashSet<C> = discovered
             .iter()
@@ -330,10 +334,9 @@ impl<C: ClusterId> Coordinator<C> {
             .filter(|id| !self.held.contains_key(*id))
             .filter_map(|id| {
                 let name = fence::name(&self.config.group, &id.to_string());
-                if self.fences.get(&name).is_none() {
+                let Some(seen) = self.fences.get(&name) else {
                     return Some((id.clone(), name, None));
-                }
-                let seen = self.fences.get(&name)?;
+                };
                 let free = match fence::holder(seen) {
                     None => true,
                     Some(holder) if holder == me => true,
@@ -343,33 +346,25 @@ impl<C: ClusterId> Coordinator<C> {
             })
             .collect();
         if !wanted.is_empty() {
+            // At most a retry period of taking per round, so that this replica's peer Lease
+            // is renewed in time however many fences it wants; what is left is taken in the
+            // next rounds (a write that landed after the cut shows as a fence naming this
+            // replica, taken back then).
             let holder = self.holder.clone();
-            let attempts = futures::stream::iter(wanted)
-                .map(move |(id, name, seen)| {
-                    let holder = holder.clone();
-                    async move {
-                        let text = id.to_string();
-                        let out = tokio::time::timeout(
-                            bound,
-                            holder.acquire(&name, &text, seen.as_ref()),
-                        )
-                        .await;
-                        (id, out)
-                    }
-                })
-                .buffer_unordered(32)
-                // At most a retry period of taking per round, so that this replica's peer
-                // Lease is renewed in time however many fences it wants; what is left is
-                // taken in the next rounds (a write that landed after the cut shows as a
-                // fence naming this replica, taken back then).
-                .take_until(tokio::time::sleep(bound))
-                .collect::<Vec<_>>();
+            let attempts = within(bound, wanted, move |(id, name, seen)| {
+                let holder = holder.clone();
+                async move {
+                    let text = id.to_string();
+                    let out = holder.acquire(&name, &text, seen.as_ref());
+                    (id, tokio::time::timeout(bound, out).await)
+                }
+            });
             let attempts = self.guarded(attempts).await;
             for (id, out) in attempts {
                 match out {
                     // Past the renew deadline the fence would be dropped at once: left named
                     // after this replica, it is taken back (or released) in a later round.
-                    Ok(Ok(Some(lease))) if self.next_deadline_passed() => {
+                    Ok(Ok(Some(lease))) if !self.within_renew_deadline(Instant::now()) => {
                         self.fences.wrote(&lease);
                     }
                     Ok(Ok(Some(lease))) => {
@@ -440,19 +435,15 @@ impl<C: ClusterId> Coordinator<C> {
         }
         let holder = self.holder.clone();
         let bound = self.config.retry_period;
-        let releases = futures::stream::iter(strays)
-            .map(move |(id, lease)| {
-                let holder = holder.clone();
-                async move {
-                    (
-                        id,
-                        tokio::time::timeout(bound, holder.release(&lease)).await,
-                    )
-                }
-            })
-            .buffer_unordered(32)
-            .take_until(tokio::time::sleep(bound))
-            .collect::<Vec<_>>();
+        let releases = within(bound, strays, move |(id, lease)| {
+            let holder = holder.clone();
+            async move {
+                (
+                    id,
+                    tokio::time::timeout(bound, holder.release(&lease)).await,
+                )
+            }
+        });
         for (id, released) in self.guarded(releases).await {
             let cluster = id.map(|id| id.to_string()).unwrap_or_default();
             match released {
@@ -582,20 +573,7 @@ impl<C: ClusterId> Coordinator<C> {
 
     fn publish(&self) {
         let now = Instant::now();
-        let mut peers: Vec<String> = self
-            .peers
-            .live(now)
-            .into_iter()
-            .map(|p| p.id)
-            .filter(|id| *id != self.me.id)
-            .collect();
-        if self
-            .announced
-            .is_some_and(|t| now.duration_since(t) < self.config.renew_deadline)
-        {
-            peers.push(self.me.id.clone());
-        }
-        peers.sort();
+        let peers: Vec<String> = self.live(now).into_iter().map(|p| p.id).collect();
         let handing_off = self.held.values().filter(|h| h.handing_off).count();
         if let Some(m) = &self.metrics {
             m.owned
@@ -621,9 +599,7 @@ impl<C: ClusterId> Coordinator<C> {
             let holder = self.holder.clone();
             let timeout = self.config.handoff_timeout;
             let after_abort = self.config.renew_deadline;
-            let deadline = self
-                .announced
-                .map_or_else(Instant::now, |at| at + self.config.renew_deadline);
+            let deadline = self.renew_deadline().unwrap_or_else(Instant::now);
             releases.push(async move {
                 if drained(&sessions, timeout, after_abort, &id).await && Instant::now() < deadline
                 {
@@ -646,6 +622,21 @@ impl<C: ClusterId> Coordinator<C> {
         *lock(&self.status) = None;
         tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: left the group; fences released");
     }
+}
+
+/// Runs `call` on `items`, 32 at a time, for at most `bound`: the results of those that
+/// finished in time (a call cut short may still have reached the host).
+async fn within<I, F, Fut, K, T>(bound: Duration, items: Vec<I>, call: F) -> Vec<(K, T)>
+where
+    F: FnMut(I) -> Fut,
+    Fut: std::future::Future<Output = (K, T)>,
+{
+    futures::stream::iter(items)
+        .map(call)
+        .buffer_unordered(32)
+        .take_until(tokio::time::sleep(bound))
+        .collect()
+        .await
 }
 
 /// Waits until no work runs on `sessions`: for `timeout`, then (the work dropped) for

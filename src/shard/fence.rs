@@ -9,7 +9,7 @@ use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, PostParams};
 
-use super::{CLUSTER_ANNOTATION, GROUP_LABEL, ROLE_LABEL};
+use super::CLUSTER_ANNOTATION;
 
 /// The fence Lease's name for `cluster` in `group`.
 pub(crate) fn name(group: &str, cluster: &str) -> String {
@@ -90,13 +90,7 @@ impl Holder {
                 let lease = Lease {
                     metadata: ObjectMeta {
                         name: Some(name.to_string()),
-                        labels: Some(
-                            [
-                                (GROUP_LABEL.to_string(), self.group.clone()),
-                                (ROLE_LABEL.to_string(), "fence".to_string()),
-                            ]
-                            .into(),
-                        ),
+                        labels: Some(super::labels(&self.group, "fence")),
                         annotations: Some(
                             [(CLUSTER_ANNOTATION.to_string(), cluster.to_string())].into(),
                         ),

@@ -178,10 +178,10 @@ impl Sharding {
     /// retry period together, the renew deadline longer than the retry period with its
     /// jitter, a finite weight that is not negative.
     pub fn validate(&self) -> Result<(), InvalidSharding> {
-        let reason = if self.retry_period.is_zero() {
-            Some("the retry period is zero")
-        } else if self.renew_deadline <= self.retry_period.mul_f64(1.2) {
-            Some("the renew deadline must be longer than the retry period (with its 20 % jitter)")
+        let reason = if let Some(reason) =
+            crate::leader::retry_problem(self.renew_deadline, self.retry_period)
+        {
+            Some(reason)
         } else if self.lease_duration <= self.renew_deadline + self.retry_period {
             // Fences are not renewed: another replica judges a holder gone from listings up
             // to a retry period old, so the holder must have stopped a retry period before
@@ -221,16 +221,22 @@ impl Sharding {
 
     /// The lease duration in whole seconds, rounded up.
     pub(crate) fn lease_seconds(&self) -> i32 {
-        let d = self.lease_duration;
-        let seconds = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-        i32::try_from(seconds.max(1)).unwrap_or(i32::MAX)
+        crate::leader::whole_seconds(self.lease_duration)
     }
 
     /// The retry period, jittered by up to 20 %.
     pub(crate) fn jittered_retry(&self) -> Duration {
-        self.retry_period
-            .mul_f64(1.0 + 0.2 * crate::cluster::random_unit())
+        crate::leader::jittered(self.retry_period)
     }
+}
+
+/// The labels of a group's Lease of `role` (`peer` or `fence`).
+pub(crate) fn labels(group: &str, role: &str) -> std::collections::BTreeMap<String, String> {
+    [
+        (GROUP_LABEL.to_string(), group.to_string()),
+        (ROLE_LABEL.to_string(), role.to_string()),
+    ]
+    .into()
 }
 
 /// The name of the fence Lease of `cluster` (the cluster id's text) in sharding group

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::rendezvous::Peer;
 
-use super::{GROUP_LABEL, ROLE_LABEL, WEIGHT_ANNOTATION};
+use super::WEIGHT_ANNOTATION;
 
 /// The field manager of the peer Leases.
 const FIELD_MANAGER: &str = "multicluster-runtime-shard";
@@ -24,7 +24,8 @@ pub(crate) struct Announcement {
     pub(crate) group: String,
     pub(crate) id: String,
     pub(crate) weight: f64,
-    pub(crate) lease_duration: Duration,
+    /// The duration the Lease records, in seconds.
+    pub(crate) lease_seconds: i32,
 }
 
 impl Announcement {
@@ -36,17 +37,10 @@ impl Announcement {
 
     /// Creates or renews the Lease in `leases`' namespace (server-side apply).
     pub(crate) async fn renew(&self, leases: &Api<Lease>) -> Result<(), kube::Error> {
-        let seconds = i32::try_from(self.lease_duration.as_secs().max(1)).unwrap_or(i32::MAX);
         let lease = Lease {
             metadata: ObjectMeta {
                 name: Some(self.lease_name()),
-                labels: Some(
-                    [
-                        (GROUP_LABEL.to_string(), self.group.clone()),
-                        (ROLE_LABEL.to_string(), "peer".to_string()),
-                    ]
-                    .into(),
-                ),
+                labels: Some(super::labels(&self.group, "peer")),
                 annotations: Some(
                     [(WEIGHT_ANNOTATION.to_string(), self.weight.to_string())].into(),
                 ),
@@ -54,7 +48,7 @@ impl Announcement {
             },
             spec: Some(LeaseSpec {
                 holder_identity: Some(self.id.clone()),
-                lease_duration_seconds: Some(seconds),
+                lease_duration_seconds: Some(self.lease_seconds),
                 renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
                 ..Default::default()
             }),
@@ -76,10 +70,11 @@ impl Announcement {
     }
 }
 
-/// What this replica has seen of each peer Lease: its last renewal record and when (by this
-/// replica's clock) it last changed.
+/// What this replica has seen of each peer Lease: its last renewal record, and when (by this
+/// replica's clock) each peer's record last changed.
 #[derive(Default)]
 pub(crate) struct Observed {
+    /// The Leases of the last listing, by name.
     by_lease: HashMap<String, Seen>,
     /// By peer id: when its Lease last changed (or its id was first seen, on a fence it
     /// holds), and its Lease's duration. Kept after its Lease goes: a fence it holds is
@@ -89,9 +84,7 @@ pub(crate) struct Observed {
 
 struct Seen {
     record: Option<String>,
-    changed: Instant,
     peer: Peer,
-    duration: Duration,
 }
 
 impl Observed {
@@ -123,20 +116,18 @@ impl Observed {
                 .and_then(|w| w.parse::<f64>().ok())
                 .filter(|w| w.is_finite() && *w >= 0.0)
                 .unwrap_or(1.0);
-            let changed = match self.by_lease.get(&name) {
-                Some(seen) if seen.record == record => seen.changed,
-                _ => now,
-            };
-            if changed == now {
+            let unchanged = self
+                .by_lease
+                .get(&name)
+                .is_some_and(|seen| seen.record == record);
+            if !unchanged {
                 self.heard.insert(id.clone(), (now, duration));
             }
             next.insert(
                 name,
                 Seen {
                     record,
-                    changed,
                     peer: Peer { id, weight },
-                    duration,
                 },
             );
         }
@@ -161,7 +152,11 @@ impl Observed {
         let mut peers: Vec<Peer> = self
             .by_lease
             .values()
-            .filter(|seen| now.duration_since(seen.changed) < seen.duration)
+            .filter(|seen| {
+                self.heard
+                    .get(&seen.peer.id)
+                    .is_some_and(|(at, duration)| now.duration_since(*at) < *duration)
+            })
             .map(|seen| seen.peer.clone())
             .collect();
         peers.sort_by(|a, b| a.id.cmp(&b.id));
@@ -279,7 +274,7 @@ mod tests {
             group: "Fleet".into(),
             id: "host_1".into(),
             weight: 1.0,
-            lease_duration: Duration::from_secs(15),
+            lease_seconds: 15,
         };
         let b = Announcement {
             id: "host.1".into(),
@@ -308,7 +303,7 @@ mod tests {
             group: "fleet".into(),
             id: id.into(),
             weight,
-            lease_duration: Duration::from_secs(15),
+            lease_seconds: 15,
         };
         let (a, b) = (announce("replica-a", 1.0), announce("replica-b", 3.0));
         a.renew(&leases).await.unwrap();
@@ -322,7 +317,10 @@ mod tests {
         .await
         .unwrap();
         let listed = leases
-            .list(&kube::api::ListParams::default().labels(&format!("{GROUP_LABEL}=fleet")))
+            .list(
+                &kube::api::ListParams::default()
+                    .labels(&format!("{}=fleet", super::super::GROUP_LABEL)),
+            )
             .await
             .unwrap()
             .items;
