@@ -339,7 +339,7 @@ async fn admin_token(member: &TestCluster, account: &str) -> Result<String> {
 async fn cluster_inventory() -> Result {
     use base64::Engine;
     use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
-    use multicluster_runtime::providers::{AccessProviders, ClusterInventory};
+    use multicluster_runtime::providers::{AccessProviders, ClusterInventory, ProfileNamespaces};
     let assets = std::env::var("MCR_PROVIDER_ASSETS")
         .map_err(|_| "MCR_PROVIDER_ASSETS is not set (scripts/example.sh sets it)")?;
     let env = env(3).await?;
@@ -406,9 +406,11 @@ async fn cluster_inventory() -> Result {
             .await?;
         Ok(())
     };
-    let demo = Demo::start(Manager::new(
-        ClusterInventory::with_access_providers(host.clone(), providers).namespace("fleet"),
-    ));
+    let demo = Demo::start(Manager::new(ClusterInventory::with_access_providers(
+        host.clone(),
+        providers,
+        ProfileNamespaces::Only("fleet".into()),
+    )));
     println!("  ClusterProfiles fleet/east and fleet/west exist, not yet healthy");
     healthy("east", true).await?;
     demo.fed("fleet/east", 3).await?;

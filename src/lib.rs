@@ -76,8 +76,8 @@ pub use action::Action;
 pub use cluster::transport_keepalive;
 pub use cluster::{
     Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterIdentity, ClusterName,
-    DiscoveryError, Fault, InvalidClusterId, InvalidRateLimit, LAST_APPLIED, RateLimit,
-    SingleCluster, Store, WatchBackoff, WeakCluster, strip_managed_fields,
+    CredentialError, DiscoveryError, Fault, InvalidClusterId, InvalidRateLimit, LAST_APPLIED,
+    RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster, strip_managed_fields,
 };
 pub use controller::{
     Builder, Context, DEFAULT_DISENGAGE_GRACE, Failure, PANIC_REQUEUE, Reconciled, Watchable,

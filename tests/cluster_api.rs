@@ -364,3 +364,89 @@ async fn cluster_api_installed_late_and_serving_v1beta1_only_is_found_and_watche
     manager.shutdown();
     run.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_kubeconfig_secret_revokes_the_cluster_unless_kept() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (hub, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = hub.client().unwrap();
+    hub.install_crds(&cluster_crd()).await.unwrap();
+    create_namespace(&hc, "capi").await;
+    let clusters: Api<DynamicObject> =
+        Api::namespaced_with(hc.clone(), "capi", &clusters_v1beta2());
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "capi");
+    let pp = PostParams::default();
+    for name in ["revoked", "retyped"] {
+        clusters.create(&pp, &cluster(name)).await.unwrap();
+        secrets
+            .create(&pp, &kubeconfig_secret(name, member.kubeconfig()))
+            .await
+            .unwrap();
+        set_ready(&clusters, name, true).await;
+    }
+    // By default, and kept by choice.
+    let revoking = Arc::new(Manager::new(ClusterApi::new(hc.clone()).namespace("capi")));
+    let keeping = Arc::new(Manager::new(
+        ClusterApi::new(hc.clone())
+            .namespace("capi")
+            .keep_when_credentials_removed(true),
+    ));
+    let runs = [spawn_manager(&revoking), spawn_manager(&keeping)];
+    let both = [name("capi/retyped"), name("capi/revoked")];
+    for manager in [&revoking, &keeping] {
+        eventually(30, "both engaged", async || manager.fleet().ids() == both).await;
+    }
+
+    // One Secret deleted; the other no longer of Cluster API's type (out of the watch).
+    secrets
+        .delete("revoked-kubeconfig", &DeleteParams::default())
+        .await
+        .unwrap();
+    secrets
+        .delete("retyped-kubeconfig", &DeleteParams::default())
+        .await
+        .unwrap();
+    let mut retyped = kubeconfig_secret("retyped", member.kubeconfig());
+    retyped.type_ = Some("Opaque".into());
+    secrets.create(&pp, &retyped).await.unwrap();
+    eventually(30, "both revoked by default", async || {
+        revoking.fleet().is_empty()
+    })
+    .await;
+    for object in ["revoked", "retyped"] {
+        eventually(30, &format!("{object}: the revocation said"), async || {
+            has_event(&hc, "capi", "KubeconfigRefused", object, "disengaged").await
+        })
+        .await;
+    }
+    // A new Secret for `revoked`, reaching another server: engaged again from it by both.
+    // Sync point for the keeping manager: its Secret watch delivered the deletions before.
+    secrets
+        .create(&pp, &kubeconfig_secret("revoked", hub.kubeconfig()))
+        .await
+        .unwrap();
+    let server_of = |manager: &Manager<ClusterApi>| {
+        manager
+            .cluster(&name("capi/revoked"))
+            .and_then(|c| c.config().map(|c| c.cluster_url.to_string()))
+            .map(|s| s.trim_end_matches('/').to_string())
+    };
+    for manager in [&revoking, &keeping] {
+        eventually(30, "revoked engaged from its new Secret", async || {
+            server_of(manager).as_deref() == Some(hub.server().trim_end_matches('/'))
+        })
+        .await;
+    }
+    assert_eq!(revoking.fleet().ids(), [name("capi/revoked")]);
+    assert_eq!(
+        keeping.fleet().ids(),
+        both,
+        "kept: retyped stays engaged with the credentials it has"
+    );
+    for manager in [&revoking, &keeping] {
+        manager.shutdown();
+    }
+    for run in runs {
+        run.await.unwrap();
+    }
+}

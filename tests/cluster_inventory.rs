@@ -14,7 +14,7 @@ use common::*;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
-use multicluster_runtime::providers::{AccessProviders, ClusterInventory};
+use multicluster_runtime::providers::{AccessProviders, ClusterInventory, ProfileNamespaces};
 use multicluster_runtime::{Builder, Manager};
 use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde_json::json;
@@ -149,9 +149,21 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
     .await;
 
     // The operator's file: `secretreader` with the hub's kubeconfig; `profile-env` is the
-    // same plugin pointed at no kubeconfig, which a profile may replace (policy Replace).
+    // same plugin (through a wrapper that reads its kubeconfig's path from `HUB_CONFIG`)
+    // pointed at no kubeconfig, which a profile may replace (policy Replace).
     let plugin = format!("{}/bin/secretreader-plugin", assets());
     let hub_kubeconfig = hub.kubeconfig_path().display().to_string();
+    let wrapper_dir = tempfile::tempdir().unwrap();
+    let wrapper = wrapper_dir.path().join("hub-config-plugin.sh");
+    std::fs::write(
+        &wrapper,
+        format!("#!/bin/sh\nKUBECONFIG=\"$HUB_CONFIG\" exec '{plugin}' \"$@\"\n"),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
     let providers = AccessProviders::from_json(
         &json!({"providers": [
             {"name": "secretreader", "execConfig": {
@@ -159,9 +171,9 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
                 "provideClusterInfo": true,
                 "env": [{"name": "KUBECONFIG", "value": hub_kubeconfig}]}},
             {"name": "profile-env", "execConfig": {
-                "apiVersion": "client.authentication.k8s.io/v1", "command": plugin,
+                "apiVersion": "client.authentication.k8s.io/v1", "command": wrapper,
                 "provideClusterInfo": true,
-                "env": [{"name": "KUBECONFIG", "value": "/nonexistent/kubeconfig"}]},
+                "env": [{"name": "HUB_CONFIG", "value": "/nonexistent/kubeconfig"}]},
              "profileSourcedEnvVarsPolicy": "Replace"},
         ]})
         .to_string(),
@@ -193,9 +205,11 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
     )
     .await;
 
-    let manager = Arc::new(Manager::new(
-        ClusterInventory::with_access_providers(hc.clone(), providers).namespace("fleet"),
-    ));
+    let manager = Arc::new(Manager::new(ClusterInventory::with_access_providers(
+        hc.clone(),
+        providers,
+        ProfileNamespaces::Only("fleet".into()),
+    )));
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
         feed_animals,
@@ -218,7 +232,7 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
             json!({"clusterName": "west-token"}),
             &[(
                 "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs",
-                json!({"KUBECONFIG": hub_kubeconfig})
+                json!({"HUB_CONFIG": hub_kubeconfig})
             )],
         )]),
     )
@@ -410,6 +424,217 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
     run.await.unwrap();
 }
 
+/// A profile `name` of namespace `ns`, healthy, reached through `access`.
+async fn healthy_profile(hub: &kube::Client, ns: &str, name: &str, access: serde_json::Value) {
+    let api: Api<DynamicObject> = Api::namespaced_with(hub.clone(), ns, &profiles());
+    api.create(&PostParams::default(), &profile(name).within(ns))
+        .await
+        .unwrap();
+    set_status(&api, name, true, json!([access])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_writer_cannot_steer_credentials_elsewhere_or_into_the_plugins_environment() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (hub, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = hub.client().unwrap();
+    let crd =
+        std::fs::read_to_string(format!("{}/crds/cluster-inventory-api.yaml", assets())).unwrap();
+    hub.install_crds(&crd).await.unwrap();
+    for ns in ["fleet", "tenant"] {
+        create_namespace(&hc, ns).await;
+    }
+    store_token(
+        &hc,
+        "member-token",
+        &service_account_token(&member, "steer-reader").await,
+    )
+    .await;
+
+    // secretreader behind a wrapper that records each run's environment.
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    let wrapper = dir.path().join("recording-plugin.sh");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n{{ echo '--- run'; /usr/bin/env; }} >> '{}'\nexec '{}/bin/secretreader-plugin' \"$@\"\n",
+            runs.display(),
+            assets()
+        ),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let providers = || {
+        AccessProviders::from_json(
+            &json!({"providers": [{"name": "secretreader",
+                "execConfig": {"apiVersion": "client.authentication.k8s.io/v1",
+                    "command": wrapper, "provideClusterInfo": true,
+                    "env": [{"name": "KUBECONFIG", "value": hub.kubeconfig_path()}]},
+                "profileSourcedEnvVarsPolicy": "AppendIfNotExists",
+                "allowedServers": [member.server()]}]})
+            .to_string(),
+        )
+        .unwrap()
+    };
+    let reader = json!({"clusterName": "member-token"});
+    // A good profile in each namespace; in fleet also: one sending the credentials to
+    // another server (the hub's), one setting KUBECONFIG for the plugin, one turning TLS
+    // verification off and naming another server name.
+    healthy_profile(
+        &hc,
+        "fleet",
+        "good",
+        access("secretreader", &member, reader.clone(), &[]),
+    )
+    .await;
+    healthy_profile(
+        &hc,
+        "tenant",
+        "sneaky",
+        access("secretreader", &member, reader.clone(), &[]),
+    )
+    .await;
+    healthy_profile(
+        &hc,
+        "fleet",
+        "elsewhere",
+        access("secretreader", &hub, reader.clone(), &[]),
+    )
+    .await;
+    healthy_profile(
+        &hc,
+        "fleet",
+        "steering",
+        access(
+            "secretreader",
+            &member,
+            reader.clone(),
+            &[(
+                "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs",
+                json!({"KUBECONFIG": "/tmp/the-tenants-kubeconfig", "REGION": "east"}),
+            )],
+        ),
+    )
+    .await;
+    let mut insecure = access(
+        "secretreader",
+        &member,
+        reader.clone(),
+        &[(
+            "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs",
+            json!({"REGION": "east"}),
+        )],
+    );
+    insecure["cluster"]["insecure-skip-tls-verify"] = json!(true);
+    insecure["cluster"]["tls-server-name"] = json!("localhost");
+    insecure["cluster"]["certificate-authority"] = json!("/etc/hostname");
+    healthy_profile(&hc, "fleet", "insecure", insecure).await;
+
+    // The cluster manager's namespace only; a second manager over all namespaces shows the
+    // tenant's profile would be engaged if it were read.
+    let only = Arc::new(Manager::new(ClusterInventory::with_access_providers(
+        hc.clone(),
+        providers(),
+        ProfileNamespaces::Only("fleet".into()),
+    )));
+    let all = Arc::new(Manager::new(ClusterInventory::with_access_providers(
+        hc.clone(),
+        providers(),
+        ProfileNamespaces::All,
+    )));
+    let runs_only = spawn_manager(&only);
+    let runs_all = spawn_manager(&all);
+    for (object, note) in [
+        ("elsewhere", "is not one this controller allows"),
+        ("steering", "KUBECONFIG"),
+    ] {
+        eventually(30, &format!("{object} refused"), async || {
+            has_event(&hc, "fleet", "KubeconfigRefused", object, note).await
+        })
+        .await;
+    }
+    eventually(
+        30,
+        "the tenant's profile engaged by the all-namespaces manager",
+        async || identity(&all, "tenant/sneaky").await.is_some(),
+    )
+    .await;
+    for id in ["fleet/good", "fleet/insecure"] {
+        eventually(30, &format!("{id} engaged"), async || {
+            identity(&only, id).await.as_deref()
+                == Some("system:serviceaccount:default:steer-reader")
+        })
+        .await;
+    }
+    // Sync point: everything the all-namespaces manager engaged is engaged.
+    assert_eq!(
+        only.fleet().ids(),
+        [name("fleet/good"), name("fleet/insecure")],
+        "the tenant's profile is not read, the refused ones are not engaged"
+    );
+    // The insecure profile's TLS settings were not taken: verified against its CA data
+    // (none: the system's roots would fail; the member's CA came with `access`).
+    let config = only
+        .cluster(&name("fleet/insecure"))
+        .unwrap()
+        .config()
+        .unwrap()
+        .clone();
+    assert!(!config.accept_invalid_certs);
+    assert_eq!(config.tls_server_name, None);
+    assert_eq!(config.root_cert_file, None);
+
+    // Each run's environment: the file's variables, the profile's allowed ones, and the
+    // inherited allow-list; nothing else of the controller's (the test binary has
+    // MCR_PROVIDER_ASSETS), never the refused profile's KUBECONFIG.
+    let log = std::fs::read_to_string(&runs).unwrap();
+    let environments: Vec<&str> = log.split("--- run\n").filter(|r| !r.is_empty()).collect();
+    assert!(!environments.is_empty());
+    for environment in &environments {
+        assert!(
+            !environment.contains("MCR_PROVIDER_ASSETS="),
+            "{environment}"
+        );
+        assert!(
+            !environment.contains("the-tenants-kubeconfig"),
+            "{environment}"
+        );
+        assert!(environment.contains(&format!("KUBECONFIG={}", hub.kubeconfig_path().display())));
+        assert!(
+            environment.lines().any(|l| l.starts_with("PATH=")),
+            "{environment}"
+        );
+        assert!(
+            environment.contains("KUBERNETES_EXEC_INFO="),
+            "{environment}"
+        );
+    }
+    assert!(
+        environments
+            .iter()
+            .any(|e| e.lines().any(|l| l == "REGION=east")),
+        "a profile's allowed variable reaches the plugin"
+    );
+    // The plugin never ran for the refused profiles: the hub's server is in no run's
+    // cluster info.
+    let hub_server = hub.server().trim_end_matches('/');
+    for quoted in [format!("\"{hub_server}\""), format!("\"{hub_server}/\"")] {
+        assert!(
+            !environments.iter().any(|e| e.contains(&quoted)),
+            "the credential was never fetched for another server"
+        );
+    }
+
+    only.shutdown();
+    all.shutdown();
+    runs_only.await.unwrap();
+    runs_all.await.unwrap();
+}
+
 /// A kubeconfig Secret of the Secret strategy for consumer `mcr`.
 fn labelled_secret(name: &str, profile: &str, consumer: &str, config: &str) -> Secret {
     Secret {
@@ -484,9 +709,11 @@ async fn profiles_are_reached_through_labelled_kubeconfig_secrets() {
         .await
         .unwrap();
 
-    let manager = Arc::new(Manager::new(
-        ClusterInventory::with_secrets(hc.clone(), "mcr").namespace("fleet"),
-    ));
+    let manager = Arc::new(Manager::new(ClusterInventory::with_secrets(
+        hc.clone(),
+        "mcr",
+        ProfileNamespaces::Only("fleet".into()),
+    )));
     let run = spawn_manager(&manager);
     let server_of = |name: &str| {
         manager

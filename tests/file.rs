@@ -286,7 +286,15 @@ clusters:
 users:
 - name: plugin
   user:
-    exec: {{apiVersion: client.authentication.k8s.io/v1, command: "{plugin}", interactiveMode: Never}}
+    exec:
+      apiVersion: client.authentication.k8s.io/v1
+      command: "{plugin}"
+      interactiveMode: Never
+      # Each variable is a map of its own when parsed: in no fixed order.
+      env:
+      - {{name: PLUGIN_REGION, value: east}}
+      - {{name: PLUGIN_ROLE, value: reader}}
+      - {{name: PLUGIN_TENANT, value: blue}}
 contexts:
 - name: a-plugin
   context: {{cluster: inline, user: plugin}}

@@ -282,7 +282,9 @@ where
             Err(_) => 0,
         };
         this.state.count(code, this.method);
-        Poll::Ready(result.map_err(Into::into))
+        // Outermost on every client's stack: whatever authentication layer is underneath
+        // (kube's, or ours), its errors leave without the plugin's command line and output.
+        Poll::Ready(result.map_err(|error| super::redact::redact_boxed(error.into())))
     }
 }
 
@@ -308,74 +310,6 @@ impl tower_service::Service<Request<Body>> for Forward {
                 other => Box::new(other) as BoxError,
             })
         })
-    }
-}
-
-/// Why a client could not be built from a valid configuration, without the credential
-/// plugin's output or command line.
-pub(crate) fn describe_client(error: &kube::Error) -> String {
-    use kube::client::AuthError as A;
-    match error {
-        kube::Error::Auth(auth) => match auth {
-            A::InvalidBasicAuth(_) => "the username and password cannot form an HTTP header".into(),
-            A::InvalidBearerToken(_) => "the token cannot form an HTTP header".into(),
-            A::UnrefreshableTokenResponse => {
-                "the credential plugin returned a token that cannot be refreshed".into()
-            }
-            A::ExecPluginFailed => "the exec credential plugin returned no status".into(),
-            A::MalformedTokenExpirationDate(_) => {
-                "the exec credential plugin returned a malformed expiration time".into()
-            }
-            A::AuthExecStart(e) => {
-                format!(
-                    "the exec credential plugin cannot be started ({})",
-                    e.kind()
-                )
-            }
-            A::AuthExecRun { out, .. } => match out.status.code() {
-                Some(code) => format!("the exec credential plugin exited with status {code}"),
-                None => "the exec credential plugin was killed by a signal".into(),
-            },
-            A::AuthExecParse(_) | A::AuthExec(_) => {
-                "the exec credential plugin's output is not a usable ExecCredential".into()
-            }
-            A::AuthExecSerialize(_) => {
-                "the exec credential plugin's input cannot be written".into()
-            }
-            A::ReadTokenFile(e, _) => {
-                format!("tokenFile: cannot read the file it names ({})", e.kind())
-            }
-            A::ParseTokenKey(_) => "the token key is not valid".into(),
-            A::MissingCommand => "the exec credential plugin has no command".into(),
-            A::ExecMissingClusterInfo => {
-                "the exec credential plugin asks for cluster info, which the cluster lacks".into()
-            }
-            A::NoValidNativeRootCA(_) => "no usable root certificates on this machine".into(),
-            #[allow(unreachable_patterns)]
-            _ => "the credentials cannot be used".into(),
-        },
-        kube::Error::RustlsTls(tls) => {
-            use kube::client::RustlsTlsError as T;
-            match tls {
-                T::InvalidIdentityPem(_) => "the client certificate and key are not valid PEM",
-                T::MissingPrivateKey => "no client key (it must be PKCS8 or RSA/PKCS1)",
-                T::MissingCertificate => "no client certificate",
-                T::InvalidPrivateKey(_) => "the client key is not valid",
-                T::UnknownPrivateKeyFormat => "the client key's format is unknown",
-                T::AddRootCertificate(_) => "the certificate-authority certificate is not valid",
-                T::NoValidNativeRootCA(_) => "no usable root certificates on this machine",
-                T::InvalidServerName(_) => {
-                    "the server's host or tls-server-name is not a valid name"
-                }
-            }
-            .into()
-        }
-        kube::Error::TlsRequired => "the server is https, and no TLS stack is built in".into(),
-        kube::Error::ProxyProtocolUnsupported { .. }
-        | kube::Error::ProxyProtocolDisabled { .. } => {
-            "the proxy-url's protocol is not supported".into()
-        }
-        _ => "the client cannot be built".into(),
     }
 }
 

@@ -13,6 +13,7 @@ mod index;
 pub(crate) mod listing;
 pub(crate) mod namespaces;
 mod reauth;
+pub(crate) mod redact;
 mod source;
 mod store;
 mod transform;
@@ -35,13 +36,14 @@ use tokio_util::sync::CancellationToken;
 pub use backoff::WatchBackoff;
 pub(crate) use backoff::{Retrying, random_unit};
 pub use cache::{Cache, CacheError, DiscoveryError};
-pub(crate) use client::describe_client;
 use client::{ClientLayer, ClientState, Forward};
 pub use client::{InvalidRateLimit, RateLimit};
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub use identity::ClusterIdentity;
 pub(crate) use identity::value_of as property_value;
 pub(crate) use index::Indexer;
+pub use redact::CredentialError;
+pub(crate) use redact::describe_client;
 #[cfg(test)]
 pub(crate) use source::map_event;
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
@@ -364,22 +366,33 @@ impl<C: ClusterId> Cluster<C> {
 
     /// A cluster built from `config`, which is kept: re-engaging the same id with a config
     /// that differs in endpoint or credentials replaces the cluster, an equal one is a no-op.
+    ///
+    /// An exec credential plugin runs here. If it fails, the error is a
+    /// [`CredentialError`] in [`kube::Error::Service`]: it says what failed, never the
+    /// plugin's command line, environment or output (kube-client's own error quotes them).
     pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
         let state = Arc::new(ClientState::default());
         let layer = ClientLayer(state.clone());
-        let make: MakeClient = match transport::shared(&config)? {
-            Some(transport) => transport::client(&config, transport, layer)?,
-            None => {
-                let builder =
-                    kube::client::ClientBuilder::try_from(config.clone())?.with_layer(&layer);
-                Box::new(move || builder.build())
-            }
-        };
+        let make = Self::make_client(&config, layer).map_err(redact::redact_kube)?;
         let slot = ClientSlot::Deferred {
             make: Mutex::new(Some(make)),
             made: std::sync::OnceLock::new(),
         };
         Ok(Self::build(id, slot, state, Some(config), None))
+    }
+
+    /// How to make the client of `config` once it is first needed: over the shared
+    /// transport, or kube's own stack for what the transport does not do.
+    fn make_client(config: &kube::Config, layer: ClientLayer) -> Result<MakeClient, kube::Error> {
+        Ok(match transport::shared(config)? {
+            Some(transport) => transport::client(config, transport, layer)?,
+            None => {
+                // secrets-lint: from_config passes the error through redact_kube.
+                let builder = kube::client::ClientBuilder::try_from(config.clone())?;
+                let builder = builder.with_layer(&layer);
+                Box::new(move || builder.build())
+            }
+        })
     }
 
     /// A cluster whose requests go to `service` (through the cluster's layer) and whose
@@ -677,6 +690,7 @@ impl<C: ClusterId> Cluster<C> {
                 };
                 CacheStatus {
                     kind: watch.kind(),
+                    // secrets-lint: a watcher::Config (selectors), not a client's.
                     config: format!("{:?}", key.config),
                     synced,
                     error,

@@ -63,6 +63,7 @@ impl ReauthLayer {
     /// Runs the plugin once now (as kube does when it builds a client), so that a plugin
     /// that fails is an error of the client's construction.
     pub(crate) fn new(config: &kube::Config) -> Result<Self, kube::Error> {
+        // secrets-lint: built in Cluster::from_config, which redacts the error.
         let layer = config.auth_layer()?;
         Ok(Self {
             state: Arc::new(State {
@@ -121,6 +122,7 @@ impl State {
         let config = self.config.clone();
         let running = self.running.clone();
         let run = tokio::task::spawn_blocking(move || {
+            // secrets-lint: the error is put in fixed words (describe_client) below.
             let layer = config.auth_layer();
             running.store(false, Ordering::Release);
             layer

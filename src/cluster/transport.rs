@@ -690,6 +690,7 @@ fn auth_layer(
     Ok(if config.auth_info.exec.is_some() {
         Either::Left(super::reauth::ReauthLayer::new(config)?)
     } else {
+        // secrets-lint: built in Cluster::from_config, which redacts the error.
         Either::Right(match config.auth_layer()? {
             Some(layer) => Either::Left(layer),
             None => Either::Right(tower::layer::util::Identity::new()),

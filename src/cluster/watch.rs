@@ -353,12 +353,12 @@ async fn run<K: Watchable>(
                 // cluster is reported here and does not affect the others. Once per outage at
                 // WARN, then quietly until it works again.
                 failures += 1;
+                let error = super::redact::safe_text(&error);
                 if failures == 1 {
                     tracing::warn!(cluster = %shared.cluster, %kind, %error, "watch failed; retrying (requests for its objects wait)");
                 } else {
                     tracing::debug!(cluster = %shared.cluster, %kind, %error, failures, "watch failed again; retrying");
                 }
-                let error = error.to_string();
                 shared.state.send_if_modified(|s| match s {
                     WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
                         *e = Some(error);

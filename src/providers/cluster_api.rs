@@ -8,7 +8,7 @@ use kube::api::DynamicObject;
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 
-use super::hub::{self, HubKind, Scope, Secrets};
+use super::hub::{self, HubKind, NoRecipe, Scope, Secrets};
 use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
 use crate::{Cluster, ClusterName};
 
@@ -18,6 +18,8 @@ pub const GROUP: &str = "cluster.x-k8s.io";
 pub const SECRET_TYPE: &str = "cluster.x-k8s.io/secret";
 /// The data key of a kubeconfig Secret.
 pub const KUBECONFIG_KEY: &str = "value";
+/// What a kubeconfig Secret's name is, after the `Cluster`'s name.
+const KUBECONFIG_SUFFIX: &str = "-kubeconfig";
 
 /// One cluster per Cluster API `Cluster` object of the management cluster `host` reaches,
 /// named `<namespace>/<name>`, reached with the kubeconfig Cluster API writes for it: the
@@ -32,11 +34,16 @@ pub const KUBECONFIG_KEY: &str = "value";
 /// it is ready again. The kubeconfig Secrets are watched too: a rotated kubeconfig replaces
 /// the cluster (when its content changed), without waiting for the Cluster to change.
 ///
+/// Of the Secrets of that type (Cluster API also writes CA, etcd and service-account keys
+/// and bootstrap data in them), the provider keeps only the data key `value` of the
+/// `<name>-kubeconfig` ones: the others are dropped as the watch delivers them.
+///
 /// The Secret is read under the same rules as [`KubeconfigSecrets`](super::KubeconfigSecrets):
 /// exec plugins, auth-providers and local files are refused unless allowed. A ready Cluster
 /// whose kubeconfig is missing or unusable gets a Warning Event (`KubeconfigRefused`) and a
 /// log line, once per problem, holding nothing of the Secret; a cluster engaged from an
-/// earlier kubeconfig stays engaged meanwhile, and no other cluster is affected. Until the
+/// earlier kubeconfig stays engaged meanwhile (but is disengaged when its Secret is removed,
+/// see [`ClusterApi::keep_when_credentials_removed`]), and no other cluster is affected. Until the
 /// `Cluster` kind is served (Cluster API installed later), the provider looks again every
 /// 10 s.
 #[derive(Clone)]
@@ -128,11 +135,25 @@ impl HubKind for Kind {
         Some(watcher::Config::default().fields(&format!("type={SECRET_TYPE}")))
     }
 
-    fn recipe(&self, object: &DynamicObject, secrets: &Secrets) -> Result<(u64, Vec<u8>), String> {
+    fn reads_secret(&self, name: &str) -> bool {
+        name.ends_with(KUBECONFIG_SUFFIX)
+    }
+
+    fn reads(&self, _name: &str, key: &str) -> bool {
+        key == KUBECONFIG_KEY
+    }
+
+    fn recipe(
+        &self,
+        object: &DynamicObject,
+        secrets: &Secrets,
+    ) -> Result<(u64, Vec<u8>), NoRecipe> {
         let namespace = object.namespace().unwrap_or_default();
-        let name = format!("{}-kubeconfig", object.name_any());
+        let name = format!("{}{KUBECONFIG_SUFFIX}", object.name_any());
         let secret = secrets.get(&namespace, &name).ok_or_else(|| {
-            format!("the kubeconfig Secret {name} (type {SECRET_TYPE}) is not there")
+            NoRecipe::Revoked(format!(
+                "the kubeconfig Secret {name} (type {SECRET_TYPE}) is not there"
+            ))
         })?;
         let (version, bytes) = secret
             .data
@@ -151,5 +172,58 @@ impl HubKind for Kind {
             let kubeconfig = parse_kubeconfig(&kubeconfig, trust)?;
             super::cluster_from_kubeconfig(name, kubeconfig, None).await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+
+    use super::*;
+
+    fn secret(name: &str, data: &[(&str, &str)]) -> Secret {
+        let mut secret = Secret::default();
+        secret.metadata.namespace = Some("fleet".into());
+        secret.metadata.name = Some(name.into());
+        secret.metadata.labels =
+            Some([("cluster.x-k8s.io/cluster-name".into(), "c".into())].into());
+        secret.data = Some(
+            data.iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+        );
+        secret
+    }
+
+    #[test]
+    fn of_cluster_apis_secrets_only_the_kubeconfigs_value_is_kept() {
+        let kind = Kind {
+            trust: Trust::default(),
+        };
+        let mut secrets = Secrets::default();
+        secrets.insert(
+            secret("c-ca", &[("tls.crt", "CERT"), ("tls.key", "CA-KEY")]),
+            &kind,
+        );
+        secrets.insert(secret("c-etcd", &[("tls.key", "ETCD-KEY")]), &kind);
+        secrets.insert(secret("c-sa", &[("tls.key", "SA-KEY")]), &kind);
+        secrets.insert(
+            secret(
+                "c-kubeconfig",
+                &[("value", "KUBECONFIG"), ("extra", "OTHER")],
+            ),
+            &kind,
+        );
+        assert_eq!(
+            secrets
+                .in_namespace("fleet")
+                .map(|(name, _)| name)
+                .collect::<Vec<_>>(),
+            ["c-kubeconfig"]
+        );
+        let kept = secrets.get("fleet", "c-kubeconfig").unwrap();
+        assert_eq!(kept.data.keys().collect::<Vec<_>>(), ["value"]);
+        assert_eq!(kept.data["value"].1, b"KUBECONFIG");
     }
 }

@@ -13,7 +13,7 @@ use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 use serde::Deserialize;
 
-use super::hub::{self, HubKind, Scope, Secrets, condition_true, field, kubeconfig_of};
+use super::hub::{self, HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
 use super::kubeconfig::version_of;
 use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
 use crate::{Cluster, ClusterName};
@@ -57,7 +57,8 @@ pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/add
 /// cluster is replaced. A profile whose cluster cannot be built (no access provider the
 /// operator configured, a plugin failing, a Secret missing or malformed) gets a Warning Event
 /// (`KubeconfigRefused`) and a log line, once per problem; a cluster engaged before stays
-/// engaged meanwhile, and no other cluster is affected.
+/// engaged meanwhile (with Secrets: unless its Secret is removed, see
+/// [`ClusterInventory::keep_when_credentials_removed`]), and no other cluster is affected.
 #[derive(Clone)]
 pub struct ClusterInventory {
     host: Client,
@@ -89,29 +90,58 @@ struct Kind {
     access: Access,
 }
 
+/// Where a [`ClusterInventory`] reads `ClusterProfile`s. Whoever may write a profile's
+/// status where it reads them chooses the server its credentials are sent to and what its
+/// plugin is told: the choice is part of the trust model (see docs/providers.md), so it is
+/// always made explicitly.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProfileNamespaces {
+    /// Only the namespace of the cluster manager (where only it and the hub's
+    /// administrators write).
+    Only(String),
+    /// Every namespace the hub client can read: anyone who may write
+    /// `clusterprofiles/status` in any namespace steers credentials.
+    All,
+}
+
 impl ClusterInventory {
-    /// Profiles of every namespace of the hub, reached through the operator's access
+    /// The profiles of `namespaces` of the hub, reached through the operator's access
     /// providers (KEP-5339).
-    pub fn with_access_providers(host: Client, providers: AccessProviders) -> Self {
-        Self::with(host, Access::Providers(providers))
+    pub fn with_access_providers(
+        host: Client,
+        providers: AccessProviders,
+        namespaces: ProfileNamespaces,
+    ) -> Self {
+        Self::with(host, Access::Providers(providers), namespaces)
     }
 
-    /// Profiles of every namespace of the hub, reached through kubeconfigs in the Secrets
+    /// The profiles of `namespaces` of the hub, reached through kubeconfigs in the Secrets
     /// labelled for `consumer` (the Secret strategy, deprecated upstream).
-    pub fn with_secrets(host: Client, consumer: impl Into<String>) -> Self {
+    pub fn with_secrets(
+        host: Client,
+        consumer: impl Into<String>,
+        namespaces: ProfileNamespaces,
+    ) -> Self {
         Self::with(
             host,
             Access::Secrets {
                 consumer: consumer.into(),
                 trust: Trust::default(),
             },
+            namespaces,
         )
     }
 
-    fn with(host: Client, access: Access) -> Self {
+    fn with(host: Client, access: Access, namespaces: ProfileNamespaces) -> Self {
         Self {
             host,
-            scope: Scope::default(),
+            scope: Scope {
+                namespace: match namespaces {
+                    ProfileNamespaces::Only(namespace) => Some(namespace),
+                    ProfileNamespaces::All => None,
+                },
+                ..Scope::default()
+            },
             kind: Arc::new(Kind { access }),
         }
     }
@@ -151,15 +181,35 @@ impl ClusterInventory {
 /// }]}
 /// ```
 ///
+/// Two fields are this crate's additions (upstream ignores them):
+///
+/// - `allowedServers`: the servers the provider's credentials may be sent to
+///   (`https://host[:port]`, the host perhaps `*.domain`); a profile naming another is
+///   refused. Any server if absent.
+/// - `inheritEnv`: the variables of the controller's environment the plugin inherits
+///   ([`INHERITED_ENV`] if absent). Every other variable is removed: the plugin's environment
+///   is what the file (and, by the policies, the profile) sets plus these. Variables whose
+///   names are not UTF-8 cannot be removed and stay.
+///
 /// The order is the operator's preference. A profile may add arguments
 /// (extension `clusterprofiles.multicluster.x-k8s.io/exec/additional-args`, a list of
 /// strings) only where `profileSourcedCLIArgsPolicy` is `Append`, and environment variables
 /// (`.../additional-envs`, a map) only where `profileSourcedEnvVarsPolicy` is
 /// `AppendIfNotExists` (the operator's values win) or `Replace` (the profile's win); the
-/// default of both is `Ignore`. Plugins run without a terminal (`interactiveMode: Never`).
+/// default of both is `Ignore`. A profile may never set `LD_*`, `DYLD_*`, `PATH`, `*_PROXY`,
+/// `KUBECONFIG` or `KUBERNETES_*` (such a profile is refused). Plugins run without a
+/// terminal (`interactiveMode: Never`).
+///
+/// Of a profile's cluster, only `server`, `certificate-authority-data`, `proxy-url` and the
+/// extension `client.authentication.k8s.io/exec` are used (as upstream's `pkg/access`);
+/// `insecure-skip-tls-verify`, `tls-server-name` and `disable-compression` only with
+/// [`AccessProviders::danger_profile_tls_overrides`].
 #[derive(Clone, Debug, Deserialize)]
 pub struct AccessProviders {
     providers: Vec<AccessProvider>,
+    /// Profiles may turn TLS verification off and name another server name.
+    #[serde(skip)]
+    profile_tls_overrides: bool,
 }
 
 /// A provider's plugin as the file configures it.
@@ -182,6 +232,111 @@ struct AccessProvider {
     args_policy: ArgsPolicy,
     #[serde(rename = "profileSourcedEnvVarsPolicy", default)]
     envs_policy: EnvsPolicy,
+    /// The servers this provider's credentials may be sent to (this crate's addition to
+    /// the file); any if absent.
+    #[serde(rename = "allowedServers", default)]
+    allowed_servers: Option<Vec<ServerPattern>>,
+    /// The variables of the controller's environment the plugin inherits (this crate's
+    /// addition to the file); [`INHERITED_ENV`] if absent.
+    #[serde(rename = "inheritEnv", default)]
+    inherit_env: Option<Vec<String>>,
+}
+
+/// The variables of the controller's environment a plugin inherits unless its provider's
+/// `inheritEnv` says otherwise: what finding programs, a home and a temporary directory, and
+/// the in-cluster API server (for plugins that read their sources from the hub) need.
+pub const INHERITED_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "TMPDIR",
+    "KUBERNETES_SERVICE_HOST",
+    "KUBERNETES_SERVICE_PORT",
+];
+
+/// The cluster extension whose value the plugin gets as `spec.cluster.config`.
+pub const EXEC_EXTENSION: &str = "client.authentication.k8s.io/exec";
+
+/// Whether a profile may set the variable `name` for a plugin (where the provider's
+/// policy lets profiles add variables at all): not one that changes what code runs or
+/// which libraries load (`LD_*`, `DYLD_*`, `PATH`), where requests go (`*_PROXY`,
+/// `NO_PROXY`) or which credentials the plugin itself uses (`KUBECONFIG`, `KUBERNETES_*`).
+pub(crate) fn profile_may_set(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    !(upper.starts_with("LD_")
+        || upper.starts_with("DYLD_")
+        || upper == "PATH"
+        || upper.ends_with("_PROXY")
+        || upper == "KUBECONFIG"
+        || upper.starts_with("KUBERNETES_"))
+}
+
+/// The variables of the controller's environment to remove from the plugin's: all but the
+/// inherited ones and those the plugin is given (`set`).
+fn not_inherited(set: &[(String, String)], inherit: Option<&[String]>) -> Vec<String> {
+    let inherited = |name: &str| match inherit {
+        Some(list) => list.iter().any(|n| n == name),
+        None => INHERITED_ENV.contains(&name),
+    };
+    let mut names: Vec<String> = std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| !inherited(name) && !set.iter().any(|(n, _)| n == name))
+        .collect();
+    names.sort_unstable();
+    names
+}
+
+/// A server an access provider's credentials may go to: `https://host[:port]`, where the
+/// host may start with `*.` for any name under a domain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ServerPattern {
+    scheme: String,
+    host: String,
+    port: u16,
+}
+
+impl ServerPattern {
+    fn parse(text: &str) -> Option<Self> {
+        let uri: http::Uri = text.parse().ok()?;
+        let scheme = uri.scheme_str()?.to_ascii_lowercase();
+        let authority = uri.authority()?;
+        let port = authority
+            .port_u16()
+            .unwrap_or(if scheme == "http" { 80 } else { 443 });
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return None;
+        }
+        Some(Self {
+            scheme,
+            host: authority.host().to_ascii_lowercase(),
+            port,
+        })
+    }
+
+    /// Whether `server` (a profile's) is this one.
+    fn matches(&self, server: &str) -> bool {
+        let Some(server) = Self::parse(server) else {
+            return false;
+        };
+        let host = match self.host.strip_prefix("*.") {
+            Some(domain) => server
+                .host
+                .strip_suffix(domain)
+                .is_some_and(|sub| sub.len() > 1 && sub.ends_with('.')),
+            None => server.host == self.host,
+        };
+        host && server.scheme == self.scheme && server.port == self.port
+    }
+}
+
+impl<'de> Deserialize<'de> for ServerPattern {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        Self::parse(&text).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "{text:?} is not a server (https://host[:port], the host perhaps *.domain)"
+            ))
+        })
+    }
 }
 
 /// An exec plugin as client-go's kubeconfig describes it.
@@ -298,6 +453,17 @@ impl AccessProviders {
         })
     }
 
+    /// Lets profiles turn off the verification of their server's certificate
+    /// (`insecure-skip-tls-verify`), verify it against another name (`tls-server-name`) and
+    /// turn off compression. Off by default, as in upstream's `pkg/access`: whoever can write
+    /// a profile's status could otherwise have the credentials sent to a server that is
+    /// not the one named.
+    #[must_use]
+    pub fn danger_profile_tls_overrides(mut self, allow: bool) -> Self {
+        self.profile_tls_overrides = allow;
+        self
+    }
+
     /// The providers' names, in the file's order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.providers.iter().map(|p| p.name.as_str())
@@ -345,29 +511,55 @@ impl AccessProviders {
             .exec
             .as_ref()
             .ok_or_else(|| format!("access provider {name:?} has no execConfig"))?;
-        let mut cluster: kube::config::Cluster = entries[name]
+        let written: kube::config::Cluster = entries[name]
             .get("cluster")
             .cloned()
             .map(serde_json::from_value)
             .transpose()
             .map_err(|e| format!("access provider {name:?}: the cluster is not valid: {e}"))?
             .ok_or_else(|| format!("access provider {name:?} has no cluster"))?;
-        if cluster.server.as_deref().unwrap_or_default().is_empty() {
+        let server = written.server.clone().unwrap_or_default();
+        if server.is_empty() {
             return Err(format!(
                 "access provider {name:?}: the cluster has no server"
             ));
         }
-        // A path on the controller's machine is not the profile's to name (its CA is in
-        // certificate-authority-data).
-        cluster.certificate_authority = None;
+        if let Some(allowed) = &provider.allowed_servers
+            && !allowed.iter().any(|pattern| pattern.matches(&server))
+        {
+            return Err(format!(
+                "access provider {name:?}: the server {server} is not one this controller allows for it"
+            ));
+        }
         let extension = |wanted: &str| {
-            cluster
+            written
                 .extensions
                 .iter()
                 .flatten()
                 .find(|e| e.name == wanted)
                 .map(|e| e.extension.clone())
         };
+        // What the profile may say of its cluster, as upstream's pkg/access takes it: the
+        // server, its CA's data, a proxy, and the plugin's configuration. A path on the
+        // controller's machine (certificate-authority) is not the profile's to name; turning
+        // verification off or trusting another name is the operator's choice to allow.
+        let mut cluster = kube::config::Cluster {
+            server: Some(server),
+            certificate_authority_data: written.certificate_authority_data.clone(),
+            proxy_url: written.proxy_url.clone(),
+            extensions: written.extensions.as_ref().map(|all| {
+                all.iter()
+                    .filter(|e| e.name == EXEC_EXTENSION)
+                    .cloned()
+                    .collect()
+            }),
+            ..Default::default()
+        };
+        if self.profile_tls_overrides {
+            cluster.insecure_skip_tls_verify = written.insecure_skip_tls_verify;
+            cluster.tls_server_name = written.tls_server_name.clone();
+            cluster.disable_compression = written.disable_compression;
+        }
 
         let mut args = exec.args.clone().unwrap_or_default();
         if let Some(extra) = extension(ARGS_EXTENSION)
@@ -390,6 +582,11 @@ impl AccessProviders {
             let extra: BTreeMap<String, String> = serde_json::from_value(extra).map_err(|_| {
                 format!("the extension {ENVS_EXTENSION} of access provider {name:?} is not a map of strings")
             })?;
+            if let Some(refused) = extra.keys().find(|key| !profile_may_set(key)) {
+                return Err(format!(
+                    "the extension {ENVS_EXTENSION} of access provider {name:?} sets {refused}, which a profile may not set"
+                ));
+            }
             for (key, value) in extra {
                 match env.iter_mut().find(|(k, _)| *k == key) {
                     Some(existing) if provider.envs_policy == EnvsPolicy::Replace => {
@@ -400,6 +597,7 @@ impl AccessProviders {
                 }
             }
         }
+        let drop_env = not_inherited(&env, provider.inherit_env.as_deref());
         let exec = ExecConfig {
             api_version: Some(
                 exec.api_version
@@ -415,7 +613,7 @@ impl AccessProviders {
                     })
                     .collect(),
             ),
-            drop_env: None,
+            drop_env: Some(drop_env),
             install_hint: None,
             interactive_mode: Some(ExecInteractiveMode::Never),
             provide_cluster_info: exec.provide_cluster_info,
@@ -464,7 +662,7 @@ impl HubKind for Kind {
         }
     }
 
-    fn recipe(&self, object: &DynamicObject, secrets: &Secrets) -> Result<(u64, Recipe), String> {
+    fn recipe(&self, object: &DynamicObject, secrets: &Secrets) -> Result<(u64, Recipe), NoRecipe> {
         match &self.access {
             Access::Providers(providers) => {
                 let (name, kubeconfig) = providers.kubeconfig_for(object)?;
@@ -498,9 +696,9 @@ impl HubKind for Kind {
                 let (name, secret) = match found.as_slice() {
                     [one] => *one,
                     [] => {
-                        return Err(format!(
+                        return Err(NoRecipe::Revoked(format!(
                             "no Secret of namespace {namespace} is labelled {CONSUMER_LABEL}={consumer} and {PROFILE_LABEL}={profile}"
-                        ));
+                        )));
                     }
                     many => {
                         let names: Vec<&str> = many.iter().map(|(n, _)| *n).collect();
@@ -508,7 +706,8 @@ impl HubKind for Kind {
                             "{} Secrets are labelled for this profile and consumer {consumer} ({}); one is expected",
                             many.len(),
                             names.join(", ")
-                        ));
+                        )
+                        .into());
                     }
                 };
                 let (version, bytes) = secret
@@ -739,5 +938,158 @@ mod tests {
             let error = providers.kubeconfig_for(&profile(status)).unwrap_err();
             assert!(error.contains(expected), "{error}");
         }
+    }
+
+    #[test]
+    fn of_a_profiles_cluster_only_server_ca_proxy_and_the_plugins_config_are_taken() {
+        let status = json!({"accessProviders": [{"name": "a", "cluster": {
+            "server": "https://a:6443",
+            "certificate-authority-data": "Q0E=",
+            "certificate-authority": "/etc/controller/ca.crt",
+            "proxy-url": "http://proxy:3128",
+            "insecure-skip-tls-verify": true,
+            "tls-server-name": "somebody-else",
+            "disable-compression": true,
+            "extensions": [
+                {"name": EXEC_EXTENSION, "extension": {"clusterName": "a"}},
+                {"name": "example.com/other", "extension": {"x": 1}},
+            ],
+        }}]});
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"}}]}"#,
+        )
+        .unwrap();
+        let (_, kubeconfig) = providers.kubeconfig_for(&profile(status.clone())).unwrap();
+        let cluster = kubeconfig.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.server.as_deref(), Some("https://a:6443"));
+        assert_eq!(cluster.certificate_authority_data.as_deref(), Some("Q0E="));
+        assert_eq!(cluster.proxy_url.as_deref(), Some("http://proxy:3128"));
+        assert_eq!(cluster.certificate_authority, None);
+        assert_eq!(cluster.insecure_skip_tls_verify, None);
+        assert_eq!(cluster.tls_server_name, None);
+        assert_eq!(cluster.disable_compression, None);
+        let names: Vec<&str> = cluster
+            .extensions
+            .iter()
+            .flatten()
+            .map(|e| e.name.as_str())
+            .collect();
+        assert_eq!(names, [EXEC_EXTENSION]);
+
+        // Only by the operator's loud choice.
+        let (_, overridden) = providers
+            .danger_profile_tls_overrides(true)
+            .kubeconfig_for(&profile(status))
+            .unwrap();
+        let cluster = overridden.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.insecure_skip_tls_verify, Some(true));
+        assert_eq!(cluster.tls_server_name.as_deref(), Some("somebody-else"));
+        assert_eq!(cluster.certificate_authority, None);
+    }
+
+    #[test]
+    fn a_server_outside_the_providers_allowed_servers_is_refused() {
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"},
+                "allowedServers": ["https://hub.example.com:6443", "https://*.fleet.example.com"]}]}"#,
+        )
+        .unwrap();
+        let at = |server: &str| {
+            providers.kubeconfig_for(&profile(
+                json!({"accessProviders": [{"name": "a", "cluster": {"server": server}}]}),
+            ))
+        };
+        for good in [
+            "https://hub.example.com:6443",
+            "https://HUB.example.com:6443/",
+            "https://east.fleet.example.com",
+            "https://a.b.fleet.example.com:443",
+        ] {
+            assert!(at(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "https://hub.example.com",
+            "http://hub.example.com:6443",
+            "https://evil.example.com:6443",
+            "https://fleet.example.com",
+            "https://evilfleet.example.com",
+            "https://east.fleet.example.com:6443",
+            "https://east.fleet.example.com.evil.io",
+            "not a url",
+        ] {
+            let error = at(bad).unwrap_err();
+            assert!(
+                error.contains("is not one this controller allows"),
+                "{bad}: {error}"
+            );
+        }
+        let bad_pattern = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"},
+                "allowedServers": ["hub.example.com"]}]}"#,
+        );
+        assert!(bad_pattern.is_err());
+    }
+
+    #[test]
+    fn a_profile_may_not_set_variables_that_steer_code_requests_or_credentials() {
+        let providers = AccessProviders::from_json(
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"},
+                "profileSourcedEnvVarsPolicy": "Replace"}]}"#,
+        )
+        .unwrap();
+        for variable in [
+            "LD_PRELOAD",
+            "ld_library_path",
+            "DYLD_INSERT_LIBRARIES",
+            "PATH",
+            "HTTPS_PROXY",
+            "http_proxy",
+            "NO_PROXY",
+            "KUBECONFIG",
+            "KUBERNETES_SERVICE_HOST",
+        ] {
+            let status = json!({"accessProviders": [{"name": "a", "cluster": {
+                "server": "https://a",
+                "extensions": [{"name": ENVS_EXTENSION, "extension": {variable: "x"}}]}}]});
+            let error = providers.kubeconfig_for(&profile(status)).unwrap_err();
+            assert!(error.contains(variable), "{variable}: {error}");
+        }
+        let status = json!({"accessProviders": [{"name": "a", "cluster": {
+            "server": "https://a",
+            "extensions": [{"name": ENVS_EXTENSION, "extension": {"REGION": "east"}}]}}]});
+        assert!(providers.kubeconfig_for(&profile(status)).is_ok());
+    }
+
+    #[test]
+    fn the_plugin_inherits_only_the_allowed_variables_of_the_controller() {
+        // The test binary's environment has PATH and variables of its own (cargo's).
+        let present: Vec<String> = std::env::vars().map(|(name, _)| name).collect();
+        assert!(present.iter().any(|n| n == "PATH"));
+        let other = present
+            .iter()
+            .find(|n| !INHERITED_ENV.contains(&n.as_str()))
+            .expect("a variable of the test's environment outside the default list")
+            .clone();
+        let status =
+            json!({"accessProviders": [{"name": "a", "cluster": {"server": "https://a"}}]});
+        let dropped = |file: &str| {
+            let (_, kubeconfig) = AccessProviders::from_json(file)
+                .unwrap()
+                .kubeconfig_for(&profile(status.clone()))
+                .unwrap();
+            exec_of(&kubeconfig).drop_env.clone().unwrap_or_default()
+        };
+        let default = dropped(r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"}}]}"#);
+        assert!(default.contains(&other), "{other} is removed: {default:?}");
+        assert!(!default.iter().any(|n| n == "PATH"), "{default:?}");
+        // The file's own variables are set, not removed; inheritEnv replaces the default.
+        let file = format!(
+            r#"{{"providers": [{{"name": "a", "inheritEnv": ["{other}"],
+                "execConfig": {{"command": "/a", "env": [{{"name": "HOME", "value": "/h"}}]}}}}]}}"#
+        );
+        let listed = dropped(&file);
+        assert!(!listed.contains(&other), "{listed:?}");
+        assert!(listed.iter().any(|n| n == "PATH"), "{listed:?}");
+        assert!(!listed.iter().any(|n| n == "HOME"), "{listed:?}");
     }
 }

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::kubeconfig::version_of;
+use super::kubeconfig::{canonical_version_of, version_of};
 use crate::{ClusterName, Fleet, Provider, ProviderError};
 
 /// Names a cluster after the file and the context it comes from.
@@ -611,7 +611,7 @@ impl File {
                 match standalone {
                     Err(problem) => context.fail(version_of(&problem), &problem, self.retry),
                     Ok(kubeconfig) => {
-                        let version = version_of(&serde_json::to_string(&kubeconfig).ok());
+                        let version = canonical_version_of(&kubeconfig);
                         if context.engaged == Some(version) {
                             context.failing = None;
                         } else if !context.failing.as_ref().is_some_and(|f| f.waits(version)) {

@@ -32,12 +32,14 @@ const DISCOVERY_RETRY: Duration = Duration::from_secs(10);
 /// How many clients are built at once (each may run a credential plugin, for up to 30 s).
 const BUILDS_AT_ONCE: usize = 4;
 
-/// Which hub objects: a namespace (all if `None`), a label selector, a readiness override.
+/// Which hub objects: a namespace (all if `None`), a label selector, a readiness override;
+/// and whether a cluster whose credentials Secret went away stays engaged.
 #[derive(Clone, Default)]
 pub(crate) struct Scope {
     pub(crate) namespace: Option<String>,
     pub(crate) labels: Option<String>,
     pub(crate) ready: Option<Ready>,
+    pub(crate) keep_revoked: bool,
 }
 
 impl std::fmt::Debug for Scope {
@@ -46,6 +48,7 @@ impl std::fmt::Debug for Scope {
             .field("namespace", &self.namespace)
             .field("labels", &self.labels)
             .field("custom_ready", &self.ready.is_some())
+            .field("keep_revoked", &self.keep_revoked)
             .finish()
     }
 }
@@ -70,6 +73,18 @@ pub(crate) trait HubKind: Send + Sync + 'static {
     /// The Secrets the credentials are in (the watch's selectors), `None` if in none.
     fn secrets(&self) -> Option<watcher::Config>;
 
+    /// Whether this kind may read the watched Secret `name`, and of it, the data `key`.
+    /// Nothing else is kept: Secrets the watch selects may hold more than clients need
+    /// (Cluster API's hold CA, etcd and service-account keys and bootstrap data).
+    fn reads_secret(&self, _name: &str) -> bool {
+        true
+    }
+
+    /// See [`HubKind::reads_secret`].
+    fn reads(&self, _name: &str, _key: &str) -> bool {
+        true
+    }
+
     /// How to reach the cluster of a live (ready, not being deleted) object, with a version
     /// that changes when the result would: or what is wrong, in words fit for an Event that
     /// hold nothing secret.
@@ -77,7 +92,7 @@ pub(crate) trait HubKind: Send + Sync + 'static {
         &self,
         object: &DynamicObject,
         secrets: &Secrets,
-    ) -> Result<(u64, Self::Recipe), String>;
+    ) -> Result<(u64, Self::Recipe), NoRecipe>;
 
     /// Builds the client (this may run a credential plugin).
     fn build(
@@ -85,6 +100,28 @@ pub(crate) trait HubKind: Send + Sync + 'static {
         name: ClusterName,
         recipe: Self::Recipe,
     ) -> impl Future<Output = Result<Cluster<ClusterName>, String>> + Send + 'static;
+}
+
+/// Why an object's cluster cannot be built, in words fit for an Event that hold nothing
+/// secret.
+pub(crate) enum NoRecipe {
+    /// The Secret holding its credentials is not there (deleted, or no longer labelled or
+    /// typed for it): what revoking them looks like.
+    Revoked(String),
+    /// Anything else: the object says too little, or its credentials are unusable.
+    Unusable(String),
+}
+
+impl From<String> for NoRecipe {
+    fn from(problem: String) -> Self {
+        NoRecipe::Unusable(problem)
+    }
+}
+
+impl From<&str> for NoRecipe {
+    fn from(problem: &str) -> Self {
+        NoRecipe::Unusable(problem.into())
+    }
 }
 
 /// One Secret as the engine keeps it: labels, and each data value with its version.
@@ -116,19 +153,28 @@ impl Secrets {
             .map(|((_, name), secret)| (name.as_str(), secret))
     }
 
-    fn insert(&mut self, secret: Secret) -> String {
+    /// Keeps what `kind` reads of `secret` (nothing, if it reads none of it); the Secret's
+    /// namespace.
+    pub(crate) fn insert(&mut self, secret: Secret, kind: &impl HubKind) -> String {
         let namespace = secret.namespace().unwrap_or_default();
         let name = secret.name_any();
+        let data: BTreeMap<_, _> = secret
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(key, _)| kind.reads(&name, key))
+            .map(|(key, value)| (key, (version_of(&value.0), value.0)))
+            .collect();
+        let key = (namespace.clone(), name);
+        if !kind.reads_secret(&key.1) {
+            self.by_key.remove(&key);
+            return namespace;
+        }
         let stored = StoredSecret {
             labels: secret.metadata.labels.unwrap_or_default(),
-            data: secret
-                .data
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(key, value)| (key, (version_of(&value.0), value.0)))
-                .collect(),
+            data,
         };
-        self.by_key.insert((namespace.clone(), name), stored);
+        self.by_key.insert(key, stored);
         namespace
     }
 }
@@ -241,6 +287,8 @@ enum Step<R> {
     Disengage,
     Build(u64, R),
     Report(String),
+    /// Disengage, the credentials having been revoked, and report why.
+    Revoke(String),
 }
 
 struct Engine<K: HubKind> {
@@ -351,14 +399,22 @@ impl<K: HubKind> Engine<K> {
                 known.wanted = Some(version);
                 Step::Build(version, recipe)
             }
-            Err(problem) => {
+            Err(refusal) => {
+                let (problem, revoked) = match refusal {
+                    NoRecipe::Revoked(problem) => (problem, !self.scope.keep_revoked),
+                    NoRecipe::Unusable(problem) => (problem, false),
+                };
                 let fingerprint = version_of(&problem);
+                known.wanted = None;
+                known.failed = None;
+                if revoked && known.engaged.take().is_some() {
+                    known.reported = Some(fingerprint);
+                    return Step::Revoke(problem);
+                }
                 if known.reported == Some(fingerprint) {
                     return Step::Nothing;
                 }
                 known.reported = Some(fingerprint);
-                known.wanted = None;
-                known.failed = None;
                 Step::Report(problem)
             }
         }
@@ -533,11 +589,11 @@ impl<K: HubKind> Engine<K> {
                         if let Some(listing) = &mut state.listing_secrets {
                             listing.insert(key);
                         }
-                        state.secrets.insert(secret);
+                        state.secrets.insert(secret, self.kind.as_ref());
                         continue;
                     }
                     Some(Ok(WatchEvent::Apply(secret))) => {
-                        let namespace = state.secrets.insert(secret);
+                        let namespace = state.secrets.insert(secret, self.kind.as_ref());
                         in_namespace(&state.objects, &namespace)
                     }
                     Some(Ok(WatchEvent::Delete(secret))) => {
@@ -558,6 +614,15 @@ impl<K: HubKind> Engine<K> {
                         waiting.push_back((key.clone(), version, recipe))
                     }
                     Step::Report(problem) => {
+                        if let Some(object) = state.objects.get(&key).and_then(|k| k.object.clone())
+                        {
+                            self.report(&recorder, &object, &resource, &problem).await;
+                        }
+                    }
+                    Step::Revoke(problem) => {
+                        fleet.disengage(&ClusterName::from(key.clone()));
+                        let problem =
+                            format!("{problem}; disengaged (its credentials were removed)");
                         if let Some(object) = state.objects.get(&key).and_then(|k| k.object.clone())
                         {
                             self.report(&recorder, &object, &resource, &problem).await;
@@ -613,6 +678,18 @@ macro_rules! hub_provider {
             #[must_use]
             pub fn labels(mut self, selector: impl Into<String>) -> Self {
                 self.scope.labels = Some(selector.into());
+                self
+            }
+
+            /// Whether a cluster stays engaged, with the credentials it was built from, when
+            /// the Secret holding them is deleted or no longer selected (unlabelled,
+            /// retyped). By default it is disengaged (with a Warning Event saying why), as
+            /// removing the Secret is how credentials are revoked; engaged again when a
+            /// Secret is back. A Secret that is there but unusable never disengages a
+            /// cluster. Nothing to revoke for clusters reached through exec plugins.
+            #[must_use]
+            pub fn keep_when_credentials_removed(mut self, keep: bool) -> Self {
+                self.scope.keep_revoked = keep;
                 self
             }
 

@@ -19,6 +19,42 @@ pub(crate) fn version_of(value: &impl std::hash::Hash) -> u64 {
     hasher.finish()
 }
 
+/// The version of a parsed kubeconfig (or any serializable value), the same for equal
+/// contents however their maps are ordered: an exec plugin's `env` entries are each a map
+/// of their own, whose iteration order differs from one parse to the next, and a version
+/// that changes with it would rebuild the cluster (and run its plugin) at every read.
+pub(crate) fn canonical_version_of(value: &impl serde::Serialize) -> u64 {
+    use std::hash::{Hash, Hasher};
+    fn feed(value: &serde_json::Value, hasher: &mut impl Hasher) {
+        use serde_json::Value as V;
+        match value {
+            V::Null => 0u8.hash(hasher),
+            V::Bool(b) => (1u8, b).hash(hasher),
+            V::Number(n) => (2u8, n.to_string()).hash(hasher),
+            V::String(s) => (3u8, s).hash(hasher),
+            V::Array(items) => {
+                (4u8, items.len()).hash(hasher);
+                items.iter().for_each(|item| feed(item, hasher));
+            }
+            V::Object(map) => {
+                (5u8, map.len()).hash(hasher);
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                for (key, value) in entries {
+                    key.hash(hasher);
+                    feed(value, hasher);
+                }
+            }
+        }
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    match serde_json::to_value(value) {
+        Ok(value) => feed(&value, &mut hasher),
+        Err(_) => 6u8.hash(&mut hasher),
+    }
+    hasher.finish()
+}
+
 /// Parses `text` (YAML or JSON, one or more documents, merged like kubectl does).
 pub(crate) fn parse(text: &str) -> Result<kube::config::Kubeconfig, String> {
     kube::config::Kubeconfig::from_yaml(text).map_err(|e| describe(&e))
@@ -123,6 +159,17 @@ mod tests {
     use super::*;
 
     const MARKER: &str = "tok3n-MARKER-5ecret";
+
+    #[test]
+    fn a_kubeconfig_parsed_again_has_the_same_version_whatever_its_maps_order() {
+        let text = "apiVersion: v1\nkind: Config\nusers:\n- name: u\n  user:\n    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: plugin\n      env:\n      - {name: A, value: a}\n      - {name: B, value: b}\n      - {name: C, value: c}\n";
+        let first = canonical_version_of(&parse(text).unwrap());
+        for _ in 0..20 {
+            assert_eq!(canonical_version_of(&parse(text).unwrap()), first);
+        }
+        let changed = text.replace("value: c", "value: d");
+        assert_ne!(canonical_version_of(&parse(&changed).unwrap()), first);
+    }
 
     #[test]
     fn a_broken_line_holding_a_secret_is_reported_by_position_only() {

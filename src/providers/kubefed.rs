@@ -8,7 +8,7 @@ use kube::config::{AuthInfo, Kubeconfig};
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 
-use super::hub::{self, HubKind, Scope, Secrets, condition_true, field, kubeconfig_of};
+use super::hub::{self, HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
 use super::kubeconfig::version_of;
 use crate::{Cluster, ClusterName};
 
@@ -95,7 +95,7 @@ impl HubKind for Kind {
         &self,
         object: &DynamicObject,
         secrets: &Secrets,
-    ) -> Result<(u64, Kubeconfig), String> {
+    ) -> Result<(u64, Kubeconfig), NoRecipe> {
         let text = |path: &[&str]| {
             field(object, path)
                 .and_then(|v| v.as_str())
@@ -112,7 +112,7 @@ impl HubKind for Kind {
         let namespace = object.namespace().unwrap_or_default();
         let secret = secrets
             .get(&namespace, secret_name)
-            .ok_or_else(|| format!("the Secret {secret_name} is not there"))?;
+            .ok_or_else(|| NoRecipe::Revoked(format!("the Secret {secret_name} is not there")))?;
         let (token_version, token) = secret
             .data
             .get(TOKEN_KEY)
@@ -132,7 +132,8 @@ impl HubKind for Kind {
             other => {
                 return Err(format!(
                     "spec.disabledTLSValidations {other:?}: only [\"*\"] (no verification) is supported"
-                ));
+                )
+                .into());
             }
         };
         let ca = text(&["spec", "caBundle"]).map(str::to_string);

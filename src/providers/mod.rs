@@ -34,7 +34,12 @@ mod nop;
 mod single;
 
 pub use cluster_api::ClusterApi;
-pub use cluster_inventory::{AccessProviders, AccessProvidersError, ClusterInventory};
+#[cfg(feature = "fuzzing")]
+pub(crate) use cluster_inventory::profile_may_set;
+pub use cluster_inventory::{
+    AccessProviders, AccessProvidersError, ClusterInventory, EXEC_EXTENSION, INHERITED_ENV,
+    ProfileNamespaces,
+};
 pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
