@@ -696,7 +696,7 @@ async fn identity() -> Result {
             "apiVersion": "about.k8s.io/v1alpha1", "kind": "ClusterProperty",
             "metadata": {"name": "cluster.clusterset.k8s.io"}, "spec": {"value": id},
         });
-        Api::<DynamicObject>::all_with(member.client()?, &ClusterIdentity::resource())
+        Api::<DynamicObject>::all_with(member.client()?, &ClusterIdentity::resource("v1alpha1"))
             .patch(
                 "cluster.clusterset.k8s.io",
                 &PatchParams::apply("demo").force(),

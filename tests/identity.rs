@@ -15,20 +15,33 @@ use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde_json::json;
 
 const CRD: &str = include_str!("crds/clusterproperty.yaml");
+/// The same kind served as `v1beta1` only (the about-api project's current version).
+const CRD_V1BETA1: &str = include_str!("crds/clusterproperty-v1beta1.yaml");
 
 fn properties(member: &TestCluster) -> Api<DynamicObject> {
-    Api::all_with(member.client().unwrap(), &ClusterIdentity::resource())
+    properties_at(member, "v1alpha1")
+}
+
+fn properties_at(member: &TestCluster, version: &str) -> Api<DynamicObject> {
+    Api::all_with(
+        member.client().unwrap(),
+        &ClusterIdentity::resource(version),
+    )
 }
 
 /// Creates or changes property `name` of `member`.
 async fn set_property(member: &TestCluster, name: &str, value: &str) {
+    set_property_at(member, "v1alpha1", name, value).await;
+}
+
+async fn set_property_at(member: &TestCluster, version: &str, name: &str, value: &str) {
     let object = json!({
-        "apiVersion": "about.k8s.io/v1alpha1",
+        "apiVersion": format!("about.k8s.io/{version}"),
         "kind": "ClusterProperty",
         "metadata": {"name": name},
         "spec": {"value": value},
     });
-    properties(member)
+    properties_at(member, version)
         .patch(
             name,
             &PatchParams::apply("identity-test").force(),
@@ -142,15 +155,31 @@ async fn a_fleet_keyed_by_cluster_id_follows_the_properties_across_renames() {
     .await;
     assert_eq!(server(&manager, "alpha").as_deref(), Some(a.server()));
 
-    // A second name for a's cluster (same endpoint and credentials) claims alpha too: it
-    // waits, and takes alpha over when the first name goes (a new instance, same server).
+    // A second name for a's cluster (same endpoint and credentials) claims alpha too: the id
+    // is contested, so neither is engaged under it (both named in a WARN and in an Event on
+    // the id property); when the first name goes, the second takes alpha.
     clusters.add(member("twin", &a)).unwrap();
     let held = manager.cluster(&name("alpha")).unwrap();
-    eventually(30, "twin waits for alpha", async || {
-        !logs
-            .lines(&["not engaged", "twin", "holds the id alpha"])
-            .is_empty()
+    eventually(30, "alpha engaged for neither claimant", async || {
+        manager.fleet().ids() == [name("beta")]
     })
+    .await;
+    let contested = ["not engaged", "claimed by 2 clusters (renamed-first, twin)"];
+    assert_eq!(logs.lines(&contested).len(), 2, "a WARN for each claimant");
+    eventually(
+        30,
+        "the contest recorded in the claimant's cluster",
+        async || {
+            has_event(
+                &a.client().unwrap(),
+                "default",
+                "ClusterIdContested",
+                "cluster.clusterset.k8s.io",
+                "renamed-first, twin",
+            )
+            .await
+        },
+    )
     .await;
     clusters.remove(&name("renamed-first"));
     eventually(30, "alpha taken over by twin", async || {
@@ -171,13 +200,14 @@ async fn a_fleet_keyed_by_cluster_id_follows_the_properties_across_renames() {
     .await;
     assert_eq!(server(&manager, "gamma").as_deref(), Some(c.server()));
 
-    // c claims alpha too: a keeps it, c waits, and takes it when a's cluster goes.
+    // c claims alpha too: contested, engaged for neither; c takes it when a's cluster goes.
     set_property(&c, "cluster.clusterset.k8s.io", "alpha").await;
-    eventually(30, "gamma gone once c claims alpha", async || {
-        !manager.fleet().ids().contains(&name("gamma"))
-    })
+    eventually(
+        30,
+        "neither gamma nor alpha once c claims alpha",
+        async || manager.fleet().ids() == [name("beta")],
+    )
     .await;
-    assert_eq!(server(&manager, "alpha").as_deref(), Some(a.server()));
     clusters.remove(&name("twin"));
     eventually(30, "alpha taken over by c", async || {
         server(&manager, "alpha").as_deref() == Some(c.server())
@@ -271,4 +301,70 @@ async fn clusters_carry_their_identity_and_a_clusterset_filter_follows_membershi
     for run in runs {
         run.await.unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_are_read_from_v1beta1_where_served_and_must_match_the_providers_record() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (a, b) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    // a serves ClusterProperty as v1beta1 only, b as v1alpha1.
+    a.install_crds(CRD_V1BETA1).await.unwrap();
+    set_property_at(
+        &a,
+        "v1beta1",
+        "cluster.clusterset.k8s.io",
+        "east.example.com",
+    )
+    .await;
+    b.install_crds(CRD).await.unwrap();
+    set_property(&b, "cluster.clusterset.k8s.io", "west").await;
+    assert_eq!(
+        ClusterIdentity::read(&a.client().unwrap()).await.unwrap(),
+        identity(Some("east.example.com"), None).unwrap()
+    );
+
+    // The provider side's record: first is east.example.com, second is south (b claims west).
+    let clusters = Clusters::new();
+    let manager = Arc::new(Manager::new(ById::new(clusters.clone()).expect_id(
+        |name: &ClusterName| match name.as_str() {
+            "first" => Some("east.example.com".to_string()),
+            "second" => Some("south".to_string()),
+            _ => None,
+        },
+    )));
+    let run = spawn_manager(&manager);
+    clusters.add(member("first", &a)).unwrap();
+    clusters.add(member("second", &b)).unwrap();
+    eventually(30, "east.example.com engaged from v1beta1", async || {
+        manager.fleet().ids() == [name("east.example.com")]
+    })
+    .await;
+    assert_eq!(
+        manager
+            .cluster(&name("east.example.com"))
+            .unwrap()
+            .identity(),
+        identity(Some("east.example.com"), None)
+    );
+    eventually(30, "b's unexpected claim recorded in b", async || {
+        has_event(
+            &b.client().unwrap(),
+            "default",
+            "ClusterIdUnexpected",
+            "cluster.clusterset.k8s.io",
+            "the provider expects \"south\"",
+        )
+        .await
+    })
+    .await;
+    assert_eq!(manager.fleet().ids(), [name("east.example.com")]);
+    // b's admin corrects the claim: engaged.
+    set_property(&b, "cluster.clusterset.k8s.io", "south").await;
+    eventually(30, "south engaged once it matches", async || {
+        manager.fleet().ids() == [name("east.example.com"), name("south")]
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
 }

@@ -10,7 +10,7 @@
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ClusterIdentity {
     /// `cluster.clusterset.k8s.io`: the cluster's id, unique in its ClusterSet for as long as
-    /// it is a member (an RFC 1123 DNS label; the kube-system namespace's UID is the KEP's
+    /// it is a member (an RFC 1123 DNS subdomain; the kube-system namespace's UID is the KEP's
     /// recommendation).
     pub id: Option<String>,
     /// `clusterset.k8s.io`: the ClusterSet the cluster is a member of (present only while
@@ -28,23 +28,49 @@ impl ClusterIdentity {
     pub const CLUSTERSET_PROPERTY: &str = "clusterset.k8s.io";
     /// The group of `ClusterProperty`.
     pub const GROUP: &str = "about.k8s.io";
-    /// The version of `ClusterProperty` read.
-    pub const VERSION: &str = "v1alpha1";
+    /// The versions of `ClusterProperty` read, the preferred first: `v1beta1` (the about-api
+    /// project's storage version) where it is served, `v1alpha1` otherwise.
+    pub const VERSIONS: [&str; 2] = ["v1beta1", "v1alpha1"];
 
-    /// The `ClusterProperty` kind.
-    pub fn resource() -> kube::api::ApiResource {
+    /// The `ClusterProperty` kind at `version` (one of [`ClusterIdentity::VERSIONS`]).
+    pub fn resource(version: &str) -> kube::api::ApiResource {
         kube::api::ApiResource::from_gvk_with_plural(
-            &kube::api::GroupVersionKind::gvk(Self::GROUP, Self::VERSION, "ClusterProperty"),
+            &kube::api::GroupVersionKind::gvk(Self::GROUP, version, "ClusterProperty"),
             "clusterproperties",
         )
+    }
+
+    /// The `ClusterProperty` kind as the cluster `client` reaches serves it (the first of
+    /// [`ClusterIdentity::VERSIONS`] it serves); `None` if it serves neither.
+    pub async fn served(
+        client: &kube::Client,
+    ) -> Result<Option<kube::api::ApiResource>, kube::Error> {
+        let group = match kube::discovery::group(client, Self::GROUP).await {
+            Ok(group) => group,
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
+            Err(kube::Error::Discovery(kube::error::DiscoveryError::MissingApiGroup(_))) => {
+                return Ok(None);
+            }
+            Err(error) => return Err(error),
+        };
+        Ok(Self::VERSIONS.iter().find_map(|version| {
+            group
+                .versioned_resources(version)
+                .into_iter()
+                .find(|(resource, _)| resource.kind == "ClusterProperty")
+                .map(|(resource, _)| resource)
+        }))
     }
 
     /// Reads the two properties of the cluster `client` reaches, once. A cluster without
     /// the `ClusterProperty` kind (the CRD not installed) has an empty identity.
     pub async fn read(client: &kube::Client) -> Result<Self, kube::Error> {
-        let api: kube::Api<kube::api::DynamicObject> =
-            kube::Api::all_with(client.clone(), &Self::resource());
         let mut identity = Self::default();
+        let Some(resource) = Self::served(client).await? else {
+            return Ok(identity);
+        };
+        let api: kube::Api<kube::api::DynamicObject> =
+            kube::Api::all_with(client.clone(), &resource);
         for name in [ID_PROPERTY, CLUSTERSET_PROPERTY] {
             match api.get_opt(name).await {
                 Ok(Some(object)) => identity.set(name, value_of(&object)),
@@ -65,15 +91,21 @@ impl ClusterIdentity {
         }
     }
 
-    /// Whether `id` is an RFC 1123 DNS label, as the KEP requires of an id.
+    /// Whether `id` is a valid RFC 1123 DNS subdomain, as KEP-2149 requires of an id: at most
+    /// 253 characters, dot-separated labels of 1 to 63 lowercase letters, digits and `-`,
+    /// each starting and ending with a letter or digit. (The KEP adds that an id *should* be
+    /// shorter than 128 characters; longer ones are valid.)
     pub fn is_valid_id(id: &str) -> bool {
-        !id.is_empty()
-            && id.len() <= 63
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !id.starts_with('-')
-            && !id.ends_with('-')
+        id.len() <= 253
+            && id.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            })
     }
 }
 
@@ -92,16 +124,38 @@ mod tests {
     use super::ClusterIdentity;
 
     #[test]
-    fn ids_are_dns_labels() {
+    fn ids_are_dns_subdomains() {
+        let long = [
+            "a".repeat(63),
+            "b".repeat(63),
+            "c".repeat(63),
+            "d".repeat(61),
+        ]
+        .join(".");
+        assert_eq!(long.len(), 253);
         for good in [
             "a",
             "east-1",
             "0f3c9a7e-5b1d-4c2a-9e8f-123456789abc",
+            "east.prod.example.com",
             &"a".repeat(63),
+            &long,
         ] {
             assert!(ClusterIdentity::is_valid_id(good), "{good}");
         }
-        for bad in ["", "-a", "a-", "East", "a.b", "a_b", &"a".repeat(64)] {
+        for bad in [
+            "",
+            "-a",
+            "a-",
+            "East",
+            "a_b",
+            "a..b",
+            ".a",
+            "a.",
+            "a.-b",
+            &"a".repeat(64),
+            &format!("{long}x"),
+        ] {
             assert!(!ClusterIdentity::is_valid_id(bad), "{bad}");
         }
     }

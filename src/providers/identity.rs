@@ -2,13 +2,17 @@
 //! from each cluster's `ClusterProperty` objects, kept by name or keyed by the cluster's own
 //! id, optionally only the members of one ClusterSet.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::DynamicObject;
 use kube::{Api, ResourceExt};
 use kube_runtime::WatchStreamExt;
+use kube_runtime::events::{Event, EventType, Recorder, Reporter};
 use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -38,14 +42,32 @@ pub struct Identified<P> {
 /// [`ClusterIdentity`] ([`Cluster::identity`]).
 ///
 /// A cluster is engaged once its properties are read and its id is a valid RFC 1123 DNS
-/// label (as the KEP requires); one without an id is not engaged (a warning says so). Two
-/// clusters claiming one id: the first engaged keeps it, the other waits (a warning names
-/// both) and takes it when the first goes. With [`ById::clusterset`], only the members of
-/// that ClusterSet.
-#[derive(Clone, Debug)]
-pub struct ById<P> {
+/// subdomain (as the KEP requires); one without an id is not engaged (a warning says so).
+/// With [`ById::clusterset`], only the members of that ClusterSet.
+///
+/// An id is what a cluster says of itself: whoever may write `ClusterProperty` objects in a
+/// member (its admins) can claim any id. So an id claimed by two clusters is engaged for
+/// **neither** (a WARN and a Warning Event `ClusterIdContested` on each claimant's
+/// `cluster.clusterset.k8s.io` property name them all), until only one claims it; and
+/// [`ById::expect_id`] can require every claim to match what the provider side records.
+#[derive(Clone)]
+pub struct ById<P: Provider> {
     inner: P,
     clusterset: Option<String>,
+    expected: Option<Expected<P::Id>>,
+}
+
+/// The id the provider side records for a cluster of the inner provider.
+type Expected<I> = Arc<dyn Fn(&I) -> Option<String> + Send + Sync>;
+
+impl<P: Provider + std::fmt::Debug> std::fmt::Debug for ById<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ById")
+            .field("inner", &self.inner)
+            .field("clusterset", &self.clusterset)
+            .field("expects_ids", &self.expected.is_some())
+            .finish()
+    }
 }
 
 impl<P: Provider> Identified<P> {
@@ -71,6 +93,7 @@ impl<P: Provider> ById<P> {
         Self {
             inner,
             clusterset: None,
+            expected: None,
         }
     }
 
@@ -78,6 +101,20 @@ impl<P: Provider> ById<P> {
     #[must_use]
     pub fn clusterset(mut self, clusterset: impl Into<String>) -> Self {
         self.clusterset = Some(clusterset.into());
+        self
+    }
+
+    /// Engages a cluster only if the id it claims is the one `expected` gives for its name in
+    /// the inner provider: a record the provider side keeps (a hub object's field, a naming
+    /// rule, `|name| Some(name.to_string())` where the inner names are the ids). A cluster
+    /// claiming another id, or one `expected` has no id for, is not engaged (a WARN and a
+    /// Warning Event `ClusterIdUnexpected` on its `cluster.clusterset.k8s.io` property).
+    #[must_use]
+    pub fn expect_id(
+        mut self,
+        expected: impl Fn(&P::Id) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.expected = Some(Arc::new(expected));
         self
     }
 }
@@ -94,7 +131,8 @@ impl<P: Provider> Provider for Identified<P> {
         let rule = Rule {
             wait: clusterset.is_some(),
             key: Box::new(move |name: &P::Id, identity: &ClusterIdentity| {
-                member_of(identity, clusterset.as_deref()).then(|| name.clone())
+                member_of(identity, clusterset.as_deref())?;
+                Ok(name.clone())
             }),
         };
         run(&self.inner, rule, fleet, shutdown).await
@@ -110,25 +148,65 @@ impl<P: Provider> Provider for ById<P> {
         shutdown: CancellationToken,
     ) -> Result<(), ProviderError> {
         let clusterset = self.clusterset.clone();
+        let expected = self.expected.clone();
         let rule = Rule {
             wait: true,
-            key: Box::new(move |_: &P::Id, identity: &ClusterIdentity| {
-                let id = identity.id.as_deref()?;
-                (member_of(identity, clusterset.as_deref()) && ClusterIdentity::is_valid_id(id))
-                    .then(|| ClusterName::from(id))
+            key: Box::new(move |name: &P::Id, identity: &ClusterIdentity| {
+                let Some(id) = identity.id.as_deref() else {
+                    return Err(Refusal::Other(format!(
+                        "it has no id (no ClusterProperty {})",
+                        ClusterIdentity::ID_PROPERTY
+                    )));
+                };
+                if !ClusterIdentity::is_valid_id(id) {
+                    return Err(Refusal::Other(format!(
+                        "its id {id:?} is not an RFC 1123 DNS subdomain"
+                    )));
+                }
+                member_of(identity, clusterset.as_deref())?;
+                if let Some(expected) = &expected {
+                    match expected(name) {
+                        Some(expected) if expected == id => {}
+                        Some(expected) => {
+                            return Err(Refusal::Unexpected(format!(
+                                "it claims the id {id:?}; the provider expects {expected:?}"
+                            )));
+                        }
+                        None => {
+                            return Err(Refusal::Unexpected(format!(
+                                "it claims the id {id:?}; the provider expects no id for it"
+                            )));
+                        }
+                    }
+                }
+                Ok(ClusterName::from(id))
             }),
         };
         run(&self.inner, rule, fleet, shutdown).await
     }
 }
 
-fn member_of(identity: &ClusterIdentity, clusterset: Option<&str>) -> bool {
-    clusterset.is_none_or(|set| identity.clusterset.as_deref() == Some(set))
+fn member_of(identity: &ClusterIdentity, clusterset: Option<&str>) -> Result<(), Refusal> {
+    match clusterset {
+        Some(set) if identity.clusterset.as_deref() != Some(set) => Err(Refusal::Other(format!(
+            "it is not a member of the ClusterSet {set:?}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
-/// The id (if any) a cluster of the inner provider is engaged under, from its name there
-/// and its identity.
-type Key<I, D> = Box<dyn Fn(&I, &ClusterIdentity) -> Option<D> + Send + Sync>;
+/// Why a cluster of the inner provider is not engaged (words for a log line and an Event).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// Its claim does not match the provider side's record (an Event says so).
+    Unexpected(String),
+    /// No valid id, or not a member of the ClusterSet (a log line).
+    Other(String),
+}
+
+/// The id a cluster of the inner provider is engaged under, from its name there and its
+/// identity; or why it is not engaged.
+type Key<I, D> = Box<dyn Fn(&I, &ClusterIdentity) -> Result<D, Refusal> + Send + Sync>;
 
 /// Under which id (if any) a cluster of the inner provider is engaged.
 struct Rule<I, D> {
@@ -146,7 +224,11 @@ struct Member<I: ClusterId, D: ClusterId> {
     _watch: tokio_util::sync::DropGuard,
     /// The identity read, once the first listing is complete.
     identity: Option<ClusterIdentity>,
-    /// Where it is engaged in the outer fleet.
+    /// The `ClusterProperty` version it serves (for Events about its properties).
+    version: &'static str,
+    /// The outer id it claims.
+    claim: Option<D>,
+    /// Where it is engaged in the outer fleet (under its claim).
     engaged: Option<Outer<I, D>>,
     /// The warning last logged about it (why it is not engaged, with the identity read),
     /// so that each is logged once.
@@ -178,6 +260,8 @@ struct Report<I> {
     name: I,
     generation: u64,
     identity: ClusterIdentity,
+    /// The version read.
+    version: &'static str,
 }
 
 async fn run<P: Provider, D: ClusterId>(
@@ -225,6 +309,8 @@ async fn run<P: Provider, D: ClusterId>(
                         // The identity read from the instance it replaces stands until this
                         // one's is read.
                         identity: previous.as_ref().and_then(|m| m.identity.clone()),
+                        version: previous.as_ref().map_or(ClusterIdentity::VERSIONS[0], |m| m.version),
+                        claim: previous.as_ref().and_then(|m| m.claim.clone()),
                         engaged: previous.and_then(|m| m.engaged),
                         warned: None,
                     });
@@ -233,7 +319,7 @@ async fn run<P: Provider, D: ClusterId>(
                 FleetEvent::Disengaged(engaged) => {
                     let id = engaged.cluster.id();
                     if members.by_name.get(id).is_some_and(|m| m.cluster.same_instance(&engaged.cluster)) {
-                        members.remove(&rule, &fleet, id);
+                        members.remove(&fleet, id);
                     }
                     continue;
                 }
@@ -241,6 +327,7 @@ async fn run<P: Provider, D: ClusterId>(
             Some(report) = reported.recv() => match members.by_name.get_mut(&report.name) {
                 Some(member) if member.generation == report.generation => {
                     member.identity = Some(report.identity);
+                    member.version = report.version;
                     report.name
                 }
                 _ => continue,
@@ -257,10 +344,14 @@ async fn run<P: Provider, D: ClusterId>(
     result
 }
 
-/// The clusters of the inner provider, and which of them holds each outer id.
+/// The clusters of the inner provider, the outer ids they claim, and which of them holds
+/// each.
 struct Members<I: ClusterId, D: ClusterId> {
     by_name: BTreeMap<I, Member<I, D>>,
-    /// The member engaged under each id: a second claimant waits for it.
+    /// The members claiming each outer id: one is engaged under it only while it is the only
+    /// claimant (a contested id is engaged for none).
+    claims: BTreeMap<D, BTreeSet<I>>,
+    /// The member engaged under each id.
     holders: BTreeMap<D, I>,
 }
 
@@ -268,29 +359,42 @@ impl<I: ClusterId, D: ClusterId> Default for Members<I, D> {
     fn default() -> Self {
         Self {
             by_name: BTreeMap::new(),
+            claims: BTreeMap::new(),
             holders: BTreeMap::new(),
         }
     }
 }
 
+/// The id a member is to be engaged under, from its identity.
+enum Wanted<D> {
+    /// Its identity is not read yet (and the rule waits for it).
+    Unread,
+    Id(D),
+    Not(Refusal),
+}
+
 impl<I: ClusterId, D: ClusterId> Members<I, D> {
-    /// The member `name` is gone: its id goes to a member waiting for it.
-    fn remove(&mut self, rule: &Rule<I, D>, fleet: &Fleet<D>, name: &I) {
-        if let Some(outer) = self.by_name.remove(name).and_then(|m| m.engaged) {
+    /// The member `name` is gone: the id it claimed is settled without it.
+    fn remove(&mut self, fleet: &Fleet<D>, name: &I) {
+        let Some(member) = self.by_name.remove(name) else {
+            return;
+        };
+        if let Some(outer) = member.engaged {
             outer.leave(fleet);
-            self.free(rule, fleet, &outer.id);
+            self.holders.remove(&outer.id);
+        }
+        if let Some(claim) = member.claim {
+            self.unclaim(&claim, name);
+            self.settle(fleet, &claim);
         }
     }
 
-    /// Nobody holds `id` any more: the first member that wants it takes it.
-    fn free(&mut self, rule: &Rule<I, D>, fleet: &Fleet<D>, id: &D) {
-        self.holders.remove(id);
-        let waiting = self.by_name.iter().find_map(|(name, member)| {
-            (member.engaged.is_none() && want(rule, name, member).as_ref() == Some(id))
-                .then(|| name.clone())
-        });
-        if let Some(name) = waiting {
-            self.place(rule, fleet, &name);
+    fn unclaim(&mut self, id: &D, name: &I) {
+        if let Some(claimants) = self.claims.get_mut(id) {
+            claimants.remove(name);
+            if claimants.is_empty() {
+                self.claims.remove(id);
+            }
         }
     }
 
@@ -299,46 +403,87 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
         let Some(member) = self.by_name.get_mut(name) else {
             return;
         };
-        let want = want(rule, name, member);
-        // Leave the id it held if it wants another (or none).
-        if let Some(outer) = &member.engaged
-            && want.as_ref() != Some(&outer.id)
-        {
-            outer.leave(fleet);
-            let freed = outer.id.clone();
-            member.engaged = None;
-            self.free(rule, fleet, &freed);
-            return self.place(rule, fleet, name);
+        let wanted = want(rule, name, member);
+        let claim = match &wanted {
+            Wanted::Id(id) => Some(id.clone()),
+            Wanted::Unread | Wanted::Not(_) => None,
+        };
+        let before = std::mem::replace(&mut member.claim, claim.clone());
+        if let Wanted::Not(refusal) = &wanted {
+            let (why, event) = match refusal {
+                Refusal::Unexpected(why) => (why.as_str(), Some("ClusterIdUnexpected")),
+                Refusal::Other(why) => (why.as_str(), None),
+            };
+            warn_once(member, name, &format!("not engaged: {why}"), event);
         }
-        let Some(id) = want else {
-            if member.identity.is_some() {
-                warn_once(
-                    member,
-                    name,
-                    "not engaged: no valid id, or not a member of the ClusterSet",
-                );
+        if before != claim {
+            if let Some(old) = &before {
+                self.unclaim(old, name);
             }
+            if let Some(new) = &claim {
+                self.claims
+                    .entry(new.clone())
+                    .or_default()
+                    .insert(name.clone());
+            }
+            if let Some(old) = &before {
+                self.settle(fleet, old);
+            }
+        }
+        if let Some(id) = &claim {
+            self.settle(fleet, id);
+        }
+    }
+
+    /// Brings the engagement under `id` in line with its claims: the only claimant is
+    /// engaged under it; a contested id is engaged for none.
+    fn settle(&mut self, fleet: &Fleet<D>, id: &D) {
+        let claimants: Vec<I> = self
+            .claims
+            .get(id)
+            .map(|c| c.iter().cloned().collect())
+            .unwrap_or_default();
+        if let Some(holder) = self.holders.get(id).cloned()
+            && claimants != [holder.clone()]
+        {
+            if let Some(outer) = self.by_name.get_mut(&holder).and_then(|m| m.engaged.take()) {
+                outer.leave(fleet);
+            }
+            self.holders.remove(id);
+        }
+        match claimants.as_slice() {
+            [] => {}
+            [only] => self.engage(fleet, only, id),
+            all => {
+                let names: Vec<String> = all.iter().map(ToString::to_string).collect();
+                let why = format!(
+                    "not engaged: the id {id} is claimed by {} clusters ({}); none is engaged under it until one claim is withdrawn",
+                    all.len(),
+                    names.join(", ")
+                );
+                for name in all {
+                    if let Some(member) = self.by_name.get_mut(name) {
+                        warn_once(member, name, &why, Some("ClusterIdContested"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Engages member `name` under `id` (its only claimant), or refreshes the identity of
+    /// the engagement it has.
+    fn engage(&mut self, fleet: &Fleet<D>, name: &I, id: &D) {
+        let Some(member) = self.by_name.get_mut(name) else {
             return;
         };
         let identity = member.identity.clone();
-        match &member.engaged {
-            // The same instance: its identity refreshed in place.
-            Some(outer) if outer.source.same_instance(&member.cluster) => {
-                outer.cluster.set_identity(identity);
-                return;
-            }
-            // The inner provider replaced it: engaged again below, from the new instance.
-            Some(_) => {}
-            None if self.holders.contains_key(&id) => {
-                warn_once(
-                    member,
-                    name,
-                    &format!("not engaged: another cluster holds the id {id}"),
-                );
-                return;
-            }
-            None => {}
+        if let Some(outer) = &member.engaged
+            && outer.source.same_instance(&member.cluster)
+        {
+            outer.cluster.set_identity(identity);
+            return;
         }
+        // Not engaged, or the inner provider replaced its cluster: engaged from this one.
         let renamed = member.cluster.renamed(id.clone());
         renamed.set_identity(identity);
         let token = CancellationToken::new();
@@ -347,7 +492,7 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
             Ok(crate::Engaged::Unchanged) => {
                 if let Some(outer) = &mut member.engaged {
                     outer.source = member.cluster.clone();
-                    if let Some(current) = fleet.get(&id) {
+                    if let Some(current) = fleet.get(id) {
                         current.set_identity(member.identity.clone());
                         outer.cluster = current;
                     }
@@ -356,7 +501,7 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
             Ok(_) => {
                 self.holders.insert(id.clone(), name.clone());
                 member.engaged = Some(Outer {
-                    id,
+                    id: id.clone(),
                     cluster: renamed,
                     token,
                     source: member.cluster.clone(),
@@ -368,83 +513,166 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
     }
 }
 
-/// The id member `name` is to be engaged under, if any.
+/// The id member `name` is to be engaged under, or why not.
 fn want<I: ClusterId, D: ClusterId>(
     rule: &Rule<I, D>,
     name: &I,
     member: &Member<I, D>,
-) -> Option<D> {
-    match &member.identity {
-        None if rule.wait => None,
+) -> Wanted<D> {
+    let result = match &member.identity {
+        None if rule.wait => return Wanted::Unread,
         None => (rule.key)(name, &ClusterIdentity::default()),
         Some(identity) => (rule.key)(name, identity),
+    };
+    match result {
+        Ok(id) => Wanted::Id(id),
+        Err(refusal) => Wanted::Not(refusal),
     }
 }
 
-fn warn_once<I: ClusterId, D: ClusterId>(member: &mut Member<I, D>, name: &I, why: &str) {
+/// The reporting controller of the identity Events.
+const REPORTER: &str = "multicluster-runtime-identity";
+
+/// Logs `why` member `name` is not engaged, once per reason and identity; with `event`, also
+/// records it as a Warning Event of that reason on the member's id property (in the member
+/// cluster, where its admins see it).
+fn warn_once<I: ClusterId, D: ClusterId>(
+    member: &mut Member<I, D>,
+    name: &I,
+    why: &str,
+    event: Option<&'static str>,
+) {
     let warning = (why.to_string(), member.identity.clone());
-    if member.warned.as_ref() != Some(&warning) {
-        tracing::warn!(cluster = %name, identity = ?member.identity, "{why}");
-        member.warned = Some(warning);
+    if member.warned.as_ref() == Some(&warning) {
+        return;
     }
+    tracing::warn!(cluster = %name, identity = ?member.identity, "{why}");
+    member.warned = Some(warning);
+    let Some(reason) = event else {
+        return;
+    };
+    let recorder = Recorder::new(member.cluster.client(), Reporter::from(REPORTER));
+    let reference = ObjectReference {
+        api_version: Some(format!("{}/{}", ClusterIdentity::GROUP, member.version)),
+        kind: Some("ClusterProperty".into()),
+        name: Some(ClusterIdentity::ID_PROPERTY.into()),
+        ..Default::default()
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: reason.into(),
+        note: Some(why.chars().take(1000).collect()),
+        action: "Engage".into(),
+        secondary: None,
+    };
+    let cluster = name.to_string();
+    tokio::spawn(async move {
+        if let Err(error) = recorder.publish(&event, &reference).await {
+            tracing::debug!(%cluster, %error, "could not record why the cluster is not engaged");
+        }
+    });
 }
 
-/// Watches the `ClusterProperty` objects of `cluster`, reporting its identity after each
-/// complete listing and each change, until `stop`. A cluster that does not serve the kind
-/// is reported with an empty identity (and watched on: the CRD may come later).
+/// How long to wait before looking again for the `ClusterProperty` kind in a cluster that
+/// does not serve it (or whose discovery failed).
+const DISCOVERY_RETRY: Duration = Duration::from_secs(10);
+
+/// Watches the `ClusterProperty` objects of `cluster` (the first of
+/// [`ClusterIdentity::VERSIONS`] it serves), reporting its identity after each complete
+/// listing and each change, until `stop`. A cluster that does not serve the kind is reported
+/// with an empty identity and looked at again every 10 s (the CRD may come later); one whose
+/// version goes away is looked at again at once.
 async fn watch_properties<I: ClusterId>(
     cluster: Cluster<I>,
     generation: u64,
     reports: mpsc::UnboundedSender<Report<I>>,
     stop: CancellationToken,
 ) {
-    let api: Api<DynamicObject> = Api::all_with(cluster.client(), &ClusterIdentity::resource());
-    let mut events = pin!(watcher::watcher(api, watcher::Config::default()).default_backoff());
-    let mut identity = ClusterIdentity::default();
-    let mut listing: Option<ClusterIdentity> = None;
-    let mut reported_missing = false;
-    let report = |identity: &ClusterIdentity| {
+    let (mut reported_missing, mut discovery_failing) = (false, false);
+    let report = |identity: &ClusterIdentity, version: &'static str| {
         let _ = reports.send(Report {
             name: cluster.id().clone(),
             generation,
             identity: identity.clone(),
+            version,
         });
     };
+    let client = cluster.client();
     loop {
-        let event = tokio::select! {
+        let served = tokio::select! {
             () = stop.cancelled() => return,
-            event = events.next() => event,
+            served = ClusterIdentity::served(&client) => served,
         };
-        match event {
-            None => return,
-            Some(Ok(WatchEvent::Init)) => listing = Some(ClusterIdentity::default()),
-            Some(Ok(WatchEvent::InitApply(object))) => {
-                if let Some(listing) = &mut listing {
-                    listing.set(&object.name_any(), property_value(&object));
+        if served.is_ok() {
+            discovery_failing = false;
+        }
+        let resource = match served {
+            Ok(Some(resource)) => resource,
+            Ok(None) => {
+                if !reported_missing {
+                    tracing::info!(cluster = %cluster.id(), "the cluster does not serve ClusterProperty (about.k8s.io): no identity");
+                    reported_missing = true;
+                    report(&ClusterIdentity::default(), ClusterIdentity::VERSIONS[0]);
+                }
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(DISCOVERY_RETRY) => continue,
                 }
             }
-            Some(Ok(WatchEvent::InitDone)) => {
-                identity = listing.take().unwrap_or_default();
-                report(&identity);
+            Err(error) => {
+                if std::mem::replace(&mut discovery_failing, true) {
+                    tracing::debug!(cluster = %cluster.id(), %error, "finding the ClusterProperty kind failed again; retrying");
+                } else {
+                    tracing::warn!(cluster = %cluster.id(), %error, "finding the ClusterProperty kind failed; retrying");
+                }
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(DISCOVERY_RETRY) => continue,
+                }
             }
-            Some(Ok(WatchEvent::Apply(object))) => {
-                identity.set(&object.name_any(), property_value(&object));
-                report(&identity);
-            }
-            Some(Ok(WatchEvent::Delete(object))) => {
-                identity.set(&object.name_any(), None);
-                report(&identity);
-            }
-            Some(Err(error)) => {
-                let missing = matches!(
-                    &error,
-                    watcher::Error::InitialListFailed(kube::Error::Api(status)) if status.code == 404
-                );
-                if missing && !reported_missing {
-                    tracing::info!(cluster = %cluster.id(), "the cluster does not serve ClusterProperty (about.k8s.io/v1alpha1): no identity");
-                    reported_missing = true;
-                    report(&ClusterIdentity::default());
-                } else if !missing {
+        };
+        let version = ClusterIdentity::VERSIONS
+            .into_iter()
+            .find(|v| *v == resource.version)
+            .unwrap_or(ClusterIdentity::VERSIONS[0]);
+        let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+        let mut events = pin!(watcher::watcher(api, watcher::Config::default()).default_backoff());
+        let mut identity = ClusterIdentity::default();
+        let mut listing: Option<ClusterIdentity> = None;
+        loop {
+            let event = tokio::select! {
+                () = stop.cancelled() => return,
+                event = events.next() => event,
+            };
+            match event {
+                None => return,
+                Some(Ok(WatchEvent::Init)) => listing = Some(ClusterIdentity::default()),
+                Some(Ok(WatchEvent::InitApply(object))) => {
+                    if let Some(listing) = &mut listing {
+                        listing.set(&object.name_any(), property_value(&object));
+                    }
+                }
+                Some(Ok(WatchEvent::InitDone)) => {
+                    identity = listing.take().unwrap_or_default();
+                    reported_missing = false;
+                    report(&identity, version);
+                }
+                Some(Ok(WatchEvent::Apply(object))) => {
+                    identity.set(&object.name_any(), property_value(&object));
+                    report(&identity, version);
+                }
+                Some(Ok(WatchEvent::Delete(object))) => {
+                    identity.set(&object.name_any(), None);
+                    report(&identity, version);
+                }
+                // The version is not served any more (the CRD changed or went): find the
+                // kind again.
+                Some(Err(watcher::Error::InitialListFailed(kube::Error::Api(status))))
+                    if status.code == 404 =>
+                {
+                    break;
+                }
+                Some(Err(error)) => {
                     tracing::warn!(cluster = %cluster.id(), %error, "watching ClusterProperty failed; retrying");
                 }
             }
