@@ -97,9 +97,20 @@ struct Args {
     /// How often candidates try and the leader renews.
     #[arg(long, default_value_t = 2.0)]
     retry_period_seconds: f64,
-    /// Where `/metrics`, `/healthz` and `/readyz` are served.
-    #[arg(long, default_value = "0.0.0.0:8080")]
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (HTTPS; `/metrics` and
+    /// `/readyz?verbose` for tokens the host authorizes).
+    #[arg(long, default_value = "0.0.0.0:8443")]
     bind_address: SocketAddr,
+    /// Serve the endpoints over plain HTTP to anyone who can connect (local development
+    /// and tests only).
+    #[arg(long)]
+    plain_http: bool,
+    /// The serving certificate (PEM; read again when it changes). Default: self-signed.
+    #[arg(long, requires = "tls_key_file")]
+    tls_cert_file: Option<PathBuf>,
+    /// The serving certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
     /// Log lines as text or JSON (filter with RUST_LOG; default info).
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -190,11 +201,19 @@ async fn operate<P: Provider<Id = ClusterName>>(
     let local_config = local.config().cloned();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::new(&mut registry);
+    // HTTPS, tokens checked by the host (the local cluster), unless told otherwise.
+    let mut endpoints = Endpoints::new(args.bind_address).metrics(Arc::new(registry));
+    if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
+        endpoints = endpoints.tls_files(cert, key);
+    }
+    if args.plain_http {
+        endpoints = endpoints.plain_http();
+    }
     let mut manager = Manager::new(provider)
         .with_local(local)
         .metrics(metrics)
         .client_rate_limit(RateLimit::new(args.qps, args.burst)?)
-        .serve(Endpoints::new(args.bind_address).metrics(Arc::new(registry)));
+        .serve(endpoints);
     let lease_duration = Duration::try_from_secs_f64(args.lease_duration_seconds)?;
     let renew_deadline = Duration::try_from_secs_f64(args.renew_deadline_seconds)?;
     let retry_period = Duration::try_from_secs_f64(args.retry_period_seconds)?;

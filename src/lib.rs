@@ -91,7 +91,7 @@ pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};
-pub use serve::Endpoints;
+pub use serve::{Check, Endpoints, Handler};
 pub use shard::{InvalidSharding, ShardStatus, Sharding};
 
 /// The README's code samples, compiled as doctests so the README stays true.

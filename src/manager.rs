@@ -105,6 +105,10 @@ pub enum ManagerError {
     /// without anything keeping this replica's share.
     #[error("the sharding coordinator stopped: {0}")]
     ShardingFailed(String),
+    /// The endpoints' settings cannot work ([`Manager::serve`]): a certificate file that
+    /// cannot be used, or secure endpoints without a cluster to check tokens with.
+    #[error("the endpoints cannot be served: {0}")]
+    Endpoints(String),
     /// The endpoints could not listen on their address ([`Manager::serve`]).
     #[error("cannot serve the endpoints on {addr}: {error}")]
     Serve {
@@ -412,6 +416,39 @@ impl<P: Provider> Manager<P> {
         self.fleet.clusters()
     }
 
+    /// The TLS settings (`None`: plain HTTP) and the token checker (`None`: everyone may
+    /// ask) of `endpoints`.
+    #[allow(clippy::type_complexity)]
+    fn endpoint_security(
+        &self,
+        endpoints: &Endpoints,
+    ) -> Result<
+        (
+            Option<Arc<rustls::ServerConfig>>,
+            Option<Arc<crate::serve::Authorizer>>,
+        ),
+        ManagerError,
+    > {
+        if endpoints.plain {
+            return Ok((None, None));
+        }
+        let client = match (&endpoints.authorizer, &self.local) {
+            (Some(client), _) => client.clone(),
+            (None, Some(local)) => local.client(),
+            (None, None) => {
+                return Err(ManagerError::Endpoints(
+                    "HTTPS endpoints check tokens with a host cluster: give one with Endpoints::authorize_with or Manager::with_local, or serve plain HTTP with Endpoints::plain_http".into(),
+                ));
+            }
+        };
+        let certificates = crate::serve::Certificates::load(endpoints.tls.clone())
+            .map_err(ManagerError::Endpoints)?;
+        let tls = certificates
+            .server_config()
+            .map_err(ManagerError::Endpoints)?;
+        Ok((Some(tls), Some(crate::serve::Authorizer::new(client))))
+    }
+
     /// The local (host) cluster, if set.
     pub fn local(&self) -> Option<&Cluster<P::Id>> {
         self.local.as_ref()
@@ -631,7 +668,12 @@ impl<P: Provider> Manager<P> {
             manager: self,
             armed: true,
         };
-        // Bound before anything starts; a failure ends the run (the guard cleans up).
+        // Checked and bound before anything starts; a failure ends the run (the guard
+        // cleans up).
+        let security = match &self.endpoints {
+            Some(endpoints) => Some(self.endpoint_security(endpoints)?),
+            None => None,
+        };
         let listener = match &self.endpoints {
             Some(endpoints) => Some(
                 tokio::net::TcpListener::bind(endpoints.addr)
@@ -685,19 +727,28 @@ impl<P: Provider> Manager<P> {
             tasks.spawn(task);
         }
         let endpoints_stop = CancellationToken::new();
-        let server = match (listener, &self.endpoints) {
-            (Some(listener), Some(endpoints)) => {
+        let server = match (listener, &self.endpoints, security) {
+            (Some(listener), Some(endpoints), Some((tls, authorizer))) => {
                 let addr = listener.local_addr().ok();
                 *lock(&self.served_at) = addr;
-                tracing::info!(addr = ?addr, "serving /metrics, /healthz and /readyz");
+                let scheme = if tls.is_some() { "https" } else { "http" };
+                tracing::info!(addr = ?addr, scheme, "serving /metrics, /healthz and /readyz");
+                let host = self.local.clone().or_else(|| {
+                    self.provider
+                        .single()
+                        .and_then(|single| self.fleet.get(single.id()))
+                });
                 let served = Arc::new(crate::serve::Served {
                     fleet: self.fleet.clone(),
+                    host,
                     local: self.local.clone(),
-                    registry: endpoints.registry.clone(),
-                    strict: endpoints.strict,
+                    endpoints: endpoints.clone(),
+                    authorizer,
+                    stopping: shutdown.clone(),
                 });
                 Some(AbortOnDropHandle::new(tokio::spawn(crate::serve::serve(
                     listener,
+                    tls,
                     served,
                     endpoints_stop.clone(),
                 ))))
@@ -1345,8 +1396,8 @@ mod tests {
     async fn endpoints_that_cannot_listen_fail_the_run_naming_the_address() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap();
-        let manager =
-            Manager::new(Clusters::<crate::ClusterName>::new()).serve(crate::Endpoints::new(addr));
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new())
+            .serve(crate::Endpoints::new(addr).plain_http());
         let result = manager.run().await;
         assert!(
             matches!(&result, Err(ManagerError::Serve { addr: a, .. }) if *a == addr),

@@ -138,7 +138,8 @@ async fn a_plugin_failing_on_token_refresh_leaves_no_secret_in_logs_readyz_cache
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = multicluster_runtime::Metrics::new(&mut registry);
     let endpoints = multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
-        .metrics(Arc::new(registry));
+        .metrics(Arc::new(registry))
+        .plain_http();
     let manager = Arc::new(Manager::new(clusters).metrics(metrics).serve(endpoints));
     let reader = Arc::new(Reader {
         recorder: Recorder::new(admin.clone(), Reporter::from("boundaries-test")),
@@ -235,4 +236,428 @@ async fn a_plugin_failing_on_token_refresh_leaves_no_secret_in_logs_readyz_cache
 
     manager.shutdown();
     run.await.unwrap();
+}
+
+// ---- Endpoints that authenticate ----
+
+/// Accepts any server certificate (the endpoints' own are self-signed), keeping none: the
+/// test compares what was served itself.
+#[derive(Debug)]
+struct AnyCertificate;
+
+impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        rustls::crypto::ring::default_provider()
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// An HTTPS GET of `path` from `addr`, with `token` as bearer: the status, the body and the
+/// certificate the server presented.
+async fn https_get(
+    addr: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .dangerous()
+    .with_custom_certificate_verifier(Arc::new(AnyCertificate))
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut tls = connector
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let certificate = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: probe\r\n{authorization}Connection: close\r\n\r\n");
+    tls.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    // A server closing without close_notify is fine here.
+    let _ = tls.read_to_end(&mut response).await;
+    let response = String::from_utf8_lossy(&response).to_string();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body, certificate)
+}
+
+/// A service account `name` of `default` with no permission, and a token of it.
+async fn account_token(client: &kube::Client, name: &str) -> String {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    let mut account = ServiceAccount::default();
+    account.metadata.name = Some(name.into());
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    accounts
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.token)
+        .unwrap()
+}
+
+/// Lets the service account `account` of `default` `get` the non-resource URLs `urls`.
+async fn grant_urls(client: &kube::Client, account: &str, urls: &[&str]) {
+    use k8s_openapi::api::rbac::v1::{
+        ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject,
+    };
+    let pp = PostParams::default();
+    let role = ClusterRole {
+        metadata: kube::api::ObjectMeta {
+            name: Some(format!("{account}-urls")),
+            ..Default::default()
+        },
+        rules: Some(vec![PolicyRule {
+            non_resource_urls: Some(urls.iter().map(|u| u.to_string()).collect()),
+            verbs: vec!["get".into()],
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    Api::<ClusterRole>::all(client.clone())
+        .create(&pp, &role)
+        .await
+        .unwrap();
+    let binding = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(format!("{account}-urls")),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "ClusterRole".into(),
+            name: format!("{account}-urls"),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: account.into(),
+            namespace: Some("default".into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&pp, &binding)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn endpoints_speak_https_and_serve_metrics_detail_and_handlers_only_to_authorized_tokens() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    let scraper = account_token(&admin, "scraper").await;
+    grant_urls(&admin, "scraper", &["/metrics", "/debug/fleet"]).await;
+    let nobody = account_token(&admin, "nobody").await;
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = multicluster_runtime::Metrics::new(&mut registry);
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("member"), admin.clone()))
+        .unwrap();
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let endpoints = multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+        .metrics(Arc::new(registry))
+        .authorize_with(admin.clone())
+        .readyz_check("switch", {
+            let failing = failing.clone();
+            move || {
+                if failing.load(std::sync::atomic::Ordering::SeqCst) {
+                    Err("switched off by the test".into())
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .handler("/debug/fleet", |_request| async {
+            http::Response::new(bytes::Bytes::from_static(b"fleet of one\n"))
+        });
+    let manager = Arc::new(Manager::new(clusters).metrics(metrics).serve(endpoints));
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default())
+        .named("served")
+        .start(
+            |_, _: Context<ClusterName, ()>| async { Ok::<_, kube::Error>(Action::await_change()) },
+            |_, _: &kube::Error, _: &Context<ClusterName, ()>| Action::await_change(),
+            Arc::new(()),
+        );
+    let run = spawn_manager(&manager);
+    eventually(30, "serving", async || manager.served_at().is_some()).await;
+    let addr = manager.served_at().unwrap();
+
+    // Probes: anyone, status only.
+    eventually(30, "ready", async || {
+        https_get(addr, "/readyz", None).await.0 == 200
+    })
+    .await;
+    assert_eq!(https_get(addr, "/readyz", None).await.1, "ok\n");
+    assert_eq!(https_get(addr, "/healthz", None).await.1, "ok\n");
+    // Plain HTTP to the same port gets no answer of the endpoints.
+    assert!(
+        !matches!(http_get_opt(addr, "/healthz").await, Ok((200, _))),
+        "plain HTTP is not served"
+    );
+
+    // Metrics, the per-cluster detail and the handler: authenticated and authorized only.
+    for path in ["/metrics", "/readyz?verbose", "/debug/fleet"] {
+        assert_eq!(https_get(addr, path, None).await.0, 401, "{path}: no token");
+        assert_eq!(
+            https_get(addr, path, Some("not-a-token")).await.0,
+            401,
+            "{path}: an unknown token"
+        );
+        assert_eq!(
+            https_get(addr, path, Some(&nobody)).await.0,
+            403,
+            "{path}: a token without the permission"
+        );
+        assert_eq!(
+            https_get(addr, path, Some(&scraper)).await.0,
+            200,
+            "{path}: a token with it"
+        );
+    }
+    let (_, text, _) = https_get(addr, "/metrics", Some(&scraper)).await;
+    assert!(text.contains("controller_runtime_active_workers"), "{text}");
+    let (_, detail, _) = https_get(addr, "/readyz?verbose", Some(&scraper)).await;
+    assert!(
+        detail.contains("check switch: ok") && detail.contains("cluster member"),
+        "{detail}"
+    );
+    assert_eq!(
+        https_get(addr, "/debug/fleet", Some(&scraper)).await.1,
+        "fleet of one\n"
+    );
+    // The detail needs the metrics' permission, not /readyz's (which Kubernetes' default
+    // roles give everyone).
+    assert_eq!(
+        https_get(addr, "/healthz?verbose", Some(&nobody)).await.0,
+        403
+    );
+    assert_eq!(
+        https_get(addr, "/healthz?verbose", Some(&scraper)).await.0,
+        200
+    );
+
+    // A readiness check of the user's fails: not ready, and the detail says which.
+    failing.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(https_get(addr, "/readyz", None).await.0, 503);
+    let (_, detail, _) = https_get(addr, "/readyz?verbose", Some(&scraper)).await;
+    assert!(
+        detail.contains("check switch: failed: switched off by the test"),
+        "{detail}"
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn the_serving_certificate_is_read_again_when_its_files_change() {
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let admin = env.cluster(0).unwrap().client().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let write = |names: Vec<String>| {
+        let rcgen::CertifiedKey {
+            cert: made,
+            signing_key,
+        } = rcgen::generate_simple_self_signed(names).unwrap();
+        // Replaced as a mounted Secret is: new files renamed over the old.
+        std::fs::write(dir.path().join("tls.crt.new"), made.pem()).unwrap();
+        std::fs::write(dir.path().join("tls.key.new"), signing_key.serialize_pem()).unwrap();
+        std::fs::rename(dir.path().join("tls.key.new"), &key).unwrap();
+        std::fs::rename(dir.path().join("tls.crt.new"), &cert).unwrap();
+        made.der().to_vec()
+    };
+    let first = write(vec!["localhost".into(), "first.example".into()]);
+    let manager = Arc::new(
+        Manager::new(Clusters::<ClusterName>::new()).serve(
+            multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+                .tls_files(&cert, &key)
+                .authorize_with(admin),
+        ),
+    );
+    let run = spawn_manager(&manager);
+    eventually(30, "serving", async || manager.served_at().is_some()).await;
+    let addr = manager.served_at().unwrap();
+    assert_eq!(https_get(addr, "/healthz", None).await.2, first);
+
+    let second = write(vec!["localhost".into(), "second.example".into()]);
+    eventually(30, "the new certificate served", async || {
+        https_get(addr, "/healthz", None).await.2 == second
+    })
+    .await;
+    // A broken replacement: the last good certificate stays. Sync point: the warning that
+    // a handshake read the broken file.
+    std::fs::write(&cert, "not a certificate").unwrap();
+    eventually(30, "the broken certificate read and refused", async || {
+        let (status, _, served) = https_get(addr, "/healthz", None).await;
+        assert_eq!((status, served), (200, second.clone()));
+        !logs
+            .lines(&["WARN", "serving certificate cannot be used", "tls.crt"])
+            .is_empty()
+    })
+    .await;
+    let (status, _, served) = https_get(addr, "/healthz", None).await;
+    assert_eq!((status, served), (200, second.clone()));
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn https_endpoints_without_a_host_to_check_tokens_are_refused_at_start() {
+    let manager = Manager::new(Clusters::<ClusterName>::new()).serve(
+        multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap()),
+    );
+    let error = manager.run().await.unwrap_err();
+    assert!(
+        matches!(error, multicluster_runtime::ManagerError::Endpoints(_)),
+        "{error}"
+    );
+    let bad_files = Manager::new(Clusters::<ClusterName>::new()).serve(
+        multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+            .tls_files("/nonexistent/tls.crt", "/nonexistent/tls.key")
+            .plain_http(),
+    );
+    // Plain HTTP needs neither (the files are not read).
+    let bad_files = Arc::new(bad_files);
+    let run = spawn_manager(&bad_files);
+    eventually(30, "serving plain HTTP", async || {
+        bad_files.served_at().is_some()
+    })
+    .await;
+    bad_files.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn readiness_waits_for_the_manager_and_its_host_not_for_a_member_still_listing_unless_strict()
+{
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host, frozen) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let admin = host.client().unwrap();
+    // The member's apiserver is stopped (SIGSTOP): its listing hangs without an error.
+    let paused = frozen.pause().unwrap();
+    let member = |id: &str| Cluster::from_config(name(id), frozen.config()).unwrap();
+    let serve = |strict: bool| {
+        let clusters = Clusters::new();
+        clusters
+            .add(member(if strict { "frozen-strict" } else { "frozen" }))
+            .unwrap();
+        let manager = Arc::new(
+            Manager::new(clusters)
+                .with_local(Cluster::new(name("host"), admin.clone()))
+                .serve(
+                    multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+                        .plain_http()
+                        .strict(strict),
+                ),
+        );
+        Builder::<_, ConfigMap>::new(&manager, watcher::Config::default())
+            .engage_local(true)
+            .start(
+                |_, _: Context<ClusterName, ()>| async {
+                    Ok::<_, kube::Error>(Action::await_change())
+                },
+                |_, _: &kube::Error, _: &Context<ClusterName, ()>| Action::await_change(),
+                Arc::new(()),
+            );
+        manager
+    };
+    let (lenient, strict) = (serve(false), serve(true));
+    let runs = [spawn_manager(&lenient), spawn_manager(&strict)];
+    for manager in [&lenient, &strict] {
+        eventually(30, "serving", async || manager.served_at().is_some()).await;
+    }
+    let (lenient_at, strict_at) = (lenient.served_at().unwrap(), strict.served_at().unwrap());
+    // Sync point: the host has listed and the member's watch is listing (hung).
+    for (addr, id) in [(lenient_at, "frozen"), (strict_at, "frozen-strict")] {
+        eventually(30, "the host listed, the member listing", async || {
+            let (_, detail) = http_get(addr, "/readyz?verbose").await;
+            detail.contains("host host: ok")
+                && detail.contains(&format!("cluster {id}: ConfigMap listing"))
+        })
+        .await;
+    }
+    assert_eq!(
+        http_get(lenient_at, "/readyz").await.0,
+        200,
+        "one member still listing does not make the replica unready"
+    );
+    assert_eq!(
+        http_get(strict_at, "/readyz").await.0,
+        503,
+        "strict: every member counts"
+    );
+
+    drop(paused);
+    lenient.shutdown();
+    strict.shutdown();
+    for run in runs {
+        run.await.unwrap();
+    }
 }

@@ -818,6 +818,7 @@ async fn readyz_follows_a_clusters_apiserver_and_metrics_are_served_over_http() 
         .unwrap();
     // Strict: a failing cluster makes the pod unready (the default only reports it).
     let endpoints = multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+        .plain_http()
         .metrics(registry.clone())
         .strict(true);
     let manager = Arc::new(Manager::new(clusters).metrics(metrics).serve(endpoints));
@@ -1490,6 +1491,7 @@ impl OperatorProcess {
                 "0.5",
             ])
             .arg(format!("--bind-address={addr}"))
+            .arg("--plain-http")
             .env("RUST_LOG", "info")
             .stdout(std::fs::File::create(&log).unwrap())
             .stderr(std::process::Stdio::inherit())
@@ -1985,6 +1987,7 @@ async fn the_example_operator_copies_into_namespaces_as_clusters() {
         .arg(tc.kubeconfig_path())
         .args(["--provider", "namespaces", "--leader-elect", "false"])
         .arg(format!("--bind-address=127.0.0.1:{}", free_port()))
+        .arg("--plain-http")
         .stdout(std::fs::File::create(dir.path().join("log")).unwrap())
         .kill_on_drop(true)
         .spawn()

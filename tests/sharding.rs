@@ -824,6 +824,7 @@ fn operator(
         ))
         .arg(format!("--retry-period-seconds={}", RETRY.as_secs_f64()))
         .arg(format!("--bind-address={addr}"))
+        .arg("--plain-http")
         .env("RUST_LOG", "info")
         .stdout(std::fs::File::create(dir.join(format!("{identity}.log"))).unwrap())
         .stderr(std::process::Stdio::inherit())

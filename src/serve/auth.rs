@@ -1,0 +1,135 @@
+//! Who may read what the endpoints serve: a bearer token checked with the host's
+//! TokenReview, then the request (a non-resource URL and a verb) with its
+//! SubjectAccessReview, as the kube-apiserver itself and controller-runtime's secure metrics
+//! do. Answers are cached for a short while, so a scrape every few seconds costs the host
+//! two requests a minute, not two a scrape.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::api::{Api, PostParams};
+use tokio::time::Instant;
+
+use crate::sync::lock;
+
+/// How long an answer stands: an allowed request, a denied one (a role being granted is seen
+/// sooner), and the most answers kept (oldest dropped first).
+const ALLOWED_FOR: Duration = Duration::from_secs(60);
+const DENIED_FOR: Duration = Duration::from_secs(10);
+const KEPT: usize = 1024;
+
+/// The outcome of a request's check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Authenticated and authorized.
+    Allowed,
+    /// No token, or the host does not know it: `401`.
+    Unauthenticated,
+    /// Authenticated, not authorized: `403`.
+    Forbidden,
+    /// The host could not be asked: `503` (not cached).
+    Unavailable,
+}
+
+/// What was asked: a token, a path and a verb.
+type Question = (String, String, String);
+
+/// Checks tokens against a host cluster, with a cache.
+pub(crate) struct Authorizer {
+    client: kube::Client,
+    /// Answers by question, with when they were given.
+    cache: Mutex<HashMap<Question, (Verdict, Instant)>>,
+}
+
+impl Authorizer {
+    pub(crate) fn new(client: kube::Client) -> Arc<Self> {
+        Arc::new(Self {
+            client,
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Whether the bearer of `token` may `verb` the non-resource URL `path`.
+    pub(crate) async fn check(&self, token: Option<&str>, path: &str, verb: &str) -> Verdict {
+        let Some(token) = token.filter(|t| !t.is_empty()) else {
+            return Verdict::Unauthenticated;
+        };
+        let key = (token.to_string(), path.to_string(), verb.to_string());
+        if let Some((verdict, at)) = lock(&self.cache).get(&key).cloned() {
+            let ttl = if verdict == Verdict::Allowed {
+                ALLOWED_FOR
+            } else {
+                DENIED_FOR
+            };
+            if at.elapsed() < ttl {
+                return verdict;
+            }
+        }
+        let verdict = self.ask(token, path, verb).await;
+        if verdict != Verdict::Unavailable {
+            let mut cache = lock(&self.cache);
+            if cache.len() >= KEPT {
+                // Drop the oldest answers (a full cache is rare: one entry per scraper).
+                let mut ages: Vec<_> = cache.iter().map(|(k, (_, at))| (*at, k.clone())).collect();
+                ages.sort_unstable_by_key(|(at, _)| *at);
+                for (_, old) in ages.into_iter().take(KEPT / 4) {
+                    cache.remove(&old);
+                }
+            }
+            cache.insert(key, (verdict.clone(), Instant::now()));
+        }
+        verdict
+    }
+
+    async fn ask(&self, token: &str, path: &str, verb: &str) -> Verdict {
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: token.to_string(),
+                audiences: None,
+            },
+            ..Default::default()
+        };
+        let reviews: Api<TokenReview> = Api::all(self.client.clone());
+        let user = match reviews.create(&PostParams::default(), &review).await {
+            Ok(answer) => match answer.status {
+                Some(status) if status.authenticated == Some(true) => {
+                    status.user.unwrap_or_default()
+                }
+                _ => return Verdict::Unauthenticated,
+            },
+            Err(error) => {
+                // The token is never logged; the host's error says nothing of it.
+                tracing::warn!(%error, "endpoints: the host's TokenReview failed");
+                return Verdict::Unavailable;
+            }
+        };
+        let access = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: user.username,
+                groups: user.groups,
+                uid: user.uid,
+                extra: user.extra,
+                non_resource_attributes: Some(NonResourceAttributes {
+                    path: Some(path.to_string()),
+                    verb: Some(verb.to_string()),
+                }),
+                resource_attributes: None,
+            },
+            ..Default::default()
+        };
+        let accesses: Api<SubjectAccessReview> = Api::all(self.client.clone());
+        match accesses.create(&PostParams::default(), &access).await {
+            Ok(answer) if answer.status.as_ref().is_some_and(|s| s.allowed) => Verdict::Allowed,
+            Ok(_) => Verdict::Forbidden,
+            Err(error) => {
+                tracing::warn!(%error, "endpoints: the host's SubjectAccessReview failed");
+                Verdict::Unavailable
+            }
+        }
+    }
+}

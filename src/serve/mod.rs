@@ -1,0 +1,501 @@
+//! [`Endpoints`]: the small server of a running manager: `/metrics` for Prometheus,
+//! `/healthz` and `/readyz` for the kubelet's probes, and handlers of your own; HTTPS with
+//! authentication and authorization by the host cluster unless plain HTTP is asked for.
+
+mod auth;
+mod tls;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::{Cluster, ClusterId, Fleet};
+
+pub(crate) use auth::{Authorizer, Verdict};
+pub(crate) use tls::{Certificates, Source as TlsSource};
+
+/// A named check of `/healthz` or `/readyz`: `Err` says why it fails.
+pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// A handler of your own ([`Endpoints::handler`]): the request (its body read, up to 1 MiB)
+/// to the response.
+pub type Handler = Arc<
+    dyn Fn(Request<Bytes>) -> Pin<Box<dyn Future<Output = Response<Bytes>> + Send>> + Send + Sync,
+>;
+
+/// The permission the per-cluster detail (`?verbose`) needs: the metrics' (which name the
+/// same clusters and count their errors). Not `/readyz`'s own: Kubernetes' default
+/// `system:public-info-viewer` role lets everyone, even unauthenticated, `get` `/healthz`,
+/// `/livez` and `/readyz`.
+const DETAIL: &str = "/metrics";
+
+/// How much of a request's body a handler gets.
+const MAX_BODY: usize = 1 << 20;
+
+/// What a manager serves while it runs ([`Manager::serve`](crate::Manager::serve)):
+///
+/// | path | answer | who may ask |
+/// | --- | --- | --- |
+/// | `/metrics` | the registry in Prometheus' text format (OpenMetrics), if one was given | a bearer token the host authenticates and authorizes for `get` on the non-resource URL `/metrics` |
+/// | `/healthz`, `/livez` | `200 ok` while the manager runs and every check of [`Endpoints::healthz_check`] passes (`500` naming the failing checks otherwise): the answer comes from its runtime, so a wedged runtime fails the probe by not answering | anyone |
+/// | `/readyz` | `200 ok` once the manager runs, its host cluster's watches have listed and every check of [`Endpoints::readyz_check`] passes; `503` before, and once it is stopping. Member clusters do not count: one cluster of a large fleet still listing, or failing, must not take the replica out of its Service. With [`Endpoints::strict`], every engaged cluster must have listed and none be failing | anyone |
+/// | `/readyz?verbose`, `/healthz?verbose` | the same status, with the checks and a line per cluster (its watches, whether they listed, why not) | as `/metrics` (Kubernetes' default roles let everyone `get` `/readyz` itself) |
+/// | a path of [`Endpoints::handler`] | yours | as `/metrics`, for the request's verb on that path |
+///
+/// By default the server speaks HTTPS with a certificate it makes itself (or from
+/// [`Endpoints::tls_files`]), and checks bearer tokens with the host cluster's `TokenReview`
+/// and `SubjectAccessReview` (answers cached for a minute, denials for 10 s), as
+/// controller-runtime's secure metrics do. The host client is
+/// [`Endpoints::authorize_with`]'s, else the manager's local cluster's
+/// ([`Manager::with_local`](crate::Manager::with_local)); with neither, the run fails at
+/// start. [`Endpoints::plain_http`] serves plain HTTP to anyone instead: for local
+/// development and tests, never on a network others reach.
+///
+/// RBAC for a scraper: a ClusterRole with `nonResourceURLs: ["/metrics"]`, `verbs: ["get"]`;
+/// for the controller: `create` on `tokenreviews.authentication.k8s.io` and
+/// `subjectaccessreviews.authorization.k8s.io` (the `system:auth-delegator` ClusterRole).
+#[derive(Clone)]
+pub struct Endpoints {
+    pub(crate) addr: SocketAddr,
+    pub(crate) registry: Option<Arc<Registry>>,
+    pub(crate) strict: bool,
+    pub(crate) plain: bool,
+    pub(crate) tls: TlsSource,
+    pub(crate) authorizer: Option<kube::Client>,
+    pub(crate) healthz: Vec<(String, Check)>,
+    pub(crate) readyz: Vec<(String, Check)>,
+    pub(crate) handlers: BTreeMap<String, Handler>,
+}
+
+impl std::fmt::Debug for Endpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = |checks: &[(String, Check)]| -> Vec<String> {
+            checks.iter().map(|(name, _)| name.clone()).collect()
+        };
+        f.debug_struct("Endpoints")
+            .field("addr", &self.addr)
+            .field("metrics", &self.registry.is_some())
+            .field("strict", &self.strict)
+            .field("plain_http", &self.plain)
+            .field("tls", &self.tls)
+            .field("authorize_with", &self.authorizer.is_some())
+            .field("healthz", &names(&self.healthz))
+            .field("readyz", &names(&self.readyz))
+            .field("handlers", &self.handlers.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Endpoints {
+    /// HTTPS endpoints at `addr` (port 0: any free port, see
+    /// [`Manager::served_at`](crate::Manager::served_at)), with a self-signed certificate and
+    /// the host's authentication and authorization.
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            registry: None,
+            strict: false,
+            plain: false,
+            tls: TlsSource::SelfSigned,
+            authorizer: None,
+            healthz: Vec::new(),
+            readyz: Vec::new(),
+            handlers: BTreeMap::new(),
+        }
+    }
+
+    /// Serves `registry` at `/metrics` (the one given to [`Metrics::new`](crate::Metrics::new),
+    /// with any metrics of your own).
+    #[must_use]
+    pub fn metrics(mut self, registry: Arc<Registry>) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// `/readyz` also waits for every engaged cluster's watches to list, and fails while
+    /// any is failing (off by default: only the manager and its host decide).
+    #[must_use]
+    pub fn strict(mut self, strict: bool) -> Self {
+        self.strict = strict;
+        self
+    }
+
+    /// Serves the certificate chain and key of these PEM files (a mounted Secret's
+    /// `tls.crt` and `tls.key`), read again when they change.
+    #[must_use]
+    pub fn tls_files(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.tls = TlsSource::Files {
+            cert: cert.into(),
+            key: key.into(),
+        };
+        self
+    }
+
+    /// Checks tokens with this cluster's `TokenReview` and `SubjectAccessReview` (the
+    /// cluster the controller runs in, as a rule).
+    #[must_use]
+    pub fn authorize_with(mut self, client: kube::Client) -> Self {
+        self.authorizer = Some(client);
+        self
+    }
+
+    /// Plain HTTP, and everything served to anyone who can connect: metrics, the per-cluster
+    /// detail, your handlers. For local development and tests only.
+    #[must_use]
+    pub fn plain_http(mut self) -> Self {
+        self.plain = true;
+        self
+    }
+
+    /// Adds a check of `/healthz` (controller-runtime's `AddHealthzCheck`): the process is
+    /// unhealthy (and restarted by the kubelet) while it fails. Keep it cheap and
+    /// synchronous: it runs on every probe.
+    #[must_use]
+    pub fn healthz_check(
+        mut self,
+        name: impl Into<String>,
+        check: impl Fn() -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.healthz.push((name.into(), Arc::new(check)));
+        self
+    }
+
+    /// Adds a check of `/readyz` (controller-runtime's `AddReadyzCheck`): the replica is
+    /// taken out of its Services while it fails.
+    #[must_use]
+    pub fn readyz_check(
+        mut self,
+        name: impl Into<String>,
+        check: impl Fn() -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.readyz.push((name.into(), Arc::new(check)));
+        self
+    }
+
+    /// Serves `handler` at `path` (exactly; a path the endpoints serve themselves is not
+    /// replaced), behind the same authentication and authorization as `/metrics` (the
+    /// request's method, lower-cased, as the verb).
+    #[must_use]
+    pub fn handler<F, Fut>(mut self, path: impl Into<String>, handler: F) -> Self
+    where
+        F: Fn(Request<Bytes>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Response<Bytes>> + Send + 'static,
+    {
+        self.handlers.insert(
+            path.into(),
+            Arc::new(move |request| Box::pin(handler(request))),
+        );
+        self
+    }
+}
+
+/// What the handlers read.
+pub(crate) struct Served<C: ClusterId> {
+    pub(crate) fleet: Fleet<C>,
+    /// The cluster whose watches readiness waits for (the local cluster, or the single
+    /// provider's).
+    pub(crate) host: Option<Cluster<C>>,
+    pub(crate) local: Option<Cluster<C>>,
+    pub(crate) endpoints: Endpoints,
+    /// `None`: plain HTTP, everyone may ask.
+    pub(crate) authorizer: Option<Arc<Authorizer>>,
+    /// Cancelled once the manager is stopping.
+    pub(crate) stopping: CancellationToken,
+}
+
+/// Serves on `listener` until `stop`, over TLS with `tls` (plain if `None`); connections open
+/// then are closed.
+pub(crate) async fn serve<C: ClusterId>(
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    served: Arc<Served<C>>,
+    stop: CancellationToken,
+) {
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    let connections = TaskTracker::new();
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                tracing::debug!(%error, "endpoints: accept failed");
+                continue;
+            }
+        };
+        let served = served.clone();
+        let stop = stop.clone();
+        let acceptor = acceptor.clone();
+        connections.spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let served = served.clone();
+                async move { Ok::<_, Infallible>(answer(&served, req).await) }
+            });
+            match acceptor {
+                Some(acceptor) => {
+                    // A handshake that does not finish soon is given up.
+                    let handshake = tokio::time::timeout(
+                        std::time::Duration::from_secs(10),
+                        acceptor.accept(stream),
+                    );
+                    let stream = tokio::select! {
+                        () = stop.cancelled() => return,
+                        stream = handshake => match stream {
+                            Ok(Ok(stream)) => stream,
+                            _ => return,
+                        },
+                    };
+                    drive(TokioIo::new(stream), service, &stop).await;
+                }
+                None => drive(TokioIo::new(stream), service, &stop).await,
+            }
+        });
+    }
+    connections.close();
+    connections.wait().await;
+}
+
+/// Serves one connection until it ends, or `stop` (then it is given a second to finish).
+async fn drive<I, S>(io: I, service: S, stop: &CancellationToken)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<Incoming, ResBody = Full<Bytes>> + Send,
+    S::Future: Send,
+{
+    let connection = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => {}
+        () = stop.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connection).await;
+        }
+    }
+}
+
+const PLAIN: &str = "text/plain; charset=utf-8";
+
+fn text(
+    status: StatusCode,
+    body: impl Into<Bytes>,
+    content_type: &'static str,
+) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    if let Ok(value) = hyper::header::HeaderValue::from_str(content_type) {
+        response
+            .headers_mut()
+            .insert(hyper::header::CONTENT_TYPE, value);
+    }
+    response
+}
+
+/// The bearer token of a request, if it has one.
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    let value = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Whether the request may have what it asks (`path`, `verb`), or the answer refusing it.
+async fn allowed<C: ClusterId>(
+    served: &Served<C>,
+    req: &Request<Incoming>,
+    path: &str,
+    verb: &str,
+) -> Result<(), Response<Full<Bytes>>> {
+    let Some(authorizer) = &served.authorizer else {
+        return Ok(());
+    };
+    match authorizer.check(bearer(req), path, verb).await {
+        Verdict::Allowed => Ok(()),
+        Verdict::Unauthenticated => {
+            let mut response = text(StatusCode::UNAUTHORIZED, "unauthorized\n", PLAIN);
+            response.headers_mut().insert(
+                hyper::header::WWW_AUTHENTICATE,
+                hyper::header::HeaderValue::from_static("Bearer"),
+            );
+            Err(response)
+        }
+        Verdict::Forbidden => Err(text(StatusCode::FORBIDDEN, "forbidden\n", PLAIN)),
+        Verdict::Unavailable => Err(text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the host cluster could not check the credentials\n",
+            PLAIN,
+        )),
+    }
+}
+
+async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    if let Some(handler) = served.endpoints.handlers.get(&path).cloned()
+        && !matches!(
+            path.as_str(),
+            "/metrics" | "/healthz" | "/livez" | "/readyz"
+        )
+    {
+        let verb = req.method().as_str().to_ascii_lowercase();
+        if let Err(refused) = allowed(served, &req, &path, &verb).await {
+            return refused;
+        }
+        let (parts, body) = req.into_parts();
+        let body = match Limited::new(body, MAX_BODY).collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(_) => return text(StatusCode::PAYLOAD_TOO_LARGE, "body too large\n", PLAIN),
+        };
+        let (parts, body) = handler(Request::from_parts(parts, body)).await.into_parts();
+        return Response::from_parts(parts, Full::new(body));
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n", PLAIN);
+    }
+    let verbose = req.uri().query().is_some_and(|q| {
+        q.split('&')
+            .any(|p| p == "verbose" || p.starts_with("verbose="))
+    });
+    match path.as_str() {
+        "/metrics" => {
+            if let Err(refused) = allowed(served, &req, "/metrics", "get").await {
+                return refused;
+            }
+            let Some(registry) = served.endpoints.registry.clone() else {
+                return text(StatusCode::NOT_FOUND, "no metrics registry\n", PLAIN);
+            };
+            // Encoding reads every series (tens of thousands in a large fleet): off the
+            // async workers.
+            let encoded = tokio::task::spawn_blocking(move || {
+                let mut body = String::new();
+                prometheus_client::encoding::text::encode(&mut body, &registry).map(|()| body)
+            })
+            .await;
+            match encoded {
+                Ok(Ok(body)) => text(
+                    StatusCode::OK,
+                    body,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+                _ => text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "could not encode the metrics\n",
+                    PLAIN,
+                ),
+            }
+        }
+        "/healthz" | "/livez" => {
+            if verbose && let Err(refused) = allowed(served, &req, DETAIL, "get").await {
+                return refused;
+            }
+            let (healthy, detail) = checks(&served.endpoints.healthz);
+            let mut body = String::from(if healthy { "ok\n" } else { "unhealthy\n" });
+            if verbose {
+                body.push_str(&detail);
+            }
+            let status = if healthy {
+                StatusCode::OK
+            } else {
+                StatusCode::INTERNAL_SERVER_ERROR
+            };
+            text(status, body, PLAIN)
+        }
+        "/readyz" => {
+            if verbose && let Err(refused) = allowed(served, &req, DETAIL, "get").await {
+                return refused;
+            }
+            let (ready, detail) = readiness(served);
+            let status = if ready {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            let mut body = String::from(if ready { "ok\n" } else { "not ready\n" });
+            if verbose {
+                body.push_str(&detail);
+            }
+            text(status, body, PLAIN)
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n", PLAIN),
+    }
+}
+
+/// Whether every check passes, and a line per check.
+fn checks(checks: &[(String, Check)]) -> (bool, String) {
+    let mut passed = true;
+    let mut detail = String::new();
+    for (name, check) in checks {
+        match check() {
+            Ok(()) => {
+                let _ = writeln!(detail, "check {name}: ok");
+            }
+            Err(why) => {
+                passed = false;
+                let _ = writeln!(detail, "check {name}: failed: {why}");
+            }
+        }
+    }
+    (passed, detail)
+}
+
+/// Whether the manager is ready, and a line per check and per cluster.
+fn readiness<C: ClusterId>(served: &Served<C>) -> (bool, String) {
+    let (mut ready, mut detail) = checks(&served.endpoints.readyz);
+    if served.stopping.is_cancelled() {
+        ready = false;
+        detail.push_str("manager: stopping\n");
+    } else {
+        detail.push_str("manager: running\n");
+    }
+    let clusters = served.local.iter().cloned().chain(served.fleet.clusters());
+    for cluster in clusters {
+        let is_host = served
+            .host
+            .as_ref()
+            .is_some_and(|h| h.same_instance(&cluster));
+        // The host decides; members only with `strict`.
+        let counts = is_host || served.endpoints.strict;
+        let status = cluster.cache_status();
+        let mut problems = Vec::new();
+        for watch in &status {
+            match (&watch.error, watch.synced) {
+                (None, true) => {}
+                (None, false) => {
+                    ready &= !counts;
+                    problems.push(format!("{} listing", watch.kind));
+                }
+                (Some(error), synced) => {
+                    ready &= !counts;
+                    let state = if synced { "stale, failing" } else { "failing" };
+                    problems.push(format!("{} {state}: {error}", watch.kind));
+                }
+            }
+        }
+        let role = if is_host { "host" } else { "cluster" };
+        let _ = write!(detail, "{role} {}: ", cluster.id());
+        if problems.is_empty() {
+            let _ = writeln!(detail, "ok ({} watches listed)", status.len());
+        } else {
+            let _ = writeln!(detail, "{}", problems.join("; "));
+        }
+    }
+    (ready, detail)
+}
