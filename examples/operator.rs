@@ -214,6 +214,12 @@ async fn operate<P: Provider<Id = ClusterName>>(
         .metrics(metrics)
         .client_rate_limit(RateLimit::new(args.qps, args.burst)?)
         .serve(endpoints);
+    // With a target namespace, every ConfigMap watch (the originals on the host, the copies
+    // in each cluster) looks only at the operator's namespace and the target: its RBAC is
+    // then Roles there, not a read of every ConfigMap of every cluster.
+    if let Some(target) = &args.target_namespace {
+        manager = manager.namespaces_for::<ConfigMap>([args.namespace.clone(), target.clone()]);
+    }
     let lease_duration = Duration::try_from_secs_f64(args.lease_duration_seconds)?;
     let renew_deadline = Duration::try_from_secs_f64(args.renew_deadline_seconds)?;
     let retry_period = Duration::try_from_secs_f64(args.retry_period_seconds)?;

@@ -665,3 +665,167 @@ pub async fn apply_manifests(client: &kube::Client, yaml: &str) {
 pub fn manifest(file: &str) -> String {
     std::fs::read_to_string(format!("{}/deploy/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
+
+// HTTPS endpoints: a client that accepts their certificates, tokens and their permissions.
+
+/// Accepts any server certificate (the endpoints' own are self-signed), keeping none: the
+/// test compares what was served itself.
+#[derive(Debug)]
+pub struct AnyCertificate;
+
+impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        rustls::crypto::ring::default_provider()
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// An HTTPS GET of `path` from `addr`, with `token` as bearer: the status, the body and the
+/// certificate the server presented.
+pub async fn https_get(
+    addr: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .dangerous()
+    .with_custom_certificate_verifier(Arc::new(AnyCertificate))
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut tls = connector
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let certificate = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: probe\r\n{authorization}Connection: close\r\n\r\n");
+    tls.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    // A server closing without close_notify is fine here.
+    let _ = tls.read_to_end(&mut response).await;
+    let response = String::from_utf8_lossy(&response).to_string();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body, certificate)
+}
+
+/// A service account `name` of `default` with no permission, and a token of it.
+pub async fn account_token(client: &kube::Client, name: &str) -> String {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    let mut account = ServiceAccount::default();
+    account.metadata.name = Some(name.into());
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    accounts
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.token)
+        .unwrap()
+}
+
+/// Lets the service account `account` of `default` `get` the non-resource URLs `urls`.
+pub async fn grant_urls(client: &kube::Client, account: &str, urls: &[&str]) {
+    use k8s_openapi::api::rbac::v1::{
+        ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject,
+    };
+    let pp = PostParams::default();
+    let role = ClusterRole {
+        metadata: kube::api::ObjectMeta {
+            name: Some(format!("{account}-urls")),
+            ..Default::default()
+        },
+        rules: Some(vec![PolicyRule {
+            non_resource_urls: Some(urls.iter().map(|u| u.to_string()).collect()),
+            verbs: vec!["get".into()],
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    Api::<ClusterRole>::all(client.clone())
+        .create(&pp, &role)
+        .await
+        .unwrap();
+    let binding = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(format!("{account}-urls")),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "ClusterRole".into(),
+            name: format!("{account}-urls"),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: account.into(),
+            namespace: Some("default".into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&pp, &binding)
+        .await
+        .unwrap();
+}
