@@ -971,7 +971,7 @@ impl<P: Provider> Manager<P> {
                 match tokio::time::timeout(Duration::from_secs(5), elector.release()).await {
                     Ok(Ok(())) => tracing::info!(lease = %lease, "lease released"),
                     Ok(Err(error)) => {
-                        tracing::warn!(lease = %lease, %error, "could not release the lease; it expires on its own");
+                        tracing::warn!(lease = %lease, error = %crate::cluster::Shown(&error), "could not release the lease; it expires on its own");
                     }
                     Err(_) => {
                         tracing::warn!(lease = %lease, "releasing the lease timed out; it expires on its own")
@@ -1166,7 +1166,7 @@ async fn campaign(
                 }
                 Err(error) => {
                     if !failing {
-                        tracing::warn!(lease = %lease, %identity, %error, "cannot read or take the lease; retrying");
+                        tracing::warn!(lease = %lease, %identity, error = %crate::cluster::Shown(&error), "cannot read or take the lease; retrying");
                         failing = true;
                     }
                 }
@@ -1211,7 +1211,7 @@ async fn campaign(
                 }
                 Ok(Ok(Attempt::HeldBy(holder))) => break format!("{holder} holds the lease now"),
                 Ok(Err(error)) => {
-                    tracing::warn!(lease = %lease, %error, "renewing the lease failed; retrying until the renew deadline");
+                    tracing::warn!(lease = %lease, error = %crate::cluster::Shown(&error), "renewing the lease failed; retrying until the renew deadline");
                     last_error = Some(error);
                 }
                 Err(_) => {

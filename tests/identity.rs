@@ -165,7 +165,10 @@ async fn a_fleet_keyed_by_cluster_id_follows_the_properties_across_renames() {
     })
     .await;
     let contested = ["not engaged", "claimed by 2 clusters (renamed-first, twin)"];
-    assert_eq!(logs.lines(&contested).len(), 2, "a WARN for each claimant");
+    eventually(30, "a WARN for each claimant", async || {
+        logs.lines(&contested).len() == 2
+    })
+    .await;
     eventually(
         30,
         "the contest recorded in the claimant's cluster",

@@ -14,7 +14,10 @@
 //!    `.auth_layer()`. Its error must pass through the crate's redaction.
 //!
 //! A line that is right in spite of a pattern says so with `secrets-lint: <why>` on it or on
-//! the line above; the reason is read in review. The rules are tested on planted lines below,
+//! the line above; the reason is read in review. What the rules do not see: an error value
+//! (`%error`) whose type carries a kube authentication error. Those are redacted where they
+//! arise (every cluster's client layer) or shown through `Shown` where the client is a plain
+//! `kube::Client` of the user's. The rules are tested on planted lines below,
 //! so a rule that can no longer fail is noticed.
 
 use std::path::{Path, PathBuf};
@@ -31,6 +34,7 @@ struct Rules {
     derive: Regex,
     holder_type: Regex,
     construct: Regex,
+    redacted: Regex,
 }
 
 impl Rules {
@@ -59,6 +63,8 @@ impl Rules {
                 r"Client::try_from\(|ClientBuilder::try_from\(|Client::try_default\(|\.auth_layer\(\)",
             )
             .unwrap(),
+            // The error mapped on the same line by the crate's redaction.
+            redacted: Regex::new(r"map_err\((?:[a-z_]+::)*redact_(?:kube|boxed)\)").unwrap(),
         }
     }
 
@@ -102,7 +108,7 @@ impl Rules {
                     in_macro = 0;
                 }
             }
-            if self.construct.is_match(code) && !code.contains("redact") && !allowed(i) {
+            if self.construct.is_match(code) && !self.redacted.is_match(code) && !allowed(i) {
                 problems.push(format!("{}: construct: `{}`", i + 1, code.trim()));
             }
             if self.derive.is_match(code) && !allowed(i) {
@@ -216,6 +222,7 @@ fn each_rule_catches_its_planted_line_and_passes_its_fixed_one() {
         "let client = kube::Client::try_from(config)?;",
         "let layer = config.auth_layer()?;",
         "let client = Client::try_default().await?;",
+        "let client = Client::try_from(config)?; // redacted later",
     ] {
         assert!(caught(bad), "not caught: {bad}");
     }

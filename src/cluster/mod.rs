@@ -43,7 +43,7 @@ pub use identity::ClusterIdentity;
 pub(crate) use identity::value_of as property_value;
 pub(crate) use index::Indexer;
 pub use redact::CredentialError;
-pub(crate) use redact::describe_client;
+pub(crate) use redact::{Shown, describe_client};
 #[cfg(test)]
 pub(crate) use source::map_event;
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};

@@ -3,10 +3,13 @@
 //! `KUBERNETES_EXEC_INFO` among them) and what the plugin printed.
 //!
 //! Such text must not reach a log line, an Event (readable by anyone with `view` on a
-//! namespace), `/readyz?verbose`, `cache_status` or a metric. Every client this crate builds
-//! or is given has its errors passed through [`redact_boxed`] on their way out (the cluster's
-//! own tower layer, outermost on every path); errors of a client's construction through
-//! [`redact_kube`]. [`safe_text`] is the last filter for error text the crate keeps.
+//! namespace), `/readyz?verbose`, `cache_status` or a metric. Every cluster's client (built
+//! by the crate, or given to [`Cluster::new`](crate::Cluster::new)) has its errors passed
+//! through [`redact_boxed`] on their way out (the cluster's own tower layer, outermost on
+//! every path); errors of a client's construction through [`redact_kube`]. [`safe_text`] is
+//! the filter for error text the crate keeps, and [`Shown`] for the log lines of errors of
+//! plain `kube::Client`s given for the host (leader election, sharding, hub providers, the
+//! endpoints' token checks), which the crate does not wrap.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -203,6 +206,17 @@ pub(crate) fn safe_text(error: &(dyn StdError + 'static)) -> String {
     } else {
         // The wrapper shows its cause in some other way: say only what failed.
         description
+    }
+}
+
+/// An error shown as [`safe_text`] shows it: for the log lines of errors that come from
+/// clients the crate did not build (a host `kube::Client` given by the user: its
+/// authentication errors are kube's, with the plugin's command line and output).
+pub(crate) struct Shown<'a>(pub(crate) &'a (dyn StdError + 'static));
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&safe_text(self.0))
     }
 }
 

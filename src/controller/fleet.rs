@@ -524,7 +524,7 @@ where
             match reconcile(object.clone(), ctx.clone()).await {
                 Ok(action) => (action, ReconcileReason::Requeue, None),
                 Err(error) => {
-                    tracing::warn!(cluster = %req.cluster, %error, "reconcile failed");
+                    tracing::warn!(cluster = %req.cluster, error = %crate::cluster::Shown(&error), "reconcile failed");
                     let action = error_policy(object, &error, &ctx);
                     let failure = observer
                         .is_some()

@@ -361,9 +361,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     tracing::debug!(controller = %name, object = %obj, "object not in the cache (deleted); skipping");
                 }
                 Err(KubeError::ReconcilerFailed(error, obj)) => {
-                    tracing::warn!(controller = %name, object = %obj, %error, "reconcile failed");
+                    tracing::warn!(controller = %name, object = %obj, error = %crate::cluster::Shown(&error), "reconcile failed");
                 }
-                Err(error) => tracing::warn!(controller = %name, %error, "controller error"),
+                Err(error) => tracing::warn!(controller = %name, error = %crate::cluster::Shown(&error), "controller error"),
             }
             std::future::ready(())
         });

@@ -14,7 +14,7 @@ use kube_runtime::watcher;
 use serde::Deserialize;
 
 use super::hub::{self, HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
-use super::kubeconfig::version_of;
+use super::kubeconfig::{canonical_version_of, version_of};
 use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
 use crate::{Cluster, ClusterName};
 
@@ -196,9 +196,12 @@ impl ClusterInventory {
 /// strings) only where `profileSourcedCLIArgsPolicy` is `Append`, and environment variables
 /// (`.../additional-envs`, a map) only where `profileSourcedEnvVarsPolicy` is
 /// `AppendIfNotExists` (the operator's values win) or `Replace` (the profile's win); the
-/// default of both is `Ignore`. A profile may never set `LD_*`, `DYLD_*`, `PATH`, `*_PROXY`,
-/// `KUBECONFIG` or `KUBERNETES_*` (such a profile is refused). Plugins run without a
-/// terminal (`interactiveMode: Never`).
+/// default of both is `Ignore`. A profile may set only plain variable names, and never one
+/// that loads code or settings, redirects or re-trusts requests, or names the plugin's own
+/// credentials (`LD_*`, `PATH`, `BASH_ENV`, `*_PROXY`, `SSL_CERT_*`, `KUBECONFIG`,
+/// `KUBERNETES_*` and the like; such a profile is refused). With `allowedServers`, a
+/// profile's `proxy-url` is refused too. Plugins run without a terminal
+/// (`interactiveMode: Never`).
 ///
 /// Of a profile's cluster, only `server`, `certificate-authority-data`, `proxy-url` and the
 /// extension `client.authentication.k8s.io/exec` are used (as upstream's `pkg/access`);
@@ -257,17 +260,40 @@ pub const INHERITED_ENV: &[&str] = &[
 pub const EXEC_EXTENSION: &str = "client.authentication.k8s.io/exec";
 
 /// Whether a profile may set the variable `name` for a plugin (where the provider's
-/// policy lets profiles add variables at all): not one that changes what code runs or
-/// which libraries load (`LD_*`, `DYLD_*`, `PATH`), where requests go (`*_PROXY`,
-/// `NO_PROXY`) or which credentials the plugin itself uses (`KUBECONFIG`, `KUBERNETES_*`).
+/// policy lets profiles add variables at all): a plain name (letters, digits, `_`, not
+/// starting with a digit: no `=` that would smuggle another variable past this check), and
+/// not one that changes what code runs or which libraries and settings load (`LD_*`,
+/// `DYLD_*`, `PATH`, `BASH_ENV`, `ENV`, `NODE_OPTIONS`, `PYTHON*`, `PERL5*`, `RUBYOPT`,
+/// `RUBYLIB`, `JAVA_TOOL_OPTIONS`), where requests go or whom they trust (`*_PROXY`,
+/// `SSL_CERT_*`, `*_CA_BUNDLE`) or which credentials the plugin itself uses (`KUBECONFIG`,
+/// `KUBERNETES_*`).
 pub(crate) fn profile_may_set(name: &str) -> bool {
+    let plain = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
     let upper = name.to_ascii_uppercase();
-    !(upper.starts_with("LD_")
-        || upper.starts_with("DYLD_")
-        || upper == "PATH"
-        || upper.ends_with("_PROXY")
-        || upper == "KUBECONFIG"
-        || upper.starts_with("KUBERNETES_"))
+    plain
+        && !(upper.starts_with("LD_")
+            || upper.starts_with("DYLD_")
+            || upper.starts_with("PYTHON")
+            || upper.starts_with("PERL5")
+            || upper.starts_with("SSL_CERT_")
+            || upper.starts_with("KUBERNETES_")
+            || upper.ends_with("_PROXY")
+            || upper.ends_with("_CA_BUNDLE")
+            || [
+                "PATH",
+                "BASH_ENV",
+                "ENV",
+                "NODE_OPTIONS",
+                "RUBYOPT",
+                "RUBYLIB",
+                "JAVA_TOOL_OPTIONS",
+                "KUBECONFIG",
+            ]
+            .contains(&upper.as_str()))
 }
 
 /// The variables of the controller's environment to remove from the plugin's: all but the
@@ -524,12 +550,19 @@ impl AccessProviders {
                 "access provider {name:?}: the cluster has no server"
             ));
         }
-        if let Some(allowed) = &provider.allowed_servers
-            && !allowed.iter().any(|pattern| pattern.matches(&server))
-        {
-            return Err(format!(
-                "access provider {name:?}: the server {server} is not one this controller allows for it"
-            ));
+        if let Some(allowed) = &provider.allowed_servers {
+            if !allowed.iter().any(|pattern| pattern.matches(&server)) {
+                return Err(format!(
+                    "access provider {name:?}: the server {server} is not one this controller allows for it"
+                ));
+            }
+            // A proxy of the profile's choosing would see (or answer) the allowed server's
+            // traffic: where servers are pinned, so are the routes to them.
+            if written.proxy_url.as_deref().is_some_and(|p| !p.is_empty()) {
+                return Err(format!(
+                    "access provider {name:?}: the profile names a proxy-url, which a provider with allowedServers does not take"
+                ));
+            }
         }
         let extension = |wanted: &str| {
             written
@@ -667,21 +700,18 @@ impl HubKind for Kind {
             Access::Providers(providers) => {
                 let (name, kubeconfig) = providers.kubeconfig_for(object)?;
                 // What the client would be built from (the plugin's answer is not known
-                // before it runs), through `Value`, whose maps are sorted: the plugin's
-                // variables are hash maps, and written directly their order would vary.
-                let text = |v: serde_json::Result<serde_json::Value>| {
-                    v.map(|v| v.to_string()).unwrap_or_default()
-                };
-                let cluster = text(serde_json::to_value(&kubeconfig.clusters));
-                let user = kubeconfig.auth_infos[0]
+                // before it runs), in a form whose maps are ordered: the plugin's variables
+                // are hash maps.
+                let exec = kubeconfig.auth_infos[0]
                     .auth_info
                     .as_ref()
-                    .and_then(|a| a.exec.as_ref())
-                    .map(|e| text(serde_json::to_value(e)));
-                Ok((
-                    version_of(&(name, cluster, user)),
-                    Recipe::Access(Box::new(kubeconfig)),
-                ))
+                    .and_then(|a| a.exec.as_ref());
+                let version = version_of(&(
+                    name,
+                    canonical_version_of(&kubeconfig.clusters),
+                    canonical_version_of(&exec),
+                ));
+                Ok((version, Recipe::Access(Box::new(kubeconfig))))
             }
             Access::Secrets { consumer, trust } => {
                 let namespace = object.namespace().unwrap_or_default();
@@ -1023,6 +1053,10 @@ mod tests {
                 "{bad}: {error}"
             );
         }
+        // A pinned server is not reached through a proxy of the profile's choosing.
+        let proxied = providers.kubeconfig_for(&profile(json!({"accessProviders": [{"name": "a",
+            "cluster": {"server": "https://hub.example.com:6443", "proxy-url": "http://evil:3128"}}]})));
+        assert!(proxied.unwrap_err().contains("proxy-url"));
         let bad_pattern = AccessProviders::from_json(
             r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"},
                 "allowedServers": ["hub.example.com"]}]}"#,
@@ -1047,12 +1081,26 @@ mod tests {
             "NO_PROXY",
             "KUBECONFIG",
             "KUBERNETES_SERVICE_HOST",
+            // A name with `=` would set another variable (std's Command does not refuse it).
+            "KUBECONFIG=/tmp/other",
+            "https_proxy=http://evil:3128/#",
+            "BASH_ENV",
+            "NODE_OPTIONS",
+            "PYTHONPATH",
+            "SSL_CERT_FILE",
+            "REQUESTS_CA_BUNDLE",
+            "1ST",
+            "A-B",
+            "",
         ] {
             let status = json!({"accessProviders": [{"name": "a", "cluster": {
                 "server": "https://a",
                 "extensions": [{"name": ENVS_EXTENSION, "extension": {variable: "x"}}]}}]});
             let error = providers.kubeconfig_for(&profile(status)).unwrap_err();
-            assert!(error.contains(variable), "{variable}: {error}");
+            assert!(
+                error.contains("which a profile may not set"),
+                "{variable}: {error}"
+            );
         }
         let status = json!({"accessProviders": [{"name": "a", "cluster": {
             "server": "https://a",

@@ -451,7 +451,7 @@ impl<K: HubKind> Engine<K> {
                 }
                 Ok(None) => {}
                 Err(error) => {
-                    tracing::warn!(group = K::GROUP, %error, "discovery failed; retrying")
+                    tracing::warn!(group = K::GROUP, error = %crate::cluster::Shown(&error), "discovery failed; retrying")
                 }
             }
             tokio::select! {
@@ -532,7 +532,7 @@ impl<K: HubKind> Engine<K> {
                 event = objects.next() => match event {
                     None => return Ok(()),
                     Some(Err(error)) => {
-                        tracing::warn!(%error, "watching {}s failed; retrying", K::WHAT);
+                        tracing::warn!(error = %crate::cluster::Shown(&error), "watching {}s failed; retrying", K::WHAT);
                         continue;
                     }
                     Some(Ok(WatchEvent::Init)) => {
@@ -570,7 +570,7 @@ impl<K: HubKind> Engine<K> {
                 event = secrets.next() => match event {
                     None => return Ok(()),
                     Some(Err(error)) => {
-                        tracing::warn!(%error, "watching the Secrets of {}s failed; retrying", K::WHAT);
+                        tracing::warn!(error = %crate::cluster::Shown(&error), "watching the Secrets of {}s failed; retrying", K::WHAT);
                         continue;
                     }
                     Some(Ok(WatchEvent::Init)) => {

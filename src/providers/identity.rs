@@ -581,7 +581,7 @@ const DISCOVERY_RETRY: Duration = Duration::from_secs(10);
 /// [`ClusterIdentity::VERSIONS`] it serves), reporting its identity after each complete
 /// listing and each change, until `stop`. A cluster that does not serve the kind is reported
 /// with an empty identity and looked at again every 10 s (the CRD may come later); one whose
-/// version goes away is looked at again at once.
+/// version goes away is looked at again after a second.
 async fn watch_properties<I: ClusterId>(
     cluster: Cluster<I>,
     generation: u64,
@@ -666,11 +666,14 @@ async fn watch_properties<I: ClusterId>(
                     report(&identity, version);
                 }
                 // The version is not served any more (the CRD changed or went): find the
-                // kind again.
+                // kind again, after a pause (discovery may not show the change yet).
                 Some(Err(watcher::Error::InitialListFailed(kube::Error::Api(status))))
                     if status.code == 404 =>
                 {
-                    break;
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => break,
+                    }
                 }
                 Some(Err(error)) => {
                     tracing::warn!(cluster = %cluster.id(), %error, "watching ClusterProperty failed; retrying");

@@ -197,7 +197,7 @@ impl Provider for KubeconfigSecrets {
             let secret = match event {
                 None => return Ok(()),
                 Some(Err(error)) => {
-                    tracing::warn!(namespace = %self.namespace, %error, "watching kubeconfig Secrets failed; retrying");
+                    tracing::warn!(namespace = %self.namespace, error = %crate::cluster::Shown(&error), "watching kubeconfig Secrets failed; retrying");
                     continue;
                 }
                 Some(Ok(WatchEvent::Init)) => {

@@ -121,6 +121,6 @@ pub(crate) async fn record_refusal(
         secondary: None,
     };
     if let Err(error) = recorder.publish(&event, reference).await {
-        tracing::warn!(%cluster, %error, "could not record the refusal as an Event");
+        tracing::warn!(%cluster, error = %crate::cluster::Shown(&error), "could not record the refusal as an Event");
     }
 }

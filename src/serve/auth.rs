@@ -22,6 +22,9 @@ use crate::sync::lock;
 const ALLOWED_FOR: Duration = Duration::from_secs(60);
 const DENIED_FOR: Duration = Duration::from_secs(10);
 const KEPT: usize = 1024;
+/// Reviews asked of the host at once: a flood of made-up tokens waits here instead of
+/// flooding the host (or the client's rate limit, which the controllers share).
+const REVIEWS_AT_ONCE: usize = 4;
 
 /// The outcome of a request's check.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +47,7 @@ pub(crate) struct Authorizer {
     client: kube::Client,
     /// Answers by question, with when they were given.
     cache: Mutex<HashMap<Question, (Verdict, Instant)>>,
+    reviews: tokio::sync::Semaphore,
 }
 
 impl Authorizer {
@@ -51,6 +55,7 @@ impl Authorizer {
         Arc::new(Self {
             client,
             cache: Mutex::new(HashMap::new()),
+            reviews: tokio::sync::Semaphore::new(REVIEWS_AT_ONCE),
         })
     }
 
@@ -60,21 +65,30 @@ impl Authorizer {
             return Verdict::Unauthenticated;
         };
         let key = (token.to_string(), path.to_string(), verb.to_string());
-        if let Some((verdict, at)) = lock(&self.cache).get(&key).cloned() {
-            let ttl = if verdict == Verdict::Allowed {
-                ALLOWED_FOR
-            } else {
-                DENIED_FOR
-            };
-            if at.elapsed() < ttl {
-                return verdict;
-            }
+        let cached = || {
+            lock(&self.cache)
+                .get(&key)
+                .filter(|(verdict, at)| at.elapsed() < ttl(verdict))
+                .map(|(verdict, _)| verdict.clone())
+        };
+        if let Some(verdict) = cached() {
+            return verdict;
+        }
+        let Ok(_permit) = self.reviews.acquire().await else {
+            return Verdict::Unavailable;
+        };
+        // Answered while this one waited its turn.
+        if let Some(verdict) = cached() {
+            return verdict;
         }
         let verdict = self.ask(token, path, verb).await;
         if verdict != Verdict::Unavailable {
             let mut cache = lock(&self.cache);
             if cache.len() >= KEPT {
-                // Drop the oldest answers (a full cache is rare: one entry per scraper).
+                cache.retain(|_, (verdict, at)| at.elapsed() < ttl(verdict));
+            }
+            if cache.len() >= KEPT {
+                // Still full of live answers (made-up tokens): the oldest quarter goes.
                 let mut ages: Vec<_> = cache.iter().map(|(k, (_, at))| (*at, k.clone())).collect();
                 ages.sort_unstable_by_key(|(at, _)| *at);
                 for (_, old) in ages.into_iter().take(KEPT / 4) {
@@ -104,7 +118,7 @@ impl Authorizer {
             },
             Err(error) => {
                 // The token is never logged; the host's error says nothing of it.
-                tracing::warn!(%error, "endpoints: the host's TokenReview failed");
+                tracing::warn!(error = %crate::cluster::Shown(&error), "endpoints: the host's TokenReview failed");
                 return Verdict::Unavailable;
             }
         };
@@ -127,9 +141,18 @@ impl Authorizer {
             Ok(answer) if answer.status.as_ref().is_some_and(|s| s.allowed) => Verdict::Allowed,
             Ok(_) => Verdict::Forbidden,
             Err(error) => {
-                tracing::warn!(%error, "endpoints: the host's SubjectAccessReview failed");
+                tracing::warn!(error = %crate::cluster::Shown(&error), "endpoints: the host's SubjectAccessReview failed");
                 Verdict::Unavailable
             }
         }
+    }
+}
+
+/// How long `verdict` stands in the cache.
+fn ttl(verdict: &Verdict) -> Duration {
+    if *verdict == Verdict::Allowed {
+        ALLOWED_FOR
+    } else {
+        DENIED_FOR
     }
 }

@@ -44,6 +44,12 @@ pub type Handler = Arc<
 /// `/livez` and `/readyz`.
 const DETAIL: &str = "/metrics";
 
+/// How long a client may take to send a request's headers, and how many connections are
+/// served at once (more are closed at once): a slow or numerous client cannot hold every
+/// file descriptor or the probes' answers.
+const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+const MAX_CONNECTIONS: usize = 256;
+
 /// How much of a request's body a handler gets.
 const MAX_BODY: usize = 1 << 20;
 
@@ -53,7 +59,7 @@ const MAX_BODY: usize = 1 << 20;
 /// | --- | --- | --- |
 /// | `/metrics` | the registry in Prometheus' text format (OpenMetrics), if one was given | a bearer token the host authenticates and authorizes for `get` on the non-resource URL `/metrics` |
 /// | `/healthz`, `/livez` | `200 ok` while the manager runs and every check of [`Endpoints::healthz_check`] passes (`500` naming the failing checks otherwise): the answer comes from its runtime, so a wedged runtime fails the probe by not answering | anyone |
-/// | `/readyz` | `200 ok` once the manager runs, its host cluster's watches have listed and every check of [`Endpoints::readyz_check`] passes; `503` before, and once it is stopping. Member clusters do not count: one cluster of a large fleet still listing, or failing, must not take the replica out of its Service. With [`Endpoints::strict`], every engaged cluster must have listed and none be failing | anyone |
+/// | `/readyz` | `200 ok` once the manager runs, its host cluster's watches have listed (and none fails) and every check of [`Endpoints::readyz_check`] passes; `503` before, and once it is stopping. Member clusters do not count: one cluster of a large fleet still listing, or failing, must not take the replica out of its Service. With [`Endpoints::strict`], every engaged cluster must have listed and none be failing | anyone |
 /// | `/readyz?verbose`, `/healthz?verbose` | the same status, with the checks and a line per cluster (its watches, whether they listed, why not) | as `/metrics` (Kubernetes' default roles let everyone `get` `/readyz` itself) |
 /// | a path of [`Endpoints::handler`] | yours | as `/metrics`, for the request's verb on that path |
 ///
@@ -228,6 +234,7 @@ pub(crate) async fn serve<C: ClusterId>(
 ) {
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let connections = TaskTracker::new();
+    let room = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let accepted = tokio::select! {
             () = stop.cancelled() => break,
@@ -236,14 +243,21 @@ pub(crate) async fn serve<C: ClusterId>(
         let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(error) => {
+                // Out of file descriptors, most likely: let some close before trying again.
                 tracing::debug!(%error, "endpoints: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 continue;
             }
+        };
+        let Ok(permit) = room.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
         };
         let served = served.clone();
         let stop = stop.clone();
         let acceptor = acceptor.clone();
         connections.spawn(async move {
+            let _permit = permit;
             let service = hyper::service::service_fn(move |req| {
                 let served = served.clone();
                 async move { Ok::<_, Infallible>(answer(&served, req).await) }
@@ -279,7 +293,10 @@ where
     S: hyper::service::HttpService<Incoming, ResBody = Full<Bytes>> + Send,
     S::Future: Send,
 {
-    let connection = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(io, service);
     tokio::pin!(connection);
     tokio::select! {
         _ = connection.as_mut() => {}
@@ -349,6 +366,19 @@ async fn allowed<C: ClusterId>(
 
 async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
+    // The verb a handler's request is authorized as is its method lower-cased: only the
+    // methods whose names say what they do.
+    let known = matches!(
+        *req.method(),
+        Method::GET | Method::HEAD | Method::POST | Method::PUT | Method::PATCH | Method::DELETE
+    );
+    if !known {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method not allowed\n",
+            PLAIN,
+        );
+    }
     if let Some(handler) = served.endpoints.handlers.get(&path).cloned()
         && !matches!(
             path.as_str(),

@@ -258,7 +258,7 @@ impl<C: ClusterId> Coordinator<C> {
         match peer {
             Ok(Ok(())) => self.announced = Some(began),
             Ok(Err(error)) => {
-                tracing::warn!(group = %self.config.group, %error, "sharding: could not renew this replica's peer lease")
+                tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not renew this replica's peer lease")
             }
             Err(_) => {
                 tracing::warn!(group = %self.config.group, "sharding: renewing this replica's peer lease timed out")
@@ -279,7 +279,7 @@ impl<C: ClusterId> Coordinator<C> {
                 self.verify();
             }
             Ok(Err(error)) => {
-                tracing::warn!(group = %self.config.group, %error, "sharding: could not list the group's leases")
+                tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not list the group's leases")
             }
             Err(_) => {
                 tracing::warn!(group = %self.config.group, "sharding: listing the group's leases timed out")
@@ -389,7 +389,7 @@ impl<C: ClusterId> Coordinator<C> {
                         tracing::debug!(cluster = %id, "sharding: another replica wrote the fence first")
                     }
                     Ok(Err(error)) => {
-                        tracing::warn!(cluster = %id, %error, "sharding: could not take the fence")
+                        tracing::warn!(cluster = %id, error = %crate::cluster::Shown(&error), "sharding: could not take the fence")
                     }
                     Err(_) => tracing::warn!(cluster = %id, "sharding: taking the fence timed out"),
                 }
@@ -451,7 +451,7 @@ impl<C: ClusterId> Coordinator<C> {
                     tracing::info!(%cluster, "sharding: released a fence this replica no longer held")
                 }
                 Ok(Err(error)) => {
-                    tracing::warn!(%cluster, %error, "sharding: could not release a fence this replica no longer holds; trying again at the next round")
+                    tracing::warn!(%cluster, error = %crate::cluster::Shown(&error), "sharding: could not release a fence this replica no longer holds; trying again at the next round")
                 }
                 Err(_) => {
                     tracing::warn!(%cluster, "sharding: releasing a fence timed out; trying again at the next round")
@@ -559,7 +559,7 @@ impl<C: ClusterId> Coordinator<C> {
                 tracing::info!(cluster = %id, group = %self.config.group, "sharding: cluster handed over; fence released")
             }
             Ok(Err(error)) => {
-                tracing::warn!(cluster = %id, %error, "sharding: could not release the fence; trying again at the next round")
+                tracing::warn!(cluster = %id, error = %crate::cluster::Shown(&error), "sharding: could not release the fence; trying again at the next round")
             }
             Err(_) => {
                 tracing::warn!(cluster = %id, "sharding: releasing the fence timed out; trying again at the next round")

@@ -456,7 +456,7 @@ async fn run_host_watch(
         let event = match event {
             None => break,
             Some(Err(error)) => {
-                tracing::warn!(cluster = "host", %kind, %error, "namespace provider: the host watch failed; retrying");
+                tracing::warn!(cluster = "host", %kind, error = %crate::cluster::Shown(&error), "namespace provider: the host watch failed; retrying");
                 continue;
             }
             Some(Ok(event)) => event,

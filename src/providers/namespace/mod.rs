@@ -142,7 +142,7 @@ impl Provider for Namespaces {
             match event {
                 None => return Ok(()),
                 Some(Err(error)) => {
-                    tracing::warn!(%error, "watching the host's namespaces failed; retrying");
+                    tracing::warn!(error = %crate::cluster::Shown(&error), "watching the host's namespaces failed; retrying");
                 }
                 Some(Ok(Event::Init)) => listing.clear(),
                 Some(Ok(Event::InitApply(ns))) => {
