@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authentication::v1::TokenReview;
 use k8s_openapi::api::authorization::v1::{
     NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
@@ -101,12 +101,15 @@ impl Authorizer {
     }
 
     async fn ask(&self, token: &str, path: &str, verb: &str) -> Verdict {
-        let review = TokenReview {
-            spec: TokenReviewSpec {
-                token: token.to_string(),
-                audiences: None,
-            },
-            ..Default::default()
+        // Through its JSON form: the type of `spec.token` differs between the Kubernetes
+        // versions a user's k8s-openapi may pick.
+        let review = serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token},
+        });
+        let Ok(review) = serde_json::from_value::<TokenReview>(review) else {
+            return Verdict::Unavailable;
         };
         let reviews: Api<TokenReview> = Api::all(self.client.clone());
         let user = match reviews.create(&PostParams::default(), &review).await {

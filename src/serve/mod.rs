@@ -452,7 +452,7 @@ async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Res
             if verbose && let Err(refused) = allowed(served, &req, DETAIL, "get").await {
                 return refused;
             }
-            let (ready, detail) = readiness(served);
+            let (ready, detail) = readiness(served, verbose);
             let status = if ready {
                 StatusCode::OK
             } else {
@@ -486,8 +486,10 @@ fn checks(checks: &[(String, Check)]) -> (bool, String) {
     (passed, detail)
 }
 
-/// Whether the manager is ready, and a line per check and per cluster.
-fn readiness<C: ClusterId>(served: &Served<C>) -> (bool, String) {
+/// Whether the manager is ready, and (when `verbose`) a line per check and per cluster. A
+/// probe that is neither verbose nor strict looks at the host alone, not at every member of
+/// a large fleet.
+fn readiness<C: ClusterId>(served: &Served<C>, verbose: bool) -> (bool, String) {
     let (mut ready, mut detail) = checks(&served.endpoints.readyz);
     if served.stopping.is_cancelled() {
         ready = false;
@@ -495,7 +497,16 @@ fn readiness<C: ClusterId>(served: &Served<C>) -> (bool, String) {
     } else {
         detail.push_str("manager: running\n");
     }
-    let clusters = served.local.iter().cloned().chain(served.fleet.clusters());
+    let clusters: Vec<Cluster<C>> = if verbose || served.endpoints.strict {
+        served
+            .local
+            .iter()
+            .cloned()
+            .chain(served.fleet.clusters())
+            .collect()
+    } else {
+        served.host.iter().cloned().collect()
+    };
     for cluster in clusters {
         let is_host = served
             .host
