@@ -911,6 +911,36 @@ async fn three_operator_processes_split_the_fleet_and_take_over_from_a_killed_on
     // The operator's manifests: its namespace, ServiceAccount and Role (the RBAC that
     // docs/sharding.md names), as whose identity the processes run.
     common::apply_manifests(&host, &common::manifest("operator.yaml")).await;
+    // The processes run without --target-namespace (each copy goes to its cluster's own
+    // namespace), so they watch ConfigMaps cluster-wide: more than the shipped manifests
+    // grant (they run the operator with --target-namespace=mcr-system).
+    common::apply_manifests(
+        &host,
+        r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: sharding-test-configmaps
+rules:
+  - apiGroups: [""]
+    resources: ["configmaps"]
+    verbs: ["list", "watch"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: sharding-test-configmaps
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: sharding-test-configmaps
+subjects:
+  - kind: ServiceAccount
+    name: mcr-operator
+    namespace: mcr-system
+"#,
+    )
+    .await;
     let operator_user = host_cluster
         .add_user(
             "system:serviceaccount:mcr-system:mcr-operator",
