@@ -1537,6 +1537,16 @@ impl OperatorProcess {
     }
 }
 
+/// The ConfigMap `mcr-system/settings` of the host, labelled to be copied, `colour: blue`.
+async fn create_original(host: &kube::Client) {
+    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
+    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
+    Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
+        .create(&PostParams::default(), &original)
+        .await
+        .unwrap();
+}
+
 async fn configmap_in(client: &kube::Client, ns: &str, name: &str) -> Option<ConfigMap> {
     Api::<ConfigMap>::namespaced(client.clone(), ns)
         .get_opt(name)
@@ -1591,12 +1601,7 @@ async fn the_example_operator_reports_a_cluster_engaged_later_in_an_event_of_its
         operator_user,
         member_user,
     } = deployed().await;
-    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
-    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
-    Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
-        .create(&PostParams::default(), &original)
-        .await
-        .unwrap();
+    create_original(&host).await;
     let dir = tempfile::tempdir().unwrap();
     let _operator = OperatorProcess::start(
         &binary,
@@ -1652,12 +1657,7 @@ async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails
     // The member as a kubeconfig Secret, the way the secrets provider finds it.
     member_secret(&host, "mcr-system", member_user.kubeconfig()).await;
     let originals: Api<ConfigMap> = Api::namespaced(host.clone(), "mcr-system");
-    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
-    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
-    originals
-        .create(&PostParams::default(), &original)
-        .await
-        .unwrap();
+    create_original(&host).await;
 
     let dir = tempfile::tempdir().unwrap();
     let mut a = OperatorProcess::start(
@@ -1801,12 +1801,7 @@ async fn the_deploy_rbac_suffices_the_operator_runs_as_deployed_and_repairs_drif
             .unwrap();
     }
     member_secret(&host, "mcr-system", member_user.kubeconfig()).await;
-    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
-    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
-    Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
-        .create(&PostParams::default(), &original)
-        .await
-        .unwrap();
+    create_original(&host).await;
     let dir = tempfile::tempdir().unwrap();
     // As the Deployment runs it (HTTPS, tokens checked by the host, copies in mcr-system),
     // resyncing only after the test is over: whatever is repaired is repaired by the watch.
@@ -2079,12 +2074,7 @@ async fn the_example_operator_copies_into_namespaces_as_clusters() {
             .await
             .unwrap();
     }
-    let mut original = labelled_cm("settings", &[("mcr.example.io/copy", "true")]);
-    original.data = Some(BTreeMap::from([("colour".into(), "blue".into())]));
-    Api::<ConfigMap>::namespaced(host.clone(), "mcr-system")
-        .create(&PostParams::default(), &original)
-        .await
-        .unwrap();
+    create_original(&host).await;
     let dir = tempfile::tempdir().unwrap();
     let mut child = tokio::process::Command::new(&binary)
         .arg("--kubeconfig")
