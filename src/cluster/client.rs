@@ -108,6 +108,8 @@ enum Limit {
 struct Requests {
     metrics: crate::Metrics,
     cluster: String,
+    /// The API server's `host:port` (client-go's `host` label), empty when unknown.
+    host: Arc<str>,
     counters: HashMap<(u16, Method), Counter>,
 }
 
@@ -159,12 +161,14 @@ impl ClientState {
         }
     }
 
-    /// Counts requests into `metrics` under `cluster` (until [`ClientState::unmeasure`]).
-    pub(crate) fn measure(&self, metrics: &crate::Metrics, cluster: String) {
+    /// Counts requests into `metrics` under `cluster`, whose API server is `host` (until
+    /// [`ClientState::unmeasure`]).
+    pub(crate) fn measure(&self, metrics: &crate::Metrics, cluster: String, host: Arc<str>) {
         self.unmeasure();
         *lock(&self.requests) = Some(Requests {
             metrics: metrics.clone(),
             cluster,
+            host,
             counters: HashMap::new(),
         });
     }
@@ -173,7 +177,7 @@ impl ClientState {
     pub(crate) fn unmeasure(&self) {
         if let Some(old) = lock(&self.requests).take() {
             old.metrics
-                .forget_requests(&old.cluster, old.counters.keys());
+                .forget_requests(&old.cluster, &old.host, old.counters.keys());
         }
     }
 
@@ -187,9 +191,10 @@ impl ClientState {
             counter.inc();
             return;
         }
-        let counter = requests
-            .metrics
-            .request_counter(&requests.cluster, code, method);
+        let counter =
+            requests
+                .metrics
+                .request_counter(&requests.cluster, &requests.host, code, method);
         counter.inc();
         requests.counters.insert(key, counter);
     }

@@ -622,7 +622,14 @@ impl<C: ClusterId> Cluster<C> {
                 state.inherit(settings.rate_limit);
                 if let Some(metrics) = &settings.metrics {
                     let label = crate::controller::ClusterField(&self.inner.id).to_string();
-                    state.measure(metrics, label);
+                    // client-go's `host`: the server's authority, as the config names it.
+                    let host = self
+                        .inner
+                        .config
+                        .as_ref()
+                        .and_then(|c| c.cluster_url.authority().map(ToString::to_string))
+                        .unwrap_or_default();
+                    state.measure(metrics, label, Arc::from(host));
                 }
                 Arc::new(Session::new(settings.clone()))
             })

@@ -40,8 +40,8 @@ pub(crate) struct FairQueue<C: ClusterId, R = ()> {
     rotation: VecDeque<C>,
     /// Every request in `queues` (for deduplication).
     queued: HashSet<Request<C>>,
-    /// Requests handed out by `pop` and not yet `done`.
-    in_flight: HashSet<Request<C>>,
+    /// Requests handed out by `pop` and not yet `done`, with when they were handed out.
+    in_flight: HashMap<Request<C>, Instant>,
     /// In-flight requests that were pushed again; they are queued once they are done, so the
     /// change that caused the push is not lost, and never run twice at once.
     dirty: HashMap<Request<C>, R>,
@@ -57,7 +57,7 @@ impl<C: ClusterId, R> Default for FairQueue<C, R> {
             queues: HashMap::default(),
             rotation: VecDeque::new(),
             queued: HashSet::default(),
-            in_flight: HashSet::default(),
+            in_flight: HashMap::default(),
             dirty: HashMap::default(),
             in_flight_per_cluster: HashMap::default(),
             cap: 0,
@@ -88,7 +88,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     /// Adds a request that is due. A request already queued is not added twice; one in
     /// flight is queued again when it is done. True if it was queued now.
     pub(crate) fn push(&mut self, req: Request<C>, payload: R) -> bool {
-        if self.in_flight.contains(&req) {
+        if self.in_flight.contains_key(&req) {
             self.dirty.entry(req).or_insert(payload);
             return false;
         }
@@ -106,10 +106,16 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         true
     }
 
-    /// Takes the next request: the oldest of the first cluster in turn that is under its cap
-    /// (a cluster at its cap keeps its place in the rotation). It counts as in flight until
-    /// [`FairQueue::done`].
+    /// [`FairQueue::pop_at`] now.
+    #[cfg(test)]
     pub(crate) fn pop(&mut self) -> Option<(Request<C>, R)> {
+        self.pop_at(Instant::now())
+    }
+
+    /// Takes the next request: the oldest of the first cluster in turn that is under its cap
+    /// (a cluster at its cap keeps its place in the rotation). It counts as in flight from
+    /// `now` until [`FairQueue::done`].
+    pub(crate) fn pop_at(&mut self, now: Instant) -> Option<(Request<C>, R)> {
         let turn = self.rotation.iter().position(|c| self.under_cap(c))?;
         let cluster = self.rotation.remove(turn)?;
         let Entry::Occupied(mut entry) = self.queues.entry(cluster) else {
@@ -130,7 +136,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             self.queues.shrink_to_fit();
             self.rotation.shrink_to_fit();
         }
-        self.in_flight.insert(req.clone());
+        self.in_flight.insert(req.clone(), now);
         *self
             .in_flight_per_cluster
             .entry(req.cluster.clone())
@@ -140,20 +146,35 @@ impl<C: ClusterId, R> FairQueue<C, R> {
 
     /// Marks an in-flight request finished; if it was pushed meanwhile it is queued again
     /// (true then).
+    #[cfg(test)]
     pub(crate) fn done(&mut self, req: &Request<C>) -> bool {
-        if !self.in_flight.remove(req) {
-            return false;
-        }
+        self.done_started(req).0
+    }
+
+    /// [`FairQueue::done`], with when the request was handed out (if it was in flight).
+    pub(crate) fn done_started(&mut self, req: &Request<C>) -> (bool, Option<Instant>) {
+        let Some(started) = self.in_flight.remove(req) else {
+            return (false, None);
+        };
         if let Entry::Occupied(mut count) = self.in_flight_per_cluster.entry(req.cluster.clone()) {
             *count.get_mut() -= 1;
             if *count.get() == 0 {
                 count.remove();
             }
         }
-        match self.dirty.remove_entry(req) {
+        let requeued = match self.dirty.remove_entry(req) {
             Some((req, payload)) => self.push(req, payload),
             None => false,
-        }
+        };
+        (requeued, Some(started))
+    }
+
+    /// When the requests of `cluster` in flight were handed out.
+    pub(crate) fn started_in<'a>(&'a self, cluster: &'a C) -> impl Iterator<Item = Instant> + 'a {
+        self.in_flight
+            .iter()
+            .filter(move |(r, _)| &r.cluster == cluster)
+            .map(|(_, at)| *at)
     }
 
     /// Drops everything queued for `cluster` (it was disengaged). In-flight requests finish
@@ -177,7 +198,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     /// Whether `req` is in flight.
     #[cfg(test)]
     pub(crate) fn is_in_flight(&self, req: &Request<C>) -> bool {
-        self.in_flight.contains(req)
+        self.in_flight.contains_key(req)
     }
 
     /// How many requests are in flight.
@@ -294,6 +315,11 @@ impl<C: ClusterId> FleetQueue<C> {
         if let Some(m) = &mut self.metrics
             && let Some(series) = m.series.remove(cluster)
         {
+            // Its reconciles still in flight no longer count (their series may be shared
+            // with other clusters', without the cluster label).
+            for began in self.ready.started_in(cluster) {
+                series.running.stop(began);
+            }
             m.metrics.forget(&series);
         }
     }
@@ -360,6 +386,7 @@ impl<C: ClusterId> FleetQueue<C> {
         if let Some(m) = &self.metrics {
             m.active.dec();
         }
+        let (requeued, began) = self.ready.done_started(&req);
         if let Some(took) = took
             && let Some(series) = self.series(&req.cluster)
         {
@@ -368,11 +395,14 @@ impl<C: ClusterId> FleetQueue<C> {
                 ReconcileReason::ErrorPolicy => Outcome::Error,
                 _ => Outcome::of(false, &action),
             };
-            let retried = matches!(outcome, Outcome::Error | Outcome::Panic)
-                && action.requeue_after().is_some();
-            series.ended(outcome, took, retried);
+            let failed = matches!(outcome, Outcome::Error | Outcome::Panic);
+            let retried = failed && action.requeue_after().is_some();
+            series.ended(outcome, began, took, retried);
+            if outcome == Outcome::Error && action.requeue_after().is_none() {
+                series.terminal();
+            }
         }
-        if self.ready.done(&req) {
+        if requeued {
             self.queued(&req.cluster);
         }
         if let Some(delay) = action.requeue_after()
@@ -405,13 +435,14 @@ impl<C: ClusterId> FleetQueue<C> {
             // Woken again by whoever finishes a request (it polls us after `finish`).
             return Poll::Pending;
         }
-        match self.ready.pop() {
+        let now = Instant::now();
+        match self.ready.pop_at(now) {
             Some((req, (reason, due))) => {
                 if let Some(m) = &self.metrics {
                     m.active.inc();
                     if let Some(series) = m.series.get(&req.cluster) {
                         series.depth.dec();
-                        series.started(due.elapsed());
+                        series.started(now, now.saturating_duration_since(due));
                     }
                 }
                 Poll::Ready((req, reason))

@@ -328,6 +328,11 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                             tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
                             Action::requeue(super::PANIC_REQUEUE)
                         });
+                        if action.requeue_after().is_none()
+                            && let Some(metrics) = &single.metrics
+                        {
+                            metrics.series.terminal();
+                        }
                         let failure = request
                             .is_some()
                             .then(|| super::Failure::Error(error.to_string()));
