@@ -955,10 +955,8 @@ async fn every_series_has_controller_runtime_s_name_type_and_labels_with_the_clu
     }
     let server = tc.config().cluster_url.authority().unwrap().to_string();
     // Three managers of the same two cluster names, one per way of labelling.
-    let modes: [(
-        &str,
-        fn(&mut prometheus_client::registry::Registry) -> Metrics,
-    ); 3] = [
+    type Build = fn(&mut prometheus_client::registry::Registry) -> Metrics;
+    let modes: [(&str, Build); 3] = [
         ("default", Metrics::new),
         ("cluster histograms", Metrics::with_cluster_histograms),
         ("no cluster label", Metrics::without_cluster_label),
