@@ -2,7 +2,8 @@
 //! HTTP/2 connections within the server's stream limit, connections that break or stop
 //! answering are replaced and the watches on them resume, a rotated client certificate gets
 //! connections of its own, a server without HTTP/2 is served over HTTP/1.1, and an upgrade
-//! request goes over HTTP/1.1 and is upgraded.
+//! request goes over HTTP/1.1 and is upgraded; a create whose response was lost is not sent
+//! again; the read timeout applies to each HTTP/2 stream.
 //!
 //! Connections are counted where they cannot hide: every cluster reaches its API server
 //! through a TCP relay (`common::Relay`) that counts what passes through it.
@@ -412,4 +413,116 @@ async fn an_upgrade_request_goes_over_http1_and_is_upgraded() {
     // The HTTP/2 connection still serves everything else.
     configmaps.list(&Default::default()).await.unwrap();
     assert_eq!(relay.accepted(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_response_was_lost_is_not_sent_again() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    create_namespace(&admin, "once").await;
+    let direct: Api<ConfigMap> = Api::namespaced(admin, "once");
+    let made = async || -> Vec<String> {
+        direct
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter_map(|c| c.metadata.name)
+            .filter(|n| n.starts_with("once-"))
+            .collect()
+    };
+    let relay = Relay::start(tc.server()).await;
+    let cluster = Cluster::from_config(name("once"), relay.config(tc.config())).unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(cluster.client(), "once");
+    // A read first: the shared connection is open.
+    api.list(&Default::default()).await.unwrap();
+
+    // The create reaches the API server, which makes the object; its answer never comes back,
+    // and then the connection breaks.
+    relay.deafen();
+    let create = tokio::spawn(async move {
+        let cm = ConfigMap {
+            metadata: ObjectMeta {
+                generate_name: Some("once-".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        api.create(&PostParams::default(), &cm).await
+    });
+    eventually(30, "the create reached the API server", async || {
+        !made().await.is_empty()
+    })
+    .await;
+    relay.drop_connections();
+    let result = tokio::time::timeout(Duration::from_secs(30), create)
+        .await
+        .expect("the create returned")
+        .unwrap();
+    // The caller learns that it failed (it may read and decide); the create was not sent
+    // again, which would have made a second object under a new generated name.
+    assert!(result.is_err(), "{result:?}");
+    assert_eq!(made().await.len(), 1, "{:?}", made().await);
+
+    // Reads are sent again on a new connection, and the cluster's client works on.
+    let again: Api<ConfigMap> = Api::namespaced(cluster.client(), "once");
+    let listed = again.list(&Default::default()).await.unwrap();
+    assert_eq!(
+        listed
+            .items
+            .iter()
+            .filter(|c| c
+                .metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("once-")))
+            .count(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_timeout_applies_to_each_stream_over_http2() {
+    use futures::StreamExt;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "slow").await;
+    let relay = Relay::start(tc.server()).await;
+    let mut config = relay.config(tc.config());
+    let limit = Duration::from_secs(2);
+    config.read_timeout = Some(limit);
+    let cluster = Cluster::from_config(name("slow"), config).unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(cluster.client(), "slow");
+    api.list(&Default::default()).await.unwrap();
+
+    // A watch that sees nothing for longer than the read timeout ends with a timeout, as a
+    // read on HTTP/1.1 would (the server would have kept it open for minutes).
+    let mut events = api
+        .watch(&kube::api::WatchParams::default(), "0")
+        .await
+        .unwrap()
+        .boxed();
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match events.next().await {
+                Some(Ok(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the idle watch ended");
+    let error = format!("{:?}", ended);
+    assert!(error.contains("read timeout"), "{error}");
+
+    // A request whose answer never comes (the relay drops what the server sends) fails with
+    // the timeout too.
+    relay.deafen();
+    let answered = tokio::time::timeout(Duration::from_secs(20), api.get_opt("nothing"))
+        .await
+        .expect("the request ended");
+    let error = format!("{answered:?}");
+    assert!(error.contains("read timeout"), "{error}");
 }

@@ -347,8 +347,16 @@ impl Transport {
         ] {
             parts.headers.remove(name);
         }
-        // A request refused before the server saw it (the connection had just closed, or the
-        // server was going away) is sent once more, on another connection.
+        // A request the server did not process is sent once more, on another connection:
+        // one that never left (the connection had closed), one the server refused
+        // (REFUSED_STREAM) or one above the last stream a GOAWAY said it processed. A request
+        // that was sent and then lost its connection may have been processed: only reads
+        // (GET, HEAD, OPTIONS) are sent again; a create or a patch is not sent twice, its
+        // caller gets the error.
+        let replayable = matches!(
+            parts.method,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        );
         let mut attempts = 0;
         loop {
             attempts += 1;
@@ -357,23 +365,40 @@ impl Transport {
                 return self.send_http1(request).await;
             };
             let head = Request::from_parts(parts.clone(), ());
-            match send_h2(&slot, head, body.clone()).await {
+            let sent = send_h2(&slot, head, body.clone(), self.config.write_timeout);
+            // The read timeout bounds the wait for the response's head, as it bounds each read
+            // on HTTP/1.1; a stream that times out is reset (dropped), its connection kept.
+            let answered = match self.config.read_timeout {
+                Some(limit) => tokio::time::timeout(limit, sent)
+                    .await
+                    .map_err(|_| timed_out("the response's head", limit))?,
+                None => sent.await,
+            };
+            match answered {
                 Ok(response) => {
                     let (head, recv) = response.into_parts();
+                    let idle = self.config.read_timeout.map(|limit| Idle {
+                        limit,
+                        timer: Box::pin(tokio::time::sleep(limit)),
+                    });
                     return Ok(Response::from_parts(
                         head,
-                        HandBack::new(Protocol::Http2 { recv, _slot: slot }),
+                        HandBack::new(Protocol::Http2 {
+                            recv,
+                            idle,
+                            _slot: slot,
+                        }),
                     ));
                 }
-                Err(error) => {
-                    let refused = error.is_go_away()
-                        || error.reason() == Some(h2::Reason::REFUSED_STREAM)
+                Err(Failed::TimedOut(error)) => return Err(error),
+                Err(Failed::H2 { error, sent }) => {
+                    let broken = error.is_go_away()
                         || slot.0.closed.load(Ordering::Acquire)
                         || error.is_io();
-                    if refused {
+                    if broken || error.reason() == Some(h2::Reason::REFUSED_STREAM) {
                         slot.0.close();
                     }
-                    if !(refused && attempts < 2) {
+                    if !(attempts < 2 && (!sent || unprocessed(&error) || (replayable && broken))) {
                         return Err(error.into());
                     }
                 }
@@ -545,19 +570,58 @@ impl Transport {
     }
 }
 
+/// A request on HTTP/2 that failed: on its stream (and whether any of it may have reached the
+/// server), or waiting for its stream to open.
+enum Failed {
+    H2 { error: h2::Error, sent: bool },
+    TimedOut(BoxError),
+}
+
+/// Whether the server said it did not process the request: it refused the stream, or its
+/// GOAWAY named a last stream below this one (h2 fails only those streams with the remote
+/// GOAWAY; the streams it processed end with the connection, as I/O errors).
+fn unprocessed(error: &h2::Error) -> bool {
+    error.is_remote() && (error.is_go_away() || error.reason() == Some(h2::Reason::REFUSED_STREAM))
+}
+
+/// The error of a stream that waited longer than `limit` for `what`.
+fn timed_out(what: &str, limit: Duration) -> BoxError {
+    Box::new(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no data for {what} within the read timeout ({limit:?})"),
+    ))
+}
+
+/// The write timeout on HTTP/2: how long a request may wait for its stream to open (the
+/// connection at its stream limit, or unable to take more). Bytes stuck in the socket are
+/// the keep-alive pings' to find, for every stream of the connection at once.
 async fn send_h2(
     slot: &Slot,
     head: Request<()>,
     body: Bytes,
-) -> Result<Response<h2::RecvStream>, h2::Error> {
-    let mut send = slot.0.send.clone().ready().await?;
+    write_timeout: Option<Duration>,
+) -> Result<Response<h2::RecvStream>, Failed> {
+    let unsent = |error| Failed::H2 { error, sent: false };
+    let sent = |error| Failed::H2 { error, sent: true };
+    let ready = slot.0.send.clone().ready();
+    let mut send = match write_timeout {
+        Some(limit) => tokio::time::timeout(limit, ready).await.map_err(|_| {
+            Failed::TimedOut(Box::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the request's stream did not open within the write timeout ({limit:?})"),
+            )))
+        })?,
+        None => ready.await,
+    }
+    .map_err(unsent)?;
     let empty = body.is_empty();
-    let (response, mut stream) = send.send_request(head, empty)?;
+    // An error here comes before the stream was opened: nothing was written.
+    let (response, mut stream) = send.send_request(head, empty).map_err(unsent)?;
     if !empty {
         // Buffered by h2 and sent as the stream's window allows.
-        stream.send_data(body, true)?;
+        stream.send_data(body, true).map_err(sent)?;
     }
-    response.await
+    response.await.map_err(sent)
 }
 
 /// The service in every cluster's client stack that hands requests to its transport.
@@ -581,9 +645,17 @@ impl tower_service::Service<Request<Body>> for Shared {
 /// A response body from either protocol.
 pub(crate) type TransportBody = HandBack<Protocol>;
 
+/// A stream's read timeout: the time allowed between two frames of the body.
+pub(crate) struct Idle {
+    limit: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
 pub(crate) enum Protocol {
     Http2 {
         recv: h2::RecvStream,
+        /// With a read timeout: when the body counts as stalled.
+        idle: Option<Idle>,
         /// Keeps the stream counted on its connection until the body is dropped.
         _slot: Slot,
     },
@@ -600,18 +672,19 @@ impl http_body::Body for Protocol {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             Protocol::Http1(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
-            Protocol::Http2 { recv, .. } => match ready!(recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    // Read: the server may send as much again.
-                    let _ = recv.flow_control().release_capacity(data.len());
-                    Poll::Ready(Some(Ok(Frame::data(data))))
+            Protocol::Http2 { recv, idle, .. } => match recv.poll_data(cx) {
+                Poll::Pending => {
+                    if let Some(idle) = idle
+                        && idle.timer.as_mut().poll(cx).is_ready()
+                    {
+                        return Poll::Ready(Some(Err(timed_out(
+                            "the next part of the body",
+                            idle.limit,
+                        ))));
+                    }
+                    Poll::Pending
                 }
-                Some(Err(error)) => Poll::Ready(Some(Err(error.into()))),
-                None => match ready!(recv.poll_trailers(cx)) {
-                    Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
-                    Ok(None) => Poll::Ready(None),
-                    Err(error) => Poll::Ready(Some(Err(error.into()))),
-                },
+                Poll::Ready(frame) => poll_h2_frame(frame, recv, idle, cx),
             },
         }
     }
@@ -621,6 +694,33 @@ impl http_body::Body for Protocol {
             Protocol::Http1(body) => body.is_end_stream(),
             Protocol::Http2 { recv, .. } => recv.is_end_stream(),
         }
+    }
+}
+
+/// A data frame (or the end) of an HTTP/2 body; each data frame restarts the read timeout.
+fn poll_h2_frame(
+    frame: Option<Result<Bytes, h2::Error>>,
+    recv: &mut h2::RecvStream,
+    idle: &mut Option<Idle>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    if let Some(idle) = idle {
+        idle.timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + idle.limit);
+    }
+    match frame {
+        Some(Ok(data)) => {
+            // Read: the server may send as much again.
+            let _ = recv.flow_control().release_capacity(data.len());
+            Poll::Ready(Some(Ok(Frame::data(data))))
+        }
+        Some(Err(error)) => Poll::Ready(Some(Err(error.into()))),
+        None => match ready!(recv.poll_trailers(cx)) {
+            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            Ok(None) => Poll::Ready(None),
+            Err(error) => Poll::Ready(Some(Err(error.into()))),
+        },
     }
 }
 

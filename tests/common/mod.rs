@@ -273,6 +273,9 @@ pub struct Relay {
     /// Connections relayed so far, and those open now.
     accepted: Arc<std::sync::atomic::AtomicUsize>,
     open: Arc<std::sync::atomic::AtomicUsize>,
+    /// Connections accepted before the `deaf`-th have what the server sends dropped rather
+    /// than relayed.
+    deaf: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Relay {
@@ -285,9 +288,10 @@ impl Relay {
         let (cut, epochs) = tokio::sync::watch::channel(0u64);
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (accepted_, open_) = (accepted.clone(), open.clone());
+        let deaf = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (accepted_, open_, deaf_) = (accepted.clone(), open.clone(), deaf.clone());
         let task = tokio::spawn(async move {
-            let (accepted, open) = (accepted_, open_);
+            let (accepted, open, deaf) = (accepted_, open_, deaf_);
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
                     return;
@@ -298,13 +302,34 @@ impl Relay {
                     continue;
                 }
                 let target = target.clone();
-                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let index = accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let open = open.clone();
+                let (open, deaf) = (open.clone(), deaf.clone());
                 tokio::spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                    if let Ok(outbound) = tokio::net::TcpStream::connect(&target).await {
+                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                        let (mut from_client, mut to_client) = inbound.split();
+                        let (mut from_server, mut to_server) = outbound.into_split();
+                        let up = async {
+                            let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                            let _ = to_server.shutdown().await;
+                        };
+                        let down = async {
+                            let mut buf = vec![0u8; 16 * 1024];
+                            while let Ok(n) = from_server.read(&mut buf).await {
+                                if n == 0 {
+                                    break;
+                                }
+                                if index >= deaf.load(std::sync::atomic::Ordering::SeqCst)
+                                    && to_client.write_all(&buf[..n]).await.is_err()
+                                {
+                                    break;
+                                }
+                            }
+                            let _ = to_client.shutdown().await;
+                        };
                         tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            _ = futures::future::join(up, down) => {}
                             _ = epochs.changed() => {}
                         }
                     }
@@ -318,7 +343,20 @@ impl Relay {
             task,
             accepted,
             open,
+            deaf,
         }
+    }
+
+    /// On the connections open now, what the server sends is dropped from now on (what the
+    /// client sends still reaches it); connections accepted later are relayed both ways.
+    pub fn deafen(&self) {
+        self.deaf
+            .store(self.accepted(), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Drops every connection open now; new ones are accepted as before.
+    pub fn drop_connections(&self) {
+        self.cut.send_modify(|e| *e += 2);
     }
 
     /// Connections accepted since the relay started.
