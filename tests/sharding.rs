@@ -1327,3 +1327,134 @@ async fn a_fence_left_naming_a_live_replica_is_released_to_the_cluster_s_owner()
         run.await.unwrap();
     }
 }
+
+/// A replica of a small group: `clusters` names of one API server, its host client as `user`.
+fn small_replica(
+    tc: &multicluster_runtime_testenv::TestCluster,
+    host: Client,
+    id: &str,
+    clusters: usize,
+) -> (
+    Arc<Manager<Clusters<ClusterName>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let provider = Clusters::<ClusterName>::new();
+    for i in 0..clusters {
+        provider
+            .add(Cluster::from_config(name(&format!("b{i:02}")), tc.config()).unwrap())
+            .unwrap();
+    }
+    let manager = Arc::new(
+        Manager::new(provider).sharding(
+            Sharding::new(host, "blind", "blind")
+                .identity(id)
+                .lease_duration(LEASE)
+                .renew_deadline(RENEW_DEADLINE)
+                .retry_period(RETRY),
+        ),
+    );
+    let run = common::spawn_manager(&manager);
+    (manager, run)
+}
+
+/// `who`'s Role on the group's Leases, with `verbs`.
+fn lease_role(who: &str, verbs: &str) -> String {
+    format!(
+        r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: leases-{who}
+  namespace: blind
+rules:
+  - apiGroups: ["coordination.k8s.io"]
+    resources: ["leases"]
+    verbs: [{verbs}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: leases-{who}
+  namespace: blind
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: leases-{who}
+subjects:
+  - apiGroup: rbac.authorization.k8s.io
+    kind: User
+    name: {who}
+"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_list_the_group_stops_announcing_itself_and_the_others_take_its_clusters()
+ {
+    const SMALL: usize = 30;
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    common::create_namespace(&admin, "blind").await;
+    let all = r#""get", "list", "watch", "create", "update", "patch", "delete""#;
+    let mut replicas = BTreeMap::new();
+    let mut users = Vec::new();
+    for id in ["a", "b", "c"] {
+        common::apply_manifests(&admin, &lease_role(id, all)).await;
+        let user = tc.add_user(id, &[]).unwrap();
+        replicas.insert(id, small_replica(&tc, user.client().unwrap(), id, SMALL));
+        users.push(user);
+    }
+    let owned = |manager: &Manager<Clusters<ClusterName>>| manager.fleet().ids().len();
+    eventually(60, "30 clusters split between a, b and c", async || {
+        let views_agree = replicas.values().all(|(m, _)| {
+            m.shard_status()
+                .is_some_and(|s| s.peers == ["a", "b", "c"] && s.handing_off == 0)
+        });
+        views_agree
+            && replicas.values().all(|(m, _)| owned(m) > 0)
+            && replicas.values().map(|(m, _)| owned(m)).sum::<usize>() == SMALL
+    })
+    .await;
+
+    // b may no longer list the group's Leases (it still may write them); c leaves, so its
+    // clusters are assigned again, some of them to b.
+    common::apply_manifests(
+        &admin,
+        &lease_role("b", r#""get", "create", "update", "patch", "delete""#),
+    )
+    .await;
+    let revoked = Instant::now();
+    let (c, c_run) = replicas.remove("c").unwrap();
+    c.shutdown();
+    c_run.await.unwrap();
+    // a owns every cluster, b none: no cluster is left to a replica that cannot take it.
+    let (a, _) = &replicas["a"];
+    let (b, _) = &replicas["b"];
+    eventually(60, "a owns all 30 clusters and b none", async || {
+        owned(a) == SMALL && owned(b) == 0
+    })
+    .await;
+    let took = revoked.elapsed();
+    eprintln!("every cluster owned by a live replica {took:?} after b lost `list`");
+    assert!(
+        took <= LEASE + Duration::from_secs(5),
+        "took {took:?} (lease {LEASE:?})"
+    );
+    assert_eq!(
+        a.shard_status().map(|s| s.peers),
+        Some(vec!["a".to_string()])
+    );
+
+    // With `list` back, b announces itself again and takes its share.
+    common::apply_manifests(&admin, &lease_role("b", all)).await;
+    eventually(60, "30 clusters split between a and b", async || {
+        owned(b) > 0 && owned(a) + owned(b) == SMALL
+    })
+    .await;
+    for (_, (manager, run)) in replicas {
+        manager.shutdown();
+        run.await.unwrap();
+    }
+}

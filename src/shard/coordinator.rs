@@ -75,6 +75,12 @@ pub(crate) struct Coordinator<C: ClusterId> {
     announced: Option<Instant>,
     /// Past the first round.
     started: bool,
+    /// When the round that last listed the group's Leases began (or the coordinator, before
+    /// the first listing): a replica that cannot see the group stops announcing itself, so
+    /// the others do not assign it clusters it could never take.
+    seen_group: Instant,
+    /// Not announcing itself for that reason now.
+    blind: bool,
     /// The next holding's generation.
     generation: u64,
     /// Fences lost, with the engagements whose (aborted) work must end before a fence
@@ -118,6 +124,8 @@ impl<C: ClusterId> Coordinator<C> {
             handoffs: FuturesUnordered::new(),
             announced: None,
             started: false,
+            seen_group: Instant::now(),
+            blind: false,
             generation: 0,
             lost: HashMap::new(),
             status,
@@ -244,9 +252,27 @@ impl<C: ClusterId> Coordinator<C> {
     async fn round(&mut self) {
         let bound = self.config.retry_period;
         let began = Instant::now();
-        let me = self.me.clone();
+        // Unable to list the group for two retry periods (two listings in a row failed), this
+        // replica stops renewing its peer Lease: it drops its fences at its renew deadline,
+        // and the others count it gone and take its clusters, rather than leaving them
+        // assigned to a replica that cannot take them. A single failed listing costs nothing.
+        let blindness = (self.config.retry_period * 2).min(self.config.renew_deadline);
+        let blind = began.saturating_duration_since(self.seen_group) > blindness;
+        if blind != std::mem::replace(&mut self.blind, blind) {
+            if blind {
+                tracing::warn!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases could not be listed for two retry periods; this replica stops announcing itself until they can (the others take its clusters)");
+            } else {
+                tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases are listed again; this replica announces itself again");
+            }
+        }
+        let me = (!blind).then(|| self.me.clone());
         let leases = self.leases.clone();
-        let peer = async move { tokio::time::timeout(bound, me.renew(&leases)).await };
+        let peer = async move {
+            match me {
+                Some(me) => Some(tokio::time::timeout(bound, me.renew(&leases)).await),
+                None => None,
+            }
+        };
         let leases = self.leases.clone();
         let selector = format!("{GROUP_LABEL}={}", self.config.group);
         let list = async move {
@@ -256,16 +282,18 @@ impl<C: ClusterId> Coordinator<C> {
         let now = Instant::now();
         let listed = matches!(list, Ok(Ok(_)));
         match peer {
-            Ok(Ok(())) => self.announced = Some(began),
-            Ok(Err(error)) => {
+            Some(Ok(Ok(()))) => self.announced = Some(began),
+            Some(Ok(Err(error))) => {
                 tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not renew this replica's peer lease")
             }
-            Err(_) => {
+            Some(Err(_)) => {
                 tracing::warn!(group = %self.config.group, "sharding: renewing this replica's peer lease timed out")
             }
+            None => {}
         }
         match list {
             Ok(Ok(list)) => {
+                self.seen_group = began;
                 let (peers, fences): (Vec<Lease>, Vec<Lease>) =
                     list.items.into_iter().partition(|l| {
                         l.metadata

@@ -10,8 +10,11 @@
 //!   (`mcr-shard-…`, [`fence`]); only then is the cluster a member of its fleet, with clients
 //!   in use, watches and caches. A hand-off: the old owner takes the cluster out of its fleet,
 //!   waits (bounded) for its reconciles there, releases the fence; the new owner then takes
-//!   the fence and the cluster joins its fleet. A replica whose fence renewals fail for the
-//!   renew deadline drops its work there at once, before the fence can expire for the others.
+//!   the fence and the cluster joins its fleet.
+//! - Fences are written when taken and when released, never renewed: a fence holds while its
+//!   holder's peer Lease is renewed. A replica whose peer Lease goes unrenewed for the renew
+//!   deadline drops its work in every cluster at once, before the others (who wait for the
+//!   lease duration) can count it gone and take its fences.
 
 mod coordinator;
 mod fence;
@@ -46,12 +49,13 @@ pub const CLUSTER_ANNOTATION: &str = "multicluster-runtime.io/shard-cluster";
 /// # }
 /// ```
 ///
-/// Timings follow leader election's: every retry period a replica renews its peer Lease and
-/// the fences it holds, lists the group's Leases and takes the fences of clusters that are
-/// now its own; a fence not renewed within the renew deadline is given up at once (its
-/// reconciles dropped), and another replica takes it over once it has seen it unchanged
-/// for the lease duration. Each owned cluster costs one Lease write per retry period on the
-/// host.
+/// Timings follow leader election's: every retry period a replica renews its peer Lease,
+/// lists the group's Leases and takes the fences of clusters that are now its own. If its
+/// peer Lease is not renewed within the renew deadline it gives every fence up at once (its
+/// reconciles dropped); another replica takes a fence over once it has seen the holder's
+/// peer Lease unchanged for the lease duration. At steady state a replica writes one Lease
+/// per retry period however many clusters it owns; a fence is written when taken and when
+/// released.
 #[derive(Clone)]
 pub struct Sharding {
     pub(crate) client: Client,
@@ -136,8 +140,8 @@ impl Sharding {
         self
     }
 
-    /// How long the others wait, after a peer or fence Lease was last renewed (as they saw
-    /// it), before they count the peer gone or take the fence over. Longer than the renew
+    /// How long the others wait, after a replica's peer Lease was last renewed (as they saw
+    /// it), before they count it gone and take its fences over. Longer than the renew
     /// deadline.
     #[must_use]
     pub fn lease_duration(mut self, duration: Duration) -> Self {
@@ -145,8 +149,8 @@ impl Sharding {
         self
     }
 
-    /// How long a replica goes on reconciling a cluster whose fence it could not renew: its
-    /// work there is dropped as soon as this passes.
+    /// How long a replica goes on reconciling after its peer Lease was last renewed: its
+    /// work in every cluster is dropped as soon as this passes without a renewal.
     #[must_use]
     pub fn renew_deadline(mut self, deadline: Duration) -> Self {
         self.renew_deadline = deadline;
