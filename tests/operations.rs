@@ -327,6 +327,7 @@ fn when_elected(manager: &Arc<Manager<Clusters<ClusterName>>>) -> tokio::task::J
 
 #[tokio::test]
 async fn a_leader_that_cannot_renew_stops_before_another_takes_over() {
+    let logs = Logs::capture();
     let (_env, tc, host) = control_plane().await;
     // a renews as a user of its own, whose Lease rights the test revokes.
     let rights = LeaseRights::new(&host, &tc, "replica-a").await;
@@ -360,6 +361,18 @@ async fn a_leader_that_cannot_renew_stops_before_another_takes_over() {
         "{result:?}"
     );
     assert!(!a.is_leader());
+    // A lease lost is not given up on the way out: the host may be out of reach (here the
+    // rights are gone), and nothing of it is this replica's any more.
+    for attempt in [
+        "could not release the lease",
+        "releasing the lease timed out",
+    ] {
+        assert!(
+            logs.lines(&[attempt]).is_empty(),
+            "{:?}",
+            logs.lines(&[attempt])
+        );
+    }
     let b_elected = tokio::time::timeout(Duration::from_secs(30), b_elected)
         .await
         .expect("b leads")
