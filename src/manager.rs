@@ -801,10 +801,6 @@ impl<P: Provider> Manager<P> {
         let mut provider = std::pin::pin!(provider);
         let mut provider_done = false;
         let mut result = Ok(());
-        // Whether this replica holds the lease as far as it knows: only then is it given up
-        // on the way out (one that was lost is not asked about again: the host may be out of
-        // reach, which is often why it was lost).
-        let mut holds_lease = false;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -830,7 +826,6 @@ impl<P: Provider> Manager<P> {
                         if election.is_some() {
                             tracing::info!(lease = %lease, "leading: starting the controllers");
                         }
-                        holds_lease = true;
                         term.begin(self, &shutdown);
                         self.leading.send_replace(Some(term.stop.clone()));
                         if let Some(metrics) = self.metrics.as_ref().filter(|_| election.is_some()) {
@@ -839,7 +834,6 @@ impl<P: Provider> Manager<P> {
                     }
                     Some(Leadership::Lost(reason)) => {
                         tracing::error!(lease = %lease, %reason, "leadership lost: stopping the controllers now");
-                        holds_lease = false;
                         self.leading.send_replace(None);
                         if let Some(metrics) = &self.metrics {
                             metrics.leading(&lease, false);
@@ -857,7 +851,6 @@ impl<P: Provider> Manager<P> {
                         // end): leading or not, this replica can no longer take part.
                         let reason = "the election task ended unexpectedly".to_string();
                         tracing::error!(lease = %lease, %reason, "stopping");
-                        holds_lease = false;
                         self.leading.send_replace(None);
                         term.abort().await;
                         result = Err(ManagerError::LeadershipLost { lease: lease.clone(), reason });
@@ -965,7 +958,10 @@ impl<P: Provider> Manager<P> {
             term.controllers.shutdown().await;
             shared_term.controllers.shutdown().await;
         }
-        self.leading.send_replace(None);
+        // Only a lease this replica still holds (as far as it knows) is given up on the way
+        // out: one lost is not asked about again (the host may be out of reach, which is
+        // often why it was lost).
+        let holds_lease = self.leading.send_replace(None).is_some();
         if let Some(metrics) = self.metrics.as_ref().filter(|_| election.is_some()) {
             metrics.leading(&lease, false);
         }

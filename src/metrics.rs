@@ -100,7 +100,6 @@ impl prometheus_client::collector::Collector for Watches {
         &self,
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> Result<(), std::fmt::Error> {
-        use prometheus_client::encoding::EncodeMetric;
         let synced = Family::<With<WatchLabels>, Gauge>::default();
         let failing = Family::<With<WatchLabels>, Gauge>::default();
         for (_, source) in crate::sync::lock(&self.sources).iter() {
@@ -118,22 +117,33 @@ impl prometheus_client::collector::Collector for Watches {
                 }
             }
         }
-        for (name, help, family) in [
-            (
-                "multicluster_runtime_watch_synced",
-                "How many of a cluster's watches of a kind have listed (one per watcher configuration)",
-                &synced,
-            ),
-            (
-                "multicluster_runtime_watch_failing",
-                "How many of a cluster's watches of a kind fail: forbidden, kind missing, server unreachable",
-                &failing,
-            ),
-        ] {
-            family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;
-        }
-        Ok(())
+        encode_families(
+            &mut encoder,
+            [
+                (
+                    "multicluster_runtime_watch_synced",
+                    "How many of a cluster's watches of a kind have listed (one per watcher configuration)",
+                    &synced,
+                ),
+                (
+                    "multicluster_runtime_watch_failing",
+                    "How many of a cluster's watches of a kind fail: forbidden, kind missing, server unreachable",
+                    &failing,
+                ),
+            ],
+        )
     }
+}
+
+/// Encodes families a collector computed at scrape time, each under its name and help.
+fn encode_families<M: prometheus_client::encoding::EncodeMetric>(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder,
+    families: [(&str, &str, &M); 2],
+) -> Result<(), std::fmt::Error> {
+    for (name, help, family) in families {
+        family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;
+    }
+    Ok(())
 }
 
 /// The start times of a queue's reconciles in flight (a multiset: clusters sharing series
@@ -182,7 +192,6 @@ impl prometheus_client::collector::Collector for InFlight {
         &self,
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> Result<(), std::fmt::Error> {
-        use prometheus_client::encoding::EncodeMetric;
         let unfinished = Family::<With<QueueLabels>, Gauge<f64, AtomicU64>>::default();
         let longest = Family::<With<QueueLabels>, Gauge<f64, AtomicU64>>::default();
         let now = Instant::now();
@@ -191,21 +200,21 @@ impl prometheus_client::collector::Collector for InFlight {
             unfinished.get_or_create(labels).set(total);
             longest.get_or_create(labels).set(oldest);
         }
-        for (name, help, family) in [
-            (
-                "workqueue_unfinished_work_seconds",
-                "Seconds the reconciles in flight have run so far, summed (a steady rise: reconciles stuck)",
-                &unfinished,
-            ),
-            (
-                "workqueue_longest_running_processor_seconds",
-                "Seconds the longest-running reconcile in flight has run",
-                &longest,
-            ),
-        ] {
-            family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;
-        }
-        Ok(())
+        encode_families(
+            &mut encoder,
+            [
+                (
+                    "workqueue_unfinished_work_seconds",
+                    "Seconds the reconciles in flight have run so far, summed (a steady rise: reconciles stuck)",
+                    &unfinished,
+                ),
+                (
+                    "workqueue_longest_running_processor_seconds",
+                    "Seconds the longest-running reconcile in flight has run",
+                    &longest,
+                ),
+            ],
+        )
     }
 }
 
@@ -784,7 +793,8 @@ impl Series {
         self.running.start(now);
     }
 
-    /// A reconcile of the fleet queue that started at `began` ended after `took`.
+    /// A reconcile of the fleet queue that started at `began` ended after `took`; an error
+    /// not `retried` is terminal.
     pub(crate) fn ended(
         &self,
         outcome: Outcome,
@@ -795,6 +805,8 @@ impl Series {
         self.reconciled(outcome, took);
         if retried {
             self.retries.inc();
+        } else if outcome == Outcome::Error {
+            self.terminal();
         }
         if let Some(began) = began {
             self.running.stop(began);

@@ -648,10 +648,14 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
 
     // No change waited longer than a lease duration and 5 s for its reconcile. The worst
     // lags and who reconciled those clusters when are printed first, for a failure's sake.
-    let mut worst = (Duration::ZERO, String::new(), 0);
-    {
+    let worst = {
         let writes = writes.lock().unwrap();
         let t0 = writes.iter().map(|w| w.2).min().unwrap();
+        let rel = |at: Instant| {
+            at.checked_duration_since(t0)
+                .map(|d| format!("+{d:?}"))
+                .unwrap_or("before".into())
+        };
         let mut lags: Vec<(Duration, String, u64, Duration)> = Vec::new();
         for (cluster, round, began) in writes.iter() {
             let seen = audit
@@ -668,21 +672,12 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
         for l in lags.iter().rev().take(8) {
             eprintln!("lag {:?} {} round {} written at +{:?}", l.0, l.1, l.2, l.3);
         }
-        if let Some(l) = lags.last() {
-            worst = (l.0, l.1.clone(), l.2);
+        let l = lags.last().unwrap();
+        {
             let seen = audit.seen.lock().unwrap();
             for (c, r, at, replica) in seen.iter().filter(|s| s.0 == l.1) {
-                let at = at
-                    .checked_duration_since(t0)
-                    .map(|d| format!("+{d:?}"))
-                    .unwrap_or("before".into());
-                eprintln!("  {c} round {r} seen by {replica} at {at}");
+                eprintln!("  {c} round {r} seen by {replica} at {}", rel(*at));
             }
-            let rel = |at: Instant| {
-                at.checked_duration_since(t0)
-                    .map(|d| format!("+{d:?}"))
-                    .unwrap_or("before".into())
-            };
             for task in audit
                 .tasks
                 .lock()
@@ -719,7 +714,8 @@ async fn replicas_split_300_clusters_evenly_hand_them_over_without_overlap_and_l
             "{} reconciles audited",
             audit.intervals.lock().unwrap().len()
         );
-    }
+        (l.0, l.1.clone(), l.2)
+    };
     assert!(
         worst.0 <= ALLOWED_LAG,
         "{} round {} reconciled {:?} after it was written",

@@ -422,17 +422,7 @@ async fn a_create_whose_response_was_lost_is_not_sent_again() {
     let admin = tc.client().unwrap();
     create_namespace(&admin, "once").await;
     let direct: Api<ConfigMap> = Api::namespaced(admin, "once");
-    let made = async || -> Vec<String> {
-        direct
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter_map(|c| c.metadata.name)
-            .filter(|n| n.starts_with("once-"))
-            .collect()
-    };
+    let made = async || generated(&direct, "once-").await;
     let relay = Relay::start(tc.server()).await;
     let cluster = Cluster::from_config(name("once"), relay.config(tc.config())).unwrap();
     let api: Api<ConfigMap> = Api::namespaced(cluster.client(), "once");
@@ -468,19 +458,19 @@ async fn a_create_whose_response_was_lost_is_not_sent_again() {
 
     // Reads are sent again on a new connection, and the cluster's client works on.
     let again: Api<ConfigMap> = Api::namespaced(cluster.client(), "once");
-    let listed = again.list(&Default::default()).await.unwrap();
-    assert_eq!(
-        listed
-            .items
-            .iter()
-            .filter(|c| c
-                .metadata
-                .name
-                .as_deref()
-                .is_some_and(|n| n.starts_with("once-")))
-            .count(),
-        1
-    );
+    assert_eq!(generated(&again, "once-").await.len(), 1);
+}
+
+/// The names of the ConfigMaps `api` lists that start with `prefix`.
+async fn generated(api: &Api<ConfigMap>, prefix: &str) -> Vec<String> {
+    api.list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|c| c.metadata.name)
+        .filter(|n| n.starts_with(prefix))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

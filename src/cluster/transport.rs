@@ -586,10 +586,13 @@ fn unprocessed(error: &h2::Error) -> bool {
 
 /// The error of a stream that waited longer than `limit` for `what`.
 fn timed_out(what: &str, limit: Duration) -> BoxError {
-    Box::new(std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        format!("no data for {what} within the read timeout ({limit:?})"),
+    timeout_error(format!(
+        "no data for {what} within the read timeout ({limit:?})"
     ))
+}
+
+fn timeout_error(text: String) -> BoxError {
+    Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, text))
 }
 
 /// The write timeout on HTTP/2: how long a request may wait for its stream to open (the
@@ -606,9 +609,8 @@ async fn send_h2(
     let ready = slot.0.send.clone().ready();
     let mut send = match write_timeout {
         Some(limit) => tokio::time::timeout(limit, ready).await.map_err(|_| {
-            Failed::TimedOut(Box::new(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("the request's stream did not open within the write timeout ({limit:?})"),
+            Failed::TimedOut(timeout_error(format!(
+                "the request's stream did not open within the write timeout ({limit:?})"
             )))
         })?,
         None => ready.await,

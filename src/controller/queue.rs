@@ -395,12 +395,9 @@ impl<C: ClusterId> FleetQueue<C> {
                 ReconcileReason::ErrorPolicy => Outcome::Error,
                 _ => Outcome::of(false, &action),
             };
-            let failed = matches!(outcome, Outcome::Error | Outcome::Panic);
-            let retried = failed && action.requeue_after().is_some();
+            let retried = matches!(outcome, Outcome::Error | Outcome::Panic)
+                && action.requeue_after().is_some();
             series.ended(outcome, began, took, retried);
-            if outcome == Outcome::Error && action.requeue_after().is_none() {
-                series.terminal();
-            }
         }
         if requeued {
             self.queued(&req.cluster);
