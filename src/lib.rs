@@ -58,6 +58,7 @@ mod request;
 mod serve;
 pub mod shard;
 mod sync;
+mod tenure;
 
 /// The Kubernetes API types this crate's and kube's APIs use. The version feature is the
 /// final binary's choice (see [the crate docs](crate#kubernetes-version)).

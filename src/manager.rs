@@ -15,6 +15,7 @@ use crate::leader::{Attempt, Elector, InvalidLeaderElection, LeaderElection, OnL
 use crate::metrics::Metrics;
 use crate::serve::Endpoints;
 use crate::sync::lock;
+use crate::tenure::Tenure;
 use crate::{Cluster, Fleet, Provider, ProviderError, WatchBackoff};
 
 type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
@@ -489,7 +490,11 @@ impl<P: Provider> Manager<P> {
     /// What a controller run by hand ([`Builder::run`](crate::Builder::run)) gets: the
     /// current (or next) run's shutdown, never aborted.
     pub(crate) fn env(&self) -> crate::controller::Env<P::Id> {
-        self.term_env(self.shutdown_token(), CancellationToken::new())
+        self.term_env(
+            self.shutdown_token(),
+            CancellationToken::new(),
+            Arc::new(Tenure::always()),
+        )
     }
 
     /// What controllers of one term get: `stop` ends the term, `abort` drops reconciles in
@@ -498,6 +503,7 @@ impl<P: Provider> Manager<P> {
         &self,
         stop: CancellationToken,
         abort: CancellationToken,
+        tenure: Arc<Tenure>,
     ) -> crate::controller::Env<P::Id> {
         crate::controller::Env {
             fleet: self.fleet.clone(),
@@ -517,6 +523,7 @@ impl<P: Provider> Manager<P> {
                 (None, Some(election)) => election.identity.clone(),
                 (None, None) => crate::leader::host_name(),
             }),
+            tenure,
         }
     }
 
@@ -757,13 +764,23 @@ impl<P: Provider> Manager<P> {
         };
         // Sharded: every controller but the leader-only ones runs from the start, each on this
         // replica's share, which the coordinator keeps in the fleet.
-        let mut term = Term::new(match (&sharding, &election) {
-            (None, _) => Scope::All,
-            (Some(_), Some(_)) => Scope::LeaderOnly,
-            // Refused above; one added later is never started (and said so).
-            (Some(_), None) => Scope::Nothing,
+        // The leader's controllers start nothing past the lease's renew deadline (unbounded
+        // without an election), the sharded ones nothing past the fences'.
+        let lease_tenure = Arc::new(match election {
+            Some(_) => Tenure::ended(),
+            None => Tenure::always(),
         });
-        let mut shared_term = Term::new(Scope::Sharded);
+        let fence_tenure = Arc::new(Tenure::ended());
+        let mut term = Term::new(
+            match (&sharding, &election) {
+                (None, _) => Scope::All,
+                (Some(_), Some(_)) => Scope::LeaderOnly,
+                // Refused above; one added later is never started (and said so).
+                (Some(_), None) => Scope::Nothing,
+            },
+            lease_tenure.clone(),
+        );
+        let mut shared_term = Term::new(Scope::Sharded, fence_tenure.clone());
         let coordinator_stop = CancellationToken::new();
         let mut coordinator = sharding.map(|sharding| {
             shared_term.begin(self, &shutdown);
@@ -772,6 +789,7 @@ impl<P: Provider> Manager<P> {
                 self.fleet.clone(),
                 self.metrics.as_ref(),
                 self.shard_status.clone(),
+                fence_tenure.clone(),
             );
             AbortOnDropHandle::new(tokio::spawn(coordinator.run(coordinator_stop.clone())))
         });
@@ -783,6 +801,7 @@ impl<P: Provider> Manager<P> {
                 Elector::new(election.clone()),
                 leadership_tx,
                 campaign_stop.clone(),
+                lease_tenure.clone(),
             )))),
             None => {
                 let _ = leadership_tx.send(Leadership::Acquired);
@@ -1058,6 +1077,9 @@ struct Term {
     abort: CancellationToken,
     /// How many of the manager's controllers run in this term; `None` between terms.
     started: Option<usize>,
+    /// Until when its controllers may start reconciles (the leader Lease's renew deadline,
+    /// the fences'; unbounded without either).
+    tenure: Arc<Tenure>,
 }
 
 /// Which controllers a term runs.
@@ -1075,13 +1097,14 @@ enum Scope {
 }
 
 impl Term {
-    fn new(scope: Scope) -> Self {
+    fn new(scope: Scope, tenure: Arc<Tenure>) -> Self {
         Self {
             scope,
             controllers: JoinSet::new(),
             stop: CancellationToken::new(),
             abort: CancellationToken::new(),
             started: None,
+            tenure,
         }
     }
 
@@ -1099,7 +1122,7 @@ impl Term {
             return;
         };
         let controllers = lock(&manager.controllers);
-        let env = manager.term_env(self.stop.clone(), self.abort.clone());
+        let env = manager.term_env(self.stop.clone(), self.abort.clone(), self.tenure.clone());
         for (factory, leader_only) in controllers.iter().skip(started) {
             let runs_here = match self.scope {
                 Scope::All => true,
@@ -1142,7 +1165,10 @@ async fn campaign(
     mut elector: Elector,
     events: mpsc::UnboundedSender<Leadership>,
     stop: CancellationToken,
+    tenure: Arc<Tenure>,
 ) -> Elector {
+    // Whatever ends the campaign ends the tenure it published.
+    let _ended = EndsTenure(&tenure);
     let lease = format!("{}/{}", elector.config().namespace, elector.config().name);
     let identity = elector.config().identity.clone();
     let renew_deadline = elector.config().renew_deadline;
@@ -1181,6 +1207,7 @@ async fn campaign(
             }
         }
         tracing::info!(lease = %lease, %identity, transitions = elector.transitions(), "lease acquired");
+        tenure.until((renewed + renew_deadline).into());
         if events.send(Leadership::Acquired).is_err() {
             return elector;
         }
@@ -1211,6 +1238,7 @@ async fn campaign(
             match attempt {
                 Ok(Ok(Attempt::Held)) => {
                     renewed = began;
+                    tenure.until((renewed + renew_deadline).into());
                     last_error = None;
                 }
                 Ok(Ok(Attempt::HeldBy(holder))) => break format!("{holder} holds the lease now"),
@@ -1225,6 +1253,7 @@ async fn campaign(
                 }
             }
         };
+        tenure.end();
         if events.send(Leadership::Lost(reason)).is_err() {
             return elector;
         }
@@ -1232,6 +1261,15 @@ async fn campaign(
             stop.cancelled().await;
             return elector;
         }
+    }
+}
+
+/// Ends a tenure when dropped.
+struct EndsTenure<'a>(&'a Tenure);
+
+impl Drop for EndsTenure<'_> {
+    fn drop(&mut self) {
+        self.0.end();
     }
 }
 

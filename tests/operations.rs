@@ -27,6 +27,10 @@ struct Reconcile {
     end: Option<Instant>,
     /// Whether it ran to its end (not dropped).
     completed: bool,
+    /// What `Context::still_owned` said as it began.
+    owned: bool,
+    /// How long `Context::owned_until` gave it then (`None`: unbounded).
+    left: Option<Duration>,
 }
 
 #[derive(Default)]
@@ -104,6 +108,10 @@ async fn reconcile(
             start: Instant::now(),
             end: None,
             completed: false,
+            owned: ctx.still_owned(),
+            left: ctx
+                .owned_until()
+                .map(|until| until.saturating_duration_since(tokio::time::Instant::now())),
         });
         reconciles.len() - 1
     };
@@ -386,6 +394,17 @@ async fn a_leader_that_cannot_renew_stops_before_another_takes_over() {
     let last_of_a = audit.of("a").iter().filter_map(|r| r.end).max().unwrap();
     assert!(last_of_a < b_elected);
     reconciled_by(&audit, "b", 3).await;
+    // Every reconcile began with its replica leading by its own clock, within the renew
+    // deadline (2 s) of a renewal.
+    for reconcile in audit.of("a").iter().chain(&audit.of("b")) {
+        assert!(reconcile.owned, "{reconcile:?}");
+        assert!(
+            reconcile
+                .left
+                .is_some_and(|left| !left.is_zero() && left <= Duration::from_secs(2)),
+            "{reconcile:?}"
+        );
+    }
     let (by_a, by_b) = audit.assert_before("a", "b");
     println!(
         "a stopped {:?} before b led; reconciles: a {by_a}, b {by_b}",

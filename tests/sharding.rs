@@ -1454,3 +1454,247 @@ async fn a_replica_that_cannot_list_the_group_stops_announcing_itself_and_the_ot
         run.await.unwrap();
     }
 }
+
+/// What both replicas of the starvation scenario share.
+#[derive(Default)]
+struct Starving {
+    /// Every reconcile's start: replica, cluster, object, when.
+    starts: Mutex<Vec<(&'static str, String, String, Instant)>>,
+    /// Set by the test: a's next reconcile of `block` in `y` starves its runtime.
+    armed: std::sync::atomic::AtomicBool,
+    /// Told when that reconcile has begun.
+    blocking: tokio::sync::Notify,
+    /// Told by the test when work is queued behind it: it blocks then.
+    go: tokio::sync::Notify,
+    /// The block ends when the test sends here.
+    release: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    /// What `Context::still_owned` said after the block.
+    owned_after: Mutex<Option<bool>>,
+}
+
+struct StarvingState {
+    replica: &'static str,
+    log: Arc<Starving>,
+}
+
+async fn starving(
+    cm: Arc<ConfigMap>,
+    ctx: Context<ClusterName, StarvingState>,
+) -> Result<Action, kube::Error> {
+    let state = ctx.state();
+    let (cluster, object) = (ctx.cluster_id().to_string(), cm.name_any());
+    state.log.starts.lock().unwrap().push((
+        state.replica,
+        cluster.clone(),
+        object.clone(),
+        Instant::now(),
+    ));
+    if state.replica == "a"
+        && cluster == "y"
+        && object == "block"
+        && state
+            .log
+            .armed
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+    {
+        state.log.blocking.notify_one();
+        state.log.go.notified().await;
+        // The starvation: this thread is the runtime's only one; nothing else of replica a
+        // runs (its peer Lease is not renewed) until the test lets go.
+        let release = state.log.release.lock().unwrap().take().unwrap();
+        let _ = release.recv_timeout(Duration::from_secs(120));
+        *state.log.owned_after.lock().unwrap() = Some(ctx.still_owned());
+    }
+    Ok(Action::await_change())
+}
+
+/// A replica of the starvation scenario: clusters `x` and `y`, both names of one API server.
+fn starving_replica(
+    config: &kube::Config,
+    id: &'static str,
+    log: &Arc<Starving>,
+) -> (
+    Arc<Manager<Clusters<ClusterName>>>,
+    Arc<prometheus_client::registry::Registry>,
+) {
+    let provider = Clusters::<ClusterName>::new();
+    for cluster in ["x", "y"] {
+        provider
+            .add(Cluster::from_config(name(cluster), config.clone()).unwrap())
+            .unwrap();
+    }
+    let mut registry = prometheus_client::registry::Registry::default();
+    let manager = Arc::new(
+        Manager::new(provider)
+            .metrics(Metrics::new(&mut registry))
+            .graceful_timeout(Duration::from_secs(5))
+            .sharding(
+                Sharding::new(
+                    Client::try_from(config.clone()).unwrap(),
+                    "starve",
+                    "starve",
+                )
+                .identity(id)
+                .lease_duration(LEASE)
+                .renew_deadline(RENEW_DEADLINE)
+                .retry_period(RETRY),
+            ),
+    );
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("starve"))
+        .named("starve")
+        .concurrency(1)
+        .start(
+            starving,
+            |_, _, _| Action::requeue(RETRY),
+            Arc::new(StarvingState {
+                replica: id,
+                log: log.clone(),
+            }),
+        );
+    (manager, Arc::new(registry))
+}
+
+/// Issue 28 item 6: a replica whose only runtime thread is blocked past its fences' renew
+/// deadline, while another replica takes its clusters over, starts no reconcile when it gets
+/// the thread back (before the task that drops its fences has run), and a reconciler asking
+/// `Context::still_owned` then hears that it no longer owns its cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starved_replica_starts_no_reconcile_on_clusters_another_has_taken() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    common::create_namespace(&admin, "starve").await;
+    let cms = Api::<ConfigMap>::namespaced(admin.clone(), "starve");
+    for object in ["block", "work"] {
+        let cm = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(object.into()),
+                labels: Some([("starve".to_string(), "yes".to_string())].into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        cms.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    let touch = async |object: &str, n: u32| {
+        let patch = serde_json::json!({"data": {"n": n.to_string()}});
+        cms.patch(object, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    };
+    let (release_tx, release_rx) = std::sync::mpsc::channel();
+    let log = Arc::new(Starving {
+        release: Mutex::new(Some(release_rx)),
+        ..Default::default()
+    });
+    let started = |replica: &str, cluster: &str, object: &str| {
+        log.starts
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(r, c, o, _)| *r == replica && c == cluster && o == object)
+    };
+
+    // Replica a on a runtime of its own with one thread; everything of it is built there.
+    let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
+    let a_thread = {
+        let (config, log) = (tc.config(), log.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let (manager, registry) = starving_replica(&config, "a", &log);
+                let _ = handle_tx.send((manager.clone(), registry));
+                manager.run().await
+            })
+        })
+    };
+    let (a, a_registry) = handle_rx.await.unwrap();
+    eventually(
+        60,
+        "a owns x and y and reconciled both objects there",
+        async || {
+            a.fleet().ids().len() == 2
+                && ["x", "y"]
+                    .iter()
+                    .all(|c| started("a", c, "block") && started("a", c, "work"))
+        },
+    )
+    .await;
+
+    // a's reconcile of `block` in y begins, and waits until work of both clusters is queued
+    // behind it (one reconcile at a time).
+    log.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    touch("block", 1).await;
+    tokio::time::timeout(Duration::from_secs(60), log.blocking.notified())
+        .await
+        .expect("a's reconcile of block in y began");
+    touch("work", 1).await;
+    let depth = |cluster: &str| {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &a_registry).unwrap();
+        common::sample(
+            &text,
+            "workqueue_depth",
+            &[("controller", "starve"), ("cluster", cluster)],
+        )
+        .unwrap_or(0.0)
+    };
+    eventually(60, "requests of x and y queued in a", async || {
+        depth("x") >= 1.0 && depth("y") >= 1.0
+    })
+    .await;
+
+    // a starves; b starts, sees a's peer Lease go unrenewed for the lease duration, takes both
+    // fences and reconciles in both clusters.
+    log.go.notify_one();
+    let (b, b_registry) = starving_replica(&tc.config(), "b", &log);
+    drop(b_registry);
+    let b_run = common::spawn_manager(&b);
+    eventually(90, "b reconciled in x and y", async || {
+        started("b", "x", "work") && started("b", "y", "work")
+    })
+    .await;
+    release_tx.send(()).unwrap();
+    eventually(60, "a dropped its clusters", async || {
+        a.fleet().ids().is_empty()
+    })
+    .await;
+    let dropped = Instant::now();
+
+    // No reconcile of a began in a cluster after b's first there (until a had dropped them).
+    let starts = log.starts.lock().unwrap().clone();
+    let first_of_b = |cluster: &str| {
+        starts
+            .iter()
+            .filter(|(r, c, _, _)| *r == "b" && c == cluster)
+            .map(|(_, _, _, at)| *at)
+            .min()
+            .unwrap()
+    };
+    let overlapping: Vec<_> = starts
+        .iter()
+        .filter(|(r, c, _, at)| *r == "a" && *at >= first_of_b(c) && *at < dropped)
+        .collect();
+    assert!(
+        overlapping.is_empty(),
+        "a started reconciles on clusters b had taken: {overlapping:?}"
+    );
+    assert_eq!(
+        *log.owned_after.lock().unwrap(),
+        Some(false),
+        "still_owned after the starvation"
+    );
+
+    a.shutdown();
+    let a_result = tokio::task::spawn_blocking(move || a_thread.join())
+        .await
+        .unwrap()
+        .unwrap();
+    a_result.unwrap();
+    b.shutdown();
+    b_run.await.unwrap();
+}

@@ -105,8 +105,8 @@ pub(crate) struct Transport {
     /// Live HTTP/2 connections.
     connections: Mutex<Vec<Arc<Connection>>>,
     /// Held while a connection is being opened, so that requests arriving together wait for
-    /// it rather than each opening one.
-    opening: tokio::sync::Mutex<()>,
+    /// it rather than each opening one; one per runtime, as connections are.
+    opening: Mutex<HashMap<Option<tokio::runtime::Id>, Arc<tokio::sync::Mutex<()>>>>,
     /// kube's HTTP/1.1 client, for what cannot go over HTTP/2; built on first use.
     http1: OnceLock<Http1Client>,
     config: kube::Config,
@@ -140,6 +140,10 @@ struct Connection {
     closed: AtomicBool,
     /// Ends the task driving the connection.
     stop: tokio_util::sync::CancellationToken,
+    /// The runtime whose task drives the connection. Only requests sent from that runtime use
+    /// it: a runtime blocked or starved (or one a test harness runs beside another) stalls its
+    /// own connections only, not the other runtimes' clients of the same server.
+    runtime: Option<tokio::runtime::Id>,
 }
 
 impl Connection {
@@ -161,6 +165,11 @@ impl Drop for Slot {
     fn drop(&mut self) {
         self.0.active.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// The runtime the caller runs on, if any.
+fn current_runtime() -> Option<tokio::runtime::Id> {
+    tokio::runtime::Handle::try_current().ok().map(|h| h.id())
 }
 
 /// The transport for `config`, shared with every other client of the same key; `None` when
@@ -192,7 +201,7 @@ pub(crate) fn shared(config: &kube::Config) -> Result<Option<Arc<Transport>>, ku
         endpoint,
         settings: *lock(&SETTINGS),
         connections: Mutex::new(Vec::new()),
-        opening: tokio::sync::Mutex::new(()),
+        opening: Mutex::new(HashMap::new()),
         http1: OnceLock::new(),
         config: config.clone(),
     });
@@ -420,7 +429,13 @@ impl Transport {
         if let Some(slot) = self.free_slot() {
             return Ok(Some(slot));
         }
-        let _opening = self.opening.lock().await;
+        let opening = {
+            let mut opening = lock(&self.opening);
+            // Those nobody waits on are let go (runtimes come and go, in tests).
+            opening.retain(|_, lock| Arc::strong_count(lock) > 1);
+            opening.entry(current_runtime()).or_default().clone()
+        };
+        let _opening = opening.lock().await;
         if let Some(slot) = self.free_slot() {
             return Ok(Some(slot));
         }
@@ -441,12 +456,13 @@ impl Transport {
     }
 
     fn free_slot(&self) -> Option<Slot> {
+        let runtime = current_runtime();
         let connections = lock(&self.connections);
         // The fullest connection with room: streams gather on few connections, and one that
         // empties can be closed by the server when idle.
         let connection = connections
             .iter()
-            .filter(|c| c.has_room())
+            .filter(|c| c.runtime == runtime && c.has_room())
             .max_by_key(|c| c.active.load(Ordering::Acquire))?;
         connection.active.fetch_add(1, Ordering::AcqRel);
         Some(Slot(connection.clone()))
@@ -500,6 +516,7 @@ impl Transport {
             active: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             stop: stop.clone(),
+            runtime: current_runtime(),
         });
         let server = self.config.cluster_url.to_string();
         let weak = Arc::downgrade(&state);

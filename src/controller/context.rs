@@ -48,6 +48,10 @@ pub(crate) struct Shared<C: ClusterId, S> {
     pub(crate) shutdown: CancellationToken,
     /// The controller and replica, as its Events name them.
     pub(crate) reporter: Reporter,
+    /// Cancelled when the run's reconciles are dropped at once (leadership lost).
+    pub(crate) abort: CancellationToken,
+    /// Until when this replica may act (its leader Lease, its fences).
+    pub(crate) tenure: Arc<crate::tenure::Tenure>,
 }
 
 /// Object metadata behind a type-erased pointer.
@@ -111,6 +115,11 @@ impl<C: ClusterId, S> Context<C, S> {
             request: OnceLock::new(),
             object: Some(object),
         }
+    }
+
+    /// The tenure the reconcile runs under.
+    pub(crate) fn shared_tenure(&self) -> &crate::tenure::Tenure {
+        &self.shared.tenure
     }
 
     /// What is being reconciled: the cluster's id and the object's key.
@@ -218,6 +227,30 @@ impl<C: ClusterId, S> Context<C, S> {
     pub fn is_cancelled(&self) -> bool {
         self.engagement.as_ref().is_some_and(|t| t.is_cancelled())
             || self.shared.shutdown.is_cancelled()
+    }
+
+    /// Whether this replica still holds, by its own clock, what lets it act on this request's
+    /// cluster: the leader Lease (a controller under leader election), the cluster's fence
+    /// and its engagement here (a sharded manager). Ask it just before a write that another
+    /// replica must not also make: the background tasks that stop a replica's work when a
+    /// renewal is overdue can run late on a runtime starved of CPU, and this reads the
+    /// deadline itself. `true` when neither leader election nor sharding applies and the
+    /// cluster is engaged.
+    ///
+    /// It narrows the window, it does not close it: a write sent in time may still land after
+    /// another replica took over (the member clusters know nothing of the Leases, so there is
+    /// no fencing token). See `docs/sharding.md`.
+    pub fn still_owned(&self) -> bool {
+        self.shared.tenure.holds()
+            && !self.engagement.as_ref().is_some_and(|t| t.is_cancelled())
+            && !self.shared.abort.is_cancelled()
+    }
+
+    /// When what lets this replica act on the cluster (its leader Lease, its fences) runs
+    /// out unless renewed, by this process's clock: `None` when nothing bounds it (no leader
+    /// election or sharding), an instant already past once it was lost.
+    pub fn owned_until(&self) -> Option<tokio::time::Instant> {
+        self.shared.tenure.end_at()
     }
 
     /// Completes when [`Context::is_cancelled`] turns true; select on it to abandon work.

@@ -145,6 +145,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             controller: spec.name.to_string(),
             instance: Some(env.instance.to_string()),
         },
+        abort: env.grace.abort.clone(),
+        tenure: env.tenure.clone(),
     });
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut slots = Slots {
@@ -168,6 +170,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         }
     }
     let mut bulk = spec.bulk.as_ref().and_then(|b| b.lend());
+    // Past the tenure (a renewal overdue, its background task not yet run: a starved
+    // runtime), no request is taken from the queue until the tenure runs again or the
+    // replica's work here is stopped.
+    let mut tenure_changes = env.tenure.subscribe();
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -183,8 +189,15 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
     }
 
     loop {
+        let mut may_start = env.tenure.holds();
+        if !may_start {
+            // Changes from here on wake the loop.
+            tenure_changes.borrow_and_update();
+            may_start = env.tenure.holds();
+        }
         tokio::select! {
             () = env.shutdown.cancelled() => break,
+            Ok(()) = tenure_changes.changed(), if !may_start => {}
             Some(event) = recv_opt(&mut fleet_rx) => match event {
                 FleetEvent::Engaged(engagement) => {
                     slots.engage(engagement, None, HashMap::default());
@@ -216,7 +229,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                     slots.queue.finish(req, action, reason, took);
                 }
             }
-            (req, reason) = slots.queue.next() => {
+            (req, reason) = slots.queue.next(), if may_start => {
                 if let Some((object, engagement)) = slots.object_for(&req, &reason) {
                     let timed = env.metrics.is_some();
                     running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed));
@@ -517,6 +530,11 @@ where
             // new engagement of the id, if there is one.
             return (req, Action::await_change(), reason, true, None);
         };
+        if !ctx.shared_tenure().holds() {
+            // Past the tenure since it was taken from the queue: queued again, taken once
+            // the tenure runs again (or dropped with the cluster).
+            return (req, Action::await_change(), reason, true, None);
+        }
         let began = (timed || observer.is_some()).then(std::time::Instant::now);
         // A panic of the reconciler or its error policy ends this reconcile only: the
         // controller goes on with every other request and cluster.

@@ -193,6 +193,9 @@ pub(crate) struct Env<C: ClusterId> {
     /// Who this replica is, in the Events it records (the leader election identity, or the
     /// host name: the pod's name in a cluster).
     pub(crate) instance: Arc<str>,
+    /// Until when this replica may start reconciles: its leader Lease's renew deadline for
+    /// the leader's controllers, its fences' for a sharded manager's, unbounded otherwise.
+    pub(crate) tenure: Arc<crate::tenure::Tenure>,
 }
 
 /// How long reconciles in flight at shutdown are awaited.
@@ -228,6 +231,7 @@ impl<C: ClusterId> Clone for Env<C> {
             namespaces: self.namespaces.clone(),
             paged_lists: self.paged_lists,
             instance: self.instance.clone(),
+            tenure: self.tenure.clone(),
         }
     }
 }

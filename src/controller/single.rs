@@ -229,6 +229,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 controller: spec.name.to_string(),
                 instance: Some(env.instance.to_string()),
             },
+            abort: env.grace.abort.clone(),
+            tenure: env.tenure.clone(),
         }),
         reconcile,
         error_policy,
@@ -258,11 +260,15 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     .observer
                     .as_ref()
                     .map(|observer| (observer.clone(), crate::Request::from_obj(single.cluster.id().clone(), &*obj)));
-                let fut = (single.reconcile)(obj, ctx);
+                // Past the leader's tenure (its renewal overdue, the task that stops the
+                // controllers not yet run: a starved runtime) the reconciler is not called;
+                // the object comes back after a second, if the controller still runs.
+                let held = single.shared.tenure.holds();
+                let fut = held.then(|| (single.reconcile)(obj, ctx));
                 let metrics = single.metrics.clone();
                 // A panic ends this reconcile only (kube-runtime would carry it into the
                 // controller's stream and end the controller).
-                let fut = std::panic::AssertUnwindSafe(fut).catch_unwind().map(|ended| {
+                let fut = fut.map(|fut| std::panic::AssertUnwindSafe(fut).catch_unwind().map(|ended| {
                     ended
                         .map_err(|panic| {
                             let message = panic_message(&*panic);
@@ -272,9 +278,12 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                         .and_then(|result| {
                             result.map_err(|error| Failure::Failed(error, Duration::ZERO))
                         })
-                });
+                }));
                 single.tracker.track_future(
                     async move {
+                        let Some(fut) = fut else {
+                            return Ok(KubeAction::requeue(Duration::from_secs(1)));
+                        };
                         if metrics.is_none() && observed.is_none() {
                             return fut.await.map(KubeAction::from);
                         }

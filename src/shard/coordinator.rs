@@ -20,6 +20,7 @@ use super::{GROUP_LABEL, ROLE_LABEL, Sharding};
 use crate::cluster::Session;
 use crate::metrics::ShardSeries;
 use crate::sync::lock;
+use crate::tenure::Tenure;
 use crate::{ClusterId, Fleet};
 
 /// What a sharded replica sees and holds, as of its last round
@@ -88,6 +89,9 @@ pub(crate) struct Coordinator<C: ClusterId> {
     lost: HashMap<C, Vec<Arc<Session>>>,
     metrics: Option<ShardSeries>,
     status: Arc<Mutex<Option<ShardStatus>>>,
+    /// The renew deadline of the fences held, published for the controllers, which start
+    /// nothing past it even before this task gets to drop the fences.
+    tenure: Arc<Tenure>,
 }
 
 impl<C: ClusterId> Coordinator<C> {
@@ -96,6 +100,7 @@ impl<C: ClusterId> Coordinator<C> {
         fleet: Fleet<C>,
         metrics: Option<&crate::Metrics>,
         status: Arc<Mutex<Option<ShardStatus>>>,
+        tenure: Arc<Tenure>,
     ) -> Self {
         let leases = Api::namespaced(config.client.clone(), &config.namespace);
         let holder = Holder {
@@ -129,6 +134,7 @@ impl<C: ClusterId> Coordinator<C> {
             generation: 0,
             lost: HashMap::new(),
             status,
+            tenure,
         }
     }
 
@@ -282,7 +288,10 @@ impl<C: ClusterId> Coordinator<C> {
         let now = Instant::now();
         let listed = matches!(list, Ok(Ok(_)));
         match peer {
-            Some(Ok(Ok(()))) => self.announced = Some(began),
+            Some(Ok(Ok(()))) => {
+                self.announced = Some(began);
+                self.tenure.until(began + self.config.renew_deadline);
+            }
             Some(Ok(Err(error))) => {
                 tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not renew this replica's peer lease")
             }
@@ -620,6 +629,7 @@ impl<C: ClusterId> Coordinator<C> {
     /// waited for (briefly: the manager has stopped its controllers already), the fences are
     /// released and the peer Lease deleted, so the others take over at once.
     pub(crate) async fn leave(mut self) {
+        self.tenure.end();
         let held: Vec<(C, Held)> = self.held.drain().collect();
         let mut releases = Vec::new();
         for (id, h) in held {
