@@ -573,20 +573,23 @@ impl<C: ClusterId> Fleet<C> {
     /// Ends a manager's run: disengages every cluster, refuses engagements until the next
     /// [`Fleet::open`], and waits until every watch task of the engagements it ended is gone.
     pub(crate) async fn close(&self) {
-        let ended = {
-            let mut state = self.state();
-            state.closed = true;
-            state.settings.faults = None;
-            state.shard = None;
-            let ids: Vec<C> = state.members.keys().cloned().collect();
-            for id in ids {
-                state.remove(&id);
-            }
-            std::mem::take(&mut state.ended)
-        };
-        for session in ended {
+        for session in self.close_now() {
             session.stopped().await;
         }
+    }
+
+    /// [`Fleet::close`] without waiting (a run dropped before it returned): returns the
+    /// engagements it ended.
+    pub(crate) fn close_now(&self) -> Vec<Arc<Session>> {
+        let mut state = self.state();
+        state.closed = true;
+        state.settings.faults = None;
+        state.shard = None;
+        let ids: Vec<C> = state.members.keys().cloned().collect();
+        for id in ids {
+            state.remove(&id);
+        }
+        std::mem::take(&mut state.ended)
     }
 }
 

@@ -791,7 +791,9 @@ impl<P: Provider> Manager<P> {
                 self.shard_status.clone(),
                 fence_tenure.clone(),
             );
-            AbortOnDropHandle::new(tokio::spawn(coordinator.run(coordinator_stop.clone())))
+            AbortOnDropHandle::new(tokio::spawn(
+                coordinator.run(coordinator_stop.clone(), shutdown.clone()),
+            ))
         });
         // Leadership: without an election, controllers run from the start.
         let (leadership_tx, mut leadership) = mpsc::unbounded_channel();
@@ -907,7 +909,12 @@ impl<P: Provider> Manager<P> {
                         Ok(_) => "it ended".to_string(),
                         Err(error) => panic_text(error),
                     };
-                    tracing::error!(%reason, "the sharding coordinator stopped; shutting down");
+                    // As when a lease is lost: nothing renews the fences any more, and the
+                    // others take them over once the lease duration has passed, so the work
+                    // is dropped now rather than drained.
+                    tracing::error!(%reason, "the sharding coordinator stopped; dropping the sharded controllers' work and shutting down");
+                    fence_tenure.end();
+                    shared_term.abort().await;
                     result = Err(ManagerError::ShardingFailed(reason));
                     break;
                 }
@@ -1301,7 +1308,8 @@ impl<P: Provider> Drop for Abandoned<'_, P> {
         let manager = self.manager;
         manager.leading.send_replace(None);
         lock(&manager.shutdown).cancel();
-        manager.fleet.clear();
+        // Closed as a run's end closes it: no engagement is accepted until the next run.
+        manager.fleet.close_now();
         if let Some(local) = &manager.local {
             local.detach();
         }
@@ -1413,6 +1421,18 @@ mod tests {
                 .is_err(),
             "still running when dropped"
         );
+        // The dropped run closed its fleet: nothing is engaged into a fleet no run serves
+        // (its watches would report to a run that is gone).
+        let cluster = Cluster::from_config(
+            crate::ClusterName::new("late"),
+            kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
+        )
+        .unwrap();
+        assert!(matches!(
+            manager.fleet().engage(cluster.clone()),
+            Err(crate::EngageError::Stopped { .. })
+        ));
+        assert!(!cluster.is_engaged());
         manager.shutdown();
         tokio::time::timeout(Duration::from_secs(10), manager.run())
             .await

@@ -896,13 +896,22 @@ fn rss_and_sockets(pid: u32) -> (u64, usize) {
 
 /// The holders of the group's fences, by cluster.
 async fn fence_holders(host: &Client) -> BTreeMap<String, Option<String>> {
+    fence_holders_of(host, "mcr-system", "test").await
+}
+
+/// The holder of each fence of `group` (in `namespace`), by cluster.
+async fn fence_holders_of(
+    host: &Client,
+    namespace: &str,
+    group: &str,
+) -> BTreeMap<String, Option<String>> {
     use k8s_openapi::api::coordination::v1::Lease;
     let selector = format!(
-        "{}=test,{}=fence",
+        "{}={group},{}=fence",
         multicluster_runtime::shard::GROUP_LABEL,
         multicluster_runtime::shard::ROLE_LABEL
     );
-    Api::<Lease>::namespaced(host.clone(), "mcr-system")
+    Api::<Lease>::namespaced(host.clone(), namespace)
         .list(&kube::api::ListParams::default().labels(&selector))
         .await
         .unwrap()
@@ -1697,4 +1706,248 @@ async fn a_starved_replica_starts_no_reconcile_on_clusters_another_has_taken() {
     a_result.unwrap();
     b.shutdown();
     b_run.await.unwrap();
+}
+
+/// A cluster id whose parsing panics on `boom`: a user's id type with a bug, the way a
+/// coordinator can die (it parses the cluster named on a fence that names its replica).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Touchy(String);
+
+impl std::fmt::Display for Touchy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl multicluster_runtime::ClusterId for Touchy {
+    fn parse(text: &str) -> Result<Self, multicluster_runtime::InvalidClusterId> {
+        assert_ne!(text, "boom", "a bug in the cluster id type");
+        Ok(Self(text.to_string()))
+    }
+}
+
+/// Drops set `flag` when the reconcile holding it is dropped.
+struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A fence Lease of group `group` naming `holder`, for cluster `cluster`.
+fn fence_naming(
+    group: &str,
+    cluster: &str,
+    holder: &str,
+) -> k8s_openapi::api::coordination::v1::Lease {
+    use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+    use multicluster_runtime::shard;
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(shard::fence_lease_name(group, cluster)),
+            labels: Some(
+                [
+                    (shard::GROUP_LABEL.to_string(), group.to_string()),
+                    (shard::ROLE_LABEL.to_string(), "fence".to_string()),
+                ]
+                .into(),
+            ),
+            annotations: Some(
+                [(shard::CLUSTER_ANNOTATION.to_string(), cluster.to_string())].into(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(6),
+            ..Default::default()
+        }),
+    }
+}
+
+/// Issue 28 item 7: when the sharding coordinator dies, nothing renews the fences any more,
+/// so the sharded controllers' reconciles are dropped at once (as at a lost lease), not
+/// awaited for the graceful timeout, and the run reports why.
+#[tokio::test]
+async fn a_dying_coordinator_drops_the_reconciles_in_flight_at_once() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    common::create_namespace(&admin, "dies").await;
+    let cms = Api::<ConfigMap>::namespaced(admin.clone(), "dies");
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("stuck".into()),
+            labels: Some([("dies".to_string(), "yes".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    cms.create(&PostParams::default(), &cm).await.unwrap();
+
+    let provider = Clusters::<Touchy>::new();
+    provider
+        .add(Cluster::from_config(Touchy("x".into()), tc.config()).unwrap())
+        .unwrap();
+    let manager = Arc::new(
+        Manager::new(provider)
+            // Far longer than the test may take: only an abort ends the reconcile.
+            .graceful_timeout(Duration::from_secs(3600))
+            .sharding(
+                Sharding::new(admin.clone(), "dies", "dies")
+                    .identity("a")
+                    .lease_duration(LEASE)
+                    .renew_deadline(RENEW_DEADLINE)
+                    .retry_period(RETRY),
+            ),
+    );
+    let began = Arc::new(tokio::sync::Notify::new());
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("dies")).start(
+        |_: Arc<ConfigMap>, ctx: Context<Touchy, (Arc<tokio::sync::Notify>, Arc<std::sync::atomic::AtomicBool>)>| async move {
+            let (began, dropped) = ctx.state();
+            let _guard = SetOnDrop(dropped.clone());
+            began.notify_one();
+            // Deaf to cancellation: it ends only when dropped.
+            std::future::pending::<()>().await;
+            Ok::<_, kube::Error>(Action::await_change())
+        },
+        |_, _, _| Action::await_change(),
+        Arc::new((began.clone(), dropped.clone())),
+    );
+    let run = {
+        let manager = manager.clone();
+        tokio::spawn(async move { manager.run().await })
+    };
+    tokio::time::timeout(Duration::from_secs(60), began.notified())
+        .await
+        .expect("the reconcile began");
+
+    // A fence naming a, of a cluster whose id a's type cannot take: the coordinator panics.
+    let leases =
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(admin.clone(), "dies");
+    leases
+        .create(&PostParams::default(), &fence_naming("dies", "boom", "a"))
+        .await
+        .unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the run ends without awaiting the reconcile")
+        .unwrap();
+    assert!(
+        matches!(&result, Err(multicluster_runtime::ManagerError::ShardingFailed(reason)) if reason.contains("a bug in the cluster id type")),
+        "{result:?}"
+    );
+    assert!(
+        dropped.load(std::sync::atomic::Ordering::SeqCst),
+        "the reconcile was dropped"
+    );
+}
+
+/// Issue 28 item 7: a replica draining at shutdown takes no cluster, even when the others
+/// leave and every cluster becomes its own: its shutdown is not held up by new engagements,
+/// and the clusters stay free for the replicas that stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_is_shutting_down_takes_no_cluster() {
+    const NAMES: usize = 10;
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    common::create_namespace(&admin, "drain").await;
+    let cms = Api::<ConfigMap>::namespaced(admin.clone(), "drain");
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("slow".into()),
+            labels: Some([("drain".to_string(), "yes".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    cms.create(&PostParams::default(), &cm).await.unwrap();
+    // a's reconciles hold on, deaf to cancellation, while this is set.
+    let hold = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let holding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start = |id: &'static str| {
+        let provider = Clusters::<ClusterName>::new();
+        for i in 0..NAMES {
+            provider
+                .add(Cluster::from_config(name(&format!("d{i}")), tc.config()).unwrap())
+                .unwrap();
+        }
+        let manager = Arc::new(
+            Manager::new(provider)
+                .graceful_timeout(Duration::from_secs(120))
+                .sharding(
+                    Sharding::new(admin.clone(), "drain", "drain")
+                        .identity(id)
+                        .lease_duration(LEASE)
+                        .renew_deadline(RENEW_DEADLINE)
+                        .retry_period(RETRY),
+                ),
+        );
+        let state = Arc::new((id, hold.clone(), holding.clone()));
+        Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("drain")).start(
+            |_: Arc<ConfigMap>,
+             ctx: Context<
+                ClusterName,
+                (
+                    &'static str,
+                    Arc<std::sync::atomic::AtomicBool>,
+                    Arc<std::sync::atomic::AtomicUsize>,
+                ),
+            >| async move {
+                let (id, hold, holding) = ctx.state();
+                if *id == "a" {
+                    holding.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    while hold.load(std::sync::atomic::Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                Ok::<_, kube::Error>(Action::await_change())
+            },
+            |_, _, _| Action::await_change(),
+            state,
+        );
+        (manager.clone(), common::spawn_manager(&manager))
+    };
+    let (a, a_run) = start("a");
+    let (b, b_run) = start("b");
+    let owned = |m: &Manager<Clusters<ClusterName>>| m.fleet().ids().len();
+    eventually(60, "the clusters split between a and b", async || {
+        owned(&a) > 0 && owned(&b) > 0 && owned(&a) + owned(&b) == NAMES
+    })
+    .await;
+    let of_a = owned(&a);
+    eventually(60, "a reconciling in each of its clusters", async || {
+        holding.load(std::sync::atomic::Ordering::SeqCst) >= of_a
+    })
+    .await;
+
+    // a shuts down and drains (its reconciles hold on); b leaves the group meanwhile.
+    a.shutdown();
+    b.shutdown();
+    b_run.await.unwrap();
+    // a's next round sees b gone (its peer Lease deleted) and every cluster assigned to a; it
+    // takes none of b's.
+    eventually(60, "a sees b gone", async || {
+        a.shard_status().is_some_and(|s| s.peers == ["a"])
+    })
+    .await;
+    let status = a.shard_status().unwrap();
+    assert_eq!(status.held, of_a, "{status:?}");
+    let fences = fence_holders_of(&admin, "drain", "drain").await;
+    let naming_a = fences
+        .values()
+        .filter(|h| h.as_deref() == Some("a"))
+        .count();
+    assert_eq!(naming_a, of_a, "{fences:?}");
+
+    hold.store(false, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(60), a_run)
+        .await
+        .expect("a's run ends once its reconciles do")
+        .unwrap();
 }

@@ -92,6 +92,8 @@ pub(crate) struct Coordinator<C: ClusterId> {
     /// The renew deadline of the fences held, published for the controllers, which start
     /// nothing past it even before this task gets to drop the fences.
     tenure: Arc<Tenure>,
+    /// Cancelled when the manager shuts down: nothing more is taken.
+    draining: CancellationToken,
 }
 
 impl<C: ClusterId> Coordinator<C> {
@@ -135,11 +137,19 @@ impl<C: ClusterId> Coordinator<C> {
             lost: HashMap::new(),
             status,
             tenure,
+            draining: CancellationToken::new(),
         }
     }
 
-    /// Runs until `stop`; then [`Coordinator::leave`] gives everything up.
-    pub(crate) async fn run(mut self, stop: CancellationToken) -> Self {
+    /// Runs until `stop`; then [`Coordinator::leave`] gives everything up. Once `draining`
+    /// (the manager's shutdown: its controllers winding down) it goes on renewing and giving
+    /// clusters up, but takes none.
+    pub(crate) async fn run(
+        mut self,
+        stop: CancellationToken,
+        draining: CancellationToken,
+    ) -> Self {
+        self.draining = draining;
         let changes = self.fleet.discovery_changes();
         tracing::info!(group = %self.config.group, identity = %self.config.identity, weight = self.config.weight, "sharding: joining the group");
         loop {
@@ -360,7 +370,9 @@ impl<C: ClusterId> Coordinator<C> {
         // at the same time may not have announced themselves yet.
         // Nor without this round's listing: fences are not renewed, so whether a holder is
         // gone is judged from its peer Lease alone, which only a fresh listing shows.
-        if !std::mem::replace(&mut self.started, true) || !listed {
+        // Nor while the manager drains at shutdown: a cluster taken now would engage (watches,
+        // per-cluster tasks) only to be given up again, and hold up the others meanwhile.
+        if !std::mem::replace(&mut self.started, true) || !listed || self.draining.is_cancelled() {
             self.publish();
             return;
         }
@@ -570,7 +582,7 @@ impl<C: ClusterId> Coordinator<C> {
             self.publish();
             return;
         }
-        if self.mine.contains(&id) {
+        if self.mine.contains(&id) && !self.draining.is_cancelled() {
             held.handing_off = false;
             held.sessions.clear();
             tracing::info!(cluster = %id, "sharding: the cluster is this replica's again");
