@@ -3,7 +3,8 @@
 //! answering are replaced and the watches on them resume, a rotated client certificate gets
 //! connections of its own, a server without HTTP/2 is served over HTTP/1.1, and an upgrade
 //! request goes over HTTP/1.1 and is upgraded; a create whose response was lost is not sent
-//! again; the read timeout applies to each HTTP/2 stream.
+//! again; the read timeout applies to each HTTP/2 stream; token users sharing a connection are
+//! each seen as themselves; a server's GOAWAY loses and repeats no request.
 //!
 //! Connections are counted where they cannot hide: every cluster reaches its API server
 //! through a TCP relay (`common::Relay`) that counts what passes through it.
@@ -515,4 +516,130 @@ async fn the_read_timeout_applies_to_each_stream_over_http2() {
         .expect("the request ended");
     let error = format!("{answered:?}");
     assert!(error.contains("read timeout"), "{error}");
+}
+
+/// A bearer token of ServiceAccount `name` in `ns` (created), from the TokenRequest API.
+async fn service_account_token(client: &kube::Client, ns: &str, name: &str) -> String {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let accounts = Api::<ServiceAccount>::namespaced(client.clone(), ns);
+    let account = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            audiences: Some(vec![]),
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    accounts
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+        .unwrap()
+}
+
+/// Issue 28 item 5: two clusters of one API server whose credentials are bearer tokens (no
+/// client certificate: the same TLS identity) share one connection, and each request is
+/// still made as its own cluster's user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_users_of_one_connection_are_each_seen_as_themselves() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    create_namespace(&admin, "tokens").await;
+    let relay = Relay::start(tc.server()).await;
+    let mut users = Vec::new();
+    for user in ["alice", "bob"] {
+        let token = service_account_token(&admin, "tokens", user).await;
+        let mut config = relay.config(tc.config());
+        config.auth_info.client_certificate_data = None;
+        config.auth_info.client_key_data = None;
+        config.auth_info.token = Some(token.into());
+        let cluster = Cluster::from_config(name(user), config).unwrap();
+        users.push((user, cluster));
+    }
+    // Interleaved, at the same time: twenty reviews each.
+    let reviews = users.iter().flat_map(|(user, cluster)| {
+        (0..20).map(move |_| async move { (*user, whoami(cluster.client()).await) })
+    });
+    for (user, seen) in futures::future::join_all(reviews).await {
+        assert_eq!(seen, format!("system:serviceaccount:tokens:{user}"));
+    }
+    assert_eq!(
+        relay.accepted(),
+        1,
+        "both token users went over one connection"
+    );
+}
+
+/// Issue 28 item 5: an API server that sends GOAWAY now and then (`--goaway-chance`, as
+/// API servers behind a load balancer are run) loses no request and duplicates none: the
+/// requests it did not process are sent again on a new connection, the others are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goaway_from_the_server_loses_and_repeats_no_request() {
+    const REQUESTS: usize = 400;
+    let env = TestEnv::builder()
+        .apiserver_arg("--goaway-chance=0.02")
+        .start()
+        .await
+        .unwrap();
+    let tc = env.cluster(0).unwrap();
+    create_namespace(&tc.client().unwrap(), "goaway").await;
+    let relay = Relay::start(tc.server()).await;
+    let cluster = Cluster::from_config(name("goaway"), relay.config(tc.config())).unwrap();
+    let api = Api::<ConfigMap>::namespaced(cluster.client(), "goaway");
+    // Eight at a time, so that GOAWAY finds requests in flight on the connection it ends.
+    use futures::StreamExt;
+    let outcomes: Vec<Result<(), kube::Error>> = futures::stream::iter(0..REQUESTS)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let cm = ConfigMap {
+                    metadata: ObjectMeta {
+                        generate_name: Some("away-".into()),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                let created = api.create(&PostParams::default(), &cm).await?;
+                if i % 2 == 0 {
+                    api.get(&created.metadata.name.unwrap()).await?;
+                }
+                Ok(())
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| o.as_ref().err().map(ToString::to_string))
+        .collect();
+    assert!(failed.is_empty(), "{} failed: {failed:?}", failed.len());
+    assert_eq!(generated(&api, "away-").await.len(), REQUESTS);
+    // The server did send GOAWAY: the client opened connections again.
+    assert!(
+        relay.accepted() > 1,
+        "{} connections for {REQUESTS} creates",
+        relay.accepted()
+    );
+    eprintln!(
+        "{} connections for {REQUESTS} creates and {} reads",
+        relay.accepted(),
+        REQUESTS / 2
+    );
 }

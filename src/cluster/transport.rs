@@ -11,7 +11,9 @@
 //! server allows (its `SETTINGS_MAX_CONCURRENT_STREAMS`; a new connection is opened when all
 //! are full), and pings each connection so that one the server or the network dropped
 //! silently is noticed and replaced (client-go learned to do this after watches hung on
-//! half-open connections, kubernetes/kubernetes#87615). What cannot go over HTTP/2 goes over
+//! half-open connections, kubernetes/kubernetes#87615). A connection the server winds down
+//! (GOAWAY) takes no new streams, while those it still answers finish on it; the requests it
+//! did not process are sent again on another. What cannot go over HTTP/2 goes over
 //! HTTP/1.1 through kube's own connector: servers that do not offer `h2`, plain `http://`
 //! endpoints, and upgrade requests (exec, attach, port-forward).
 //!
@@ -152,9 +154,16 @@ impl Connection {
             && self.active.load(Ordering::Acquire) < self.send.current_max_send_streams()
     }
 
+    /// Ends the connection and every stream on it.
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.stop.cancel();
+    }
+
+    /// Takes no new stream; the streams open on it go on until they end or the server
+    /// closes the connection.
+    fn retire(&self) {
+        self.closed.store(true, Ordering::Release);
     }
 }
 
@@ -404,8 +413,13 @@ impl Transport {
                     let broken = error.is_go_away()
                         || slot.0.closed.load(Ordering::Acquire)
                         || error.is_io();
-                    if broken || error.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                    if error.is_io() {
+                        // Dead: every stream on it has failed already.
                         slot.0.close();
+                    } else if broken || error.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                        // Winding down (GOAWAY) or full: no new streams there, but the
+                        // streams the server is still answering keep their connection.
+                        slot.0.retire();
                     }
                     if !(attempts < 2 && (!sent || unprocessed(&error) || (replayable && broken))) {
                         return Err(error.into());
@@ -638,7 +652,14 @@ async fn send_h2(
     let (response, mut stream) = send.send_request(head, empty).map_err(unsent)?;
     if !empty {
         // Buffered by h2 and sent as the stream's window allows.
-        stream.send_data(body, true).map_err(sent)?;
+        if let Err(error) = stream.send_data(body, true) {
+            // The stream closed between its opening and its body (a GOAWAY above its id, a
+            // reset): why is what the response says, and decides whether it is sent again.
+            return match response.await {
+                Err(why) => Err(sent(why)),
+                Ok(_) => Err(sent(error)),
+            };
+        }
     }
     response.await.map_err(sent)
 }
