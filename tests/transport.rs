@@ -643,3 +643,53 @@ async fn goaway_from_the_server_loses_and_repeats_no_request() {
         REQUESTS / 2
     );
 }
+
+/// Issue 28 item 4: responses one cluster leaves unread (a log followed and never read, a
+/// listing held) cannot stall the other clusters sharing its connection: each stream may have
+/// at most its own window unread, and a connection never carries more streams than its window
+/// holds of those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_left_unread_do_not_stall_the_others_on_their_connection() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    create_namespace(&admin, "unread").await;
+    // A listing of about 4.5 MB: more than one stream's window (4 MiB).
+    let direct = Api::<ConfigMap>::namespaced(admin, "unread");
+    for i in 0..5 {
+        let cm = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(format!("big-{i}")),
+                ..Default::default()
+            },
+            data: Some([("blob".to_string(), "x".repeat(900_000))].into()),
+            ..Default::default()
+        };
+        direct.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    let relay = Relay::start(tc.server()).await;
+    let hog = Cluster::from_config(name("hog"), relay.config(tc.config())).unwrap();
+    let quiet = Cluster::from_config(name("quiet"), relay.config(tc.config())).unwrap();
+    // Seventeen listings whose bodies are never read: seventeen full stream windows, more
+    // than a 64 MiB connection window.
+    let mut held = Vec::new();
+    for _ in 0..17 {
+        let request = http::Request::get("/api/v1/namespaces/unread/configmaps")
+            .body(kube::client::Body::empty())
+            .unwrap();
+        held.push(hog.client().send(request).await.unwrap());
+    }
+    // The other cluster still reads, over the same connection.
+    for _ in 0..5 {
+        let read = tokio::time::timeout(
+            Duration::from_secs(20),
+            Api::<ConfigMap>::namespaced(quiet.client(), "unread").get("big-0"),
+        )
+        .await
+        .expect("a read of the other cluster is not stalled by the unread streams")
+        .unwrap();
+        assert_eq!(read.data.unwrap()["blob"].len(), 900_000);
+    }
+    assert_eq!(relay.accepted(), 1, "all of it over one connection");
+    drop(held);
+}

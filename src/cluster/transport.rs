@@ -50,11 +50,16 @@ const PING_TIMEOUT: Duration = Duration::from_secs(15);
 /// Streams a new connection may open before the server's settings say how many it allows
 /// (RFC 9113 asks servers to allow at least 100).
 const INITIAL_STREAMS: usize = 100;
-/// Flow-control windows: what the server may send ahead of our reading. Large, as in Go's
-/// HTTP/2 transport, so that one listing does not stall the watches sharing its connection;
-/// nothing is allocated for them up front.
+/// Flow-control windows: what the server may send ahead of our reading; nothing is allocated
+/// for them up front. Each stream may have its window of data unread (a listing being read
+/// slowly, a log followed and never read), and the connection's window holds that of every
+/// stream it carries ([`STREAMS_PER_CONNECTION`]): however many of its streams are left
+/// unread, the others on the connection still receive. The sizes are Go's HTTP/2 transport's.
 const STREAM_WINDOW: u32 = 4 << 20;
-const CONNECTION_WINDOW: u32 = 64 << 20;
+const CONNECTION_WINDOW: u32 = 1 << 30;
+/// At most this many streams of ours on one connection (fewer if the server allows fewer);
+/// another connection is opened beyond.
+const STREAMS_PER_CONNECTION: usize = (CONNECTION_WINDOW / STREAM_WINDOW) as usize;
 
 /// Settings of the transports built from now on (tests shorten the pings).
 #[derive(Clone, Copy, Debug)]
@@ -151,7 +156,11 @@ struct Connection {
 impl Connection {
     fn has_room(&self) -> bool {
         !self.closed.load(Ordering::Acquire)
-            && self.active.load(Ordering::Acquire) < self.send.current_max_send_streams()
+            && self.active.load(Ordering::Acquire)
+                < self
+                    .send
+                    .current_max_send_streams()
+                    .min(STREAMS_PER_CONNECTION)
     }
 
     /// Ends the connection and every stream on it.
