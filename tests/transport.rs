@@ -693,3 +693,98 @@ async fn streams_left_unread_do_not_stall_the_others_on_their_connection() {
     assert_eq!(relay.accepted(), 1, "all of it over one connection");
     drop(held);
 }
+
+/// An ExecCredential answering with `user`'s client certificate and key.
+fn certificate_credential(user: &multicluster_runtime_testenv::TestUser) -> String {
+    use base64::Engine;
+    use secrecy::ExposeSecret;
+    let config = user.config();
+    let decode = |b64: &str| {
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let cert = decode(config.auth_info.client_certificate_data.as_deref().unwrap());
+    let key = decode(
+        config
+            .auth_info
+            .client_key_data
+            .as_ref()
+            .unwrap()
+            .expose_secret(),
+    );
+    serde_json::json!({
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "kind": "ExecCredential",
+        "status": {"clientCertificateData": cert, "clientKeyData": key},
+    })
+    .to_string()
+}
+
+/// Issue 28 item 2: a client certificate an exec plugin issues is used until the server
+/// refuses it (it expired), then the plugin's new one reaches the TLS identity: new
+/// connections present it, and requests go on as the new certificate's user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_from_an_exec_plugin_is_renewed_when_it_expires() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    // The first certificate lasts seconds (12-hour ones are common; the test has no day).
+    let first = tc
+        .add_user_valid_for("rotating-1", &["system:masters"], Duration::from_secs(8))
+        .unwrap();
+    let second = tc.add_user("rotating-2", &["system:masters"]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let credential = dir.path().join("credential.json");
+    std::fs::write(&credential, certificate_credential(&first)).unwrap();
+    let mut config = tc.config();
+    config.auth_info.client_certificate_data = None;
+    config.auth_info.client_key_data = None;
+    config.auth_info.exec = Some(kube::config::ExecConfig {
+        api_version: Some("client.authentication.k8s.io/v1".into()),
+        command: Some("cat".into()),
+        args: Some(vec![credential.display().to_string()]),
+        env: None,
+        drop_env: None,
+        install_hint: None,
+        provide_cluster_info: false,
+        cluster: None,
+        interactive_mode: Some(kube::config::ExecInteractiveMode::Never),
+        other: Default::default(),
+    });
+    let relay = Relay::start(tc.server()).await;
+    let cluster = Cluster::from_config(name("rotating"), relay.config(config)).unwrap();
+    let whoami = async || -> Result<String, kube::Error> {
+        Ok(Api::<SelfSubjectReview>::all(cluster.client())
+            .create(&PostParams::default(), &SelfSubjectReview::default())
+            .await?
+            .status
+            .and_then(|s| s.user_info)
+            .and_then(|u| u.username)
+            .unwrap_or_default())
+    };
+    assert_eq!(whoami().await.unwrap(), "rotating-1");
+    // The plugin now answers with the next certificate; the first one expires.
+    std::fs::write(&credential, certificate_credential(&second)).unwrap();
+    let mut refused = 0;
+    eventually(
+        60,
+        "requests are made as rotating-2",
+        async || match whoami().await {
+            Ok(user) => user == "rotating-2",
+            Err(kube::Error::Api(status)) if status.code == 401 => {
+                refused += 1;
+                false
+            }
+            Err(error) => panic!("{error}"),
+        },
+    )
+    .await;
+    assert!(refused <= 1, "{refused} requests refused after the expiry");
+    assert!(
+        relay.accepted() >= 2,
+        "the new certificate on a new connection"
+    );
+}

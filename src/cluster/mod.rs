@@ -7,6 +7,7 @@
 mod backoff;
 mod cache;
 mod client;
+mod exec_identity;
 mod id;
 mod identity;
 mod index;

@@ -39,6 +39,8 @@ pub(crate) struct ReauthLayer {
 
 struct State {
     config: kube::Config,
+    /// The client certificate, when the plugin issues one: renewed instead of a header.
+    identity: Option<Arc<super::exec_identity::ExecIdentity>>,
     /// The layer in use and when it was made; `None` once a 401 retired it.
     current: Mutex<Option<Current>>,
     /// One plugin run at a time.
@@ -62,12 +64,16 @@ struct Current {
 impl ReauthLayer {
     /// Runs the plugin once now (as kube does when it builds a client), so that a plugin
     /// that fails is an error of the client's construction.
-    pub(crate) fn new(config: &kube::Config) -> Result<Self, kube::Error> {
+    pub(crate) fn new(
+        config: &kube::Config,
+        identity: Option<Arc<super::exec_identity::ExecIdentity>>,
+    ) -> Result<Self, kube::Error> {
         // secrets-lint: built in Cluster::from_config, which redacts the error.
         let layer = config.auth_layer()?;
         Ok(Self {
             state: Arc::new(State {
                 config: config.clone(),
+                identity,
                 current: Mutex::new(Some(Current {
                     layer: Arc::new(layer),
                     made: Instant::now(),
@@ -120,10 +126,15 @@ impl State {
             return Err("the exec credential plugin has not returned from an earlier run".into());
         }
         let config = self.config.clone();
+        let identity = self.identity.clone();
         let running = self.running.clone();
         let run = tokio::task::spawn_blocking(move || {
-            // secrets-lint: the error is put in fixed words (describe_client) below.
-            let layer = config.auth_layer();
+            let layer = match identity {
+                // A certificate: the TLS identity is renewed; there is no header to add.
+                Some(identity) => identity.renew().map(|_| None),
+                // secrets-lint: the error is put in fixed words (describe_client) below.
+                None => config.auth_layer(),
+            };
             running.store(false, Ordering::Release);
             layer
         });
@@ -240,6 +251,7 @@ mod tests {
     async fn a_plugin_that_fails_on_a_rerun_is_reported_without_its_output_or_command_line() {
         let state = State {
             config: failing_plugin(),
+            identity: None,
             current: Mutex::new(None),
             making: tokio::sync::Mutex::new(()),
             running: Arc::default(),

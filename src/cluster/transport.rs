@@ -96,6 +96,8 @@ struct Endpoint {
     port: u16,
     /// `None` for `http://`.
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    /// The client certificate, when an exec plugin issues it (renewed after a 401).
+    identity: Option<Arc<super::exec_identity::ExecIdentity>>,
 }
 
 /// What the server speaks, once known.
@@ -151,6 +153,9 @@ struct Connection {
     /// it: a runtime blocked or starved (or one a test harness runs beside another) stalls its
     /// own connections only, not the other runtimes' clients of the same server.
     runtime: Option<tokio::runtime::Id>,
+    /// The client certificate it presented ([`Transport::identity_generation`]): once the
+    /// certificate is renewed, it takes no new streams.
+    identity: u64,
 }
 
 impl Connection {
@@ -319,8 +324,10 @@ fn endpoint(config: &kube::Config) -> Result<Endpoint, kube::Error> {
         .trim_matches(['[', ']'])
         .to_string();
     let port = url.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let mut identity = None;
     let tls = if https {
         let mut tls = config.rustls_client_config()?;
+        identity = super::exec_identity::ExecIdentity::wrap(config, &mut tls);
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let name = config
             .tls_server_name
@@ -333,7 +340,12 @@ fn endpoint(config: &kube::Config) -> Result<Endpoint, kube::Error> {
     } else {
         None
     };
-    Ok(Endpoint { host, port, tls })
+    Ok(Endpoint {
+        host,
+        port,
+        tls,
+        identity,
+    })
 }
 
 impl Transport {
@@ -343,7 +355,24 @@ impl Transport {
         }
         let mut http = HttpConnector::new();
         http.enforce_http(false);
-        let https = self.config.rustls_https_connector_with_connector(http)?;
+        // The endpoint's TLS configuration (trust, and the client certificate that an exec
+        // plugin renews), offering HTTP/1.1 only.
+        let https = match &self.endpoint.tls {
+            Some((tls, name)) => {
+                let mut tls = (**tls).clone();
+                // The builder offers HTTP/1.1 (it insists on setting the protocols itself).
+                tls.alpn_protocols = Vec::new();
+                hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls)
+                    .https_or_http()
+                    .with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(
+                        name.clone(),
+                    ))
+                    .enable_http1()
+                    .wrap_connector(http)
+            }
+            None => self.config.rustls_https_connector_with_connector(http)?,
+        };
         let mut connector = hyper_timeout::TimeoutConnector::new(https);
         connector.set_connect_timeout(self.config.connect_timeout);
         connector.set_read_timeout(self.config.read_timeout);
@@ -473,19 +502,31 @@ impl Transport {
         connection.active.fetch_add(1, Ordering::AcqRel);
         let slot = Slot(connection.clone());
         let mut connections = lock(&self.connections);
-        connections.retain(|c| !c.closed.load(Ordering::Acquire));
+        // Those closed, and those of an older client certificate: let go, they end when
+        // their last stream does.
+        let identity = self.identity_generation();
+        connections.retain(|c| !c.closed.load(Ordering::Acquire) && c.identity == identity);
         connections.push(connection);
         Ok(Some(slot))
     }
 
+    /// Which of the exec plugin's client certificates is current (0 without one).
+    fn identity_generation(&self) -> u64 {
+        self.endpoint
+            .identity
+            .as_ref()
+            .map_or(0, |identity| identity.generation())
+    }
+
     fn free_slot(&self) -> Option<Slot> {
         let runtime = current_runtime();
+        let identity = self.identity_generation();
         let connections = lock(&self.connections);
         // The fullest connection with room: streams gather on few connections, and one that
         // empties can be closed by the server when idle.
         let connection = connections
             .iter()
-            .filter(|c| c.runtime == runtime && c.has_room())
+            .filter(|c| c.runtime == runtime && c.identity == identity && c.has_room())
             .max_by_key(|c| c.active.load(Ordering::Acquire))?;
         connection.active.fetch_add(1, Ordering::AcqRel);
         Some(Slot(connection.clone()))
@@ -511,6 +552,8 @@ impl Transport {
         let Some((tls, name)) = &self.endpoint.tls else {
             return Ok(None);
         };
+        // Read before the handshake: a renewal meanwhile retires the connection at once.
+        let identity = self.identity_generation();
         let tcp = TcpStream::connect((self.endpoint.host.as_str(), self.endpoint.port)).await?;
         tcp.set_nodelay(true)?;
         let stream = TlsConnector::from(tls.clone())
@@ -540,6 +583,7 @@ impl Transport {
             closed: AtomicBool::new(false),
             stop: stop.clone(),
             runtime: current_runtime(),
+            identity,
         });
         let server = self.config.cluster_url.to_string();
         let weak = Arc::downgrade(&state);
@@ -828,6 +872,7 @@ where
 /// plugin again after a 401 (see `reauth`).
 fn auth_layer(
     config: &kube::Config,
+    identity: Option<Arc<super::exec_identity::ExecIdentity>>,
 ) -> Result<
     tower::util::Either<
         super::reauth::ReauthLayer,
@@ -837,7 +882,7 @@ fn auth_layer(
 > {
     use tower::util::Either;
     Ok(if config.auth_info.exec.is_some() {
-        Either::Left(super::reauth::ReauthLayer::new(config)?)
+        Either::Left(super::reauth::ReauthLayer::new(config, identity)?)
     } else {
         // secrets-lint: built in Cluster::from_config, which redacts the error.
         Either::Right(match config.auth_layer()? {
@@ -865,7 +910,7 @@ pub(crate) fn client(
         .layer(outer)
         .layer(config.base_uri_layer())
         .option_layer(retry)
-        .layer(auth_layer(config)?)
+        .layer(auth_layer(config, transport.endpoint.identity.clone())?)
         .layer(config.extra_headers_layer()?)
         .service(Shared(transport));
     let namespace = config.default_namespace.clone();

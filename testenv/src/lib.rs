@@ -464,7 +464,7 @@ impl TestEnv {
             source,
         })?;
         let admin = pki
-            .issue_client("admin", &["system:masters".to_string()])
+            .issue_client("admin", &["system:masters".to_string()], None)
             .map_err(|source| Error::Certificate {
                 cluster: name.clone(),
                 source,
@@ -878,6 +878,26 @@ impl TestCluster {
     /// given (a limit of the certificate generator); `system:authenticated` is added by the
     /// apiserver itself.
     pub fn add_user(&self, name: &str, groups: &[&str]) -> Result<TestUser, Error> {
+        self.add_user_with(name, groups, None)
+    }
+
+    /// As [`TestCluster::add_user`], with a certificate that expires `valid_for` from now:
+    /// to test credentials that rotate.
+    pub fn add_user_valid_for(
+        &self,
+        name: &str,
+        groups: &[&str],
+        valid_for: Duration,
+    ) -> Result<TestUser, Error> {
+        self.add_user_with(name, groups, Some(valid_for))
+    }
+
+    fn add_user_with(
+        &self,
+        name: &str,
+        groups: &[&str],
+        valid_for: Option<Duration>,
+    ) -> Result<TestUser, Error> {
         if name.is_empty() || name.contains(['\n', '\r']) {
             return Err(Error::InvalidArgument(format!(
                 "invalid user name {name:?}"
@@ -892,7 +912,7 @@ impl TestCluster {
         let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
         let creds = self
             .pki
-            .issue_client(name, &groups)
+            .issue_client(name, &groups, valid_for)
             .map_err(|source| Error::Certificate {
                 cluster: self.name.clone(),
                 source,
@@ -1340,7 +1360,7 @@ mod tests {
     #[test]
     fn generated_kubeconfig_parses_and_quotes_names() {
         let pki = ClusterPki::generate("c").unwrap();
-        let creds = pki.issue_client("we: \"odd\" user", &[]).unwrap();
+        let creds = pki.issue_client("we: \"odd\" user", &[], None).unwrap();
         let yaml = kubeconfig_yaml(
             "c",
             "https://127.0.0.1:1",

@@ -71,12 +71,20 @@ impl ClusterPki {
     /// rcgen keeps one value per attribute type in a name, so the first group goes in the
     /// standard `O` attribute and the second in a custom attribute carrying the same object
     /// identifier; the apiserver reads both as groups. More than two groups cannot be encoded.
+    /// With `valid_for`, the certificate expires that long from now (it was valid from a
+    /// minute ago); without, it is rcgen's default (years).
     pub(crate) fn issue_client(
         &self,
         user: &str,
         groups: &[String],
+        valid_for: Option<std::time::Duration>,
     ) -> Result<CertAndKey, rcgen::Error> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
+        if let Some(valid_for) = valid_for {
+            let now = time::OffsetDateTime::now_utc();
+            params.not_before = now - time::Duration::minutes(1);
+            params.not_after = now + valid_for;
+        }
         params.distinguished_name.push(DnType::CommonName, user);
         if let Some(first) = groups.first() {
             params
@@ -130,7 +138,11 @@ mod tests {
     fn client_certificates_carry_user_and_two_groups() {
         let pki = ClusterPki::generate("t").unwrap();
         let cert = pki
-            .issue_client("alice", &["readers".to_string(), "writers".to_string()])
+            .issue_client(
+                "alice",
+                &["readers".to_string(), "writers".to_string()],
+                None,
+            )
             .unwrap();
         let der = pem_body(&cert.cert_pem);
         // Both group names and the user name are encoded in the subject.
