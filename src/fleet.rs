@@ -509,7 +509,8 @@ impl<C: ClusterId> Fleet<C> {
     /// [`Manager::per_cluster`](crate::Manager::per_cluster) runs a task per engagement
     /// with it. On a sharded manager, prefer that: a hand-off waits for its tasks (and
     /// drops them at the hand-off timeout), while work started from these events is only
-    /// told through `until`.
+    /// told through `until`. The stream ends when the run of the manager that owns the
+    /// fleet ends (after the disengagement of each cluster it had).
     ///
     /// ```no_run
     /// # use futures::StreamExt;
@@ -589,6 +590,9 @@ impl<C: ClusterId> Fleet<C> {
         for id in ids {
             state.remove(&id);
         }
+        // Their disengagements told, the subscribers' streams end with the run
+        // (`FleetApi::watch`, `Fleet::events`).
+        state.subscribers.clear();
         std::mem::take(&mut state.ended)
     }
 }

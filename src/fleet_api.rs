@@ -77,7 +77,8 @@ impl FleetApiError {
                 CacheError::NotEngaged { cluster }
                 | CacheError::NoRuntime { cluster }
                 | CacheError::WatchFailed { cluster, .. }
-                | CacheError::UnknownIndex { cluster, .. },
+                | CacheError::UnknownIndex { cluster, .. }
+                | CacheError::NotSynced { cluster, .. },
             ) => cluster,
         }
     }
@@ -551,8 +552,8 @@ impl<C: ClusterId, K: Watchable> FleetApi<C, K> {
     /// of its own (kube-runtime's watcher events, `Init` to `InitDone`), a cluster that
     /// leaves stops (when the stream is next polled: read it from a task of its own). A
     /// cluster's errors come through and its watch retries them on its own, with the
-    /// manager's watch backoff, while the others go on. The stream ends when the fleet is
-    /// dropped.
+    /// manager's watch backoff, while the others go on. The stream ends when the run of the
+    /// manager that owns the fleet ends (or the fleet is dropped).
     pub fn watch(
         &self,
         config: watcher::Config,

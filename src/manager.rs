@@ -119,6 +119,14 @@ pub enum ManagerError {
         #[source]
         error: std::io::Error,
     },
+    /// A second signal stopped the run at once ([`Manager::run_until_signal`]): reconciles
+    /// in flight were dropped, not awaited, and a lease held was not given up (it expires
+    /// on its own).
+    #[error("stopped at once by a second signal ({signal}), without waiting for reconciles")]
+    ForcedStop {
+        /// The second signal (`SIGTERM`, `SIGINT`).
+        signal: &'static str,
+    },
     /// The process's signals could not be listened to ([`Manager::run_until_signal`]).
     #[error("cannot listen for signals: {0}")]
     Signals(#[source] std::io::Error),
@@ -593,7 +601,8 @@ impl<P: Provider> Manager<P> {
     /// [`Manager::run`] until the process gets SIGTERM or SIGINT (Ctrl-C), then a graceful
     /// shutdown (kube-runtime's `shutdown_on_signal`): reconciles in flight get the graceful
     /// timeout, a leader gives its lease up. A second signal during that stops at once:
-    /// everything is dropped without waiting (the lease then expires on its own).
+    /// everything is dropped without waiting (the lease then expires on its own), and the
+    /// run returns [`ManagerError::ForcedStop`], telling it apart from a clean stop.
     pub async fn run_until_signal(&self) -> Result<(), ManagerError> {
         // Listening before the run starts: a signal from then on is never the default
         // action (the process killed).
@@ -611,7 +620,7 @@ impl<P: Provider> Manager<P> {
             result = &mut run => result,
             signal = signals.next() => {
                 tracing::warn!(%signal, "second signal: stopping now, without waiting for reconciles");
-                Ok(())
+                Err(ManagerError::ForcedStop { signal })
             }
         }
     }

@@ -883,7 +883,32 @@ async fn a_crd_installed_late_in_one_cluster_is_reconciled_without_a_restart() {
     })
     .await;
 
+    // A read with a deadline says why it cannot be served rather than wait for the CRD.
+    let waited = late_cluster
+        .cache_within::<Widget>(&watcher::Config::default(), Duration::from_secs(1))
+        .await;
+    match &waited {
+        Err(multicluster_runtime::CacheError::NotSynced {
+            cluster,
+            kind,
+            reason: Some(reason),
+            ..
+        }) => {
+            assert_eq!((cluster.as_str(), kind.as_str()), ("crdlate-1", "Widget"));
+            assert!(
+                reason.contains("404") || reason.contains("not find"),
+                "{reason}"
+            );
+        }
+        other => panic!("{:?}", other.as_ref().map(|_| "a cache")),
+    }
+
     late.install_crds(WIDGET_CRD).await.unwrap();
+    let cache = late_cluster
+        .cache_within::<Widget>(&watcher::Config::default(), Duration::from_secs(60))
+        .await
+        .expect("the cache lists once the CRD is in");
+    drop(cache);
     widgets(&late)
         .create(&PostParams::default(), &Widget::new("late"))
         .await

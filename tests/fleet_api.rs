@@ -255,7 +255,11 @@ async fn a_fleet_watch_follows_clusters_as_they_join_and_leave() {
         next_applied(&mut events).await,
         ("c1".into(), "later".into())
     );
-    reader.abort();
+    // The watch ends with the run that owns the fleet (its reader sees the stream end).
     manager.shutdown();
     run.await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), reader)
+        .await
+        .expect("the watch ends when the run does")
+        .unwrap();
 }

@@ -593,11 +593,15 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
     .await;
     let signalled = Instant::now();
     kill(Pid::this(), Signal::SIGINT).unwrap();
-    tokio::time::timeout(Duration::from_secs(20), b_run)
+    let forced = tokio::time::timeout(Duration::from_secs(20), b_run)
         .await
         .expect("b stops at the second signal, long before the graceful timeout")
-        .unwrap()
         .unwrap();
+    // Told apart from a clean stop.
+    assert!(
+        matches!(forced, Err(ManagerError::ForcedStop { signal: "SIGINT" })),
+        "{forced:?}"
+    );
     let stopped_after = signalled.elapsed();
     let held: Vec<_> = audit.of("b")[so_far..]
         .iter()

@@ -45,6 +45,20 @@ pub enum CacheError {
         /// The index asked for.
         index: String,
     },
+    /// The cache did not list within the time given
+    /// ([`Cluster::cache_within`](crate::Cluster::cache_within)); it goes on trying.
+    #[error("cluster {cluster}: the cache of {kind} did not list within {waited:?}{}", reason.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    NotSynced {
+        /// The cluster asked.
+        cluster: String,
+        /// The kind asked for.
+        kind: String,
+        /// How long it was waited for.
+        waited: std::time::Duration,
+        /// Why its listing fails, if it does (a kind not served: its CRD not installed;
+        /// forbidden; an unreachable server).
+        reason: Option<String>,
+    },
 }
 
 /// Why [`Cluster::discover`](crate::Cluster::discover) found no resource for a kind.

@@ -773,8 +773,10 @@ impl<C: ClusterId> Cluster<C> {
     /// (controller-runtime's cache reads block the same way until the informer has synced).
     ///
     /// Waits as long as the cluster is engaged and the listing does not succeed (an
-    /// unreachable server, a forbidden kind, a CRD not installed yet); use a timeout to bound
-    /// it. Fails at once if the cluster is not engaged, and when it is disengaged meanwhile.
+    /// unreachable server, a forbidden kind, a CRD not installed yet). Fails at once if the
+    /// cluster is not engaged, and when it is disengaged meanwhile. In a reconcile, prefer
+    /// [`Cluster::cache_within`]: a reconcile waiting here holds its controller's slot for as
+    /// long as a CRD stays missing.
     ///
     /// ```no_run
     /// # use multicluster_runtime::{Cluster, ClusterName};
@@ -793,6 +795,57 @@ impl<C: ClusterId> Cluster<C> {
         K::DynamicType: Default,
     {
         self.cache_with(&K::DynamicType::default(), config).await
+    }
+
+    /// [`Cluster::cache`], waiting at most `within`: then [`CacheError::NotSynced`], with why
+    /// the listing fails (`the server could not find the requested resource` for a CRD not
+    /// installed). The cache goes on trying; a later call finds it listed once it has.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use multicluster_runtime::{CacheError, Cluster, ClusterName};
+    /// # use k8s_openapi::api::core::v1::Secret;
+    /// # use kube::runtime::watcher;
+    /// # async fn f(cluster: Cluster<ClusterName>) -> Result<(), CacheError> {
+    /// let secrets = cluster
+    ///     .cache_within::<Secret>(&watcher::Config::default(), Duration::from_secs(10))
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn cache_within<K: Watchable>(
+        &self,
+        config: &watcher::Config,
+        within: std::time::Duration,
+    ) -> Result<Cache<K>, CacheError>
+    where
+        K::DynamicType: Default,
+    {
+        self.cache_with_within(&K::DynamicType::default(), config, within)
+            .await
+    }
+
+    /// [`Cluster::cache_within`] for a kind known at run time.
+    pub async fn cache_with_within<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+        within: std::time::Duration,
+    ) -> Result<Cache<K>, CacheError> {
+        let watch = self.watch::<K>(dt, config)?;
+        match tokio::time::timeout(within, watch.synced()).await {
+            Ok(synced) => synced.map(|()| Cache::new(watch)),
+            Err(_) => Err(CacheError::NotSynced {
+                cluster: self.inner.id.to_string(),
+                kind: watch.kind().to_string(),
+                waited: within,
+                reason: match watch.state() {
+                    watch::WatchState::Listing { error } | watch::WatchState::Synced { error } => {
+                        error
+                    }
+                    watch::WatchState::Stopped { failure } => failure,
+                },
+            }),
+        }
     }
 
     /// [`Cluster::cache`] for a kind known at run time: `dt` is its dynamic type (an
