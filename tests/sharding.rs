@@ -1405,10 +1405,16 @@ async fn a_replica_that_cannot_list_the_group_stops_announcing_itself_and_the_ot
     let all = r#""get", "list", "watch", "create", "update", "patch", "delete""#;
     let mut replicas = BTreeMap::new();
     let mut users = Vec::new();
+    // b reaches the host through a relay, whose connections the test can drop.
+    let relay = common::Relay::start(tc.server()).await;
     for id in ["a", "b", "c"] {
         common::apply_manifests(&admin, &lease_role(id, all)).await;
         let user = tc.add_user(id, &[]).unwrap();
-        replicas.insert(id, small_replica(&tc, user.client().unwrap(), id, SMALL));
+        let host = match id {
+            "b" => Client::try_from(relay.config(user.config())).unwrap(),
+            _ => user.client().unwrap(),
+        };
+        replicas.insert(id, small_replica(&tc, host, id, SMALL));
         users.push(user);
     }
     let owned = |manager: &Manager<Clusters<ClusterName>>| manager.fleet().ids().len();
@@ -1423,13 +1429,24 @@ async fn a_replica_that_cannot_list_the_group_stops_announcing_itself_and_the_ot
     })
     .await;
 
-    // b may no longer list the group's Leases (it still may write them); c leaves, so its
-    // clusters are assigned again, some of them to b.
+    // b may no longer list or watch the group's Leases (it still may write them), and its
+    // watch of them breaks (its connections dropped: a watch already open would go on
+    // showing the group); c leaves, so its clusters are assigned again, some of them to b.
     common::apply_manifests(
         &admin,
         &lease_role("b", r#""get", "create", "update", "patch", "delete""#),
     )
     .await;
+    // RBAC reaches the authorizer through its informers: b's watch is refused once it is.
+    let b_user = users[1].client().unwrap();
+    eventually(30, "b may no longer list the group's Leases", async || {
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(b_user.clone(), "blind")
+            .list(&Default::default())
+            .await
+            .is_err()
+    })
+    .await;
+    relay.drop_connections();
     let revoked = Instant::now();
     let (c, c_run) = replicas.remove("c").unwrap();
     c.shutdown();

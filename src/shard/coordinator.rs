@@ -9,11 +9,13 @@ use std::time::Duration;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::fence::{self, Fences, Holder};
+use super::group::GroupWatch;
+use super::host::{ApiHost, Host};
 use super::peers::{Announcement, Observed};
 use super::rendezvous::{Peer, owner};
 use super::{GROUP_LABEL, ROLE_LABEL, Sharding};
@@ -43,7 +45,7 @@ pub struct ShardStatus {
 
 /// A fence this replica holds.
 struct Held {
-    /// As last written or listed (its `resourceVersion` is what the release writes over).
+    /// As last written or seen (its `resourceVersion` is what the release writes over).
     lease: Lease,
     /// The cluster left the fleet; its work is being waited for before the release.
     handing_off: bool,
@@ -61,8 +63,8 @@ type Handoff<C> = futures::future::BoxFuture<'static, (C, u64, bool)>;
 pub(crate) struct Coordinator<C: ClusterId> {
     config: Sharding,
     fleet: Fleet<C>,
-    leases: Api<Lease>,
-    holder: Holder,
+    /// The host cluster: the API server (with a watch of the group) in a run.
+    host: Arc<dyn Host>,
     me: Announcement,
     peers: Observed,
     fences: Fences,
@@ -76,8 +78,8 @@ pub(crate) struct Coordinator<C: ClusterId> {
     announced: Option<Instant>,
     /// Past the first round.
     started: bool,
-    /// When the round that last listed the group's Leases began (or the coordinator, before
-    /// the first listing): a replica that cannot see the group stops announcing itself, so
+    /// When the round that last had a view of the group's Leases began (or the coordinator,
+    /// before the first): a replica that cannot see the group stops announcing itself, so
     /// the others do not assign it clusters it could never take.
     seen_group: Instant,
     /// Not announcing itself for that reason now.
@@ -104,25 +106,39 @@ impl<C: ClusterId> Coordinator<C> {
         status: Arc<Mutex<Option<ShardStatus>>>,
         tenure: Arc<Tenure>,
     ) -> Self {
-        let leases = Api::namespaced(config.client.clone(), &config.namespace);
-        let holder = Holder {
-            api: leases.clone(),
-            group: config.group.clone(),
-            identity: config.identity.clone(),
-            lease_seconds: config.lease_seconds(),
+        let leases: Api<Lease> = Api::namespaced(config.client.clone(), &config.namespace);
+        let me = announcement(&config);
+        let host = ApiHost {
+            holder: Holder {
+                api: leases.clone(),
+                claim: claim(&config),
+            },
+            group: Arc::new(GroupWatch::start(
+                config.client.clone(),
+                &config.namespace,
+                &format!("{GROUP_LABEL}={}", config.group),
+                me.lease_name(),
+            )),
+            leases,
         };
-        let me = Announcement {
-            group: config.group.clone(),
-            id: config.identity.clone(),
-            weight: config.weight,
-            lease_seconds: config.lease_seconds(),
-        };
+        Self::with_host(config, fleet, metrics, status, tenure, Arc::new(host))
+    }
+
+    /// A coordinator whose host is `host`.
+    fn with_host(
+        config: Sharding,
+        fleet: Fleet<C>,
+        metrics: Option<&crate::Metrics>,
+        status: Arc<Mutex<Option<ShardStatus>>>,
+        tenure: Arc<Tenure>,
+        host: Arc<dyn Host>,
+    ) -> Self {
+        let me = announcement(&config);
         Self {
             metrics: metrics.map(|m| m.shard(&config.group)),
             config,
             fleet,
-            leases,
-            holder,
+            host,
             me,
             peers: Observed::default(),
             fences: Fences::default(),
@@ -245,7 +261,7 @@ impl<C: ClusterId> Coordinator<C> {
         self.publish();
     }
 
-    /// The live peers at `now`, by id: the others as the listings showed them, and this
+    /// The live peers at `now`, by id: the others as the views of the group showed them, and this
     /// replica while its own peer Lease is renewed within the renew deadline.
     fn live(&self, now: Instant) -> Vec<Peer> {
         let mut live: Vec<Peer> = self
@@ -268,69 +284,72 @@ impl<C: ClusterId> Coordinator<C> {
     async fn round(&mut self) {
         let bound = self.config.retry_period;
         let began = Instant::now();
-        // Unable to list the group for two retry periods (two listings in a row failed), this
-        // replica stops renewing its peer Lease: it drops its fences at its renew deadline,
-        // and the others count it gone and take its clusters, rather than leaving them
-        // assigned to a replica that cannot take them. A single failed listing costs nothing.
+        // Unable to see the group for two retry periods (its watch did not show two renewals
+        // in a row, or fails), this replica stops renewing its peer Lease: it drops its fences
+        // at its renew deadline, and the others count it gone and take its clusters, rather
+        // than leaving them assigned to a replica that cannot take them. A single round
+        // without a view costs nothing.
         let blindness = (self.config.retry_period * 2).min(self.config.renew_deadline);
         let blind = began.saturating_duration_since(self.seen_group) > blindness;
         if blind != std::mem::replace(&mut self.blind, blind) {
             if blind {
-                tracing::warn!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases could not be listed for two retry periods; this replica stops announcing itself until they can (the others take its clusters)");
+                tracing::warn!(group = %self.config.group, identity = %self.config.identity, error = self.host.error().unwrap_or_default(), "sharding: the group's Leases could not be seen for two retry periods; this replica stops announcing itself until they can (the others take its clusters)");
             } else {
-                tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases are listed again; this replica announces itself again");
+                tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases are seen again; this replica announces itself again");
             }
         }
         let me = (!blind).then(|| self.me.clone());
-        let leases = self.leases.clone();
-        let peer = async move {
-            match me {
-                Some(me) => Some(tokio::time::timeout(bound, me.renew(&leases)).await),
-                None => None,
-            }
+        let host = self.host.clone();
+        // Renew, then wait for the watch to show the renewal: the view is then at least as
+        // recent as the renewal (see `group`).
+        let renew = async move {
+            let me = me?;
+            let renewed = tokio::time::timeout(bound, host.renew(&me)).await;
+            let caught_up = match &renewed {
+                Ok(Ok(lease)) => {
+                    let version = lease.metadata.resource_version.clone().unwrap_or_default();
+                    let left = bound.saturating_sub(began.elapsed()).max(bound / 4);
+                    host.caught_up(version, left).await
+                }
+                _ => false,
+            };
+            Some((renewed, caught_up))
         };
-        let leases = self.leases.clone();
-        let selector = format!("{GROUP_LABEL}={}", self.config.group);
-        let list = async move {
-            tokio::time::timeout(bound, leases.list(&ListParams::default().labels(&selector))).await
-        };
-        let (peer, list) = self.guarded(futures::future::join(peer, list)).await;
+        let renewed = self.guarded(renew).await;
         let now = Instant::now();
-        let listed = matches!(list, Ok(Ok(_)));
-        match peer {
-            Some(Ok(Ok(()))) => {
+        let fresh = match renewed {
+            Some((Ok(Ok(_)), caught_up)) => {
                 self.announced = Some(began);
                 self.tenure.until(began + self.config.renew_deadline);
+                if !caught_up {
+                    tracing::warn!(group = %self.config.group, error = self.host.error().unwrap_or_default(), "sharding: the watch of the group's leases did not show this replica's renewal in time; no view of the group this round");
+                }
+                caught_up
             }
-            Some(Ok(Err(error))) => {
-                tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not renew this replica's peer lease")
+            Some((Ok(Err(error)), _)) => {
+                tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not renew this replica's peer lease");
+                false
             }
-            Some(Err(_)) => {
-                tracing::warn!(group = %self.config.group, "sharding: renewing this replica's peer lease timed out")
+            Some((Err(_), _)) => {
+                tracing::warn!(group = %self.config.group, "sharding: renewing this replica's peer lease timed out");
+                false
             }
-            None => {}
-        }
-        match list {
-            Ok(Ok(list)) => {
-                self.seen_group = began;
-                let (peers, fences): (Vec<Lease>, Vec<Lease>) =
-                    list.items.into_iter().partition(|l| {
-                        l.metadata
-                            .labels
-                            .as_ref()
-                            .and_then(|l| l.get(ROLE_LABEL))
-                            .is_some_and(|r| r == "peer")
-                    });
-                self.peers.update(&peers, now);
-                self.fences.update(fences);
-                self.verify();
-            }
-            Ok(Err(error)) => {
-                tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not list the group's leases")
-            }
-            Err(_) => {
-                tracing::warn!(group = %self.config.group, "sharding: listing the group's leases timed out")
-            }
+            // Not announcing itself: the view counts once the watch works again.
+            None => self.host.working(),
+        };
+        if fresh {
+            self.seen_group = began;
+            let (peers, fences): (Vec<Arc<Lease>>, Vec<Arc<Lease>>) =
+                self.host.leases().into_iter().partition(|l| {
+                    l.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(ROLE_LABEL))
+                        .is_some_and(|r| r == "peer")
+                });
+            self.peers.update(peers.iter().map(|l| &**l), now);
+            self.fences.update(fences);
+            self.verify();
         }
         self.expire();
 
@@ -362,17 +381,17 @@ impl<C: ClusterId> Coordinator<C> {
         // Release fences still naming this replica that it no longer holds and that are not
         // its own (a release that failed, a fence lost, a take that landed after its cut),
         // once the work it had there has ended: they would stay blocked while it lives.
-        if listed {
+        if fresh {
             self.release_strays().await;
         }
 
         // Take what is, where the fence is free; not in the first round, when peers started
         // at the same time may not have announced themselves yet.
-        // Nor without this round's listing: fences are not renewed, so whether a holder is
-        // gone is judged from its peer Lease alone, which only a fresh listing shows.
+        // Nor without this round's view: fences are not renewed, so whether a holder is gone
+        // is judged from its peer Lease alone, which only a current view shows.
         // Nor while the manager drains at shutdown: a cluster taken now would engage (watches,
         // per-cluster tasks) only to be given up again, and hold up the others meanwhile.
-        if !std::mem::replace(&mut self.started, true) || !listed || self.draining.is_cancelled() {
+        if !std::mem::replace(&mut self.started, true) || !fresh || self.draining.is_cancelled() {
             self.publish();
             return;
         }
@@ -399,12 +418,12 @@ impl<C: ClusterId> Coordinator<C> {
             // is renewed in time however many fences it wants; what is left is taken in the
             // next rounds (a write that landed after the cut shows as a fence naming this
             // replica, taken back then).
-            let holder = self.holder.clone();
+            let host = self.host.clone();
             let attempts = within(bound, wanted, move |(id, name, seen)| {
-                let holder = holder.clone();
+                let host = host.clone();
                 async move {
                     let text = id.to_string();
-                    let out = holder.acquire(&name, &text, seen.as_ref());
+                    let out = host.acquire(name, text, seen);
                     (id, tokio::time::timeout(bound, out).await)
                 }
             });
@@ -447,7 +466,7 @@ impl<C: ClusterId> Coordinator<C> {
         self.publish();
     }
 
-    /// Releases the fences of the latest listing that name this replica but are neither held
+    /// Releases the fences of the latest view that name this replica but are neither held
     /// nor assigned to it, where no work of it runs in the cluster any more.
     async fn release_strays(&mut self) {
         let strays: Vec<(Option<C>, Lease)> = self
@@ -482,16 +501,11 @@ impl<C: ClusterId> Coordinator<C> {
         if strays.is_empty() {
             return;
         }
-        let holder = self.holder.clone();
+        let host = self.host.clone();
         let bound = self.config.retry_period;
         let releases = within(bound, strays, move |(id, lease)| {
-            let holder = holder.clone();
-            async move {
-                (
-                    id,
-                    tokio::time::timeout(bound, holder.release(&lease)).await,
-                )
-            }
+            let host = host.clone();
+            async move { (id, tokio::time::timeout(bound, host.release(lease)).await) }
         });
         for (id, released) in self.guarded(releases).await {
             let cluster = id.map(|id| id.to_string()).unwrap_or_default();
@@ -509,7 +523,7 @@ impl<C: ClusterId> Coordinator<C> {
         }
     }
 
-    /// Checks the fences held against the latest listing: one that shows another holder, or
+    /// Checks the fences held against the latest view: one that shows another holder, or
     /// is gone, is no longer this replica's (someone deleted or overwrote it).
     fn verify(&mut self) {
         let checks: Vec<(C, String)> = self
@@ -590,11 +604,10 @@ impl<C: ClusterId> Coordinator<C> {
             return;
         }
         let lease = held.lease.clone();
-        let holder = self.holder.clone();
         let released = self
             .guarded(tokio::time::timeout(
                 self.config.retry_period,
-                holder.release(&lease),
+                self.host.release(lease),
             ))
             .await;
         if self.held.remove(&id).is_none() {
@@ -646,31 +659,45 @@ impl<C: ClusterId> Coordinator<C> {
         let mut releases = Vec::new();
         for (id, h) in held {
             let sessions = self.fleet.disown(&id);
-            let holder = self.holder.clone();
+            let host = self.host.clone();
             let timeout = self.config.handoff_timeout;
             let after_abort = self.config.renew_deadline;
             let deadline = self.renew_deadline().unwrap_or_else(Instant::now);
             releases.push(async move {
                 if drained(&sessions, timeout, after_abort, &id).await && Instant::now() < deadline
                 {
-                    let _ = tokio::time::timeout(Duration::from_secs(5), holder.release(&h.lease))
-                        .await;
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(5), host.release(h.lease)).await;
                 }
             });
         }
-        let leases = self.leases.clone();
         let name = self.me.lease_name();
         futures::future::join_all(releases).await;
-        let _ = tokio::time::timeout(
-            Duration::from_secs(5),
-            leases.delete(&name, &Default::default()),
-        )
-        .await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.host.remove_peer(name)).await;
         if let Some(m) = &self.metrics {
             m.owned.set(0);
         }
         *lock(&self.status) = None;
         tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: left the group; fences released");
+    }
+}
+
+/// How this replica takes fences in `config`'s group.
+fn claim(config: &Sharding) -> super::fence::Claim {
+    super::fence::Claim {
+        group: config.group.clone(),
+        identity: config.identity.clone(),
+        lease_seconds: config.lease_seconds(),
+    }
+}
+
+/// How this replica announces itself in `config`'s group.
+fn announcement(config: &Sharding) -> Announcement {
+    Announcement {
+        group: config.group.clone(),
+        id: config.identity.clone(),
+        weight: config.weight,
+        lease_seconds: config.lease_seconds(),
     }
 }
 
@@ -723,5 +750,302 @@ async fn notified(notify: Option<&tokio::sync::Notify>) {
     match notify {
         Some(notify) => notify.notified().await,
         None => std::future::pending().await,
+    }
+}
+
+/// The coordinator's safety rules on paused time, against a host in memory
+/// (`host::memory`): the integration tests (`tests/sharding.rs`) run them on a real API
+/// server, in real time.
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::super::host::memory::MemoryHost;
+    use super::super::peers::Announcement;
+    use super::*;
+    use crate::fleet::FleetEvent;
+    use crate::{Cluster, ClusterName};
+
+    const LEASE: Duration = Duration::from_secs(6);
+    const RENEW_DEADLINE: Duration = Duration::from_secs(4);
+    const RETRY: Duration = Duration::from_secs(1);
+
+    struct Replica {
+        fleet: Fleet<ClusterName>,
+        host: Arc<MemoryHost>,
+        tenure: Arc<Tenure>,
+        config: Sharding,
+    }
+
+    impl Replica {
+        /// A replica `me` of group `g` that has discovered `clusters`.
+        fn new(me: &str, clusters: &[&str]) -> (Self, Coordinator<ClusterName>) {
+            Self::with(me, clusters, |s| s)
+        }
+
+        fn with(
+            me: &str,
+            clusters: &[&str],
+            settings: impl FnOnce(Sharding) -> Sharding,
+        ) -> (Self, Coordinator<ClusterName>) {
+            let client =
+                kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap()))
+                    .unwrap();
+            let config = settings(
+                Sharding::new(client, "ns", "g")
+                    .identity(me)
+                    .lease_duration(LEASE)
+                    .renew_deadline(RENEW_DEADLINE)
+                    .retry_period(RETRY),
+            );
+            let fleet = Fleet::<ClusterName>::new();
+            fleet.open(crate::cluster::WatchSettings::default(), true);
+            for name in clusters {
+                let cluster = Cluster::from_config(
+                    ClusterName::new(name),
+                    kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
+                )
+                .unwrap();
+                fleet.engage(cluster).unwrap();
+            }
+            let host = Arc::new(MemoryHost::new(claim(&config)));
+            let tenure = Arc::new(Tenure::ended());
+            let coordinator = Coordinator::with_host(
+                config.clone(),
+                fleet.clone(),
+                None,
+                Arc::default(),
+                tenure.clone(),
+                host.clone(),
+            );
+            let replica = Self {
+                fleet,
+                host,
+                tenure,
+                config,
+            };
+            (replica, coordinator)
+        }
+
+        fn owned(&self) -> Vec<String> {
+            self.fleet.ids().iter().map(ToString::to_string).collect()
+        }
+
+        /// Who the fence of `cluster` names in the host.
+        fn fence_holder(&self, cluster: &str) -> Option<String> {
+            let name = fence::name(&self.config.group, cluster);
+            lock(&self.host.store)
+                .leases
+                .get(&name)
+                .and_then(|l| fence::holder(l).map(str::to_string))
+        }
+
+        /// Another replica writes the fence of `cluster`, naming `holder`.
+        fn overwrite_fence(&self, cluster: &str, holder: &str) {
+            let name = fence::name(&self.config.group, cluster);
+            let mut store = lock(&self.host.store);
+            let seen = store.leases.get(&name).cloned();
+            let claim = fence::Claim {
+                group: self.config.group.clone(),
+                identity: holder.to_string(),
+                lease_seconds: 6,
+            };
+            store.put(claim.taken(&name, cluster, seen.as_ref()));
+        }
+
+        /// Peer `id` announces itself (once: renew it again to keep it live).
+        fn announce(&self, id: &str) {
+            let peer = Announcement {
+                group: self.config.group.clone(),
+                id: id.to_string(),
+                weight: 1.0,
+                lease_seconds: 6,
+            };
+            lock(&self.host.store).put(peer.lease());
+        }
+    }
+
+    /// Runs rounds of `coordinator` until `until` (paused time: each sleep jumps).
+    async fn rounds(coordinator: &mut Coordinator<ClusterName>, count: usize) {
+        for _ in 0..count {
+            coordinator.round().await;
+            tokio::time::sleep(RETRY).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fences_held_are_dropped_at_the_renew_deadline_and_not_before() {
+        let (replica, coordinator) = Replica::new("a", &["x", "y"]);
+        let stop = CancellationToken::new();
+        let run = tokio::spawn(coordinator.run(stop.clone(), CancellationToken::new()));
+        // A first round takes nothing; the second takes both.
+        tokio::time::sleep(RETRY * 3).await;
+        assert_eq!(replica.owned(), ["x", "y"]);
+        assert!(replica.tenure.holds());
+
+        // The host stops answering: the last renewal's deadline stands.
+        replica.host.renewals_fail.store(true, Ordering::SeqCst);
+        let deadline = replica.tenure.end_at().unwrap();
+        tokio::time::sleep_until(deadline - Duration::from_millis(1)).await;
+        assert_eq!(replica.owned(), ["x", "y"], "dropped before the deadline");
+        assert!(replica.tenure.holds());
+        tokio::time::sleep_until(deadline + Duration::from_millis(1)).await;
+        assert!(replica.owned().is_empty(), "kept past the deadline");
+        assert!(!replica.tenure.holds());
+        // The fences still name it (nobody could be told), for the others to count it gone.
+        assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
+        stop.cancel();
+        run.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fence_someone_else_wrote_is_dropped_and_taken_back_once_its_holder_is_silent() {
+        let (replica, mut coordinator) = Replica::new("a", &["x"]);
+        rounds(&mut coordinator, 2).await;
+        assert_eq!(replica.owned(), ["x"]);
+
+        // Someone wrote the fence, naming a replica that never announced itself.
+        replica.overwrite_fence("x", "intruder");
+        let seen = Instant::now();
+        rounds(&mut coordinator, 1).await;
+        assert!(replica.owned().is_empty(), "the fence names another now");
+        assert_eq!(replica.fence_holder("x").as_deref(), Some("intruder"));
+
+        // Its holder is counted gone once silent for the lease duration, from when this
+        // replica first saw it: only then is the fence taken back.
+        while replica.owned().is_empty() {
+            rounds(&mut coordinator, 1).await;
+            assert!(seen.elapsed() < LEASE * 2, "never taken back");
+        }
+        assert!(
+            seen.elapsed() >= LEASE,
+            "taken back after {:?}",
+            seen.elapsed()
+        );
+        assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fence_naming_this_replica_that_it_does_not_hold_is_released() {
+        let (replica, mut coordinator) = Replica::new("a", &["x"]);
+        // A fence naming a, of a cluster it has not discovered (left by an earlier run).
+        replica.overwrite_fence("gone", "a");
+        rounds(&mut coordinator, 1).await;
+        let released = lock(&replica.host.store).releases.clone();
+        assert_eq!(released, [fence::name("g", "gone")]);
+        assert_eq!(replica.fence_holder("gone"), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_take_that_lands_past_the_renew_deadline_is_not_owned_and_is_taken_back() {
+        // A renew deadline a round can overrun: a slow renewal and a slow take.
+        let (replica, mut coordinator) = Replica::with("a", &["x"], |s| {
+            s.renew_deadline(Duration::from_millis(1300))
+                .lease_duration(Duration::from_millis(2500))
+        });
+        rounds(&mut coordinator, 1).await;
+        *lock(&replica.host.renew_delay) = Duration::from_millis(900);
+        *lock(&replica.host.take_delay) = Duration::from_millis(900);
+        rounds(&mut coordinator, 1).await;
+        assert!(replica.owned().is_empty(), "owned past the deadline");
+        assert!(coordinator.held.is_empty());
+        // The write landed: the fence names this replica, which takes it back when it can.
+        assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
+        // Then rounds are quick again (the slow one counted as a round without a view, so the
+        // next may not announce: the cluster is taken within a few).
+        *lock(&replica.host.renew_delay) = Duration::ZERO;
+        *lock(&replica.host.take_delay) = Duration::ZERO;
+        for _ in 0..4 {
+            rounds(&mut coordinator, 1).await;
+        }
+        assert_eq!(replica.owned(), ["x"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hand_off_whose_fence_is_lost_meanwhile_releases_nothing() {
+        let clusters = ["c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7"];
+        let (replica, mut coordinator) = Replica::new("a", &clusters);
+        let mut events = replica.fleet.subscribe();
+        rounds(&mut coordinator, 2).await;
+        assert_eq!(replica.owned().len(), clusters.len());
+        // A cluster that peer b will win, with work of a running there that does not end.
+        let both = [
+            Peer {
+                id: "a".into(),
+                weight: 1.0,
+            },
+            Peer {
+                id: "b".into(),
+                weight: 1.0,
+            },
+        ];
+        let moving = clusters
+            .iter()
+            .find(|c| owner(&both, c).is_some_and(|p| p.id == "b"))
+            .expect("b wins one of eight");
+        let mut busy = None;
+        while let Ok(event) = events.try_recv() {
+            if let FleetEvent::Engaged(engagement) = event
+                && engagement.id().to_string() == *moving
+            {
+                busy = engagement.session.busy();
+            }
+        }
+        assert!(busy.is_some());
+
+        // b joins: a hands the cluster over and waits for its work.
+        replica.announce("b");
+        rounds(&mut coordinator, 1).await;
+        assert!(!replica.owned().contains(&moving.to_string()));
+        assert!(coordinator.held[&ClusterName::new(moving)].handing_off);
+        // Meanwhile the fence is written by b (as after a hand-off that timed out elsewhere):
+        // a drops the cluster; when its work ends, it releases nothing of b's.
+        replica.overwrite_fence(moving, "b");
+        replica.announce("b");
+        rounds(&mut coordinator, 1).await;
+        assert!(!coordinator.held.contains_key(&ClusterName::new(moving)));
+        drop(busy);
+        // Every hand-off's wait ends (the others' at once): the lost one's is let go.
+        while !coordinator.handoffs.is_empty() {
+            let (id, generation, drained) =
+                tokio::time::timeout(Duration::from_secs(1), coordinator.handoffs.next())
+                    .await
+                    .expect("the hand-off's wait ends with the work")
+                    .unwrap();
+            coordinator.handed_off(id, generation, drained).await;
+        }
+        replica.announce("b");
+        rounds(&mut coordinator, 1).await;
+        assert_eq!(replica.fence_holder(moving).as_deref(), Some("b"));
+        let released = lock(&replica.host.store).releases.clone();
+        assert!(
+            !released.contains(&fence::name("g", moving)),
+            "{released:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hand_off_wait_that_ends_after_the_cluster_was_lost_and_taken_again_is_ignored() {
+        let (replica, mut coordinator) = Replica::new("a", &["x"]);
+        rounds(&mut coordinator, 2).await;
+        let x = ClusterName::new("x");
+        let first = coordinator.held[&x].generation;
+        // The holding that a hand-off began with is lost, and x is taken again (its fence
+        // was written by a holder that then went silent for the lease duration).
+        replica.overwrite_fence("x", "intruder");
+        rounds(&mut coordinator, 1).await;
+        assert!(!coordinator.held.contains_key(&x));
+        for _ in 0..10 {
+            rounds(&mut coordinator, 1).await;
+        }
+        let again = coordinator.held[&x].generation;
+        assert!(again > first);
+        // The old hand-off's wait ends now, while x is (say) no longer assigned here: it
+        // is about the old holding, so the new one is neither released nor touched.
+        coordinator.mine.clear();
+        coordinator.handed_off(x.clone(), first, true).await;
+        assert_eq!(coordinator.held[&x].generation, again);
+        assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
+        assert!(lock(&replica.host.store).releases.is_empty());
     }
 }

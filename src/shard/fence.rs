@@ -19,12 +19,12 @@ pub(crate) fn name(group: &str, cluster: &str) -> String {
 /// The fences of a group as last listed, by Lease name.
 #[derive(Default)]
 pub(crate) struct Fences {
-    seen: std::collections::HashMap<String, Lease>,
+    seen: std::collections::HashMap<String, std::sync::Arc<Lease>>,
 }
 
 impl Fences {
-    /// Takes in a listing.
-    pub(crate) fn update(&mut self, leases: Vec<Lease>) {
+    /// Takes in a view of the group's fences.
+    pub(crate) fn update(&mut self, leases: Vec<std::sync::Arc<Lease>>) {
         self.seen = leases
             .into_iter()
             .filter_map(|lease| Some((lease.metadata.name.clone()?, lease)))
@@ -33,7 +33,7 @@ impl Fences {
 
     /// The fence named `name`, as last seen.
     pub(crate) fn get(&self, name: &str) -> Option<&Lease> {
-        self.seen.get(name)
+        self.seen.get(name).map(|l| &**l)
     }
 
     /// The fences naming `holder`.
@@ -41,14 +41,15 @@ impl Fences {
         self.seen
             .values()
             .filter(|l| self::holder(l) == Some(holder))
-            .cloned()
+            .map(|l| (**l).clone())
             .collect()
     }
 
     /// Notes a Lease this replica wrote.
     pub(crate) fn wrote(&mut self, lease: &Lease) {
         if let Some(name) = &lease.metadata.name {
-            self.seen.insert(name.clone(), lease.clone());
+            self.seen
+                .insert(name.clone(), std::sync::Arc::new(lease.clone()));
         }
     }
 }
@@ -68,45 +69,36 @@ fn now() -> MicroTime {
 
 /// Who takes fences, and how long they hold them.
 #[derive(Clone)]
-pub(crate) struct Holder {
-    pub(crate) api: Api<Lease>,
+pub(crate) struct Claim {
     pub(crate) group: String,
     pub(crate) identity: String,
     pub(crate) lease_seconds: i32,
 }
 
-impl Holder {
-    /// Tries to take the fence `name` of `cluster`, last seen as `seen` (absent: never
-    /// created). `Ok(None)`: another replica wrote first.
-    pub(crate) async fn acquire(
-        &self,
-        name: &str,
-        cluster: &str,
-        seen: Option<&Lease>,
-    ) -> Result<Option<Lease>, kube::Error> {
+impl Claim {
+    /// The fence `name` of `cluster` as this replica writes it to take it, over `seen` (the
+    /// fence as last seen; `None`: never created).
+    pub(crate) fn taken(&self, name: &str, cluster: &str, seen: Option<&Lease>) -> Lease {
         let now = now();
-        let result = match seen {
-            None => {
-                let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(name.to_string()),
-                        labels: Some(super::labels(&self.group, "fence")),
-                        annotations: Some(
-                            [(CLUSTER_ANNOTATION.to_string(), cluster.to_string())].into(),
-                        ),
-                        ..Default::default()
-                    },
-                    spec: Some(LeaseSpec {
-                        holder_identity: Some(self.identity.clone()),
-                        lease_duration_seconds: Some(self.lease_seconds),
-                        acquire_time: Some(now.clone()),
-                        renew_time: Some(now),
-                        lease_transitions: Some(0),
-                        ..Default::default()
-                    }),
-                };
-                self.api.create(&PostParams::default(), &lease).await
-            }
+        match seen {
+            None => Lease {
+                metadata: ObjectMeta {
+                    name: Some(name.to_string()),
+                    labels: Some(super::labels(&self.group, "fence")),
+                    annotations: Some(
+                        [(CLUSTER_ANNOTATION.to_string(), cluster.to_string())].into(),
+                    ),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(self.identity.clone()),
+                    lease_duration_seconds: Some(self.lease_seconds),
+                    acquire_time: Some(now.clone()),
+                    renew_time: Some(now),
+                    lease_transitions: Some(0),
+                    ..Default::default()
+                }),
+            },
             Some(seen) => {
                 let mut lease = seen.clone();
                 let spec = lease.spec.take().unwrap_or_default();
@@ -119,8 +111,46 @@ impl Holder {
                     lease_transitions: Some(transitions.saturating_add(1)),
                     ..spec
                 });
-                self.api.replace(name, &PostParams::default(), &lease).await
+                lease
             }
+        }
+    }
+}
+
+/// `held` as written to give it up: no holder, so the next owner takes it at its next
+/// attempt.
+pub(crate) fn released(held: &Lease) -> Lease {
+    let mut lease = held.clone();
+    let now = now();
+    if let Some(spec) = &mut lease.spec {
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(now.clone());
+        spec.acquire_time = Some(now);
+    }
+    lease
+}
+
+/// Takes and gives up fences on the API server.
+#[derive(Clone)]
+pub(crate) struct Holder {
+    pub(crate) api: Api<Lease>,
+    pub(crate) claim: Claim,
+}
+
+impl Holder {
+    /// Tries to take the fence `name` of `cluster`, last seen as `seen` (absent: never
+    /// created). `Ok(None)`: another replica wrote first.
+    pub(crate) async fn acquire(
+        &self,
+        name: &str,
+        cluster: &str,
+        seen: Option<&Lease>,
+    ) -> Result<Option<Lease>, kube::Error> {
+        let lease = self.claim.taken(name, cluster, seen);
+        let result = match seen {
+            None => self.api.create(&PostParams::default(), &lease).await,
+            Some(_) => self.api.replace(name, &PostParams::default(), &lease).await,
         };
         match result {
             Ok(lease) => Ok(Some(lease)),
@@ -134,15 +164,8 @@ impl Holder {
     /// if this replica still holds it.
     pub(crate) async fn release(&self, held: &Lease) -> Result<(), kube::Error> {
         let name = held.metadata.name.clone().unwrap_or_default();
-        let mut lease = held.clone();
+        let mut lease = released(held);
         for _ in 0..2 {
-            let now = now();
-            if let Some(spec) = &mut lease.spec {
-                spec.holder_identity = None;
-                spec.lease_duration_seconds = Some(1);
-                spec.renew_time = Some(now.clone());
-                spec.acquire_time = Some(now);
-            }
             match self
                 .api
                 .replace(&name, &PostParams::default(), &lease)
@@ -151,8 +174,8 @@ impl Holder {
                 Ok(_) => return Ok(()),
                 Err(kube::Error::Api(e)) if e.code == 409 => {
                     match self.api.get_opt(&name).await? {
-                        Some(current) if holder(&current) == Some(self.identity.as_str()) => {
-                            lease = current;
+                        Some(current) if holder(&current) == Some(self.claim.identity.as_str()) => {
+                            lease = released(&current);
                         }
                         // Not ours any more.
                         _ => return Ok(()),

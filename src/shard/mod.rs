@@ -18,6 +18,8 @@
 
 mod coordinator;
 mod fence;
+mod group;
+mod host;
 mod peers;
 mod rendezvous;
 
@@ -50,7 +52,8 @@ pub const CLUSTER_ANNOTATION: &str = "multicluster-runtime.io/shard-cluster";
 /// ```
 ///
 /// Timings follow leader election's: every retry period a replica renews its peer Lease,
-/// lists the group's Leases and takes the fences of clusters that are now its own. If its
+/// reads the group's Leases (from a watch, once it shows the renewal) and takes the fences of
+/// clusters that are now its own. If its
 /// peer Lease is not renewed within the renew deadline it gives every fence up at once (its
 /// reconciles dropped); another replica takes a fence over once it has seen the holder's
 /// peer Lease unchanged for the lease duration. At steady state a replica writes one Lease

@@ -35,9 +35,9 @@ impl Announcement {
         super::lease_name("peer", &[&self.group, &self.id])
     }
 
-    /// Creates or renews the Lease in `leases`' namespace (server-side apply).
-    pub(crate) async fn renew(&self, leases: &Api<Lease>) -> Result<(), kube::Error> {
-        let lease = Lease {
+    /// The Lease as a renewal writes it.
+    pub(crate) fn lease(&self) -> Lease {
+        Lease {
             metadata: ObjectMeta {
                 name: Some(self.lease_name()),
                 labels: Some(super::labels(&self.group, "peer")),
@@ -52,7 +52,12 @@ impl Announcement {
                 renew_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
                 ..Default::default()
             }),
-        };
+        }
+    }
+
+    /// Creates or renews the Lease in `leases`' namespace (server-side apply).
+    pub(crate) async fn renew(&self, leases: &Api<Lease>) -> Result<Lease, kube::Error> {
+        let lease = self.lease();
         let value = serde_json::json!({
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
@@ -66,7 +71,6 @@ impl Announcement {
                 &Patch::Apply(value),
             )
             .await
-            .map(|_| ())
     }
 }
 
@@ -90,7 +94,7 @@ struct Seen {
 impl Observed {
     /// Takes in a listing of the group's Leases at `now`: a Lease whose renewal record
     /// changed (or that is new) counts from `now`; Leases gone from the listing are dropped.
-    pub(crate) fn update(&mut self, leases: &[Lease], now: Instant) {
+    pub(crate) fn update<'a>(&mut self, leases: impl IntoIterator<Item = &'a Lease>, now: Instant) {
         let mut next = HashMap::new();
         for lease in leases {
             let Some(name) = lease.metadata.name.clone() else {

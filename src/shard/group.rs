@@ -1,0 +1,146 @@
+//! The group's Leases as a watch keeps them: one listing when the replica joins, then only
+//! the changes, however many rounds go by (a listing per round cost every Lease of the group
+//! every retry period, on every replica).
+//!
+//! A round must not judge from a view older than the round: a peer's Lease seen unchanged
+//! because the watch stalled would count that peer gone. So a round waits until the watch
+//! shows the renewal of this replica's own peer Lease that the round just wrote: the watch
+//! delivers changes in order, so every change before that write is in the view too (as a
+//! listing made after the write would show them). A replica that does not renew (it cannot
+//! see the group: see `Coordinator::round`) counts the view current while the watch has
+//! listed, or delivered a change, since its last error.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::Client;
+use kube_runtime::reflector::{self, Store};
+use kube_runtime::watcher;
+use tokio::time::Instant;
+use tokio_util::task::AbortOnDropHandle;
+
+use crate::WatchBackoff;
+use crate::cluster::{Retrying, listing};
+use crate::sync::lock;
+
+/// How many of its own Lease's resource versions the watch remembers (a renewal is looked
+/// for among the latest).
+const OWN_VERSIONS: usize = 8;
+
+/// The group's Leases, kept by a watch.
+pub(crate) struct GroupWatch {
+    store: Store<Lease>,
+    seen: Arc<Mutex<Seen>>,
+    changed: tokio::sync::watch::Receiver<u64>,
+    _task: AbortOnDropHandle<()>,
+}
+
+#[derive(Default)]
+struct Seen {
+    /// The latest resource versions of this replica's peer Lease the watch delivered.
+    own: VecDeque<String>,
+    /// Since when the watch has worked: listed, or delivered a change, after its last error.
+    working_since: Option<Instant>,
+    /// Its last error, while it fails.
+    error: Option<String>,
+}
+
+impl GroupWatch {
+    /// Starts watching the Leases labelled `selector` in `namespace`; `own` is the name of
+    /// this replica's peer Lease.
+    pub(crate) fn start(client: Client, namespace: &str, selector: &str, own: String) -> Self {
+        let (store, writer) = reflector::store();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let (tell, changed) = tokio::sync::watch::channel(0u64);
+        let config = watcher::Config::default().labels(selector);
+        // As the clusters' caches list: a streaming list where the server serves them (one
+        // request, its start and the changes after it served from the watch cache, so a
+        // group whose Leases change fast is still listed once), pages otherwise; without
+        // managed fields, most of a Lease's bytes, which nothing here reads.
+        let target = listing::Target::<Lease>::all(client, &()).within(Some(namespace));
+        let events = listing::watch(target, config, true, true, Arc::from("host"));
+        let events = Retrying::new(events, WatchBackoff::default().delays());
+        let events = reflector::reflector(writer, events);
+        let task_seen = seen.clone();
+        let task = tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            while let Some(event) = events.next().await {
+                let mut seen = lock(&task_seen);
+                match event {
+                    Ok(event) => {
+                        let now = Instant::now();
+                        match &event {
+                            watcher::Event::Apply(lease)
+                            | watcher::Event::InitApply(lease)
+                            | watcher::Event::Delete(lease)
+                                if lease.metadata.name.as_deref() == Some(&own) =>
+                            {
+                                if let Some(version) = &lease.metadata.resource_version {
+                                    if seen.own.len() == OWN_VERSIONS {
+                                        seen.own.pop_front();
+                                    }
+                                    seen.own.push_back(version.clone());
+                                }
+                            }
+                            _ => {}
+                        }
+                        // The start of a listing is not yet a view: its end is.
+                        if !matches!(event, watcher::Event::Init) {
+                            if seen.error.take().is_some() || seen.working_since.is_none() {
+                                seen.working_since = Some(now);
+                            }
+                        }
+                    }
+                    Err(error) => {
+                        seen.working_since = None;
+                        seen.error = Some(crate::cluster::Shown(&error).to_string());
+                    }
+                }
+                drop(seen);
+                tell.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        });
+        Self {
+            store,
+            seen,
+            changed,
+            _task: AbortOnDropHandle::new(task),
+        }
+    }
+
+    /// Waits (at most `within`) until the watch has delivered this replica's peer Lease at
+    /// `version` (the renewal just written): whether it did.
+    pub(crate) async fn caught_up(&self, version: &str, within: Duration) -> bool {
+        let mut changed = self.changed.clone();
+        let wait = async {
+            loop {
+                changed.borrow_and_update();
+                if lock(&self.seen).own.iter().any(|v| v == version) {
+                    return;
+                }
+                if changed.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::time::timeout(within, wait).await.is_ok()
+    }
+
+    /// Whether the watch has worked (listed, or delivered a change) since its last error.
+    pub(crate) fn working(&self) -> bool {
+        lock(&self.seen).working_since.is_some()
+    }
+
+    /// Why the watch fails, while it does.
+    pub(crate) fn error(&self) -> Option<String> {
+        lock(&self.seen).error.clone()
+    }
+
+    /// Every Lease of the group as the watch has them now.
+    pub(crate) fn leases(&self) -> Vec<Arc<Lease>> {
+        self.store.state()
+    }
+}
