@@ -56,6 +56,13 @@ fn main() {
     };
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     if let Some(id) = arg_after(&args, "--child") {
+        // `RUST_LOG` set: the replicas log to stderr, each line with its identity.
+        if std::env::var_os("RUST_LOG").is_some() {
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_writer(std::io::stderr)
+                .init();
+        }
         let members: Vec<String> = args
             .windows(2)
             .filter(|w| w[0] == "--member")

@@ -78,10 +78,10 @@ pub(crate) struct Coordinator<C: ClusterId> {
     announced: Option<Instant>,
     /// Past the first round.
     started: bool,
-    /// When the round that last had a view of the group's Leases began (or the coordinator,
-    /// before the first): a replica that cannot see the group stops announcing itself, so
-    /// the others do not assign it clusters it could never take.
-    seen_group: Instant,
+    /// Rounds in a row without a view of the group's Leases: a replica that cannot see the
+    /// group stops announcing itself, so the others do not assign it clusters it could never
+    /// take.
+    unseen: u32,
     /// Not announcing itself for that reason now.
     blind: bool,
     /// The next holding's generation.
@@ -147,7 +147,7 @@ impl<C: ClusterId> Coordinator<C> {
             handoffs: FuturesUnordered::new(),
             announced: None,
             started: false,
-            seen_group: Instant::now(),
+            unseen: 0,
             blind: false,
             generation: 0,
             lost: HashMap::new(),
@@ -171,7 +171,11 @@ impl<C: ClusterId> Coordinator<C> {
         loop {
             let began = Instant::now();
             self.round().await;
-            let wake = tokio::time::sleep(self.config.jittered_retry());
+            // Rounds begin a (jittered) retry period apart, however long one took: a round
+            // that spent its retry period taking fences is followed at once by the next, which
+            // renews and takes on (a replica taking over thousands of clusters takes them
+            // without a retry period's pause between batches).
+            let wake = tokio::time::sleep_until(began + self.config.jittered_retry());
             tokio::pin!(wake);
             // A change of the discovered clusters starts the next round early, but no sooner
             // than a quarter retry period after this one began: a provider engaging clusters
@@ -284,16 +288,16 @@ impl<C: ClusterId> Coordinator<C> {
     async fn round(&mut self) {
         let bound = self.config.retry_period;
         let began = Instant::now();
-        // Unable to see the group for two retry periods (its watch did not show two renewals
-        // in a row, or fails), this replica stops renewing its peer Lease: it drops its fences
-        // at its renew deadline, and the others count it gone and take its clusters, rather
-        // than leaving them assigned to a replica that cannot take them. A single round
-        // without a view costs nothing.
-        let blindness = (self.config.retry_period * 2).min(self.config.renew_deadline);
-        let blind = began.saturating_duration_since(self.seen_group) > blindness;
+        // Unable to see the group for two rounds in a row (its watch did not show two renewals,
+        // or fails), this replica stops renewing its peer Lease: it drops its fences at its
+        // renew deadline, and the others count it gone and take its clusters, rather than
+        // leaving them assigned to a replica that cannot take them. A single round without a
+        // view costs nothing. Rounds, not time: a round that takes many fences lasts longer
+        // than a retry period, and is no sign of blindness.
+        let blind = self.unseen >= 2;
         if blind != std::mem::replace(&mut self.blind, blind) {
             if blind {
-                tracing::warn!(group = %self.config.group, identity = %self.config.identity, error = self.host.error().unwrap_or_default(), "sharding: the group's Leases could not be seen for two retry periods; this replica stops announcing itself until they can (the others take its clusters)");
+                tracing::warn!(group = %self.config.group, identity = %self.config.identity, error = self.host.error().unwrap_or_default(), "sharding: the group's Leases could not be seen for two rounds; this replica stops announcing itself until they can (the others take its clusters)");
             } else {
                 tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases are seen again; this replica announces itself again");
             }
@@ -337,8 +341,12 @@ impl<C: ClusterId> Coordinator<C> {
             // Not announcing itself: the view counts once the watch works again.
             None => self.host.working(),
         };
+        self.unseen = if fresh {
+            0
+        } else {
+            self.unseen.saturating_add(1)
+        };
         if fresh {
-            self.seen_group = began;
             let (peers, fences): (Vec<Arc<Lease>>, Vec<Arc<Lease>>) =
                 self.host.leases().into_iter().partition(|l| {
                     l.metadata
@@ -701,7 +709,7 @@ fn announcement(config: &Sharding) -> Announcement {
     }
 }
 
-/// Runs `call` on `items`, 32 at a time, for at most `bound`: the results of those that
+/// Runs `call` on `items`, 64 at a time, for at most `bound`: the results of those that
 /// finished in time (a call cut short may still have reached the host).
 async fn within<I, F, Fut, K, T>(bound: Duration, items: Vec<I>, call: F) -> Vec<(K, T)>
 where
@@ -710,7 +718,7 @@ where
 {
     futures::stream::iter(items)
         .map(call)
-        .buffer_unordered(32)
+        .buffer_unordered(64)
         .take_until(tokio::time::sleep(bound))
         .collect()
         .await
