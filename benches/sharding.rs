@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 // Shared with the other benchmarks; this one needs only its argument helper.
@@ -349,19 +349,17 @@ async fn replica(id: &str, n: usize, members: &[String], host: &str) {
         let manager = manager.clone();
         tokio::spawn(async move { manager.run().await })
     };
-    let last = Mutex::new(String::new());
+    let mut last = String::new();
     while !run.is_finished() {
         let line = format!(
             "owned={} reconciled={}",
             manager.fleet().len(),
             reconciled.load(Ordering::SeqCst)
         );
-        let mut last = last.lock().expect("lock");
-        if *last != line {
+        if last != line {
             println!("{line}");
-            *last = line;
+            last = line;
         }
-        drop(last);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     eprintln!("replica {id}: {:?}", run.await);

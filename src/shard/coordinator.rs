@@ -994,7 +994,7 @@ mod tests {
         let mut busy = None;
         while let Ok(event) = events.try_recv() {
             if let FleetEvent::Engaged(engagement) = event
-                && engagement.id().to_string() == *moving
+                && engagement.id().as_str() == *moving
             {
                 busy = engagement.session.busy();
             }

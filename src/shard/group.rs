@@ -88,10 +88,10 @@ impl GroupWatch {
                             _ => {}
                         }
                         // The start of a listing is not yet a view: its end is.
-                        if !matches!(event, watcher::Event::Init) {
-                            if seen.error.take().is_some() || seen.working_since.is_none() {
-                                seen.working_since = Some(now);
-                            }
+                        if !matches!(event, watcher::Event::Init)
+                            && (seen.error.take().is_some() || seen.working_since.is_none())
+                        {
+                            seen.working_since = Some(now);
                         }
                     }
                     Err(error) => {
