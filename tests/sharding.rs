@@ -1481,6 +1481,23 @@ async fn a_replica_that_cannot_list_the_group_stops_announcing_itself_and_the_ot
     }
 }
 
+/// Creates ConfigMap `name` in `namespace`, labelled `<namespace>=yes` (what the scenario's
+/// controller selects).
+async fn labelled_config_map(admin: &Client, namespace: &str, name: &str) {
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some([(namespace.to_string(), "yes".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<ConfigMap>::namespaced(admin.clone(), namespace)
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+}
+
 /// What both replicas of the starvation scenario share.
 #[derive(Default)]
 struct Starving {
@@ -1593,15 +1610,7 @@ async fn a_starved_replica_starts_no_reconcile_on_clusters_another_has_taken() {
     common::create_namespace(&admin, "starve").await;
     let cms = Api::<ConfigMap>::namespaced(admin.clone(), "starve");
     for object in ["block", "work"] {
-        let cm = ConfigMap {
-            metadata: ObjectMeta {
-                name: Some(object.into()),
-                labels: Some([("starve".to_string(), "yes".to_string())].into()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        cms.create(&PostParams::default(), &cm).await.unwrap();
+        labelled_config_map(&admin, "starve", object).await;
     }
     let touch = async |object: &str, n: u32| {
         let patch = serde_json::json!({"data": {"n": n.to_string()}});
@@ -1793,16 +1802,7 @@ async fn a_dying_coordinator_drops_the_reconciles_in_flight_at_once() {
     let tc = env.cluster(0).unwrap();
     let admin = tc.client().unwrap();
     common::create_namespace(&admin, "dies").await;
-    let cms = Api::<ConfigMap>::namespaced(admin.clone(), "dies");
-    let cm = ConfigMap {
-        metadata: ObjectMeta {
-            name: Some("stuck".into()),
-            labels: Some([("dies".to_string(), "yes".to_string())].into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    cms.create(&PostParams::default(), &cm).await.unwrap();
+    labelled_config_map(&admin, "dies", "stuck").await;
 
     let provider = Clusters::<Touchy>::new();
     provider
@@ -1874,16 +1874,7 @@ async fn a_replica_that_is_shutting_down_takes_no_cluster() {
     let tc = env.cluster(0).unwrap();
     let admin = tc.client().unwrap();
     common::create_namespace(&admin, "drain").await;
-    let cms = Api::<ConfigMap>::namespaced(admin.clone(), "drain");
-    let cm = ConfigMap {
-        metadata: ObjectMeta {
-            name: Some("slow".into()),
-            labels: Some([("drain".to_string(), "yes".to_string())].into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    cms.create(&PostParams::default(), &cm).await.unwrap();
+    labelled_config_map(&admin, "drain", "slow").await;
     // a's reconciles hold on, deaf to cancellation, while this is set.
     let hold = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let holding = Arc::new(std::sync::atomic::AtomicUsize::new(0));

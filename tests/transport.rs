@@ -518,40 +518,6 @@ async fn the_read_timeout_applies_to_each_stream_over_http2() {
     assert!(error.contains("read timeout"), "{error}");
 }
 
-/// A bearer token of ServiceAccount `name` in `ns` (created), from the TokenRequest API.
-async fn service_account_token(client: &kube::Client, ns: &str, name: &str) -> String {
-    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    let accounts = Api::<ServiceAccount>::namespaced(client.clone(), ns);
-    let account = ServiceAccount {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    accounts
-        .create(&PostParams::default(), &account)
-        .await
-        .unwrap();
-    let request = TokenRequest {
-        spec: Some(TokenRequestSpec {
-            audiences: Some(vec![]),
-            expiration_seconds: Some(3600),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    accounts
-        .create_token_request(name, &PostParams::default(), &request)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .token
-        .unwrap()
-}
-
 /// Issue 28 item 5: two clusters of one API server whose credentials are bearer tokens (no
 /// client certificate: the same TLS identity) share one connection, and each request is
 /// still made as its own cluster's user.
@@ -564,7 +530,7 @@ async fn token_users_of_one_connection_are_each_seen_as_themselves() {
     let relay = Relay::start(tc.server()).await;
     let mut users = Vec::new();
     for user in ["alice", "bob"] {
-        let token = service_account_token(&admin, "tokens", user).await;
+        let token = account_token_in(&admin, "tokens", user).await;
         let mut config = relay.config(tc.config());
         config.auth_info.client_certificate_data = None;
         config.auth_info.client_key_data = None;

@@ -798,9 +798,14 @@ pub async fn https_get(
 
 /// A service account `name` of `default` with no permission, and a token of it.
 pub async fn account_token(client: &kube::Client, name: &str) -> String {
+    account_token_in(client, "default", name).await
+}
+
+/// [`account_token`] for a ServiceAccount of `namespace`.
+pub async fn account_token_in(client: &kube::Client, namespace: &str, name: &str) -> String {
     use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
     use k8s_openapi::api::core::v1::ServiceAccount;
-    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let mut account = ServiceAccount::default();
     account.metadata.name = Some(name.into());
     accounts
