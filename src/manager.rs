@@ -722,7 +722,7 @@ impl<P: Provider> Manager<P> {
                     .cloned()
                     .chain(fleet.clusters())
                     .map(|cluster| {
-                        let id = crate::controller::ClusterField(cluster.id()).to_string();
+                        let id = crate::cluster::ClusterField(cluster.id()).to_string();
                         (id, cluster.cache_status())
                     })
                     .collect()

@@ -20,6 +20,9 @@ use tokio::time::{Instant, Sleep};
 
 use crate::sync::lock;
 
+/// Makes a client whose layers are all set up.
+pub(crate) type MakeClient = Box<dyn FnOnce() -> kube::Client + Send>;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A limit on a cluster's API requests: `qps` a second on average, up to `burst` at once

@@ -146,6 +146,20 @@ impl PartialEq<&str> for ClusterName {
     }
 }
 
+/// A cluster id as a span field: the single cluster's empty text form reads `single`, so
+/// that both modes' spans name a cluster.
+pub(crate) struct ClusterField<'a, C>(pub(crate) &'a C);
+
+impl<C: ClusterId> fmt::Display for ClusterField<'_, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if std::any::TypeId::of::<C>() == std::any::TypeId::of::<crate::SingleCluster>() {
+            f.write_str("single")
+        } else {
+            fmt::Display::fmt(self.0, f)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -115,7 +115,7 @@ pub(crate) fn scoped<K: Watchable>(
     streaming: bool,
     trim: bool,
     cluster: Arc<str>,
-    backoff: &super::WatchBackoff,
+    backoff: &super::backoff::WatchBackoff,
 ) -> futures::stream::BoxStream<'static, watcher::Result<Event<K>>> {
     use futures::StreamExt as _;
     let one = |namespace: Option<&str>| {
@@ -134,7 +134,7 @@ pub(crate) fn scoped<K: Watchable>(
         Some(list) => {
             let parts = list
                 .iter()
-                .map(|ns| super::Retrying::new(one(Some(ns)), backoff.delays()).boxed())
+                .map(|ns| super::backoff::Retrying::new(one(Some(ns)), backoff.delays()).boxed())
                 .collect();
             super::namespaces::merged(parts, |o: &K| o.meta().name.clone().unwrap_or_default())
                 .boxed()

@@ -7,6 +7,9 @@
 mod backoff;
 mod cache;
 mod client;
+mod endpoint;
+mod errors;
+mod events;
 mod exec_identity;
 mod id;
 mod identity;
@@ -15,6 +18,7 @@ pub(crate) mod listing;
 pub(crate) mod namespaces;
 mod reauth;
 pub(crate) mod redact;
+mod session;
 mod source;
 mod store;
 mod transform;
@@ -22,7 +26,6 @@ mod transport;
 pub(crate) mod trim;
 mod watch;
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -32,21 +35,26 @@ use futures::future::Either;
 use kube::Client;
 use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher;
-use tokio_util::sync::CancellationToken;
 
 pub use backoff::WatchBackoff;
 pub(crate) use backoff::{Retrying, random_unit};
-pub use cache::{Cache, CacheError, DiscoveryError};
+pub use cache::Cache;
+use client::MakeClient;
 use client::{ClientLayer, ClientState, Forward};
 pub use client::{InvalidRateLimit, RateLimit};
+use endpoint::same_endpoint_and_credentials;
+pub use errors::{CacheError, DiscoveryError};
+#[cfg(test)]
+pub(crate) use events::map_event;
+pub(crate) use id::ClusterField;
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub use identity::ClusterIdentity;
 pub(crate) use identity::value_of as property_value;
 pub(crate) use index::Indexer;
 pub use redact::CredentialError;
 pub(crate) use redact::{Shown, describe_client};
-#[cfg(test)]
-pub(crate) use source::map_event;
+use session::Attachment;
+pub(crate) use session::{Engagement, Session};
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
 pub(crate) use store::ObjectKey;
 pub use store::Store;
@@ -108,166 +116,6 @@ enum ClientSlot {
     },
 }
 
-/// Makes a client whose layers are all set up.
-pub(crate) type MakeClient = Box<dyn FnOnce() -> Client + Send>;
-
-/// How many fleets hold the cluster engaged, and the engagement they share.
-#[derive(Default)]
-struct Attachment {
-    fleets: usize,
-    session: Option<Arc<Session>>,
-}
-
-/// One engagement of a cluster: from the first fleet engaging it to the last letting go. Its
-/// watches stop when it ends; controllers hold it to read the caches of that engagement.
-pub(crate) struct Session {
-    /// Cancelled when the engagement ends.
-    token: CancellationToken,
-    settings: WatchSettings,
-    /// One shared watch per (resource type, watcher configuration): `SharedWatch<K>`.
-    watches: Mutex<HashMap<WatchKey, Arc<dyn ErasedWatch>>>,
-    /// The watch tasks, awaited when the engagement ends.
-    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    /// User work on this engagement running now (reconciles, per-cluster tasks): a sharded
-    /// replica hands a cluster over only once it is none.
-    busy: Mutex<usize>,
-    idle: tokio::sync::Notify,
-    /// Cancelled to drop that work at once rather than after its grace (a sharded replica
-    /// whose fence is about to expire).
-    abort: CancellationToken,
-}
-
-/// One piece of user work on an engagement, counted while it lives.
-pub(crate) struct Busy(Arc<Session>);
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        let mut busy = lock(&self.0.busy);
-        *busy = busy.saturating_sub(1);
-        if *busy == 0 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
-impl Session {
-    fn new(settings: WatchSettings) -> Self {
-        Self {
-            token: CancellationToken::new(),
-            settings,
-            watches: Mutex::new(HashMap::new()),
-            tasks: Mutex::new(Vec::new()),
-            busy: Mutex::new(0),
-            idle: tokio::sync::Notify::new(),
-            abort: CancellationToken::new(),
-        }
-    }
-
-    /// Counts a piece of user work on this engagement while the guard lives; `None` once
-    /// the engagement has ended (nothing new may start on it then).
-    pub(crate) fn busy(self: &Arc<Self>) -> Option<Busy> {
-        let mut busy = lock(&self.busy);
-        // Under the lock: whoever waits for `idle` after the end sees this work counted.
-        if self.token.is_cancelled() {
-            return None;
-        }
-        *busy += 1;
-        Some(Busy(self.clone()))
-    }
-
-    /// Whether no user work runs on this engagement now.
-    pub(crate) fn is_idle(&self) -> bool {
-        *lock(&self.busy) == 0
-    }
-
-    /// Completes when no user work runs on this engagement.
-    pub(crate) async fn idle(&self) {
-        loop {
-            let notified = self.idle.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if *lock(&self.busy) == 0 {
-                return;
-            }
-            notified.await;
-        }
-    }
-
-    /// Ends the engagement and drops its user work at once (reconciles are not given their
-    /// disengage grace).
-    pub(crate) fn abort(&self) {
-        self.token.cancel();
-        self.abort.cancel();
-    }
-
-    /// Cancelled when the engagement's work is to be dropped at once.
-    pub(crate) fn aborted(&self) -> &CancellationToken {
-        &self.abort
-    }
-
-    /// Cancelled when the engagement ends.
-    pub(crate) fn token(&self) -> &CancellationToken {
-        &self.token
-    }
-
-    /// Whether the engagement is still on.
-    pub(crate) fn is_active(&self) -> bool {
-        !self.token.is_cancelled()
-    }
-
-    /// The watch of `K` for `config`, if one was started in this engagement.
-    pub(crate) fn existing<K: Watchable>(
-        &self,
-        dt: &K::DynamicType,
-        config: &watcher::Config,
-    ) -> Option<Arc<SharedWatch<K>>> {
-        let existing = lock(&self.watches)
-            .get(&WatchKey::of::<K>(dt, config))?
-            .clone();
-        existing.as_any().downcast::<SharedWatch<K>>().ok()
-    }
-
-    /// Whether a watch task of this engagement may still be running.
-    pub(crate) fn is_winding_down(&self) -> bool {
-        lock(&self.tasks).iter().any(|t| !t.is_finished())
-    }
-
-    /// Completes once every watch task of this (ended) engagement has finished.
-    pub(crate) async fn stopped(&self) {
-        self.token.cancel();
-        let tasks = std::mem::take(&mut *lock(&self.tasks));
-        for task in tasks {
-            let _ = task.await;
-        }
-    }
-}
-
-/// A [`SharedWatch`] of any kind.
-trait ErasedWatch: Send + Sync {
-    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
-    fn add_indexer(&self, indexer: &Indexer);
-    fn kind(&self) -> String;
-    fn state(&self) -> WatchState;
-}
-
-impl<K: Watchable> ErasedWatch for SharedWatch<K> {
-    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
-        self
-    }
-
-    fn add_indexer(&self, indexer: &Indexer) {
-        SharedWatch::add_indexer(self, indexer);
-    }
-
-    fn kind(&self) -> String {
-        SharedWatch::kind(self).to_string()
-    }
-
-    fn state(&self) -> WatchState {
-        SharedWatch::state(self)
-    }
-}
-
 /// Whether one cache of a cluster has listed; see [`Cluster::cache_status`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -306,51 +154,6 @@ impl<C: ClusterId> fmt::Debug for Cluster<C> {
             .field("id", &self.inner.id)
             .field("engaged", &self.is_engaged())
             .finish()
-    }
-}
-
-/// One engagement of one cluster, as the fleet hands it to controllers.
-pub(crate) struct Engagement<C: ClusterId> {
-    pub(crate) cluster: Cluster<C>,
-    pub(crate) session: Arc<Session>,
-}
-
-impl<C: ClusterId> Clone for Engagement<C> {
-    fn clone(&self) -> Self {
-        Self {
-            cluster: self.cluster.clone(),
-            session: self.session.clone(),
-        }
-    }
-}
-
-impl<C: ClusterId> fmt::Debug for Engagement<C> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Engagement")
-            .field("cluster", self.cluster.id())
-            .field("active", &self.session.is_active())
-            .finish()
-    }
-}
-
-impl<C: ClusterId> Engagement<C> {
-    /// The id.
-    pub(crate) fn id(&self) -> &C {
-        self.cluster.id()
-    }
-
-    /// The shared watch of `K` for `config` in this engagement; started on first use.
-    pub(crate) fn watch<K: Watchable>(
-        &self,
-        dt: &K::DynamicType,
-        config: &watcher::Config,
-    ) -> Result<Arc<SharedWatch<K>>, CacheError> {
-        self.cluster.watch_in(&self.session, dt, config)
-    }
-
-    /// Whether both are the same engagement of the same cluster.
-    pub(crate) fn same(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.session, &other.session) && self.cluster.same_instance(&other.cluster)
     }
 }
 
@@ -622,7 +425,7 @@ impl<C: ClusterId> Cluster<C> {
                 let state = &self.inner.client_state;
                 state.inherit(settings.rate_limit);
                 if let Some(metrics) = &settings.metrics {
-                    let label = crate::controller::ClusterField(&self.inner.id).to_string();
+                    let label = ClusterField(&self.inner.id).to_string();
                     // client-go's `host`: the server's authority, as the config names it.
                     let host = self
                         .inner
@@ -917,7 +720,7 @@ impl<C: ClusterId> Cluster<C> {
                     )
                     .map(move |event| {
                         event.map(|event| {
-                            source::map_event(event, |o| transform::shared(o, transform.as_ref()))
+                            events::map_event(event, |o| transform::shared(o, transform.as_ref()))
                         })
                     })
                     .boxed()
@@ -987,90 +790,5 @@ impl<C: ClusterId> WeakCluster<C> {
     /// The cluster, if anything still holds it.
     pub fn upgrade(&self) -> Option<Cluster<C>> {
         self.inner.upgrade().map(|inner| Cluster { inner })
-    }
-}
-
-/// Compares what decides where and as whom requests go: the endpoint, the CA, the TLS
-/// name, proxy, extra headers, the default namespace and the user's credentials (everything in
-/// `AuthInfo`, secrets included: exec plugins, auth providers, impersonation). Timeouts and
-/// the like do not matter.
-fn same_endpoint_and_credentials(a: &kube::Config, b: &kube::Config) -> bool {
-    a.cluster_url == b.cluster_url
-        && a.default_namespace == b.default_namespace
-        && a.root_cert == b.root_cert
-        && a.root_cert_file == b.root_cert_file
-        && a.tls_server_name == b.tls_server_name
-        && a.accept_invalid_certs == b.accept_invalid_certs
-        && a.proxy_url == b.proxy_url
-        && a.headers == b.headers
-        && credentials(&a.auth_info).is_some_and(|auth| Some(auth) == credentials(&b.auth_info))
-}
-
-/// Everything in `auth` that decides as whom requests go, comparable: `AuthInfo` has no
-/// `PartialEq`, and its serde form writes secrets out but leaves out two fields of an exec
-/// plugin's configuration: the cluster it is handed (`spec.cluster`, whose `config` may say
-/// whose credentials to return) and the variables it does not inherit.
-pub(crate) fn credentials(auth: &kube::config::AuthInfo) -> Option<serde_json::Value> {
-    let mut value = serde_json::to_value(auth).ok()?;
-    if let Some(exec) = &auth.exec
-        && let Some(object) = value.get_mut("exec").and_then(|e| e.as_object_mut())
-    {
-        object.insert("cluster".into(), serde_json::to_value(&exec.cluster).ok()?);
-        object.insert("dropEnv".into(), serde_json::to_value(&exec.drop_env).ok()?);
-    }
-    Some(value)
-}
-
-#[cfg(test)]
-mod tests {
-    use kube::config::{AuthInfo, ExecAuthCluster, ExecConfig};
-
-    use super::same_endpoint_and_credentials;
-
-    fn with_exec(cluster_config: serde_json::Value, drop_env: Option<Vec<String>>) -> kube::Config {
-        let mut config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
-        config.auth_info = AuthInfo {
-            exec: Some(ExecConfig {
-                api_version: Some("client.authentication.k8s.io/v1".into()),
-                command: Some("/bin/plugin".into()),
-                args: None,
-                env: None,
-                drop_env,
-                install_hint: None,
-                interactive_mode: None,
-                provide_cluster_info: true,
-                cluster: Some(ExecAuthCluster {
-                    server: Some("https://127.0.0.1:6443".into()),
-                    insecure_skip_tls_verify: None,
-                    certificate_authority_data: None,
-                    proxy_url: None,
-                    tls_server_name: None,
-                    config: Some(cluster_config),
-                }),
-                other: Default::default(),
-            }),
-            ..Default::default()
-        };
-        config
-    }
-
-    /// What an exec plugin is handed (`spec.cluster`, where the Cluster Inventory API puts
-    /// which credentials to read) and the variables it does not get decide who it answers
-    /// for, though kube's serde form of `ExecConfig` leaves both out.
-    #[test]
-    fn an_exec_plugin_handed_another_cluster_config_is_other_credentials() {
-        let a = with_exec(serde_json::json!({"clusterName": "a"}), None);
-        assert!(same_endpoint_and_credentials(&a, &a.clone()));
-        let b = with_exec(serde_json::json!({"clusterName": "b"}), None);
-        assert!(!same_endpoint_and_credentials(&a, &b));
-        let dropped = with_exec(
-            serde_json::json!({"clusterName": "a"}),
-            Some(vec!["HOME".into()]),
-        );
-        assert!(!same_endpoint_and_credentials(&a, &dropped));
-        // Nor do they share a transport (the plugin may answer with a client certificate).
-        assert_eq!(super::transport::key(&a), super::transport::key(&a.clone()));
-        assert_ne!(super::transport::key(&a), super::transport::key(&b));
-        assert_ne!(super::transport::key(&a), super::transport::key(&dropped));
     }
 }

@@ -142,7 +142,7 @@ impl State {
             Ok(Ok(Ok(layer))) => Ok(layer),
             // kube's text of a failed run has the plugin's command line (environment
             // included) and output: credentials. Only what failed goes on.
-            Ok(Ok(Err(error))) => Err(super::describe_client(&error)),
+            Ok(Ok(Err(error))) => Err(super::redact::describe_client(&error)),
             Ok(Err(error)) => {
                 self.running.store(false, Ordering::Release);
                 Err(error.to_string())

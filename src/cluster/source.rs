@@ -12,6 +12,7 @@ use kube::Client;
 use kube_runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
+use super::events::{map_event, try_map_event};
 use super::listing::Target;
 use super::namespaces::merged;
 use super::transform::Transform;
@@ -110,7 +111,7 @@ pub(crate) fn events_from<K: Watchable>(
     dt: &K::DynamicType,
     config: &watcher::Config,
     transform: Option<Transform<K>>,
-    settings: &super::WatchSettings,
+    settings: &super::watch::WatchSettings,
     engagement: &CancellationToken,
 ) -> BoxStream<'static, Event<Arc<K>>> {
     let watch_config = config.clone();
@@ -122,7 +123,7 @@ pub(crate) fn events_from<K: Watchable>(
         let one = |namespace: Option<&str>| -> SharedEvents {
             let transform = transform.clone();
             // Each namespace waits out its own failures (the host watch has no other backoff).
-            super::Retrying::new(
+            super::backoff::Retrying::new(
                 super::listing::watch(
                     Target::<K>::all(client.clone(), &target_dt).within(namespace),
                     watch_config.clone(),
@@ -166,26 +167,4 @@ pub(crate) fn events_from<K: Watchable>(
             }))
         })
         .boxed()
-}
-
-/// `event` with its object mapped by `f`.
-pub(crate) fn map_event<A, B>(event: Event<A>, f: impl FnOnce(A) -> B) -> Event<B> {
-    match event {
-        Event::Apply(o) => Event::Apply(f(o)),
-        Event::Delete(o) => Event::Delete(f(o)),
-        Event::Init => Event::Init,
-        Event::InitApply(o) => Event::InitApply(f(o)),
-        Event::InitDone => Event::InitDone,
-    }
-}
-
-/// `event` with its object mapped by `f`; `None` if `f` gives none.
-fn try_map_event<A, B>(event: Event<A>, f: impl FnOnce(A) -> Option<B>) -> Option<Event<B>> {
-    Some(match event {
-        Event::Apply(o) => Event::Apply(f(o)?),
-        Event::Delete(o) => Event::Delete(f(o)?),
-        Event::Init => Event::Init,
-        Event::InitApply(o) => Event::InitApply(f(o)?),
-        Event::InitDone => Event::InitDone,
-    })
 }

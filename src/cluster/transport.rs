@@ -309,7 +309,7 @@ pub(super) fn key(config: &kube::Config) -> Option<Vec<u8>> {
     let exec = auth
         .exec
         .as_ref()
-        .and_then(|_| super::credentials(auth))
+        .and_then(|_| super::endpoint::credentials(auth))
         .map(|value| value["exec"].to_string());
     field(&mut key, exec.as_deref().unwrap_or("").as_bytes());
     Some(key)
@@ -902,7 +902,7 @@ pub(crate) fn client(
     config: &kube::Config,
     transport: Arc<Transport>,
     outer: super::client::ClientLayer,
-) -> Result<super::MakeClient, kube::Error> {
+) -> Result<super::client::MakeClient, kube::Error> {
     let retry = config
         .default_retry
         .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));

@@ -11,9 +11,10 @@ use kube_runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::backoff::WatchBackoff;
+use super::errors::CacheError;
 use super::index::{FieldIndexes, Indexer};
 use super::store::{ObjectKey, Store, Writer};
-use super::{CacheError, WatchBackoff};
 use crate::Watchable;
 use crate::sync::lock;
 
@@ -29,7 +30,7 @@ pub(crate) struct WatchSettings {
     /// The manager's default limit on each cluster's client requests.
     pub(crate) rate_limit: Option<crate::RateLimit>,
     /// What the caches keep of each object.
-    pub(crate) transforms: Arc<super::Transforms>,
+    pub(crate) transforms: Arc<super::transform::Transforms>,
     /// Watches list in pages of list requests, never by streaming lists.
     pub(crate) paged_lists: bool,
     /// The namespaces each kind is watched in.

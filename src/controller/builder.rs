@@ -561,7 +561,13 @@ where
         Some(cluster) if spec.engage_fleet && !spec.engage_local => Either::Left(
             super::single::run(spec, env, cluster, reconcile, error_policy, state),
         ),
-        _ => Either::Right(super::fleet::run(spec, env, reconcile, error_policy, state)),
+        _ => Either::Right(super::runner::run(
+            spec,
+            env,
+            reconcile,
+            error_policy,
+            state,
+        )),
     }
 }
 

@@ -4,9 +4,9 @@
 
 mod builder;
 mod context;
-mod fleet;
 mod queue;
 mod relations;
+mod runner;
 mod single;
 mod sources;
 
@@ -55,20 +55,6 @@ impl fmt::Display for ReconcileReason {
             Self::Panicked => f.write_str("panic requeue"),
             Self::Bulk => f.write_str("bulk reconcile"),
             Self::Given => f.write_str("trigger stream"),
-        }
-    }
-}
-
-/// A cluster id as a span field: the single cluster's empty text form reads `single`, so
-/// that both modes' spans name a cluster.
-pub(crate) struct ClusterField<'a, C>(pub(crate) &'a C);
-
-impl<C: ClusterId> fmt::Display for ClusterField<'_, C> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if std::any::TypeId::of::<C>() == std::any::TypeId::of::<crate::SingleCluster>() {
-            f.write_str("single")
-        } else {
-            fmt::Display::fmt(self.0, f)
         }
     }
 }

@@ -236,7 +236,9 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
-        let id: Arc<str> = super::ClusterField(cluster.id()).to_string().into();
+        let id: Arc<str> = crate::cluster::ClusterField(cluster.id())
+            .to_string()
+            .into();
         if let Some(predicate) = &self.predicate {
             // The predicate reads whole children.
             let children = listing::scoped(
@@ -261,7 +263,9 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
             self.watcher_config.clone(),
             streaming,
             trim,
-            super::ClusterField(cluster.id()).to_string().into(),
+            crate::cluster::ClusterField(cluster.id())
+                .to_string()
+                .into(),
             backoff,
         );
         controller.owns_stream_with(children.touched_objects(), self.child.clone())
@@ -324,7 +328,9 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             self.watcher_config.clone(),
             streaming,
             trim,
-            super::ClusterField(cluster.id()).to_string().into(),
+            crate::cluster::ClusterField(cluster.id())
+                .to_string()
+                .into(),
             backoff,
         );
         let primary = self.primary.clone();

@@ -12,7 +12,8 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::context::Shared;
-use super::{ClusterField, Env, ObjectField, Spec};
+use super::{Env, ObjectField, Spec};
+use crate::cluster::ClusterField;
 use crate::cluster::{listing, panic_message};
 use crate::metrics::{Outcome, Series};
 use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};

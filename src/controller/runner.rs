@@ -513,7 +513,7 @@ where
     let span = tracing::info_span!(
         "reconcile",
         controller = %spec.name,
-        cluster = %super::ClusterField(&req.cluster),
+        cluster = %crate::cluster::ClusterField(&req.cluster),
         object = %super::ObjectField {
             namespace: req.namespace.as_deref(),
             name: &req.name,

@@ -1,0 +1,221 @@
+//! One engagement of a cluster ([`Session`]: its watches, its user work, its end) and the
+//! handle controllers get of it ([`Engagement`]: the cluster with that session).
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use kube_runtime::watcher;
+use tokio_util::sync::CancellationToken;
+
+use super::Cluster;
+use super::errors::CacheError;
+use super::id::ClusterId;
+use super::index::Indexer;
+use super::source::WatchKey;
+use super::watch::{SharedWatch, WatchSettings, WatchState};
+use crate::Watchable;
+use crate::sync::lock;
+
+/// How many fleets hold the cluster engaged, and the engagement they share.
+#[derive(Default)]
+pub(super) struct Attachment {
+    pub(super) fleets: usize,
+    pub(super) session: Option<Arc<Session>>,
+}
+
+/// One engagement of a cluster: from the first fleet engaging it to the last letting go. Its
+/// watches stop when it ends; controllers hold it to read the caches of that engagement.
+pub(crate) struct Session {
+    /// Cancelled when the engagement ends.
+    pub(super) token: CancellationToken,
+    pub(super) settings: WatchSettings,
+    /// One shared watch per (resource type, watcher configuration): `SharedWatch<K>`.
+    pub(super) watches: Mutex<HashMap<WatchKey, Arc<dyn ErasedWatch>>>,
+    /// The watch tasks, awaited when the engagement ends.
+    pub(super) tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// User work on this engagement running now (reconciles, per-cluster tasks): a sharded
+    /// replica hands a cluster over only once it is none.
+    busy: Mutex<usize>,
+    idle: tokio::sync::Notify,
+    /// Cancelled to drop that work at once rather than after its grace (a sharded replica
+    /// whose fence is about to expire).
+    abort: CancellationToken,
+}
+
+/// One piece of user work on an engagement, counted while it lives.
+pub(crate) struct Busy(Arc<Session>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut busy = lock(&self.0.busy);
+        *busy = busy.saturating_sub(1);
+        if *busy == 0 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl Session {
+    pub(super) fn new(settings: WatchSettings) -> Self {
+        Self {
+            token: CancellationToken::new(),
+            settings,
+            watches: Mutex::new(HashMap::new()),
+            tasks: Mutex::new(Vec::new()),
+            busy: Mutex::new(0),
+            idle: tokio::sync::Notify::new(),
+            abort: CancellationToken::new(),
+        }
+    }
+
+    /// Counts a piece of user work on this engagement while the guard lives; `None` once
+    /// the engagement has ended (nothing new may start on it then).
+    pub(crate) fn busy(self: &Arc<Self>) -> Option<Busy> {
+        let mut busy = lock(&self.busy);
+        // Under the lock: whoever waits for `idle` after the end sees this work counted.
+        if self.token.is_cancelled() {
+            return None;
+        }
+        *busy += 1;
+        Some(Busy(self.clone()))
+    }
+
+    /// Whether no user work runs on this engagement now.
+    pub(crate) fn is_idle(&self) -> bool {
+        *lock(&self.busy) == 0
+    }
+
+    /// Completes when no user work runs on this engagement.
+    pub(crate) async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if *lock(&self.busy) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Ends the engagement and drops its user work at once (reconciles are not given their
+    /// disengage grace).
+    pub(crate) fn abort(&self) {
+        self.token.cancel();
+        self.abort.cancel();
+    }
+
+    /// Cancelled when the engagement's work is to be dropped at once.
+    pub(crate) fn aborted(&self) -> &CancellationToken {
+        &self.abort
+    }
+
+    /// Cancelled when the engagement ends.
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// Whether the engagement is still on.
+    pub(crate) fn is_active(&self) -> bool {
+        !self.token.is_cancelled()
+    }
+
+    /// The watch of `K` for `config`, if one was started in this engagement.
+    pub(crate) fn existing<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+    ) -> Option<Arc<SharedWatch<K>>> {
+        let existing = lock(&self.watches)
+            .get(&WatchKey::of::<K>(dt, config))?
+            .clone();
+        existing.as_any().downcast::<SharedWatch<K>>().ok()
+    }
+
+    /// Whether a watch task of this engagement may still be running.
+    pub(crate) fn is_winding_down(&self) -> bool {
+        lock(&self.tasks).iter().any(|t| !t.is_finished())
+    }
+
+    /// Completes once every watch task of this (ended) engagement has finished.
+    pub(crate) async fn stopped(&self) {
+        self.token.cancel();
+        let tasks = std::mem::take(&mut *lock(&self.tasks));
+        for task in tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// A [`SharedWatch`] of any kind.
+pub(super) trait ErasedWatch: Send + Sync {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+    fn add_indexer(&self, indexer: &Indexer);
+    fn kind(&self) -> String;
+    fn state(&self) -> WatchState;
+}
+
+impl<K: Watchable> ErasedWatch for SharedWatch<K> {
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+
+    fn add_indexer(&self, indexer: &Indexer) {
+        SharedWatch::add_indexer(self, indexer);
+    }
+
+    fn kind(&self) -> String {
+        SharedWatch::kind(self).to_string()
+    }
+
+    fn state(&self) -> WatchState {
+        SharedWatch::state(self)
+    }
+}
+
+/// One engagement of one cluster, as the fleet hands it to controllers.
+pub(crate) struct Engagement<C: ClusterId> {
+    pub(crate) cluster: Cluster<C>,
+    pub(crate) session: Arc<Session>,
+}
+
+impl<C: ClusterId> Clone for Engagement<C> {
+    fn clone(&self) -> Self {
+        Self {
+            cluster: self.cluster.clone(),
+            session: self.session.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> fmt::Debug for Engagement<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engagement")
+            .field("cluster", self.cluster.id())
+            .field("active", &self.session.is_active())
+            .finish()
+    }
+}
+
+impl<C: ClusterId> Engagement<C> {
+    /// The id.
+    pub(crate) fn id(&self) -> &C {
+        self.cluster.id()
+    }
+
+    /// The shared watch of `K` for `config` in this engagement; started on first use.
+    pub(crate) fn watch<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+    ) -> Result<Arc<SharedWatch<K>>, CacheError> {
+        self.cluster.watch_in(&self.session, dt, config)
+    }
+
+    /// Whether both are the same engagement of the same cluster.
+    pub(crate) fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.session, &other.session) && self.cluster.same_instance(&other.cluster)
+    }
+}
