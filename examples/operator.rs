@@ -40,8 +40,8 @@ use kube_runtime::events::{Event, EventType, Recorder};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{KubeconfigSecrets, Namespaces};
 use multicluster_runtime::{
-    Action, Builder, Cluster, ClusterName, Context, Endpoints, LeaderElection, Manager, Metrics,
-    Provider, RateLimit, Request, Sharding,
+    Action, Builder, Cluster, ClusterName, Context, Endpoints, LeaderElection, LeaseTiming,
+    Manager, Metrics, Provider, RateLimit, Request, Sharding,
 };
 
 const COPY_LABEL: &str = "mcr.example.io/copy";
@@ -220,9 +220,10 @@ async fn operate<P: Provider<Id = ClusterName>>(
     if let Some(target) = &args.target_namespace {
         manager = manager.namespaces_for::<ConfigMap>([args.namespace.clone(), target.clone()]);
     }
-    let lease_duration = Duration::try_from_secs_f64(args.lease_duration_seconds)?;
-    let renew_deadline = Duration::try_from_secs_f64(args.renew_deadline_seconds)?;
-    let retry_period = Duration::try_from_secs_f64(args.retry_period_seconds)?;
+    let timing = LeaseTiming::default()
+        .lease_duration(Duration::try_from_secs_f64(args.lease_duration_seconds)?)
+        .renew_deadline(Duration::try_from_secs_f64(args.renew_deadline_seconds)?)
+        .retry_period(Duration::try_from_secs_f64(args.retry_period_seconds)?);
     // Leases go through a client of their own: the manager's rate limit, which the local
     // cluster's client gets, must not hold up the renewals that keep this replica's share.
     let coordination = match local_config {
@@ -234,9 +235,7 @@ async fn operate<P: Provider<Id = ClusterName>>(
         // Every replica copies, each into its own share: no leader election needed.
         let mut sharding = Sharding::new(coordination.clone(), &args.namespace, group)
             .weight(args.shard_weight)
-            .lease_duration(lease_duration)
-            .renew_deadline(renew_deadline)
-            .retry_period(retry_period);
+            .timing(timing);
         if let Some(identity) = &args.identity {
             sharding = sharding.identity(identity);
         }
@@ -245,9 +244,7 @@ async fn operate<P: Provider<Id = ClusterName>>(
     } else if args.leader_elect {
         let mut election =
             LeaderElection::new(coordination.clone(), &args.namespace, "mcr-operator")
-                .lease_duration(lease_duration)
-                .renew_deadline(renew_deadline)
-                .retry_period(retry_period);
+                .timing(timing);
         if let Some(identity) = &args.identity {
             election = election.identity(identity);
         }

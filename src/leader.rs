@@ -23,6 +23,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
 use kube::api::{Api, PostParams};
 
+use crate::LeaseTiming;
+
 /// What a manager does when it loses its lease: see [`LeaderElection::on_loss`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -53,9 +55,7 @@ pub struct LeaderElection {
     pub(crate) namespace: String,
     pub(crate) name: String,
     pub(crate) identity: String,
-    pub(crate) lease_duration: Duration,
-    pub(crate) renew_deadline: Duration,
-    pub(crate) retry_period: Duration,
+    pub(crate) timing: LeaseTiming,
     pub(crate) on_loss: OnLoss,
     pub(crate) release_on_shutdown: bool,
 }
@@ -65,9 +65,7 @@ impl std::fmt::Debug for LeaderElection {
         f.debug_struct("LeaderElection")
             .field("lease", &format_args!("{}/{}", self.namespace, self.name))
             .field("identity", &self.identity)
-            .field("lease_duration", &self.lease_duration)
-            .field("renew_deadline", &self.renew_deadline)
-            .field("retry_period", &self.retry_period)
+            .field("timing", &self.timing)
             .field("on_loss", &self.on_loss)
             .field("release_on_shutdown", &self.release_on_shutdown)
             .finish()
@@ -76,25 +74,19 @@ impl std::fmt::Debug for LeaderElection {
 
 /// Leader election settings that cannot work.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "leader election for lease {lease}: {reason} (lease duration {lease_duration:?}, renew deadline {renew_deadline:?}, retry period {retry_period:?})"
-)]
+#[error("leader election for lease {lease}: {reason} ({timing})")]
 pub struct InvalidLeaderElection {
     /// The lease, as `namespace/name`.
     pub lease: String,
     /// What is wrong.
     pub reason: &'static str,
-    /// The settings.
-    pub lease_duration: Duration,
-    /// The settings.
-    pub renew_deadline: Duration,
-    /// The settings.
-    pub retry_period: Duration,
+    /// The timings.
+    pub timing: LeaseTiming,
 }
 
 impl LeaderElection {
     /// Leader election with the Lease `namespace/name` through `client` (the host cluster's),
-    /// client-go's timings (lease duration 15 s, renew deadline 10 s, retry period 2 s), an
+    /// client-go's timings ([`LeaseTiming::default`]), an
     /// identity of the host name and a random suffix, [`OnLoss::Exit`], and the lease released
     /// on a graceful shutdown.
     pub fn new(client: Client, namespace: &str, name: &str) -> Self {
@@ -103,9 +95,7 @@ impl LeaderElection {
             namespace: namespace.to_string(),
             name: name.to_string(),
             identity: default_identity(),
-            lease_duration: Duration::from_secs(15),
-            renew_deadline: Duration::from_secs(10),
-            retry_period: Duration::from_secs(2),
+            timing: LeaseTiming::default(),
             on_loss: OnLoss::Exit,
             release_on_shutdown: true,
         }
@@ -118,27 +108,11 @@ impl LeaderElection {
         self
     }
 
-    /// How long the others wait, after the Lease was last renewed (as they saw it), before
-    /// taking it over. Longer than the renew deadline.
+    /// How often the leader renews, how long it leads without a renewal, how long a
+    /// candidate waits before taking over; client-go's defaults unless set.
     #[must_use]
-    pub fn lease_duration(mut self, duration: Duration) -> Self {
-        self.lease_duration = duration;
-        self
-    }
-
-    /// How long the leader keeps leading without a successful renewal. Its controllers are
-    /// stopped (reconciles in flight dropped, not awaited) as soon as it passes; the gap to
-    /// the lease duration is the margin for that.
-    #[must_use]
-    pub fn renew_deadline(mut self, deadline: Duration) -> Self {
-        self.renew_deadline = deadline;
-        self
-    }
-
-    /// How often the leader renews and a candidate tries to acquire (jittered by up to 20 %).
-    #[must_use]
-    pub fn retry_period(mut self, period: Duration) -> Self {
-        self.retry_period = period;
+    pub fn timing(mut self, timing: LeaseTiming) -> Self {
+        self.timing = timing;
         self
     }
 
@@ -166,10 +140,8 @@ impl LeaderElection {
     /// The settings' consistency: the lease duration longer than the renew deadline, which is
     /// longer than the retry period with its jitter.
     pub fn validate(&self) -> Result<(), InvalidLeaderElection> {
-        let reason = if let Some(reason) = retry_problem(self.renew_deadline, self.retry_period) {
+        let reason = if let Some(reason) = self.timing.problem(Duration::ZERO) {
             Some(reason)
-        } else if self.lease_duration <= self.renew_deadline {
-            Some("the lease duration must be longer than the renew deadline")
         } else if self.identity.is_empty() {
             Some("the identity is empty")
         } else {
@@ -180,52 +152,12 @@ impl LeaderElection {
             Some(reason) => Err(InvalidLeaderElection {
                 lease: format!("{}/{}", self.namespace, self.name),
                 reason,
-                lease_duration: self.lease_duration,
-                renew_deadline: self.renew_deadline,
-                retry_period: self.retry_period,
+                timing: self.timing,
             }),
         }
     }
-
-    /// The lease duration as the Lease records it ([`whole_seconds`]).
-    pub(crate) fn lease_seconds(&self) -> i32 {
-        whole_seconds(self.lease_duration)
-    }
-
-    /// The retry period, jittered by up to 20 %.
-    pub(crate) fn jittered_retry(&self) -> Duration {
-        jittered(self.retry_period)
-    }
 }
 
-/// What is wrong with a renew deadline and a retry period, if anything (leader election's
-/// and sharding's rule): a zero period, or a deadline that one jittered period can miss.
-pub(crate) fn retry_problem(
-    renew_deadline: Duration,
-    retry_period: Duration,
-) -> Option<&'static str> {
-    if retry_period.is_zero() {
-        Some("the retry period is zero")
-    } else if renew_deadline <= retry_period.mul_f64(1.2) {
-        Some("the renew deadline must be longer than the retry period (with its 20 % jitter)")
-    } else {
-        None
-    }
-}
-
-/// A lease duration as a Lease records it: whole seconds, rounded up (rounding down would
-/// let the others take over before the holder's renew deadline), at least 1.
-pub(crate) fn whole_seconds(d: Duration) -> i32 {
-    let seconds = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-    i32::try_from(seconds.max(1)).unwrap_or(i32::MAX)
-}
-
-/// `period`, jittered by up to 20 %.
-pub(crate) fn jittered(period: Duration) -> Duration {
-    period.mul_f64(1.0 + 0.2 * crate::cluster::random_unit())
-}
-
-/// The host name, then `_` and eight random hex digits.
 /// The machine's host name: a pod's name in a cluster.
 pub(crate) fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -236,6 +168,7 @@ pub(crate) fn host_name() -> String {
         .unwrap_or_else(|| "replica".to_string())
 }
 
+/// The host name, then `_` and eight random hex digits.
 pub(crate) fn default_identity() -> String {
     let host = host_name();
     let suffix = (crate::cluster::random_unit() * f64::from(u32::MAX)) as u32;
@@ -284,7 +217,7 @@ impl Elector {
     /// Tries once to acquire the Lease, or to renew it if this replica holds it.
     pub(crate) async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
         let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
-        let duration_seconds = self.config.lease_seconds();
+        let duration_seconds = self.config.timing.lease_seconds();
         let existing = match self.api.get_opt(&self.config.name).await? {
             Some(lease) => lease,
             None => {
@@ -407,7 +340,7 @@ impl Elector {
             .lease_duration_seconds
             .and_then(|s| u64::try_from(s).ok())
             .filter(|s| *s > 0)
-            .map_or(self.config.lease_duration, Duration::from_secs);
+            .map_or(self.config.timing.lease_duration, Duration::from_secs);
         self.observed = Some(Observed {
             holder,
             renew_time: spec.renew_time,

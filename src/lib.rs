@@ -49,6 +49,7 @@ mod fleet_api;
 pub mod fuzzing;
 mod hashing;
 mod leader;
+mod lease_timing;
 mod manager;
 mod metrics;
 mod per_cluster;
@@ -88,6 +89,7 @@ pub use fleet_api::{
     DEFAULT_FLEET_CONCURRENCY, DEFAULT_FLEET_TIMEOUT, FleetApi, FleetApiError, Members, PerCluster,
 };
 pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
+pub use lease_timing::LeaseTiming;
 pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};

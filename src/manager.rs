@@ -1187,7 +1187,7 @@ async fn campaign(
     let _ended = EndsTenure(&tenure);
     let lease = format!("{}/{}", elector.config().namespace, elector.config().name);
     let identity = elector.config().identity.clone();
-    let renew_deadline = elector.config().renew_deadline;
+    let renew_deadline = elector.config().timing.renew_deadline;
     loop {
         // A candidate: try every retry period until the lease is ours.
         let mut holder_seen: Option<String> = None;
@@ -1219,7 +1219,7 @@ async fn campaign(
             }
             tokio::select! {
                 () = stop.cancelled() => return elector,
-                () = tokio::time::sleep(elector.config().jittered_retry()) => {}
+                () = tokio::time::sleep(elector.config().timing.jittered_retry()) => {}
             }
         }
         tracing::info!(lease = %lease, %identity, transitions = elector.transitions(), "lease acquired");
@@ -1232,7 +1232,7 @@ async fn campaign(
         let mut last_error = None;
         let reason = loop {
             let deadline = renewed + renew_deadline;
-            let wake = (Instant::now() + elector.config().jittered_retry()).min(deadline);
+            let wake = (Instant::now() + elector.config().timing.jittered_retry()).min(deadline);
             tokio::select! {
                 () = stop.cancelled() => return elector,
                 () = tokio::time::sleep_until(wake.into()) => {}

@@ -13,8 +13,8 @@ use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use multicluster_runtime::providers::Clusters;
 use multicluster_runtime::{
-    Action, Builder, Cluster, ClusterName, Context, Failure, LeaderElection, Manager, ManagerError,
-    Metrics, OnLoss,
+    Action, Builder, Cluster, ClusterName, Context, Failure, LeaderElection, LeaseTiming, Manager,
+    ManagerError, Metrics, OnLoss,
 };
 use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
@@ -162,6 +162,12 @@ async fn control_plane() -> (TestEnv, Arc<TestCluster>, kube::Client) {
 fn election(client: kube::Client, identity: &str) -> LeaderElection {
     LeaderElection::new(client, "default", "operations-leader")
         .identity(identity)
+        .timing(timing())
+}
+
+/// The tests' lease timings: quick hand-overs.
+fn timing() -> LeaseTiming {
+    LeaseTiming::default()
         .lease_duration(Duration::from_secs(4))
         .renew_deadline(Duration::from_secs(2))
         .retry_period(Duration::from_millis(500))
@@ -475,8 +481,11 @@ async fn a_graceful_shutdown_gives_the_lease_up_and_a_candidate_campaigns_again(
     // A lease of a minute: b can win it within 30 s only if a gives it up.
     let long = |identity| {
         election(host.clone(), identity)
-            .lease_duration(Duration::from_secs(60))
-            .renew_deadline(Duration::from_secs(40))
+            .timing(
+                timing()
+                    .lease_duration(Duration::from_secs(60))
+                    .renew_deadline(Duration::from_secs(40)),
+            )
             .on_loss(OnLoss::Candidate)
     };
     let a = replica("a", &tc, long("a"), &audit);
@@ -512,7 +521,7 @@ async fn settings_that_cannot_work_are_refused_before_anything_runs() {
     let tc = env.cluster(0).unwrap();
     let host = tc.client().unwrap();
     let audit = Arc::new(Audit::default());
-    let bad = election(host, "a").renew_deadline(Duration::from_secs(5));
+    let bad = election(host, "a").timing(timing().renew_deadline(Duration::from_secs(5)));
     let a = replica("a", &tc, bad, &audit);
     let result = a.run().await;
     assert!(
@@ -530,9 +539,11 @@ async fn sigterm_drains_reconciles_and_gives_the_lease_up_and_a_second_signal_st
     let (_env, tc, host) = control_plane().await;
     let audit = Arc::new(Audit::default());
     let long = |identity| {
-        election(host.clone(), identity)
-            .lease_duration(Duration::from_secs(60))
-            .renew_deadline(Duration::from_secs(40))
+        election(host.clone(), identity).timing(
+            timing()
+                .lease_duration(Duration::from_secs(60))
+                .renew_deadline(Duration::from_secs(40)),
+        )
     };
     let hold_a = Arc::new(AtomicBool::new(false));
     let a = replica_holding_on("a", &tc, long("a"), &audit, hold_a.clone());

@@ -16,8 +16,8 @@ use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::Clusters;
 use multicluster_runtime::{
-    Action, Builder, Cluster, ClusterName, Context, LeaderElection, Manager, Metrics, OnLoss,
-    Sharding,
+    Action, Builder, Cluster, ClusterName, Context, LeaderElection, LeaseTiming, Manager, Metrics,
+    OnLoss, Sharding,
 };
 use multicluster_runtime_testenv::TestEnv;
 
@@ -27,6 +27,14 @@ const HOST: usize = 3;
 const LEASE: Duration = Duration::from_secs(6);
 const RENEW_DEADLINE: Duration = Duration::from_secs(4);
 const RETRY: Duration = Duration::from_secs(1);
+
+/// The tests' timings, shared by sharding and leader election.
+fn timing() -> LeaseTiming {
+    LeaseTiming::default()
+        .lease_duration(LEASE)
+        .renew_deadline(RENEW_DEADLINE)
+        .retry_period(RETRY)
+}
 /// What the issue allows between a change and its reconcile across hand-offs.
 const ALLOWED_LAG: Duration = Duration::from_secs(6 + 5);
 
@@ -233,16 +241,12 @@ impl Replica {
                 .sharding(
                     Sharding::new(host.clone(), "shard", "test")
                         .identity(id)
-                        .lease_duration(LEASE)
-                        .renew_deadline(RENEW_DEADLINE)
-                        .retry_period(RETRY),
+                        .timing(timing()),
                 )
                 .leader_election(
                     LeaderElection::new(host, "shard", "test-leader")
                         .identity(id)
-                        .lease_duration(LEASE)
-                        .renew_deadline(RENEW_DEADLINE)
-                        .retry_period(RETRY)
+                        .timing(timing())
                         .on_loss(OnLoss::Candidate),
                 ),
         );
@@ -1309,9 +1313,7 @@ async fn a_fence_left_naming_a_live_replica_is_released_to_the_cluster_s_owner()
             Manager::new(provider).sharding(
                 Sharding::new(tc.client().unwrap(), "shard", "test")
                     .identity(id)
-                    .lease_duration(LEASE)
-                    .renew_deadline(RENEW_DEADLINE)
-                    .retry_period(RETRY),
+                    .timing(timing()),
             ),
         );
         (manager.clone(), common::spawn_manager(&manager))
@@ -1353,9 +1355,7 @@ fn small_replica(
         Manager::new(provider).sharding(
             Sharding::new(host, "blind", "blind")
                 .identity(id)
-                .lease_duration(LEASE)
-                .renew_deadline(RENEW_DEADLINE)
-                .retry_period(RETRY),
+                .timing(timing()),
         ),
     );
     let run = common::spawn_manager(&manager);
@@ -1578,9 +1578,7 @@ fn starving_replica(
                     "starve",
                 )
                 .identity(id)
-                .lease_duration(LEASE)
-                .renew_deadline(RENEW_DEADLINE)
-                .retry_period(RETRY),
+                .timing(timing()),
             ),
     );
     Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("starve"))
@@ -1815,9 +1813,7 @@ async fn a_dying_coordinator_drops_the_reconciles_in_flight_at_once() {
             .sharding(
                 Sharding::new(admin.clone(), "dies", "dies")
                     .identity("a")
-                    .lease_duration(LEASE)
-                    .renew_deadline(RENEW_DEADLINE)
-                    .retry_period(RETRY),
+                    .timing(timing()),
             ),
     );
     let began = Arc::new(tokio::sync::Notify::new());
@@ -1891,9 +1887,7 @@ async fn a_replica_that_is_shutting_down_takes_no_cluster() {
                 .sharding(
                     Sharding::new(admin.clone(), "drain", "drain")
                         .identity(id)
-                        .lease_duration(LEASE)
-                        .renew_deadline(RENEW_DEADLINE)
-                        .retry_period(RETRY),
+                        .timing(timing()),
                 ),
         );
         let state = Arc::new((id, hold.clone(), holding.clone()));

@@ -175,12 +175,12 @@ impl<C: ClusterId> Coordinator<C> {
             // that spent its retry period taking fences is followed at once by the next, which
             // renews and takes on (a replica taking over thousands of clusters takes them
             // without a retry period's pause between batches).
-            let wake = tokio::time::sleep_until(began + self.config.jittered_retry());
+            let wake = tokio::time::sleep_until(began + self.config.timing.jittered_retry());
             tokio::pin!(wake);
             // A change of the discovered clusters starts the next round early, but no sooner
             // than a quarter retry period after this one began: a provider engaging clusters
             // one by one does not set off a round (a write and a list on the host) for each.
-            let early = tokio::time::sleep_until(began + self.config.retry_period / 4);
+            let early = tokio::time::sleep_until(began + self.config.timing.retry_period / 4);
             tokio::pin!(early);
             let mut changed = false;
             // Between rounds: hand-offs finishing and fences reaching their deadline.
@@ -203,7 +203,8 @@ impl<C: ClusterId> Coordinator<C> {
     /// When fences held by this replica pass their renew deadline: the last renewal of its
     /// peer Lease and the renew deadline; `None` if it was never renewed.
     fn renew_deadline(&self) -> Option<Instant> {
-        self.announced.map(|at| at + self.config.renew_deadline)
+        self.announced
+            .map(|at| at + self.config.timing.renew_deadline)
     }
 
     /// Whether `at` is before the renew deadline.
@@ -286,7 +287,7 @@ impl<C: ClusterId> Coordinator<C> {
 
     /// One round: renew, list, then give up and take fences as the assignment says.
     async fn round(&mut self) {
-        let bound = self.config.retry_period;
+        let bound = self.config.timing.retry_period;
         let began = Instant::now();
         // Unable to see the group for two rounds in a row (its watch did not show two renewals,
         // or fails), this replica stops renewing its peer Lease: it drops its fences at its
@@ -324,7 +325,7 @@ impl<C: ClusterId> Coordinator<C> {
         let fresh = match renewed {
             Some((Ok(Ok(_)), caught_up)) => {
                 self.announced = Some(began);
-                self.tenure.until(began + self.config.renew_deadline);
+                self.tenure.until(began + self.config.timing.renew_deadline);
                 if !caught_up {
                     tracing::warn!(group = %self.config.group, error = self.host.error().unwrap_or_default(), "sharding: the watch of the group's leases did not show this replica's renewal in time; no view of the group this round");
                 }
@@ -416,7 +417,9 @@ impl<C: ClusterId> Coordinator<C> {
                 let free = match fence::holder(seen) {
                     None => true,
                     Some(holder) if holder == me => true,
-                    Some(holder) => self.peers.gone(holder, now, self.config.lease_duration),
+                    Some(holder) => self
+                        .peers
+                        .gone(holder, now, self.config.timing.lease_duration),
                 };
                 free.then(|| (id.clone(), name, Some(seen.clone())))
             })
@@ -510,7 +513,7 @@ impl<C: ClusterId> Coordinator<C> {
             return;
         }
         let host = self.host.clone();
-        let bound = self.config.retry_period;
+        let bound = self.config.timing.retry_period;
         let releases = within(bound, strays, move |(id, lease)| {
             let host = host.clone();
             async move { (id, tokio::time::timeout(bound, host.release(lease)).await) }
@@ -574,7 +577,7 @@ impl<C: ClusterId> Coordinator<C> {
         held.sessions = sessions.clone();
         tracing::info!(cluster = %id, group = %self.config.group, "sharding: the cluster is no longer this replica's; stopping its work there");
         let timeout = self.config.handoff_timeout;
-        let after_abort = self.config.renew_deadline;
+        let after_abort = self.config.timing.renew_deadline;
         self.handoffs.push(
             async move {
                 let ended = drained(&sessions, timeout, after_abort, &id).await;
@@ -614,7 +617,7 @@ impl<C: ClusterId> Coordinator<C> {
         let lease = held.lease.clone();
         let released = self
             .guarded(tokio::time::timeout(
-                self.config.retry_period,
+                self.config.timing.retry_period,
                 self.host.release(lease),
             ))
             .await;
@@ -669,7 +672,7 @@ impl<C: ClusterId> Coordinator<C> {
             let sessions = self.fleet.disown(&id);
             let host = self.host.clone();
             let timeout = self.config.handoff_timeout;
-            let after_abort = self.config.renew_deadline;
+            let after_abort = self.config.timing.renew_deadline;
             let deadline = self.renew_deadline().unwrap_or_else(Instant::now);
             releases.push(async move {
                 if drained(&sessions, timeout, after_abort, &id).await && Instant::now() < deadline
@@ -695,7 +698,7 @@ fn claim(config: &Sharding) -> super::fence::Claim {
     super::fence::Claim {
         group: config.group.clone(),
         identity: config.identity.clone(),
-        lease_seconds: config.lease_seconds(),
+        lease_seconds: config.timing.lease_seconds(),
     }
 }
 
@@ -705,7 +708,7 @@ fn announcement(config: &Sharding) -> Announcement {
         group: config.group.clone(),
         id: config.identity.clone(),
         weight: config.weight,
-        lease_seconds: config.lease_seconds(),
+        lease_seconds: config.timing.lease_seconds(),
     }
 }
 
@@ -772,7 +775,7 @@ mod tests {
     use super::super::peers::Announcement;
     use super::*;
     use crate::fleet::FleetEvent;
-    use crate::{Cluster, ClusterName};
+    use crate::{Cluster, ClusterName, LeaseTiming};
 
     const LEASE: Duration = Duration::from_secs(6);
     const RENEW_DEADLINE: Duration = Duration::from_secs(4);
@@ -800,11 +803,12 @@ mod tests {
                 kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap()))
                     .unwrap();
             let config = settings(
-                Sharding::new(client, "ns", "g")
-                    .identity(me)
-                    .lease_duration(LEASE)
-                    .renew_deadline(RENEW_DEADLINE)
-                    .retry_period(RETRY),
+                Sharding::new(client, "ns", "g").identity(me).timing(
+                    LeaseTiming::default()
+                        .lease_duration(LEASE)
+                        .renew_deadline(RENEW_DEADLINE)
+                        .retry_period(RETRY),
+                ),
             );
             let fleet = Fleet::<ClusterName>::new();
             fleet.open(crate::cluster::WatchSettings::default(), true);
@@ -948,8 +952,12 @@ mod tests {
     async fn a_take_that_lands_past_the_renew_deadline_is_not_owned_and_is_taken_back() {
         // A renew deadline a round can overrun: a slow renewal and a slow take.
         let (replica, mut coordinator) = Replica::with("a", &["x"], |s| {
-            s.renew_deadline(Duration::from_millis(1300))
-                .lease_duration(Duration::from_millis(2500))
+            let timing = s.timing;
+            s.timing(
+                timing
+                    .renew_deadline(Duration::from_millis(1300))
+                    .lease_duration(Duration::from_millis(2500)),
+            )
         });
         rounds(&mut coordinator, 1).await;
         *lock(&replica.host.renew_delay) = Duration::from_millis(900);

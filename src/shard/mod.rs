@@ -27,6 +27,8 @@ use std::time::Duration;
 
 use kube::Client;
 
+use crate::LeaseTiming;
+
 pub(crate) use coordinator::Coordinator;
 pub use coordinator::ShardStatus;
 
@@ -66,9 +68,7 @@ pub struct Sharding {
     pub(crate) group: String,
     pub(crate) identity: String,
     pub(crate) weight: f64,
-    pub(crate) lease_duration: Duration,
-    pub(crate) renew_deadline: Duration,
-    pub(crate) retry_period: Duration,
+    pub(crate) timing: LeaseTiming,
     pub(crate) handoff_timeout: Duration,
 }
 
@@ -79,9 +79,7 @@ impl std::fmt::Debug for Sharding {
             .field("group", &self.group)
             .field("identity", &self.identity)
             .field("weight", &self.weight)
-            .field("lease_duration", &self.lease_duration)
-            .field("renew_deadline", &self.renew_deadline)
-            .field("retry_period", &self.retry_period)
+            .field("timing", &self.timing)
             .field("handoff_timeout", &self.handoff_timeout)
             .finish()
     }
@@ -89,29 +87,23 @@ impl std::fmt::Debug for Sharding {
 
 /// Sharding settings that cannot work.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error(
-    "sharding group {group}: {reason} (lease duration {lease_duration:?}, renew deadline {renew_deadline:?}, retry period {retry_period:?}, weight {weight})"
-)]
+#[error("sharding group {group}: {reason} ({timing}, weight {weight})")]
 pub struct InvalidSharding {
     /// The group.
     pub group: String,
     /// What is wrong.
     pub reason: &'static str,
-    /// The settings.
-    pub lease_duration: Duration,
-    /// The settings.
-    pub renew_deadline: Duration,
-    /// The settings.
-    pub retry_period: Duration,
-    /// The settings.
+    /// The timings.
+    pub timing: LeaseTiming,
+    /// The weight.
     pub weight: f64,
 }
 
 impl Sharding {
     /// Sharding among the replicas of `group`, with their Leases in `namespace` of the host
-    /// cluster `client` reaches; weight 1, leader election's timings (lease duration 15 s,
-    /// renew deadline 10 s, retry period 2 s), a hand-off timeout of 30 s and an identity of
-    /// the host name and a random suffix.
+    /// cluster `client` reaches; weight 1, leader election's timings
+    /// ([`LeaseTiming::default`]), a hand-off timeout of 30 s and an identity of the host
+    /// name and a random suffix.
     pub fn new(client: Client, namespace: &str, group: &str) -> Self {
         Self {
             client,
@@ -119,9 +111,7 @@ impl Sharding {
             group: group.to_string(),
             identity: crate::leader::default_identity(),
             weight: 1.0,
-            lease_duration: Duration::from_secs(15),
-            renew_deadline: Duration::from_secs(10),
-            retry_period: Duration::from_secs(2),
+            timing: LeaseTiming::default(),
             handoff_timeout: Duration::from_secs(30),
         }
     }
@@ -143,27 +133,15 @@ impl Sharding {
         self
     }
 
-    /// How long the others wait, after a replica's peer Lease was last renewed (as they saw
-    /// it), before they count it gone and take its fences over. Longer than the renew
-    /// deadline.
+    /// How often a replica renews its peer Lease and reads the group's, how long it keeps
+    /// its clusters without a renewal (its work in every cluster is dropped once the renew
+    /// deadline passes), and how long the others wait before counting it gone and taking its
+    /// fences over. The lease duration must exceed the renew deadline and the retry period
+    /// together: fences are not renewed, and the others judge a holder from a view up to a
+    /// retry period old.
     #[must_use]
-    pub fn lease_duration(mut self, duration: Duration) -> Self {
-        self.lease_duration = duration;
-        self
-    }
-
-    /// How long a replica goes on reconciling after its peer Lease was last renewed: its
-    /// work in every cluster is dropped as soon as this passes without a renewal.
-    #[must_use]
-    pub fn renew_deadline(mut self, deadline: Duration) -> Self {
-        self.renew_deadline = deadline;
-        self
-    }
-
-    /// How often Leases are renewed and listed (jittered by up to 20 %).
-    #[must_use]
-    pub fn retry_period(mut self, period: Duration) -> Self {
-        self.retry_period = period;
+    pub fn timing(mut self, timing: LeaseTiming) -> Self {
+        self.timing = timing;
         self
     }
 
@@ -185,17 +163,11 @@ impl Sharding {
     /// retry period together, the renew deadline longer than the retry period with its
     /// jitter, a finite weight that is not negative.
     pub fn validate(&self) -> Result<(), InvalidSharding> {
-        let reason = if let Some(reason) =
-            crate::leader::retry_problem(self.renew_deadline, self.retry_period)
-        {
+        // Fences are not renewed: another replica judges a holder gone from a view up to a
+        // retry period old, so the holder must have stopped a retry period before the lease
+        // duration is up.
+        let reason = if let Some(reason) = self.timing.problem(self.timing.retry_period) {
             Some(reason)
-        } else if self.lease_duration <= self.renew_deadline + self.retry_period {
-            // Fences are not renewed: another replica judges a holder gone from listings up
-            // to a retry period old, so the holder must have stopped a retry period before
-            // the lease duration is up.
-            Some(
-                "the lease duration must be longer than the renew deadline and the retry period together",
-            )
         } else if self.identity.is_empty() {
             Some("the identity is empty")
         } else if self.group.is_empty() {
@@ -219,21 +191,9 @@ impl Sharding {
         InvalidSharding {
             group: self.group.clone(),
             reason: "",
-            lease_duration: self.lease_duration,
-            renew_deadline: self.renew_deadline,
-            retry_period: self.retry_period,
+            timing: self.timing,
             weight: self.weight,
         }
-    }
-
-    /// The lease duration in whole seconds, rounded up.
-    pub(crate) fn lease_seconds(&self) -> i32 {
-        crate::leader::whole_seconds(self.lease_duration)
-    }
-
-    /// The retry period, jittered by up to 20 %.
-    pub(crate) fn jittered_retry(&self) -> Duration {
-        crate::leader::jittered(self.retry_period)
     }
 }
 
@@ -284,13 +244,20 @@ mod tests {
         assert_eq!(sharding.validate(), Ok(()), "the defaults");
         let secs = Duration::from_secs;
         // 11 s is longer than the 10 s renew deadline, not than it and the 2 s retry period.
+        let timing = LeaseTiming::default();
         let error = sharding
             .clone()
-            .lease_duration(secs(11))
+            .timing(timing.lease_duration(secs(11)))
             .validate()
             .unwrap_err();
         assert!(error.reason.contains("retry period together"), "{error}");
-        assert!(sharding.clone().lease_duration(secs(13)).validate().is_ok());
+        assert!(
+            sharding
+                .clone()
+                .timing(timing.lease_duration(secs(13)))
+                .validate()
+                .is_ok()
+        );
         assert!(sharding.clone().weight(-1.0).validate().is_err());
         assert!(sharding.clone().weight(f64::NAN).validate().is_err());
         assert!(sharding.clone().weight(0.0).validate().is_ok());
