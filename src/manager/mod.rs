@@ -1,0 +1,753 @@
+//! [`Manager`]: runs a provider and the controllers that follow its fleet.
+
+mod campaign;
+mod run;
+mod signals;
+mod term;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::Fault;
+use crate::leader::{InvalidLeaderElection, LeaderElection};
+use crate::metrics::Metrics;
+use crate::serve::Endpoints;
+use crate::sync::lock;
+use crate::tenure::Tenure;
+use crate::{Cluster, Fleet, Provider, ProviderError, WatchBackoff};
+
+type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// What a running manager is told.
+enum Job {
+    /// A task from [`Manager::add`].
+    Task(Task),
+    /// A controller was added to the list: start it if controllers are running.
+    Controller,
+}
+
+/// What a run hands each controller it starts.
+pub(crate) type ControllerFactory<C> = Arc<dyn Fn(crate::controller::Env<C>) -> Task + Send + Sync>;
+
+/// Runs a [`Provider`], holds the engaged clusters (its [`Fleet`]) and the optional local
+/// (host) cluster, and runs controllers until shutdown.
+///
+/// Controllers are built with [`Builder`](crate::Builder); they can be added before
+/// [`Manager::run`] or while it runs, and each one reconciles every cluster engaged before or
+/// after it started.
+///
+/// A manager can run again after a run returned (leader election stops it when the lease is
+/// lost and starts it when it is won again): each run starts the provider and every
+/// controller afresh, with the same provider, and when a run returns nothing it started runs
+/// on. A second `Manager` on the same provider works too.
+pub struct Manager<P: Provider> {
+    provider: Arc<P>,
+    fleet: Fleet<P::Id>,
+    local: Option<Cluster<P::Id>>,
+    /// The token of the current (or next) run.
+    shutdown: Mutex<CancellationToken>,
+    graceful_timeout: Duration,
+    backoff: WatchBackoff,
+    /// Controllers from [`Builder::start`](crate::Builder::start), started in every run, and
+    /// whether each is leader-only.
+    controllers: Mutex<Vec<(ControllerFactory<P::Id>, bool)>>,
+    /// While running, where new controllers and tasks are announced; otherwise `None`.
+    running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
+    /// Controllers run only while this replica holds the lease, if set.
+    leader_election: Option<LeaderElection>,
+    /// Replicas split the fleet, if set.
+    sharding: Option<crate::Sharding>,
+    /// What the sharding coordinator of the current run last saw.
+    shard_status: Arc<Mutex<Option<crate::ShardStatus>>>,
+    metrics: Option<Metrics>,
+    rate_limit: Option<crate::RateLimit>,
+    /// Shared with every run's watches and controllers.
+    transforms: Arc<crate::cluster::Transforms>,
+    /// The namespaces each kind is watched in.
+    namespaces: Arc<crate::cluster::namespaces::NamespaceScopes>,
+    /// Watches list in pages, never by streaming lists.
+    paged_lists: bool,
+    endpoints: Option<Endpoints>,
+    /// Where the endpoints are served in the current run.
+    served_at: Mutex<Option<std::net::SocketAddr>>,
+    /// While controllers may run (leading, or running without leader election), the token
+    /// that ends their term.
+    leading: tokio::sync::watch::Sender<Option<CancellationToken>>,
+    /// Tasks from [`Manager::add`] waiting for the next run.
+    pending: Mutex<Vec<Task>>,
+}
+
+/// Why [`Manager::run`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ManagerError {
+    /// The provider returned an error.
+    #[error("provider failed: {0}")]
+    Provider(#[source] ProviderError),
+    /// A controller panicked; the manager shut down.
+    #[error("a controller panicked: {0}")]
+    ControllerPanicked(String),
+    /// A cluster's watch stopped for good (user code, such as a field index extractor,
+    /// panicked in it); the manager shut down rather than run on with a frozen cache.
+    #[error("{0}")]
+    WatchFailed(Fault),
+    /// `run` was called while a run was going on.
+    #[error("the manager is already running")]
+    AlreadyRunning,
+    /// The leader election settings cannot work.
+    #[error("{0}")]
+    InvalidLeaderElection(#[source] InvalidLeaderElection),
+    /// The sharding settings cannot work.
+    #[error("{0}")]
+    InvalidSharding(#[source] crate::shard::InvalidSharding),
+    /// The sharding coordinator stopped (it panicked): the run ended rather than go on
+    /// without anything keeping this replica's share.
+    #[error("the sharding coordinator stopped: {0}")]
+    ShardingFailed(String),
+    /// The endpoints' settings cannot work ([`Manager::serve`]): a certificate file that
+    /// cannot be used, or secure endpoints without a cluster to check tokens with.
+    #[error("the endpoints cannot be served: {0}")]
+    Endpoints(String),
+    /// The endpoints could not listen on their address ([`Manager::serve`]).
+    #[error("cannot serve the endpoints on {addr}: {error}")]
+    Serve {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        error: std::io::Error,
+    },
+    /// A second signal stopped the run at once ([`Manager::run_until_signal`]): reconciles
+    /// in flight were dropped, not awaited, and a lease held was not given up (it expires
+    /// on its own).
+    #[error("stopped at once by a second signal ({signal}), without waiting for reconciles")]
+    ForcedStop {
+        /// The second signal (`SIGTERM`, `SIGINT`).
+        signal: &'static str,
+    },
+    /// The process's signals could not be listened to ([`Manager::run_until_signal`]).
+    #[error("cannot listen for signals: {0}")]
+    Signals(#[source] std::io::Error),
+    /// This replica lost its lease (with [`OnLoss::Exit`](crate::OnLoss::Exit)); its controllers were stopped
+    /// without waiting for reconciles in flight.
+    #[error("leadership of lease {lease} lost: {reason}")]
+    LeadershipLost {
+        /// The lease, as `namespace/name`.
+        lease: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl<P: Provider> std::fmt::Debug for Manager<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager")
+            .field("fleet", &self.fleet)
+            .field("local", &self.local)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The default bound on how long shutdown waits for reconciles in flight.
+pub const DEFAULT_GRACEFUL_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl<P: Provider> Manager<P> {
+    /// A manager for `provider`, with no local cluster, a graceful-shutdown bound of
+    /// [`DEFAULT_GRACEFUL_TIMEOUT`] and the default [`WatchBackoff`].
+    pub fn new(provider: P) -> Self {
+        Self {
+            provider: Arc::new(provider),
+            fleet: Fleet::new(),
+            local: None,
+            shutdown: Mutex::new(CancellationToken::new()),
+            graceful_timeout: DEFAULT_GRACEFUL_TIMEOUT,
+            backoff: WatchBackoff::default(),
+            controllers: Mutex::new(Vec::new()),
+            running: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
+            leader_election: None,
+            sharding: None,
+            shard_status: Arc::default(),
+            metrics: None,
+            rate_limit: None,
+            transforms: Arc::default(),
+            namespaces: Arc::default(),
+            paged_lists: false,
+            endpoints: None,
+            served_at: Mutex::new(None),
+            leading: tokio::sync::watch::Sender::new(None),
+        }
+    }
+
+    /// Runs controllers only while this replica holds the Lease `election` names (on the
+    /// host cluster); the provider and tasks from [`Manager::add`] run on every replica. See
+    /// [`LeaderElection`] for the protocol and [`Manager::elected`] for work of your own that
+    /// must run on the leader only.
+    #[must_use]
+    pub fn leader_election(mut self, election: LeaderElection) -> Self {
+        self.leader_election = Some(election);
+        self
+    }
+
+    /// Splits the fleet between the replicas of `sharding`'s group: each replica builds
+    /// watches and caches, and reconciles, only for the clusters it owns (it holds their fence
+    /// Lease), while its provider still discovers them all. Controllers and per-cluster tasks
+    /// run on every replica, each on its share; controllers built with
+    /// [`Builder::leader_only`](crate::Builder::leader_only) run on the replica holding the
+    /// [`Manager::leader_election`] Lease. Reach clusters another replica owns through
+    /// [`Fleet::discovered`]. See [`Sharding`](crate::Sharding) for the protocol; needs a
+    /// fleet provider (not `SingleProvider`).
+    #[must_use]
+    pub fn sharding(mut self, sharding: crate::Sharding) -> Self {
+        self.sharding = Some(sharding);
+        self
+    }
+
+    /// What this replica's sharding saw and held at its last round, while a sharded run goes
+    /// on; `None` otherwise.
+    pub fn shard_status(&self) -> Option<crate::ShardStatus> {
+        lock(&self.shard_status).clone()
+    }
+
+    /// Keeps Prometheus metrics of the controllers, the fleet and the leader election in
+    /// `metrics`; see [`Metrics`] for the series.
+    #[must_use]
+    pub fn metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Limits the API requests of each cluster's client the manager engages (the local
+    /// cluster's too) to `limit`, unless the cluster has a limit of its own
+    /// ([`Cluster::with_rate_limit`](crate::Cluster::with_rate_limit)); every provider's
+    /// clusters take it. Default: no limit, as kube-rs.
+    #[must_use]
+    pub fn client_rate_limit(mut self, limit: crate::RateLimit) -> Self {
+        self.rate_limit = Some(limit);
+        self
+    }
+
+    /// Transforms each `K` object before the caches of the manager's clusters keep it (after
+    /// the default, see [`Manager::keep_managed_fields`]); a later call for the same kind
+    /// replaces the transform. The object is transformed once per watch, and reconcilers, field
+    /// indexes and predicates see it transformed: drop what they do not read (large
+    /// `data`, status details). Set it before the first cluster is engaged: watches started
+    /// earlier keep what they had.
+    #[must_use]
+    pub fn transform<K: crate::Watchable>(
+        mut self,
+        transform: impl Fn(&mut K) + Send + Sync + 'static,
+    ) -> Self
+    where
+        // Transforms are kept by Rust type: one for every kind a `DynamicObject` stands for
+        // would run on all of them.
+        K::DynamicType: Default,
+    {
+        Arc::make_mut(&mut self.transforms).set(transform);
+        self
+    }
+
+    /// Caches keep objects whole. By default they drop `metadata.managedFields` and the
+    /// `kubectl.kubernetes.io/last-applied-configuration` annotation, which reconcilers
+    /// rarely read and which are most of a small object's memory; see
+    /// [`strip_managed_fields`](crate::strip_managed_fields). Objects a reconciler fetches
+    /// through its client are never transformed.
+    #[must_use]
+    pub fn keep_managed_fields(mut self) -> Self {
+        Arc::make_mut(&mut self.transforms).keep_managed_fields = true;
+        self
+    }
+
+    /// Watches and caches of namespaced kinds, in every cluster, look only at `namespaces`
+    /// (an empty list: at all of them, the default): a controller whose RBAC grants it some
+    /// namespaces only can run. Controllers, relations and [`Cluster::cache`] reads all use
+    /// the same restricted watches; a reconcile never sees an object from elsewhere. With
+    /// several namespaces each has its own watch (and its own failures: a forbidden
+    /// namespace keeps the cache from syncing, as a forbidden kind does), merged into one
+    /// cache that lists once every namespace has listed. Cluster-scoped kinds are watched
+    /// whole; [`Manager::namespaces_for`] sets a kind apart. controller-runtime's
+    /// `cache.Options.DefaultNamespaces`, for every cluster of the fleet.
+    ///
+    /// Set it before the first cluster is engaged: watches started earlier keep their scope.
+    /// The namespace provider's clusters are namespaces already: this narrows the host
+    /// watches they share.
+    ///
+    /// [`Cluster::cache`]: crate::Cluster::cache
+    #[must_use]
+    pub fn namespaces(mut self, namespaces: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        let set = crate::cluster::namespaces::NamespaceScopes::set(namespaces);
+        Arc::make_mut(&mut self.namespaces).set_default(set);
+        self
+    }
+
+    /// Watches and caches of `K` look only at `namespaces` (an empty list: at all of them),
+    /// whatever [`Manager::namespaces`] says for other kinds (controller-runtime's
+    /// `cache.Options.ByObject`). A later call for the same kind replaces the earlier.
+    #[must_use]
+    pub fn namespaces_for<K: crate::Watchable>(
+        self,
+        namespaces: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self
+    where
+        K::DynamicType: Default,
+    {
+        self.namespaces_for_resource::<K>(&K::DynamicType::default(), namespaces)
+    }
+
+    /// [`Manager::namespaces_for`] for a kind known at run time (a `DynamicObject` with the
+    /// [`ApiResource`](kube::api::ApiResource) `dt`). A kind known only at run time is
+    /// restricted only this way, since its scope is not known before a server is asked.
+    #[must_use]
+    pub fn namespaces_for_resource<K: crate::Watchable>(
+        mut self,
+        dt: &K::DynamicType,
+        namespaces: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        let set = crate::cluster::namespaces::NamespaceScopes::set(namespaces);
+        Arc::make_mut(&mut self.namespaces).set_for(&K::group(dt), &K::kind(dt), set);
+        self
+    }
+
+    /// Watches make their first listing (and every relist) in pages of list requests. By
+    /// default they ask for a streaming list (a watch whose first events are the current
+    /// objects: one object decoded at a time instead of a page of 500 held twice) and fall
+    /// back to pages, per watch, where the API server does not serve streaming lists
+    /// (kube-apiserver before 1.27, or with the `WatchList` feature gate off, as in 1.33).
+    /// A watcher configuration that asks for streaming lists itself
+    /// ([`watcher::Config::streaming_lists`](kube_runtime::watcher::Config::streaming_lists))
+    /// gets them regardless, without the fallback.
+    #[must_use]
+    pub fn paged_lists(mut self) -> Self {
+        self.paged_lists = true;
+        self
+    }
+
+    /// Serves `/metrics`, `/healthz` and `/readyz` while the manager runs (on every replica,
+    /// leading or not); see [`Endpoints`].
+    #[must_use]
+    pub fn serve(mut self, endpoints: Endpoints) -> Self {
+        self.endpoints = Some(endpoints);
+        self
+    }
+
+    /// The address the endpoints listen on in the current run (the port chosen, if the
+    /// address had port 0); `None` when not running or not serving.
+    pub fn served_at(&self) -> Option<std::net::SocketAddr> {
+        *lock(&self.served_at)
+    }
+
+    /// Completes once controllers may run: this replica leads (with leader election), or a
+    /// run has started (without); like controller-runtime's `Elected()`. The token it returns
+    /// is cancelled when that ends (the lease lost, or the run shutting down): leader-only
+    /// work of your own stops on it.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{Manager, providers::Clusters, ClusterName};
+    /// # async fn f(manager: std::sync::Arc<Manager<Clusters<ClusterName>>>) {
+    /// let m = manager.clone();
+    /// manager.add(async move {
+    ///     let shutdown = m.shutdown_token();
+    ///     while !shutdown.is_cancelled() {
+    ///         let term = m.elected().await;
+    ///         // Leader-only work here, until the term ends.
+    ///         term.cancelled().await;
+    ///     }
+    /// });
+    /// # }
+    /// ```
+    pub async fn elected(&self) -> CancellationToken {
+        let mut leading = self.leading.subscribe();
+        let term = leading
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|term| term.clone());
+        match term {
+            Some(term) => term,
+            // The sender lives as long as the manager.
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Whether controllers run now: this replica leads, or (without leader election) a run
+    /// is going on.
+    pub fn is_leader(&self) -> bool {
+        self.leading.borrow().is_some()
+    }
+
+    /// Sets the local (host) cluster, the one the controller runs in or is configured for.
+    /// Controllers engage it when built with [`Builder::engage_local`](crate::Builder::engage_local);
+    /// it is engaged while the manager runs.
+    #[must_use]
+    pub fn with_local(mut self, cluster: Cluster<P::Id>) -> Self {
+        self.local = Some(cluster);
+        self
+    }
+
+    /// How long shutdown waits for reconciles in flight (and the provider's own cleanup)
+    /// before dropping them; in both modes.
+    #[must_use]
+    pub fn graceful_timeout(mut self, timeout: Duration) -> Self {
+        self.graceful_timeout = timeout;
+        self
+    }
+
+    /// How the watches of every cluster (and of single-cluster controllers) retry after a
+    /// failure; see [`WatchBackoff`] for the default.
+    #[must_use]
+    pub fn watch_backoff(mut self, backoff: WatchBackoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The provider.
+    pub fn provider(&self) -> &P {
+        &self.provider
+    }
+
+    /// The engaged clusters.
+    pub fn fleet(&self) -> &Fleet<P::Id> {
+        &self.fleet
+    }
+
+    /// The engaged cluster with this id, or the local cluster if it has this id.
+    pub fn cluster(&self, id: &P::Id) -> Option<Cluster<P::Id>> {
+        match &self.local {
+            Some(local) if local.id() == id => Some(local.clone()),
+            _ => self.fleet.get(id),
+        }
+    }
+
+    /// Every engaged cluster (not including the local cluster).
+    pub fn clusters(&self) -> Vec<Cluster<P::Id>> {
+        self.fleet.clusters()
+    }
+
+    /// The local (host) cluster, if set.
+    pub fn local(&self) -> Option<&Cluster<P::Id>> {
+        self.local.as_ref()
+    }
+
+    /// Registers a field index on `K` objects in every cluster, present and future, and in
+    /// the local cluster; see [`Fleet::index_field`].
+    pub fn index_field<K: crate::Watchable>(
+        &self,
+        name: &str,
+        extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
+    ) where
+        // Indexes are kept by Rust type (see `Manager::transform`).
+        K::DynamicType: Default,
+    {
+        let extract = Arc::new(extract);
+        if let Some(local) = &self.local {
+            let extract = extract.clone();
+            local.add_indexer(&crate::cluster::Indexer::new::<K>(name, move |k: &K| {
+                extract(k)
+            }));
+        }
+        self.fleet.index_field::<K>(name, move |k: &K| extract(k));
+    }
+
+    /// The token that stops the current run (or the next one, if none is going on) when
+    /// cancelled. Each run gets a new one once the previous run has returned.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        lock(&self.shutdown).clone()
+    }
+
+    /// Stops the manager: controllers stop taking work, let reconciles in flight finish
+    /// (bounded by the graceful timeout), and [`Manager::run`] returns.
+    pub fn shutdown(&self) {
+        lock(&self.shutdown).cancel();
+    }
+
+    /// What a controller run by hand ([`Builder::run`](crate::Builder::run)) gets: the
+    /// current (or next) run's shutdown, never aborted.
+    pub(crate) fn env(&self) -> crate::controller::Env<P::Id> {
+        self.term_env(
+            self.shutdown_token(),
+            CancellationToken::new(),
+            Arc::new(Tenure::always()),
+        )
+    }
+
+    /// What controllers of one term get: `stop` ends the term, `abort` drops reconciles in
+    /// flight instead of awaiting them.
+    fn term_env(
+        &self,
+        stop: CancellationToken,
+        abort: CancellationToken,
+        tenure: Arc<Tenure>,
+    ) -> crate::controller::Env<P::Id> {
+        crate::controller::Env {
+            fleet: self.fleet.clone(),
+            local: self.local.clone(),
+            shutdown: stop,
+            grace: crate::controller::Grace {
+                timeout: self.graceful_timeout,
+                abort,
+            },
+            backoff: self.backoff.clone(),
+            metrics: self.metrics.clone(),
+            transforms: self.transforms.clone(),
+            namespaces: self.namespaces.clone(),
+            paged_lists: self.paged_lists,
+            instance: Arc::from(match (&self.sharding, &self.leader_election) {
+                (Some(sharding), _) => sharding.identity.clone(),
+                (None, Some(election)) => election.identity.clone(),
+                (None, None) => crate::leader::host_name(),
+            }),
+            tenure,
+        }
+    }
+
+    /// Runs `task` with the manager: in the current run, or in the next one if none is going
+    /// on. It runs once; when the run ends it is dropped after the graceful timeout if it has
+    /// not finished by then (select on [`Manager::shutdown_token`] to end it sooner).
+    pub fn add(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let task: Task = Box::pin(task);
+        let running = lock(&self.running);
+        let task = match &*running {
+            Some(tx) => match tx.send(Job::Task(task)) {
+                Ok(()) => return,
+                Err(mpsc::error::SendError(Job::Task(task))) => task,
+                Err(mpsc::error::SendError(Job::Controller)) => return,
+            },
+            None => task,
+        };
+        lock(&self.pending).push(task);
+    }
+
+    /// Adds a controller: started in the current run (if any) and in every later one.
+    /// Runs `task` once per engagement of each provider cluster, in this run and every
+    /// later one: started when the cluster is engaged (and again for the cluster that
+    /// replaces it under the same id), handed the cluster and a token cancelled when that
+    /// engagement ends or the manager shuts down; it gets the graceful timeout to return
+    /// after that. For per-cluster background work that must stop with its cluster: a
+    /// health probe, a cache warmer, a per-cluster informer of your own (Go's
+    /// `multicluster.Aware` components). Like controllers, it runs on the leader only when
+    /// leader election is on. A panic ends that cluster's task only. `name` is for logs.
+    ///
+    /// ```no_run
+    /// # use multicluster_runtime::{providers::Clusters, ClusterName, Manager};
+    /// let manager = Manager::new(Clusters::<ClusterName>::new());
+    /// manager.per_cluster("version-probe", |cluster, until| async move {
+    ///     loop {
+    ///         if let Ok(version) = cluster.client().apiserver_version().await {
+    ///             tracing::info!(cluster = %cluster.id(), version = %version.git_version);
+    ///         }
+    ///         tokio::select! {
+    ///             () = until.cancelled() => return,
+    ///             () = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+    ///         }
+    ///     }
+    /// });
+    /// ```
+    pub fn per_cluster<F, Fut>(&self, name: &str, task: F)
+    where
+        F: Fn(Cluster<P::Id>, CancellationToken) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let task = crate::per_cluster::boxed(task);
+        let name: Arc<str> = Arc::from(name);
+        self.add_controller(
+            false,
+            Arc::new(move |env| Box::pin(crate::per_cluster::run(env, name.clone(), task.clone()))),
+        );
+    }
+
+    pub(crate) fn add_controller(&self, leader_only: bool, factory: ControllerFactory<P::Id>) {
+        let running = lock(&self.running);
+        lock(&self.controllers).push((factory, leader_only));
+        if let Some(tx) = &*running {
+            let _ = tx.send(Job::Controller);
+        }
+    }
+}
+
+impl<P: Provider> Drop for Manager<P> {
+    fn drop(&mut self) {
+        lock(&self.shutdown).cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::providers::Clusters;
+
+    #[tokio::test]
+    async fn a_panicking_controller_stops_the_manager_with_an_error() {
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new());
+        manager.add(async { panic!("controller bug") });
+        let result = tokio::time::timeout(Duration::from_secs(10), manager.run())
+            .await
+            .unwrap();
+        assert!(
+            matches!(result, Err(ManagerError::ControllerPanicked(ref m)) if m.contains("controller bug")),
+            "{result:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn run_refuses_a_concurrent_run_and_runs_again_after_it_returned() {
+        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for _ in 0..2 {
+            let counter = runs.clone();
+            manager.add(async move {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+            let run = tokio::spawn({
+                let manager = manager.clone();
+                async move { manager.run().await }
+            });
+            while runs.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+            assert!(matches!(
+                manager.run().await,
+                Err(ManagerError::AlreadyRunning)
+            ));
+            manager.shutdown();
+            tokio::time::timeout(Duration::from_secs(10), run)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            runs.store(0, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A provider with cleanup to do after shutdown.
+    struct Cleans(Arc<std::sync::atomic::AtomicBool>);
+
+    impl Provider for Cleans {
+        type Id = crate::ClusterName;
+
+        async fn run(
+            &self,
+            _: Fleet<crate::ClusterName>,
+            shutdown: CancellationToken,
+        ) -> Result<(), ProviderError> {
+            shutdown.cancelled().await;
+            // Cleanup that takes a moment (deregistering, closing connections).
+            tokio::task::yield_now().await;
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_provider_finishes_its_cleanup_before_run_returns() {
+        let cleaned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let manager = Arc::new(Manager::new(Cleans(cleaned.clone())));
+        let run = tokio::spawn({
+            let manager = manager.clone();
+            async move { manager.run().await }
+        });
+        tokio::task::yield_now().await;
+        manager.shutdown();
+        run.await.unwrap().unwrap();
+        assert!(cleaned.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn a_run_that_is_dropped_lets_the_manager_run_again() {
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new());
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), manager.run())
+                .await
+                .is_err(),
+            "still running when dropped"
+        );
+        // The dropped run closed its fleet: nothing is engaged into a fleet no run serves
+        // (its watches would report to a run that is gone).
+        let cluster = Cluster::from_config(
+            crate::ClusterName::new("late"),
+            kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
+        )
+        .unwrap();
+        assert!(matches!(
+            manager.fleet().engage(cluster.clone()),
+            Err(crate::EngageError::Stopped { .. })
+        ));
+        assert!(!cluster.is_engaged());
+        manager.shutdown();
+        tokio::time::timeout(Duration::from_secs(10), manager.run())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    /// `manager`'s run, spawned, once its controllers may run.
+    async fn running(
+        manager: &Arc<Manager<Clusters<crate::ClusterName>>>,
+    ) -> tokio::task::JoinHandle<Result<(), ManagerError>> {
+        let run = {
+            let manager = manager.clone();
+            tokio::spawn(async move { manager.run().await })
+        };
+        tokio::time::timeout(Duration::from_secs(10), manager.elected())
+            .await
+            .unwrap();
+        run
+    }
+
+    #[tokio::test]
+    async fn endpoints_that_cannot_listen_fail_the_run_naming_the_address() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new())
+            .serve(crate::Endpoints::new(addr).plain_http());
+        let result = manager.run().await;
+        assert!(
+            matches!(&result, Err(ManagerError::Serve { addr: a, .. }) if *a == addr),
+            "{result:?}"
+        );
+        assert!(result.unwrap_err().to_string().contains(&addr.to_string()));
+        // The failed run left nothing behind: once the port is free, it runs.
+        drop(taken);
+        let manager = Arc::new(manager);
+        let run = running(&manager).await;
+        assert_eq!(manager.served_at(), Some(addr));
+        manager.shutdown();
+        run.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn without_leader_election_a_run_is_elected_from_its_start_to_its_end() {
+        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        assert!(!manager.is_leader());
+        let run = running(&manager).await;
+        assert!(manager.is_leader());
+        manager.shutdown();
+        run.await.unwrap().unwrap();
+        assert!(!manager.is_leader());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tasks_that_ignore_shutdown_are_dropped_after_the_graceful_timeout() {
+        let manager = Manager::new(Clusters::<crate::ClusterName>::new())
+            .graceful_timeout(Duration::from_secs(5));
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let flag = Flag(dropped.clone());
+        manager.add(async move {
+            let _flag = flag;
+            std::future::pending::<()>().await;
+        });
+        manager.shutdown();
+        manager.run().await.unwrap();
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+    }
+}
