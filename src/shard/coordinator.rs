@@ -183,6 +183,13 @@ impl<C: ClusterId> Coordinator<C> {
             let early = tokio::time::sleep_until(began + self.config.timing.retry_period / 4);
             tokio::pin!(early);
             let mut changed = false;
+            // A peer counting gone (or no longer live) changes the assignment without any
+            // Lease changing: the next round starts then, not up to a retry period later
+            // (but, as for a discovery change, no sooner than a quarter period in).
+            let due = self
+                .peers
+                .next_due(Instant::now(), self.config.timing.lease_duration)
+                .map(|due| due.max(began + self.config.timing.retry_period / 4));
             // Between rounds: hand-offs finishing and fences reaching their deadline.
             loop {
                 let deadline = self.next_deadline();
@@ -191,6 +198,7 @@ impl<C: ClusterId> Coordinator<C> {
                     () = &mut wake => break,
                     () = notified(changes.as_deref()), if !changed => changed = true,
                     () = &mut early, if changed => break,
+                    () = sleep_until(due) => break,
                     Some((id, generation, drained)) = self.handoffs.next(), if !self.handoffs.is_empty() => {
                         self.handed_off(id, generation, drained).await;
                     }
@@ -356,7 +364,9 @@ impl<C: ClusterId> Coordinator<C> {
                         .and_then(|l| l.get(ROLE_LABEL))
                         .is_some_and(|r| r == "peer")
                 });
-            self.peers.update(peers.iter().map(|l| &**l), now);
+            let arrivals = self.host.arrivals();
+            self.peers
+                .update(peers.iter().map(|l| &**l), &arrivals, now);
             self.fences.update(fences);
             self.verify();
         }
@@ -404,6 +414,18 @@ impl<C: ClusterId> Coordinator<C> {
             self.publish();
             return;
         }
+        // A holder counts gone from its last renewal the view showed, stamped when the view got
+        // it (not earlier than its write). The view is current up to this round's own renewal:
+        // a later renewal of the holder is not in it. That holder renewed before its previous
+        // renew deadline, so it is still counted live unless this round has run for the gap
+        // between lease duration and renew deadline since it began; a round that slow (a
+        // host slow to answer) judges no holder gone.
+        let judges = now.duration_since(began)
+            < self
+                .config
+                .timing
+                .lease_duration
+                .saturating_sub(self.config.timing.renew_deadline);
         let me = self.me.id.clone();
         let wanted: Vec<(C, String, Option<Lease>)> = self
             .mine
@@ -417,9 +439,12 @@ impl<C: ClusterId> Coordinator<C> {
                 let free = match fence::holder(seen) {
                     None => true,
                     Some(holder) if holder == me => true,
-                    Some(holder) => self
-                        .peers
-                        .gone(holder, now, self.config.timing.lease_duration),
+                    Some(holder) => {
+                        judges
+                            && self
+                                .peers
+                                .gone(holder, now, self.config.timing.lease_duration)
+                    }
                 };
                 free.then(|| (id.clone(), name, Some(seen.clone())))
             })
@@ -1063,5 +1088,41 @@ mod tests {
         assert_eq!(coordinator.held[&x].generation, again);
         assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
         assert!(lock(&replica.host.store).releases.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_counts_gone_a_lease_duration_after_its_renewal_arrived_and_no_later() {
+        // Rounds two seconds apart: a take that waited for a round would show.
+        let (replica, coordinator) = Replica::with("a", &["x"], |s| {
+            let timing = s.timing;
+            s.timing(
+                timing
+                    .retry_period(Duration::from_secs(2))
+                    .renew_deadline(Duration::from_secs(3)),
+            )
+        });
+        replica.overwrite_fence("x", "b");
+        let stop = CancellationToken::new();
+        let run = tokio::spawn(coordinator.run(stop.clone(), CancellationToken::new()));
+        // b renews between two of a's rounds (the second starts early, a quarter period in,
+        // for the clusters discovered before the start), then falls silent.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        replica.announce("b");
+        let silent = Instant::now();
+        while replica.owned().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let waited = silent.elapsed();
+        assert_eq!(replica.owned(), ["x"]);
+        assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
+        // Not before b has been silent for the lease duration (counted from when the view got
+        // its renewal, not from a's next round), and not a round later either.
+        assert!(waited >= LEASE, "taken {waited:?} after b's last renewal");
+        assert!(
+            waited < LEASE + Duration::from_millis(100),
+            "taken {waited:?} after b's last renewal"
+        );
+        stop.cancel();
+        run.await.unwrap();
     }
 }

@@ -9,6 +9,10 @@
 //! listing made after the write would show them). A replica that does not renew (it cannot
 //! see the group: see `Coordinator::round`) counts the view current while the watch has
 //! listed, or delivered a change, since its last error.
+//!
+//! The watch also notes when each peer Lease's current renewal arrived: a peer's silence
+//! counts from there (never before the renewal was written), not from the round that next
+//! reads the view, up to a retry period later.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -22,9 +26,21 @@ use kube_runtime::watcher;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
+use super::peers::{self, Arrivals};
 use crate::WatchBackoff;
 use crate::cluster::{Retrying, listing};
 use crate::sync::lock;
+
+/// A peer Lease: the only kind whose arrivals are kept (fences are many and judged by their
+/// holder's peer Lease).
+fn is_peer(lease: &Lease) -> bool {
+    lease
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(super::ROLE_LABEL))
+        .is_some_and(|r| r == "peer")
+}
 
 /// How many of its own Lease's resource versions the watch remembers (a renewal is looked
 /// for among the latest).
@@ -46,6 +62,9 @@ struct Seen {
     working_since: Option<Instant>,
     /// Its last error, while it fails.
     error: Option<String>,
+    /// When each peer Lease's current renewal arrived: a peer's silence counts from there,
+    /// not from the round that next reads the view (up to a retry period later).
+    arrivals: Arrivals,
 }
 
 impl GroupWatch {
@@ -65,6 +84,7 @@ impl GroupWatch {
         let events = Retrying::new(events, WatchBackoff::default().delays());
         let events = reflector::reflector(writer, events);
         let task_seen = seen.clone();
+        let task_store = store.clone();
         let task = tokio::spawn(async move {
             let mut events = std::pin::pin!(events);
             while let Some(event) = events.next().await {
@@ -72,6 +92,32 @@ impl GroupWatch {
                 match event {
                     Ok(event) => {
                         let now = Instant::now();
+                        match &event {
+                            watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)
+                                if is_peer(lease) =>
+                            {
+                                let name = lease.metadata.name.clone().unwrap_or_default();
+                                let record = peers::record(lease);
+                                if seen.arrivals.get(&name).is_none_or(|(r, _)| *r != record) {
+                                    seen.arrivals.insert(name, (record, now));
+                                }
+                            }
+                            watcher::Event::Delete(lease) => {
+                                if let Some(name) = &lease.metadata.name {
+                                    seen.arrivals.remove(name);
+                                }
+                            }
+                            // A relisting: what it no longer shows is gone.
+                            watcher::Event::InitDone => {
+                                let names: std::collections::HashSet<String> = task_store
+                                    .state()
+                                    .iter()
+                                    .filter_map(|l| l.metadata.name.clone())
+                                    .collect();
+                                seen.arrivals.retain(|name, _| names.contains(name));
+                            }
+                            _ => {}
+                        }
                         match &event {
                             watcher::Event::Apply(lease)
                             | watcher::Event::InitApply(lease)
@@ -137,6 +183,11 @@ impl GroupWatch {
     /// Why the watch fails, while it does.
     pub(crate) fn error(&self) -> Option<String> {
         lock(&self.seen).error.clone()
+    }
+
+    /// When the watch delivered each peer Lease's current renewal.
+    pub(crate) fn arrivals(&self) -> Arrivals {
+        lock(&self.seen).arrivals.clone()
     }
 
     /// Every Lease of the group as the watch has them now.

@@ -12,7 +12,7 @@ use kube::api::Api;
 
 use super::fence::Holder;
 use super::group::GroupWatch;
-use super::peers::Announcement;
+use super::peers::{Announcement, Arrivals};
 
 /// The host cluster as the coordinator uses it.
 pub(crate) trait Host: Send + Sync + 'static {
@@ -27,6 +27,8 @@ pub(crate) trait Host: Send + Sync + 'static {
     fn error(&self) -> Option<String>;
     /// The group's Leases as the view has them.
     fn leases(&self) -> Vec<Arc<Lease>>;
+    /// When the view got each peer Lease's current renewal.
+    fn arrivals(&self) -> Arrivals;
     /// Takes the fence `name` of `cluster`, last seen as `seen`; `Ok(None)`: another wrote
     /// first.
     fn acquire(
@@ -69,6 +71,10 @@ impl Host for ApiHost {
 
     fn leases(&self) -> Vec<Arc<Lease>> {
         self.group.leases()
+    }
+
+    fn arrivals(&self) -> Arrivals {
+        self.group.arrivals()
     }
 
     fn acquire(
@@ -124,6 +130,8 @@ pub(crate) mod memory {
         version: u64,
         /// The names of the fences released, in order.
         pub(crate) releases: Vec<String>,
+        /// When each Lease's renewal record was written (the view has it at once).
+        arrivals: Arrivals,
     }
 
     impl Store {
@@ -132,6 +140,15 @@ pub(crate) mod memory {
             self.version += 1;
             lease.metadata.resource_version = Some(self.version.to_string());
             let name = lease.metadata.name.clone().unwrap_or_default();
+            let record = super::super::peers::record(&lease);
+            if self
+                .arrivals
+                .get(&name)
+                .is_none_or(|(seen, _)| *seen != record)
+            {
+                self.arrivals
+                    .insert(name.clone(), (record, tokio::time::Instant::now()));
+            }
             self.leases.insert(name, lease.clone());
             lease
         }
@@ -196,6 +213,10 @@ pub(crate) mod memory {
                 .cloned()
                 .map(Arc::new)
                 .collect()
+        }
+
+        fn arrivals(&self) -> Arrivals {
+            lock(&self.store).arrivals.clone()
         }
 
         fn acquire(

@@ -74,6 +74,19 @@ impl Announcement {
     }
 }
 
+/// When the view of the group got each peer Lease's current renewal: by Lease name, the
+/// renewal's record ([`record`]) and the instant it arrived (by this replica's clock).
+pub(crate) type Arrivals = HashMap<String, (Option<String>, Instant)>;
+
+/// A peer Lease's renewal record: what changes with each renewal.
+pub(crate) fn record(lease: &Lease) -> Option<String> {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.renew_time.as_ref())
+        .map(|t| t.0.to_string())
+}
+
 /// What this replica has seen of each peer Lease: its last renewal record, and when (by this
 /// replica's clock) each peer's record last changed.
 #[derive(Default)]
@@ -92,9 +105,15 @@ struct Seen {
 }
 
 impl Observed {
-    /// Takes in a listing of the group's Leases at `now`: a Lease whose renewal record
-    /// changed (or that is new) counts from `now`; Leases gone from the listing are dropped.
-    pub(crate) fn update<'a>(&mut self, leases: impl IntoIterator<Item = &'a Lease>, now: Instant) {
+    /// Takes in a view of the group's Leases at `now`: a Lease whose renewal record changed
+    /// (or that is new) counts from when the view got that record (`arrivals`; `now` if it
+    /// does not say), never earlier than its write; Leases gone from the view are dropped.
+    pub(crate) fn update<'a>(
+        &mut self,
+        leases: impl IntoIterator<Item = &'a Lease>,
+        arrivals: &Arrivals,
+        now: Instant,
+    ) {
         let mut next = HashMap::new();
         for lease in leases {
             let Some(name) = lease.metadata.name.clone() else {
@@ -104,9 +123,7 @@ impl Observed {
             let Some(id) = spec.and_then(|s| s.holder_identity.clone()) else {
                 continue;
             };
-            let record = spec
-                .and_then(|s| s.renew_time.as_ref())
-                .map(|t| t.0.to_string());
+            let record = record(lease);
             let duration = Duration::from_secs(
                 spec.and_then(|s| s.lease_duration_seconds)
                     .and_then(|s| u64::try_from(s).ok())
@@ -125,7 +142,12 @@ impl Observed {
                 .get(&name)
                 .is_some_and(|seen| seen.record == record);
             if !unchanged {
-                self.heard.insert(id.clone(), (now, duration));
+                // The arrival of this very record: a later renewal's would be too early.
+                let at = arrivals
+                    .get(&name)
+                    .filter(|(arrived, _)| *arrived == record)
+                    .map_or(now, |(_, at)| (*at).min(now));
+                self.heard.insert(id.clone(), (at, duration));
             }
             next.insert(
                 name,
@@ -148,6 +170,17 @@ impl Observed {
     pub(crate) fn gone(&mut self, id: &str, now: Instant, minimum: Duration) -> bool {
         let (at, duration) = *self.heard.entry(id.to_string()).or_insert((now, minimum));
         now.duration_since(at) >= duration.max(minimum)
+    }
+
+    /// The next instant after `now` at which a peer heard of stops counting as live, or
+    /// counts as gone (silent for its duration, at least `minimum`): when the assignment
+    /// or a fence's holder may change without any Lease changing.
+    pub(crate) fn next_due(&self, now: Instant, minimum: Duration) -> Option<Instant> {
+        self.heard
+            .values()
+            .flat_map(|(at, duration)| [*at + *duration, *at + (*duration).max(minimum)])
+            .filter(|due| *due > now)
+            .min()
     }
 
     /// The peers whose Lease was renewed (as seen here) within its duration before `now`,
@@ -204,6 +237,7 @@ mod tests {
                 lease("a", "replica-a", "2026-11-24T10:00:00Z", 10, None),
                 lease("b", "replica-b", "2000-01-01T00:00:00Z", 10, Some("2.5")),
             ],
+            &Arrivals::new(),
             t0,
         );
         assert_eq!(ids(&observed.live(t0)), ["replica-a", "replica-b"]);
@@ -216,6 +250,7 @@ mod tests {
                 lease("a", "replica-a", "2026-11-24T10:00:08Z", 10, None),
                 lease("b", "replica-b", "2000-01-01T00:00:00Z", 10, Some("2.5")),
             ],
+            &Arrivals::new(),
             t1,
         );
         assert_eq!(ids(&observed.live(t1)), ["replica-a", "replica-b"]);
@@ -232,6 +267,7 @@ mod tests {
                 10,
                 Some("x"),
             )],
+            &Arrivals::new(),
             t2,
         );
         assert_eq!(ids(&observed.live(t2)), ["replica-b"]);
@@ -247,20 +283,36 @@ mod tests {
         let mut observed = Observed::default();
         let minimum = Duration::from_secs(5);
         let listing = |renewed: &str| [lease("a", "replica-a", renewed, 10, None)];
-        observed.update(&listing("2026-11-24T10:00:00Z"), Instant::now());
+        observed.update(
+            &listing("2026-11-24T10:00:00Z"),
+            &Arrivals::new(),
+            Instant::now(),
+        );
         assert!(!observed.gone("replica-a", Instant::now(), minimum));
         // Renewed within its 10 s: alive; silent for 10 s: gone.
         tokio::time::advance(Duration::from_secs(9)).await;
-        observed.update(&listing("2026-11-24T10:00:09Z"), Instant::now());
+        observed.update(
+            &listing("2026-11-24T10:00:09Z"),
+            &Arrivals::new(),
+            Instant::now(),
+        );
         tokio::time::advance(Duration::from_secs(9)).await;
-        observed.update(&listing("2026-11-24T10:00:09Z"), Instant::now());
+        observed.update(
+            &listing("2026-11-24T10:00:09Z"),
+            &Arrivals::new(),
+            Instant::now(),
+        );
         assert!(!observed.gone("replica-a", Instant::now(), minimum));
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(observed.gone("replica-a", Instant::now(), minimum));
         // A Lease deleted is not taken for a holder gone: its silence counts from its last
         // change, as if it were still there.
-        observed.update(&listing("2026-11-24T10:00:20Z"), Instant::now());
-        observed.update(&[], Instant::now());
+        observed.update(
+            &listing("2026-11-24T10:00:20Z"),
+            &Arrivals::new(),
+            Instant::now(),
+        );
+        observed.update(&[], &Arrivals::new(), Instant::now());
         assert!(!observed.gone("replica-a", Instant::now(), minimum));
         tokio::time::advance(Duration::from_secs(10)).await;
         assert!(observed.gone("replica-a", Instant::now(), minimum));
@@ -329,7 +381,7 @@ mod tests {
             .unwrap()
             .items;
         let mut observed = Observed::default();
-        observed.update(&listed, Instant::now());
+        observed.update(&listed, &Arrivals::new(), Instant::now());
         let live = observed.live(Instant::now());
         assert_eq!(ids(&live), ["replica-a", "replica-b"]);
         assert_eq!(live[1].weight, 3.0);
@@ -341,6 +393,36 @@ mod tests {
         assert_ne!(
             before.spec.unwrap().renew_time,
             after.spec.unwrap().renew_time
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_counts_from_when_the_view_got_it_and_its_end_is_due_then() {
+        let minimum = Duration::from_secs(6);
+        let b = lease("peer-b", "b", "2026-11-24T10:00:00Z", 6, None);
+        let c = lease("peer-c", "c", "2026-11-24T10:00:00Z", 6, None);
+        let arrived = Instant::now();
+        // The round reads the view two seconds after the renewals arrived; the view's record
+        // of c's arrival is of another renewal than the one it shows (not to be used).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let read = Instant::now();
+        let arrivals: Arrivals = [
+            ("peer-b".to_string(), (record(&b), arrived)),
+            ("peer-c".to_string(), (Some("another".to_string()), arrived)),
+        ]
+        .into();
+        let mut observed = Observed::default();
+        observed.update([&b, &c], &arrivals, read);
+        assert_eq!(observed.next_due(read, minimum), Some(arrived + minimum));
+        tokio::time::sleep_until(arrived + minimum - Duration::from_millis(1)).await;
+        assert_eq!(ids(&observed.live(Instant::now())), ["b", "c"]);
+        tokio::time::sleep_until(arrived + minimum).await;
+        assert_eq!(ids(&observed.live(Instant::now())), ["c"]);
+        assert!(observed.gone("b", Instant::now(), minimum));
+        assert!(!observed.gone("c", Instant::now(), minimum));
+        assert_eq!(
+            observed.next_due(Instant::now(), minimum),
+            Some(read + minimum)
         );
     }
 }
