@@ -274,9 +274,9 @@ async fn operate<P: Provider<Id = ClusterName>>(
         .debounce(Duration::from_millis(300))
         .start(
             reconcile,
-            |_, error: &Error, _| {
-                tracing::warn!(%error, "retrying in 5 s");
-                Action::requeue(Duration::from_secs(5))
+            |_, error: &Error, ctx| {
+                tracing::warn!(%error, failures = ctx.failures(), "retrying after the object's backoff");
+                Action::backoff()
             },
             Arc::new(State {
                 target_namespace: args.target_namespace.clone(),

@@ -63,7 +63,8 @@ async fn reconcile<C: ClusterId>(
 
 fn error_policy<C: ClusterId>(_: Arc<ConfigMap>, error: &Error, ctx: &Context<C, Tally>) -> Action {
     eprintln!("  {} failed: {error}", ctx.request());
-    Action::requeue(Duration::from_secs(5))
+    // Again after 5 ms, then twice as long after each failure in a row (up to 1,000 s).
+    Action::backoff()
 }
 
 fn greeting(name: &str, text: &str) -> ConfigMap {

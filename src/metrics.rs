@@ -238,8 +238,11 @@ pub(crate) enum Outcome {
     Error = 1,
     /// `Ok`, requeued after a delay.
     RequeueAfter = 2,
+    /// `Ok`, requeued after the object's backoff ([`Action::backoff`](crate::Action::backoff)):
+    /// controller-runtime's `Requeue: true`.
+    Requeue = 3,
     /// The reconciler (or its error policy) panicked: counted as an error, and as a panic.
-    Panic = 3,
+    Panic = 4,
 }
 
 impl Outcome {
@@ -248,6 +251,8 @@ impl Outcome {
     pub(crate) fn of(failed: bool, action: &crate::Action) -> Self {
         if failed {
             Outcome::Error
+        } else if action.is_backoff() {
+            Outcome::Requeue
         } else if action.requeue_after().is_some() {
             Outcome::RequeueAfter
         } else {
@@ -260,11 +265,17 @@ impl Outcome {
             Outcome::Success => "success",
             Outcome::Error | Outcome::Panic => "error",
             Outcome::RequeueAfter => "requeue_after",
+            Outcome::Requeue => "requeue",
         }
     }
 }
 
-const OUTCOMES: [Outcome; 3] = [Outcome::Success, Outcome::Error, Outcome::RequeueAfter];
+const OUTCOMES: [Outcome; 4] = [
+    Outcome::Success,
+    Outcome::Error,
+    Outcome::RequeueAfter,
+    Outcome::Requeue,
+];
 
 fn duration_histogram() -> Histogram {
     // 5 ms to about 82 s, doubling (controller-runtime's reconcile buckets span the same).
@@ -279,7 +290,7 @@ fn duration_histogram() -> Histogram {
 ///
 /// | series | type | labels | what |
 /// | --- | --- | --- | --- |
-/// | `controller_runtime_reconcile_total` | counter | `controller`, `result` (`success`, `error`, `requeue_after`), `cluster` | reconciles ended |
+/// | `controller_runtime_reconcile_total` | counter | `controller`, `result` (`success`, `error`, `requeue_after`, `requeue`), `cluster` | reconciles ended |
 /// | `controller_runtime_reconcile_errors_total` | counter | `controller`, `cluster` | reconciles that returned an error |
 /// | `controller_runtime_terminal_reconcile_errors_total` | counter | `controller`, `cluster` | errors the error policy did not retry (its action awaits a change) |
 /// | `controller_runtime_reconcile_panics_total` | counter | `controller`, `cluster` | reconciles that panicked (caught; also counted as errors) |
@@ -292,7 +303,7 @@ fn duration_histogram() -> Histogram {
 /// | `workqueue_work_duration_seconds` | histogram | `name`, `controller` | reconcile durations, as the queue sees them |
 /// | `workqueue_unfinished_work_seconds` | gauge | `name`, `controller`, `cluster` | seconds the reconciles in flight have run, summed |
 /// | `workqueue_longest_running_processor_seconds` | gauge | `name`, `controller`, `cluster` | seconds the longest reconcile in flight has run |
-/// | `workqueue_retries_total` | counter | `name`, `controller`, `cluster` | requeues decided by the error policy |
+/// | `workqueue_retries_total` | counter | `name`, `controller`, `cluster` | retries: requeues decided by the error policy, and [`Action::backoff`](crate::Action::backoff) requeues |
 /// | `rest_client_requests_total` | counter | `code` (`<error>`: no response), `method`, `host`, `cluster` | API requests of each engaged cluster's client, the controllers' and the reconcilers' |
 /// | `leader_election_master_status` | gauge | `name` (the lease, `namespace/name`) | 1 while leading, else 0 |
 /// | `multicluster_runtime_engaged_clusters` | gauge | | clusters engaged in the fleet |
@@ -771,7 +782,7 @@ struct SeriesLabels {
 /// One controller's series in one cluster.
 #[derive(Clone)]
 pub(crate) struct Series {
-    outcomes: [Counter; 3],
+    outcomes: [Counter; 4],
     errors: Counter,
     terminal: Counter,
     panics: Counter,

@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 
 use super::relations::{Owns, Watches};
 use super::sources::{FromFleet, FromLocal, Given, mapped_stream, owners_of};
-use super::{DEFAULT_DISENGAGE_GRACE, Env, Spec};
+use super::{DEFAULT_DISENGAGE_GRACE, Env, FailureBackoff, Spec};
 use crate::{Action, Cluster, Context, Manager, Provider, Request};
 use futures::StreamExt;
 
@@ -107,6 +107,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 per_cluster: None,
                 debounce: Duration::ZERO,
                 disengage_grace: DEFAULT_DISENGAGE_GRACE,
+                failure_backoff: FailureBackoff::default(),
                 observer: None,
                 leader_only: false,
             },
@@ -428,6 +429,14 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// [`Context::cancelled`] at once.
     pub fn disengage_grace(mut self, grace: Duration) -> Self {
         self.spec.disengage_grace = grace;
+        self
+    }
+
+    /// The delays of [`Action::backoff`] for this controller's objects: each object (in each
+    /// cluster) that fails again and again waits `base`, then twice as long, and so on up to
+    /// `max`; default 5 ms to 1,000 s (controller-runtime's). See [`FailureBackoff`].
+    pub fn failure_backoff(mut self, backoff: FailureBackoff) -> Self {
+        self.spec.failure_backoff = backoff;
         self
     }
 

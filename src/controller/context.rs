@@ -38,6 +38,8 @@ pub struct Context<C: ClusterId, S> {
     /// ask for it, and building it would cost two string copies per reconcile).
     request: OnceLock<Request<C>>,
     object: Option<Arc<dyn HasMeta>>,
+    /// How many times in a row this object failed (or backed off) before this reconcile.
+    failures: u32,
 }
 
 /// What every reconcile of one controller shares; one reference count per reconcile.
@@ -52,6 +54,8 @@ pub(crate) struct Shared<C: ClusterId, S> {
     pub(crate) abort: CancellationToken,
     /// Until when this replica may act (its leader Lease, its fences).
     pub(crate) tenure: Arc<crate::tenure::Tenure>,
+    /// The failures in a row of each object of the controller.
+    pub(crate) failures: super::Failures<Request<C>>,
 }
 
 /// Object metadata behind a type-erased pointer.
@@ -73,6 +77,7 @@ impl<C: ClusterId, S> Clone for Context<C, S> {
             engagement: self.engagement.clone(),
             request: self.request.clone(),
             object: self.object.clone(),
+            failures: self.failures,
         }
     }
 }
@@ -99,6 +104,7 @@ impl<C: ClusterId, S> Context<C, S> {
             engagement: Some(engagement),
             request: OnceLock::from(request),
             object: None,
+            failures: 0,
         }
     }
 
@@ -114,7 +120,27 @@ impl<C: ClusterId, S> Context<C, S> {
             engagement: None,
             request: OnceLock::new(),
             object: Some(object),
+            failures: 0,
         }
+    }
+
+    /// The failure counts of the controller's objects.
+    pub(crate) fn failure_counts(&self) -> &super::Failures<Request<C>> {
+        &self.shared.failures
+    }
+
+    /// The same context, for an object that failed `failures` times in a row before.
+    pub(crate) fn with_failures(mut self, failures: u32) -> Self {
+        self.failures = failures;
+        self
+    }
+
+    /// How many times in a row this object's reconciles failed (or asked for
+    /// [`Action::backoff`](crate::Action::backoff)) before this one, since it last succeeded
+    /// or changed; 0 on a first attempt. An error policy of your own can grow its delay with
+    /// it ([`Action::backoff`](crate::Action::backoff) does).
+    pub fn failures(&self) -> u32 {
+        self.failures
     }
 
     /// The tenure the reconcile runs under.

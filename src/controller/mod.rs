@@ -2,6 +2,7 @@
 //! the fleet loop with its per-cluster state machine, the fair queue, the reconcile
 //! [`Context`] and the relations (`owns`, `watches`).
 
+mod backoff;
 mod builder;
 mod context;
 mod queue;
@@ -17,6 +18,8 @@ use std::time::Duration;
 use kube_runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
+pub use backoff::FailureBackoff;
+pub(crate) use backoff::{Failures, version_of};
 pub use builder::{Builder, Watchable};
 pub use context::Context;
 #[cfg(feature = "fuzzing")]
@@ -34,6 +37,9 @@ pub(crate) enum ReconcileReason {
     RelatedObjectChanged(Arc<str>),
     /// The previous reconcile asked to be requeued.
     Requeue,
+    /// The previous reconcile asked to be requeued after its object's backoff
+    /// ([`Action::backoff`](crate::Action::backoff)).
+    Backoff,
     /// The previous reconcile failed and the error policy asked for a retry.
     ErrorPolicy,
     /// The previous reconcile (or its error policy) panicked; it runs again after
@@ -51,6 +57,7 @@ impl fmt::Display for ReconcileReason {
             Self::ObjectChanged => f.write_str("object changed"),
             Self::RelatedObjectChanged(kind) => write!(f, "related {kind} changed"),
             Self::Requeue => f.write_str("requeue"),
+            Self::Backoff => f.write_str("backoff requeue"),
             Self::ErrorPolicy => f.write_str("error policy requeue"),
             Self::Panicked => f.write_str("panic requeue"),
             Self::Bulk => f.write_str("bulk reconcile"),
@@ -144,6 +151,8 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     /// How long reconciles of a disengaged (or replaced) cluster may go on before they are
     /// dropped.
     pub(crate) disengage_grace: Duration,
+    /// How long an object that keeps failing waits between attempts.
+    pub(crate) failure_backoff: FailureBackoff,
     pub(crate) observer: Option<Observer<C>>,
     /// Runs on the leader only when the manager is sharded (without sharding, every
     /// controller is the leader's when there is leader election).

@@ -393,9 +393,10 @@ impl<C: ClusterId> FleetQueue<C> {
             let outcome = match reason {
                 ReconcileReason::Panicked => Outcome::Panic,
                 ReconcileReason::ErrorPolicy => Outcome::Error,
+                ReconcileReason::Backoff => Outcome::Requeue,
                 _ => Outcome::of(false, &action),
             };
-            let retried = matches!(outcome, Outcome::Error | Outcome::Panic)
+            let retried = matches!(outcome, Outcome::Error | Outcome::Panic | Outcome::Requeue)
                 && action.requeue_after().is_some();
             series.ended(outcome, began, took, retried);
         }

@@ -147,6 +147,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         },
         abort: env.grace.abort.clone(),
         tenure: env.tenure.clone(),
+        failures: super::Failures::new(spec.failure_backoff),
     });
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut slots = Slots {
@@ -504,12 +505,18 @@ where
     let aborted = engagement.session.aborted().clone();
     // Counted on its engagement while it runs; nothing starts on an engagement that ended.
     let busy = engagement.session.busy();
+    // What the object is now, for its failure count: a change starts it over.
+    let version = (!shared.failures.is_empty()).then(|| super::version_of(&*object));
+    let failures = shared
+        .failures
+        .prior(&req, version.as_ref().and_then(Option::as_deref));
     let ctx = Context::new(
         req.clone(),
         engagement.cluster,
         token.clone(),
         shared.clone(),
-    );
+    )
+    .with_failures(failures);
     let span = tracing::info_span!(
         "reconcile",
         controller = %spec.name,
@@ -538,12 +545,30 @@ where
         let began = (timed || observer.is_some()).then(std::time::Instant::now);
         // A panic of the reconciler or its error policy ends this reconcile only: the
         // controller goes on with every other request and cluster.
+        let counts = ctx.failure_counts();
+        // The version the failure count is kept for (read here only once something fails).
+        let version = |object: &K| version.clone().unwrap_or_else(|| super::version_of(object));
         let work = std::panic::AssertUnwindSafe(async {
             match reconcile(object.clone(), ctx.clone()).await {
-                Ok(action) => (action, ReconcileReason::Requeue, None),
+                Ok(action) => {
+                    let reason = if action.is_backoff() {
+                        ReconcileReason::Backoff
+                    } else {
+                        ReconcileReason::Requeue
+                    };
+                    let version = if action.is_backoff() {
+                        version(&object)
+                    } else {
+                        None
+                    };
+                    let action = counts.settle(&req, version.as_deref(), action, false);
+                    (action, reason, None)
+                }
                 Err(error) => {
                     tracing::warn!(cluster = %req.cluster, error = %crate::cluster::Shown(&error), "reconcile failed");
-                    let action = error_policy(object, &error, &ctx);
+                    let action = error_policy(object.clone(), &error, &ctx);
+                    let failed_at = version(&object);
+                    let action = counts.settle(&req, failed_at.as_deref(), action, true);
                     let failure = observer
                         .is_some()
                         .then(|| super::Failure::Error(error.to_string()));
@@ -679,6 +704,7 @@ mod tests {
             per_cluster: None,
             debounce: std::time::Duration::ZERO,
             disengage_grace: std::time::Duration::ZERO,
+            failure_backoff: crate::FailureBackoff::default(),
             leader_only: false,
         }
     }

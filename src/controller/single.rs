@@ -97,6 +97,36 @@ impl<E: std::error::Error + 'static> std::error::Error for Failure<E> {
 }
 
 impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
+    /// `obj`'s request and version, as its failure count keys them.
+    fn counted<K: Resource>(&self, obj: &K) -> (crate::Request<C>, Option<String>) {
+        (
+            crate::Request::from_obj(self.cluster.id().clone(), obj),
+            super::version_of(obj),
+        )
+    }
+
+    /// What comes after `obj`'s reconcile asked for `action` (its error policy, if it
+    /// `failed`): see [`super::Failures::settle`]. Nothing to do (no key built) while no
+    /// object fails and no backoff is asked for.
+    fn settle<K: Resource>(&self, obj: &K, action: Action, failed: bool) -> Action {
+        if !failed && !action.is_backoff() && self.shared.failures.is_empty() {
+            return action;
+        }
+        let (request, version) = self.counted(obj);
+        self.shared
+            .failures
+            .settle(&request, version.as_deref(), action, failed)
+    }
+
+    /// How many times `obj` failed in a row before.
+    fn prior<K: Resource>(&self, obj: &K) -> u32 {
+        if self.shared.failures.is_empty() {
+            return 0;
+        }
+        let (request, version) = self.counted(obj);
+        self.shared.failures.prior(&request, version.as_deref())
+    }
+
     /// Three reference counts; the request is built only if the reconciler asks for it.
     fn context<K: Resource + Send + Sync + 'static>(&self, obj: &Arc<K>) -> Context<C, S> {
         Context::for_object(obj.clone(), self.cluster.clone(), self.shared.clone())
@@ -232,6 +262,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             },
             abort: env.grace.abort.clone(),
             tenure: env.tenure.clone(),
+            failures: super::Failures::new(spec.failure_backoff),
         }),
         reconcile,
         error_policy,
@@ -256,7 +287,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     },
                     reason = "unknown",
                 );
-                let ctx = single.context(&obj);
+                let ctx = single.context(&obj).with_failures(single.prior(&*obj));
+                // The object and controller again, to settle its failure count afterwards.
+                let settling = (obj.clone(), single.clone());
                 let observed = single
                     .observer
                     .as_ref()
@@ -285,8 +318,12 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                         let Some(fut) = fut else {
                             return Ok(KubeAction::requeue(Duration::from_secs(1)));
                         };
+                        let settle = |action: Action| {
+                            let (obj, single) = &settling;
+                            single.settle(&**obj, action, false)
+                        };
                         if metrics.is_none() && observed.is_none() {
-                            return fut.await.map(KubeAction::from);
+                            return fut.await.map(|action| KubeAction::from(settle(action)));
                         }
                         let active = metrics.map(Active::new);
                         let started = std::time::Instant::now();
@@ -302,6 +339,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                         }
                         match result {
                             Ok(action) => {
+                                let action = settle(action);
                                 // A failure is observed where the error policy decides.
                                 if let Some((observer, request)) = observed {
                                     super::observe(
@@ -329,15 +367,16 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     .map(|_| crate::Request::from_obj(single.cluster.id().clone(), &*obj));
                 let (action, failure, took) = match error {
                     Failure::Failed(error, took) => {
-                        let ctx = single.context(&obj);
+                        let ctx = single.context(&obj).with_failures(single.prior(&*obj));
                         // The error policy is the user's code too: its panic is caught.
                         let action = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            (single.error_policy)(obj, error, &ctx)
+                            (single.error_policy)(obj.clone(), error, &ctx)
                         }))
                         .unwrap_or_else(|panic| {
                             tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
                             Action::requeue(super::PANIC_REQUEUE)
                         });
+                        let action = single.settle(&*obj, action, true);
                         if action.requeue_after().is_none()
                             && let Some(metrics) = &single.metrics
                         {

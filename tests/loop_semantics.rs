@@ -1,0 +1,404 @@
+//! The reconcile loop controller-runtime users expect, in both modes against a real control
+//! plane: per-object failure backoff (its curve, its reset by a change and by a success, a
+//! sibling and another cluster unaffected) and the rate-limited requeue.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::ResourceExt;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube_runtime::watcher;
+use multicluster_runtime::providers::{Clusters, SingleProvider};
+use multicluster_runtime::{
+    Action, Builder, Cluster, ClusterId, Context, FailureBackoff, Manager, Metrics, Provider,
+};
+use multicluster_runtime_testenv::TestEnv;
+
+const NS: &str = "loop";
+const LABEL: &str = "loop";
+const BASE: Duration = Duration::from_millis(100);
+const MAX: Duration = Duration::from_millis(3200);
+
+/// One reconcile as the reconciler saw it.
+#[derive(Clone, Debug)]
+struct Attempt {
+    at: Instant,
+    /// `Context::failures` then.
+    failures: u32,
+    /// The object's resource version.
+    version: String,
+    /// Whether it succeeded.
+    passed: bool,
+}
+
+/// Every attempt, by `cluster/name` (the single cluster's id is empty).
+#[derive(Default)]
+struct Attempts {
+    by_key: Mutex<HashMap<String, Vec<Attempt>>>,
+    /// Objects labelled `external` whose next attempt succeeds (its failures are not the
+    /// object's: nothing in it changes).
+    pass_once: Mutex<std::collections::HashSet<String>>,
+}
+
+impl Attempts {
+    fn of(&self, key: &str) -> Vec<Attempt> {
+        self.by_key
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The attempts of `key` at `version`.
+    fn at(&self, key: &str, version: &str) -> Vec<Attempt> {
+        self.of(key)
+            .into_iter()
+            .filter(|a| a.version == version)
+            .collect()
+    }
+
+    /// Waits until `key` has had `n` attempts at `version`; they are returned.
+    async fn wait_at(&self, key: &str, version: &str, n: usize, secs: u64) -> Vec<Attempt> {
+        eventually(
+            secs,
+            &format!("{n} attempts of {key} at {version}"),
+            async || self.at(key, version).len() >= n,
+        )
+        .await;
+        self.at(key, version)
+    }
+
+    /// Waits until `key` has had `n` attempts; they are returned.
+    async fn wait_for(&self, key: &str, n: usize, secs: u64) -> Vec<Attempt> {
+        eventually(secs, &format!("{n} attempts of {key}"), async || {
+            self.of(key).len() >= n
+        })
+        .await;
+        self.of(key)
+    }
+}
+
+#[derive(Debug)]
+struct Refused;
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not ok yet")
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// Fails while the object's `ok` is not `yes`, except in cluster `two` (where everything
+/// succeeds); an object labelled `again` asks for a rate-limited requeue instead, until its
+/// fifth attempt.
+async fn reconcile<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Attempts>,
+) -> Result<Action, Refused> {
+    let cluster = ctx.request().cluster.to_string();
+    let key = format!("{cluster}/{}", cm.name_any());
+    let external = cm.labels().contains_key("external");
+    let passed = external && ctx.state().pass_once.lock().unwrap().remove(&key);
+    let attempt = Attempt {
+        at: Instant::now(),
+        failures: ctx.failures(),
+        version: cm.resource_version().unwrap_or_default(),
+        passed,
+    };
+    let count = {
+        let mut attempts = ctx.state().by_key.lock().unwrap();
+        let list = attempts.entry(key).or_default();
+        list.push(attempt);
+        list.len()
+    };
+    if external {
+        // Succeeds when told to, and looks again soon; fails otherwise.
+        return if passed {
+            Ok(Action::requeue(Duration::from_millis(300)))
+        } else {
+            Err(Refused)
+        };
+    }
+    if cm.labels().contains_key("again") {
+        return Ok(if count < 5 {
+            Action::backoff()
+        } else {
+            Action::await_change()
+        });
+    }
+    let ok = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.get("ok"))
+        .map(String::as_str)
+        == Some("yes");
+    if ok || cluster == "two" {
+        Ok(Action::await_change())
+    } else {
+        Err(Refused)
+    }
+}
+
+fn object(name: &str, ok: bool, labels: &[&str]) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            labels: Some(
+                std::iter::once(LABEL)
+                    .chain(labels.iter().copied())
+                    .map(|l| (l.to_string(), "yes".to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        data: Some([("ok".to_string(), if ok { "yes" } else { "no" }.to_string())].into()),
+        ..Default::default()
+    }
+}
+
+/// Patches `name` with `patch`; its new resource version.
+async fn patch(api: &Api<ConfigMap>, name: &str, patch: serde_json::Value) -> String {
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap()
+        .resource_version()
+        .unwrap()
+}
+
+/// Waits until the attempts of `key` satisfy `done`; they are returned.
+async fn eventually_tries(
+    attempts: &Attempts,
+    key: &str,
+    done: impl Fn(&[Attempt]) -> bool,
+) -> Vec<Attempt> {
+    eventually(30, &format!("the attempts of {key}"), async || {
+        done(&attempts.of(key))
+    })
+    .await;
+    attempts.of(key)
+}
+
+/// The gaps between consecutive attempts.
+fn gaps(attempts: &[Attempt]) -> Vec<Duration> {
+    attempts.windows(2).map(|w| w[1].at - w[0].at).collect()
+}
+
+/// Each gap at least its delay of the curve (base doubling, capped), and not much more.
+fn assert_curve(what: &str, gaps: &[Duration], first: u32) {
+    for (i, gap) in gaps.iter().enumerate() {
+        let expected = FailureBackoff::default()
+            .base(BASE)
+            .max(MAX)
+            .delay(first + i as u32);
+        assert!(
+            *gap + Duration::from_millis(2) >= expected && *gap < expected + Duration::from_secs(2),
+            "{what}: gap {i} was {gap:?}, the curve says {expected:?} (all: {gaps:?})"
+        );
+    }
+}
+
+/// The scenario, in whichever mode `manager` runs: `first` is the cluster whose object fails
+/// (`""` in single mode), `other` a second cluster where it does not (fleet mode).
+async fn backoff_scenario<P: Provider>(
+    manager: Arc<Manager<P>>,
+    client: kube::Client,
+    first: &str,
+    other: Option<&str>,
+    registry: Arc<prometheus_client::registry::Registry>,
+) where
+    P::Id: ClusterId,
+{
+    create_namespace(&client, NS).await;
+    let api = Api::<ConfigMap>::namespaced(client.clone(), NS);
+    let attempts = Arc::new(Attempts::default());
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels(LABEL))
+        .failure_backoff(FailureBackoff::default().base(BASE).max(MAX))
+        .start(reconcile, |_, _, _| Action::backoff(), attempts.clone());
+    let run = spawn_manager(&manager);
+    let bad = format!("{first}/bad");
+    let good = format!("{first}/good");
+    api.create(&PostParams::default(), &object("bad", false, &[]))
+        .await
+        .unwrap();
+
+    // An object that always fails: 100 ms, 200, 400, 800, 1.6 s, 3.2 s, 3.2 s between tries.
+    let tries = attempts.wait_for(&bad, 7, 60).await;
+    assert_curve("failing", &gaps(&tries[..7]), 0);
+    let counted: Vec<u32> = tries[..7].iter().map(|a| a.failures).collect();
+    let tries_before = tries.clone();
+    assert_eq!(
+        counted,
+        [0, 1, 2, 3, 4, 5, 6],
+        "Context::failures of each try"
+    );
+
+    // A sibling in the same cluster is reconciled as it changes, whatever bad's wait.
+    api.create(&PostParams::default(), &object("good", true, &[]))
+        .await
+        .unwrap();
+    attempts.wait_for(&good, 1, 10).await;
+    let waiting_since = attempts.of(&bad).last().unwrap().at;
+    let patched = Instant::now();
+    let touched = patch(
+        &api,
+        "good",
+        serde_json::json!({"metadata": {"annotations": {"touched": "1"}}}),
+    )
+    .await;
+    let good_tries = attempts.wait_at(&good, &touched, 1, 10).await;
+    assert!(
+        good_tries[0].at - patched < MAX,
+        "the sibling's change waited {:?}",
+        good_tries[0].at - patched
+    );
+    assert_eq!(good_tries[0].failures, 0);
+    // Sync point: bad has tried again since; the sibling ran once per change only.
+    let before = attempts.of(&bad).len();
+    attempts.wait_for(&bad, before + 1, 20).await;
+    assert!(attempts.of(&bad).last().unwrap().at > waiting_since);
+    assert_eq!(attempts.of(&good).len(), 2, "the sibling is not retried");
+
+    // Another cluster's reconcile of the same object succeeded at once and is not retried.
+    if let Some(other) = other {
+        let theirs = attempts.of(&format!("{other}/bad"));
+        assert_eq!(theirs.len(), 1, "{other}/bad: {theirs:?}");
+        assert_eq!(theirs[0].failures, 0);
+        assert!(
+            theirs[0].at < tries_before[1].at + Duration::from_secs(2),
+            "{other}/bad waited"
+        );
+    }
+
+    // A change of the object starts its curve over: reconciled at once, then 100 ms, 200 ms.
+    let changed = Instant::now();
+    let version = patch(
+        &api,
+        "bad",
+        serde_json::json!({"metadata": {"annotations": {"try": "2"}}}),
+    )
+    .await;
+    let after = attempts.wait_at(&bad, &version, 3, 20).await;
+    assert!(
+        after[0].at - changed < Duration::from_secs(2),
+        "the change waited {:?}",
+        after[0].at - changed
+    );
+    assert_eq!(after[0].failures, 0, "a change starts the count over");
+    assert_curve("after a change", &gaps(&after[..3]), 0);
+
+    // A success is not retried: fixed, then broken again (a sync point for the fix).
+    let fixed = patch(&api, "bad", serde_json::json!({"data": {"ok": "yes"}})).await;
+    attempts.wait_at(&bad, &fixed, 1, 20).await;
+    let broken = patch(&api, "bad", serde_json::json!({"data": {"ok": "no"}})).await;
+    attempts.wait_at(&bad, &broken, 1, 20).await;
+    assert_eq!(
+        attempts.at(&bad, &fixed).len(),
+        1,
+        "a success is not retried"
+    );
+
+    // A success starts the count over even if the object did not change: an object failing
+    // for reasons outside it fails five times, succeeds once (and asks to be looked at
+    // again in 300 ms), then fails again from the start of the curve.
+    let flaky = format!("{first}/flaky");
+    api.create(
+        &PostParams::default(),
+        &object("flaky", true, &["external"]),
+    )
+    .await
+    .unwrap();
+    attempts.wait_for(&flaky, 5, 20).await;
+    attempts.pass_once.lock().unwrap().insert(flaky.clone());
+    let tries = eventually_tries(&attempts, &flaky, |tries| {
+        tries
+            .iter()
+            .position(|a| a.passed)
+            .is_some_and(|p| tries.len() >= p + 4)
+    })
+    .await;
+    let passed = tries.iter().position(|a| a.passed).unwrap();
+    assert!(tries[passed].failures >= 5, "{tries:?}");
+    let again = &tries[passed + 1..];
+    assert_eq!(again[0].failures, 0, "a success starts the count over");
+    assert_curve("after a success", &gaps(&again[..3]), 0);
+    assert!(
+        tries.iter().all(|a| a.version == tries[0].version),
+        "the object did not change"
+    );
+
+    // A rate-limited requeue (Action::backoff from the reconciler) follows the same curve and
+    // is counted as `requeue`.
+    let again_key = format!("{first}/again");
+    api.create(&PostParams::default(), &object("again", true, &["again"]))
+        .await
+        .unwrap();
+    let requeued = attempts.wait_for(&again_key, 5, 20).await;
+    assert_curve("requeue", &gaps(&requeued[..5]), 0);
+    let counted: Vec<u32> = requeued[..5].iter().map(|a| a.failures).collect();
+    assert_eq!(counted, [0, 1, 2, 3, 4]);
+
+    let text = {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    };
+    let cluster_label = if first.is_empty() { "single" } else { first };
+    let requeues = sample(
+        &text,
+        "controller_runtime_reconcile_total",
+        &[("result", "requeue"), ("cluster", cluster_label)],
+    );
+    assert!(
+        requeues.is_some_and(|n| n >= 4.0),
+        "reconcile_total{{result=requeue}}: {requeues:?}"
+    );
+    if other.is_some() {
+        // The fleet queue's retries: every failure of bad and every requeue of again.
+        let retries = sample(
+            &text,
+            "workqueue_retries_total",
+            &[("cluster", cluster_label)],
+        );
+        assert!(
+            retries.is_some_and(|n| n >= 14.0),
+            "workqueue_retries_total: {retries:?}"
+        );
+    }
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn single_mode_backs_off_per_object_and_starts_over_on_change_or_success() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())).metrics(metrics));
+    backoff_scenario(manager, client, "", None, Arc::new(registry)).await;
+}
+
+#[tokio::test]
+async fn fleet_mode_backs_off_per_object_and_cluster_and_starts_over_on_change_or_success() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    // Two cluster names for one API server: the same objects, failing in `one` only.
+    let clusters = Clusters::new();
+    for id in ["one", "two"] {
+        clusters
+            .add(Cluster::new(name(id), client.clone()))
+            .unwrap();
+    }
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let manager = Arc::new(Manager::new(clusters).metrics(metrics));
+    backoff_scenario(manager, client, "one", Some("two"), Arc::new(registry)).await;
+}
