@@ -737,7 +737,7 @@ fn announcement(config: &Sharding) -> Announcement {
     }
 }
 
-/// Runs `call` on `items`, 128 at a time, for at most `bound`: the results of those that
+/// Runs `call` on `items`, 64 at a time, for at most `bound`: the results of those that
 /// finished in time (a call cut short may still have reached the host).
 async fn within<I, F, Fut, K, T>(bound: Duration, items: Vec<I>, call: F) -> Vec<(K, T)>
 where
@@ -746,7 +746,7 @@ where
 {
     futures::stream::iter(items)
         .map(call)
-        .buffer_unordered(128)
+        .buffer_unordered(64)
         .take_until(tokio::time::sleep(bound))
         .collect()
         .await
