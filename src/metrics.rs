@@ -292,7 +292,8 @@ fn duration_histogram() -> Histogram {
 /// | --- | --- | --- | --- |
 /// | `controller_runtime_reconcile_total` | counter | `controller`, `result` (`success`, `error`, `requeue_after`, `requeue`), `cluster` | reconciles ended |
 /// | `controller_runtime_reconcile_errors_total` | counter | `controller`, `cluster` | reconciles that returned an error |
-/// | `controller_runtime_terminal_reconcile_errors_total` | counter | `controller`, `cluster` | errors the error policy did not retry (its action awaits a change) |
+/// | `controller_runtime_terminal_reconcile_errors_total` | counter | `controller`, `cluster` | errors not retried: marked with `Context::terminal`, or the error policy's action awaits a change |
+/// | `controller_runtime_reconcile_timeouts_total` | counter | `controller`, `cluster` | reconciles dropped at `Builder::reconcile_timeout` (also counted as errors) |
 /// | `controller_runtime_reconcile_panics_total` | counter | `controller`, `cluster` | reconciles that panicked (caught; also counted as errors) |
 /// | `controller_runtime_reconcile_time_seconds` | histogram | `controller` | reconcile durations |
 /// | `controller_runtime_max_concurrent_reconciles` | gauge | `controller` | the concurrency limit (0: none) |
@@ -356,6 +357,7 @@ struct Inner {
     reconcile_total: Family<With<ReconcileLabels>, Counter>,
     reconcile_errors: Family<With<ControllerLabels>, Counter>,
     terminal_errors: Family<With<ControllerLabels>, Counter>,
+    reconcile_timeouts: Family<With<ControllerLabels>, Counter>,
     reconcile_panics: Family<With<ControllerLabels>, Counter>,
     reconcile_time: Family<With<ControllerLabels>, Histogram, fn() -> Histogram>,
     max_concurrent: Family<ControllerLabels, Gauge>,
@@ -414,6 +416,7 @@ impl Metrics {
             reconcile_total: Family::default(),
             reconcile_errors: Family::default(),
             terminal_errors: Family::default(),
+            reconcile_timeouts: Family::default(),
             reconcile_panics: Family::default(),
             reconcile_time: Family::new_with_constructor(duration_histogram),
             max_concurrent: Family::default(),
@@ -454,6 +457,11 @@ impl Metrics {
             "controller_runtime_terminal_reconcile_errors",
             "Reconcile errors the error policy did not retry, per controller and cluster",
             inner.terminal_errors.clone(),
+        );
+        registry.register(
+            "controller_runtime_reconcile_timeouts",
+            "Reconciles dropped at the controller's reconcile timeout (also counted as errors), per controller and cluster",
+            inner.reconcile_timeouts.clone(),
         );
         registry.register(
             "controller_runtime_reconcile_panics",
@@ -683,6 +691,7 @@ impl Metrics {
             outcomes,
             errors: self.inner.reconcile_errors.get_or_create_owned(&both),
             terminal: self.inner.terminal_errors.get_or_create_owned(&both),
+            timeouts: self.inner.reconcile_timeouts.get_or_create_owned(&both),
             panics: self.inner.reconcile_panics.get_or_create_owned(&both),
             time: self
                 .inner
@@ -720,6 +729,7 @@ impl Metrics {
         }
         self.inner.reconcile_errors.remove(both);
         self.inner.terminal_errors.remove(both);
+        self.inner.reconcile_timeouts.remove(both);
         self.inner.reconcile_panics.remove(both);
         self.inner.depth.remove(depth);
         self.inner.adds.remove(queue);
@@ -785,6 +795,7 @@ pub(crate) struct Series {
     outcomes: [Counter; 4],
     errors: Counter,
     terminal: Counter,
+    timeouts: Counter,
     panics: Counter,
     time: Histogram,
     pub(crate) depth: Gauge,
@@ -845,6 +856,11 @@ impl Series {
     /// The error policy did not retry an error (its action awaits a change).
     pub(crate) fn terminal(&self) {
         self.terminal.inc();
+    }
+
+    /// A reconcile was dropped at the reconcile timeout.
+    pub(crate) fn timed_out(&self) {
+        self.timeouts.inc();
     }
 }
 

@@ -1,6 +1,7 @@
 //! The reconcile loop controller-runtime users expect, in both modes against a real control
 //! plane: per-object failure backoff (its curve, its reset by a change and by a success, a
-//! sibling and another cluster unaffected) and the rate-limited requeue.
+//! sibling and another cluster unaffected), the rate-limited requeue, terminal errors and the
+//! reconcile timeout.
 
 mod common;
 
@@ -23,6 +24,7 @@ const NS: &str = "loop";
 const LABEL: &str = "loop";
 const BASE: Duration = Duration::from_millis(100);
 const MAX: Duration = Duration::from_millis(3200);
+const TIMEOUT: Duration = Duration::from_millis(500);
 
 /// One reconcile as the reconciler saw it.
 #[derive(Clone, Debug)]
@@ -126,6 +128,14 @@ async fn reconcile<C: ClusterId>(
             Err(Refused)
         };
     }
+    if cm.labels().contains_key("terminal") {
+        // Not to be retried until it changes, whatever the error policy says.
+        return Err(ctx.terminal(Refused));
+    }
+    if cm.labels().contains_key("hang") {
+        // A call that never answers: dropped at the reconcile timeout.
+        std::future::pending::<()>().await;
+    }
     if cm.labels().contains_key("again") {
         return Ok(if count < 5 {
             Action::backoff()
@@ -221,6 +231,7 @@ async fn backoff_scenario<P: Provider>(
     let attempts = Arc::new(Attempts::default());
     Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels(LABEL))
         .failure_backoff(FailureBackoff::default().base(BASE).max(MAX))
+        .reconcile_timeout(TIMEOUT)
         .start(reconcile, |_, _, _| Action::backoff(), attempts.clone());
     let run = spawn_manager(&manager);
     let bad = format!("{first}/bad");
@@ -345,6 +356,60 @@ async fn backoff_scenario<P: Provider>(
     let counted: Vec<u32> = requeued[..5].iter().map(|a| a.failures).collect();
     assert_eq!(counted, [0, 1, 2, 3, 4]);
 
+    // A terminal error is not retried (the error policy would back off): sync point, another
+    // failing object's next three tries (100 + 200 + 400 ms of backoff); a change runs it again,
+    // once.
+    let terminal = format!("{first}/terminal");
+    let pulse = format!("{first}/pulse");
+    api.create(
+        &PostParams::default(),
+        &object("terminal", true, &["terminal"]),
+    )
+    .await
+    .unwrap();
+    let first_try = attempts.wait_for(&terminal, 1, 20).await[0].clone();
+    api.create(&PostParams::default(), &object("pulse", false, &[]))
+        .await
+        .unwrap();
+    eventually_tries(&attempts, &pulse, |tries| {
+        tries.iter().filter(|a| a.at > first_try.at).count() >= 4
+    })
+    .await;
+    assert_eq!(
+        attempts.of(&terminal).len(),
+        1,
+        "a terminal error is not retried"
+    );
+    let edited = patch(
+        &api,
+        "terminal",
+        serde_json::json!({"metadata": {"annotations": {"edited": "1"}}}),
+    )
+    .await;
+    let after_edit = attempts.wait_at(&terminal, &edited, 1, 20).await[0].clone();
+    eventually_tries(&attempts, &pulse, |tries| {
+        tries.iter().filter(|a| a.at > after_edit.at).count() >= 3
+    })
+    .await;
+    assert_eq!(attempts.of(&terminal).len(), 2, "once per change");
+    assert_eq!(after_edit.failures, 0, "a change starts the count over");
+
+    // A reconcile that hangs is dropped at the timeout and retried after the object's backoff.
+    let hang = format!("{first}/hang");
+    api.create(&PostParams::default(), &object("hang", true, &["hang"]))
+        .await
+        .unwrap();
+    let hung = attempts.wait_for(&hang, 3, 20).await;
+    let counted: Vec<u32> = hung[..3].iter().map(|a| a.failures).collect();
+    assert_eq!(counted, [0, 1, 2], "a timeout counts as a failure");
+    for (i, gap) in gaps(&hung[..3]).iter().enumerate() {
+        let least = TIMEOUT + BASE * 2u32.pow(i as u32);
+        assert!(
+            *gap >= least && *gap < least + Duration::from_secs(2),
+            "hang: gap {i} was {gap:?}, at least {least:?}"
+        );
+    }
+
     let text = {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
@@ -360,6 +425,13 @@ async fn backoff_scenario<P: Provider>(
         requeues.is_some_and(|n| n >= 4.0),
         "reconcile_total{{result=requeue}}: {requeues:?}"
     );
+    for (metric, least) in [
+        ("controller_runtime_terminal_reconcile_errors_total", 2.0),
+        ("controller_runtime_reconcile_timeouts_total", 2.0),
+    ] {
+        let counted = sample(&text, metric, &[("cluster", cluster_label)]);
+        assert!(counted.is_some_and(|n| n >= least), "{metric}: {counted:?}");
+    }
     if other.is_some() {
         // The fleet queue's retries: every failure of bad and every requeue of again.
         let retries = sample(

@@ -3,7 +3,7 @@
 //! limiter does (5 ms doubling up to 1,000 s). A success, or a change of the object, starts
 //! it over; one object failing never delays another.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -89,8 +89,20 @@ pub(crate) struct Failures<R> {
 
 struct Counts<R> {
     by_request: HashMap<R, Count>,
+    /// Requests whose reconcile in flight called `Context::terminal`.
+    terminal: HashSet<R>,
     /// The size after the last pruning: the next one comes when it has doubled.
     pruned_at: usize,
+}
+
+impl<R> Counts<R> {
+    /// Makes the number of entries (counts and marks) readable without the lock.
+    fn publish(&self, len: &AtomicUsize) {
+        len.store(
+            self.by_request.len() + self.terminal.len(),
+            Ordering::Relaxed,
+        );
+    }
 }
 
 struct Count {
@@ -106,13 +118,14 @@ impl<R: Hash + Eq + Clone> Failures<R> {
             backoff,
             counts: Mutex::new(Counts {
                 by_request: HashMap::new(),
+                terminal: HashSet::new(),
                 pruned_at: 64,
             }),
             len: AtomicUsize::new(0),
         }
     }
 
-    /// Whether no object has failures counted.
+    /// Whether no object has failures counted (nor a terminal mark).
     pub(crate) fn is_empty(&self) -> bool {
         self.len.load(Ordering::Relaxed) == 0
     }
@@ -128,6 +141,12 @@ impl<R: Hash + Eq + Clone> Failures<R> {
         failed: bool,
     ) -> crate::Action {
         if action.is_backoff() {
+            if !failed && !self.is_empty() {
+                // A mark of a reconcile that did not fail is stale.
+                let mut counts = lock(&self.counts);
+                counts.terminal.remove(request);
+                counts.publish(&self.len);
+            }
             return crate::Action::requeue(self.failed(request, version));
         }
         if failed {
@@ -181,17 +200,35 @@ impl<R: Hash + Eq + Clone> Failures<R> {
                 .retain(|_, c| now.duration_since(c.at) < keep);
             counts.pruned_at = counts.by_request.len().max(64);
         }
-        self.len.store(counts.by_request.len(), Ordering::Relaxed);
+        counts.publish(&self.len);
         delay
     }
 
     /// A success: `request` starts over.
     pub(crate) fn succeeded(&self, request: &R) {
         let mut counts = lock(&self.counts);
-        if !counts.by_request.is_empty() {
-            counts.by_request.remove(request);
-            self.len.store(counts.by_request.len(), Ordering::Relaxed);
+        counts.by_request.remove(request);
+        counts.terminal.remove(request);
+        counts.publish(&self.len);
+    }
+
+    /// The reconcile of `request` in flight says its error is terminal.
+    pub(crate) fn mark_terminal(&self, request: R) {
+        let mut counts = lock(&self.counts);
+        counts.terminal.insert(request);
+        counts.publish(&self.len);
+    }
+
+    /// Whether the reconcile of `request` that just failed said its error was terminal (the
+    /// mark is taken).
+    pub(crate) fn take_terminal(&self, request: &R) -> bool {
+        if self.is_empty() {
+            return false;
         }
+        let mut counts = lock(&self.counts);
+        let terminal = counts.terminal.remove(request);
+        counts.publish(&self.len);
+        terminal
     }
 
     #[cfg(test)]

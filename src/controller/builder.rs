@@ -108,6 +108,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 debounce: Duration::ZERO,
                 disengage_grace: DEFAULT_DISENGAGE_GRACE,
                 failure_backoff: FailureBackoff::default(),
+                reconcile_timeout: None,
                 observer: None,
                 leader_only: false,
             },
@@ -437,6 +438,19 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// `max`; default 5 ms to 1,000 s (controller-runtime's). See [`FailureBackoff`].
     pub fn failure_backoff(mut self, backoff: FailureBackoff) -> Self {
         self.spec.failure_backoff = backoff;
+        self
+    }
+
+    /// Drops a reconcile that has run for `timeout` (controller-runtime's
+    /// `ReconciliationTimeout`), so that a call that hangs cannot hold a slot for ever: it
+    /// counts as an error (`controller_runtime_reconcile_errors_total`, and
+    /// `controller_runtime_reconcile_timeouts_total`), [`Builder::on_result`] sees
+    /// [`Failure::Timeout`](crate::Failure::Timeout), and the object is retried after its
+    /// own backoff ([`Action::backoff`]). The error policy is not called: there is no error
+    /// of its type to hand it. Off by default, as in controller-runtime. A reconcile that can
+    /// stop more gracefully should bound its own calls below the timeout.
+    pub fn reconcile_timeout(mut self, timeout: Duration) -> Self {
+        self.spec.reconcile_timeout = Some(timeout);
         self
     }
 

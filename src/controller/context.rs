@@ -124,6 +124,35 @@ impl<C: ClusterId, S> Context<C, S> {
         }
     }
 
+    /// Says that `error`, which this reconcile is about to return, is terminal
+    /// (controller-runtime's `TerminalError`): the object is not retried, and the error policy
+    /// is not asked, until the object (or a related one) changes and triggers a reconcile.
+    /// It is counted in `controller_runtime_terminal_reconcile_errors_total` and as an error,
+    /// reported to [`Builder::on_result`](crate::Builder::on_result) like any other, and
+    /// the object's failure count goes on (a later [`Action::backoff`](crate::Action::backoff)
+    /// retry starts where it was). For errors no retry can fix: an invalid spec, a
+    /// forbidden action, a conflict only a person can settle.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use k8s_openapi::api::core::v1::ConfigMap;
+    /// # use multicluster_runtime::{Action, ClusterId, Context};
+    /// # #[derive(Debug, thiserror::Error)]
+    /// # #[error("invalid")]
+    /// # struct Invalid;
+    /// async fn reconcile<C: ClusterId>(cm: Arc<ConfigMap>, ctx: Context<C, ()>) -> Result<Action, Invalid> {
+    ///     if cm.data.is_none() {
+    ///         // Retrying cannot fill it in: wait for someone to edit the object.
+    ///         return Err(ctx.terminal(Invalid));
+    ///     }
+    ///     Ok(Action::await_change())
+    /// }
+    /// ```
+    pub fn terminal<E>(&self, error: E) -> E {
+        self.shared.failures.mark_terminal(self.request().clone());
+        error
+    }
+
     /// The failure counts of the controller's objects.
     pub(crate) fn failure_counts(&self) -> &super::Failures<Request<C>> {
         &self.shared.failures

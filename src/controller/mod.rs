@@ -42,6 +42,8 @@ pub(crate) enum ReconcileReason {
     Backoff,
     /// The previous reconcile failed and the error policy asked for a retry.
     ErrorPolicy,
+    /// The previous reconcile was dropped at the reconcile timeout.
+    TimedOut,
     /// The previous reconcile (or its error policy) panicked; it runs again after
     /// [`PANIC_REQUEUE`].
     Panicked,
@@ -59,6 +61,7 @@ impl fmt::Display for ReconcileReason {
             Self::Requeue => f.write_str("requeue"),
             Self::Backoff => f.write_str("backoff requeue"),
             Self::ErrorPolicy => f.write_str("error policy requeue"),
+            Self::TimedOut => f.write_str("timeout retry"),
             Self::Panicked => f.write_str("panic requeue"),
             Self::Bulk => f.write_str("bulk reconcile"),
             Self::Given => f.write_str("trigger stream"),
@@ -105,6 +108,8 @@ pub enum Failure {
     Error(String),
     /// The reconciler or its error policy panicked (the panic's message).
     Panic(String),
+    /// The reconcile ran past the controller's reconcile timeout (this long) and was dropped.
+    Timeout(Duration),
 }
 
 /// A callback given every reconcile's end.
@@ -153,6 +158,8 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) disengage_grace: Duration,
     /// How long an object that keeps failing waits between attempts.
     pub(crate) failure_backoff: FailureBackoff,
+    /// How long a reconcile may run before it is dropped; `None` for no limit.
+    pub(crate) reconcile_timeout: Option<Duration>,
     pub(crate) observer: Option<Observer<C>>,
     /// Runs on the leader only when the manager is sharded (without sharding, every
     /// controller is the leader's when there is leader election).

@@ -393,6 +393,10 @@ impl<C: ClusterId> FleetQueue<C> {
             let outcome = match reason {
                 ReconcileReason::Panicked => Outcome::Panic,
                 ReconcileReason::ErrorPolicy => Outcome::Error,
+                ReconcileReason::TimedOut => {
+                    series.timed_out();
+                    Outcome::Error
+                }
                 ReconcileReason::Backoff => Outcome::Requeue,
                 _ => Outcome::of(false, &action),
             };

@@ -530,6 +530,7 @@ where
     let reconcile = reconcile.clone();
     let error_policy = error_policy.clone();
     let grace = spec.disengage_grace;
+    let limit = spec.reconcile_timeout;
     let observer = spec.observer.clone();
     async move {
         let Some(_busy) = busy else {
@@ -549,7 +550,28 @@ where
         // The version the failure count is kept for (read here only once something fails).
         let version = |object: &K| version.clone().unwrap_or_else(|| super::version_of(object));
         let work = std::panic::AssertUnwindSafe(async {
-            match reconcile(object.clone(), ctx.clone()).await {
+            let reconciled = reconcile(object.clone(), ctx.clone());
+            let result = match limit {
+                None => Ok(reconciled.await),
+                Some(limit) => tokio::time::timeout(limit, reconciled)
+                    .await
+                    .map_err(|_| limit),
+            };
+            let result = match result {
+                Ok(result) => result,
+                Err(limit) => {
+                    tracing::warn!(cluster = %req.cluster, ?limit, "reconcile dropped at the reconcile timeout; retried after the object's backoff");
+                    let action = counts.settle(
+                        &req,
+                        version(&object).as_deref(),
+                        Action::backoff(),
+                        true,
+                    );
+                    let failure = observer.is_some().then_some(super::Failure::Timeout(limit));
+                    return (action, ReconcileReason::TimedOut, failure);
+                }
+            };
+            match result {
                 Ok(action) => {
                     let reason = if action.is_backoff() {
                         ReconcileReason::Backoff
@@ -565,9 +587,14 @@ where
                     (action, reason, None)
                 }
                 Err(error) => {
-                    tracing::warn!(cluster = %req.cluster, error = %crate::cluster::Shown(&error), "reconcile failed");
-                    let action = error_policy(object.clone(), &error, &ctx);
                     let failed_at = version(&object);
+                    let action = if counts.take_terminal(&req) {
+                        tracing::warn!(cluster = %req.cluster, error = %crate::cluster::Shown(&error), "reconcile failed with a terminal error; not retried until the object changes");
+                        Action::await_change()
+                    } else {
+                        tracing::warn!(cluster = %req.cluster, error = %crate::cluster::Shown(&error), "reconcile failed");
+                        error_policy(object.clone(), &error, &ctx)
+                    };
                     let action = counts.settle(&req, failed_at.as_deref(), action, true);
                     let failure = observer
                         .is_some()
@@ -705,6 +732,7 @@ mod tests {
             debounce: std::time::Duration::ZERO,
             disengage_grace: std::time::Duration::ZERO,
             failure_backoff: crate::FailureBackoff::default(),
+            reconcile_timeout: None,
             leader_only: false,
         }
     }

@@ -36,6 +36,8 @@ struct Single<C: ClusterId, S, F, EP> {
     metrics: Option<Arc<SingleMetrics>>,
     /// The result observer, if the controller has one.
     observer: Option<super::Observer<C>>,
+    /// How long a reconcile may run; `None` for no limit.
+    timeout: Option<Duration>,
 }
 
 /// A single-cluster controller's series: the reconcile ones and its workers (its queue is
@@ -67,6 +69,8 @@ impl Drop for Active {
 enum Failure<E> {
     Failed(E, Duration),
     Panicked(String, Duration),
+    /// Dropped at the reconcile timeout (the limit).
+    TimedOut(Duration, Duration),
 }
 
 impl<E> Failure<E> {
@@ -74,6 +78,7 @@ impl<E> Failure<E> {
         match self {
             Self::Failed(error, _) => Self::Failed(error, took),
             Self::Panicked(message, _) => Self::Panicked(message, took),
+            Self::TimedOut(limit, _) => Self::TimedOut(limit, took),
         }
     }
 }
@@ -83,6 +88,7 @@ impl<E: std::fmt::Display> std::fmt::Display for Failure<E> {
         match self {
             Self::Failed(error, _) => error.fmt(f),
             Self::Panicked(message, _) => write!(f, "the reconciler panicked: {message}"),
+            Self::TimedOut(limit, _) => write!(f, "the reconcile ran past its timeout ({limit:?})"),
         }
     }
 }
@@ -91,7 +97,7 @@ impl<E: std::error::Error + 'static> std::error::Error for Failure<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Failed(error, _) => Some(error),
-            Self::Panicked(..) => None,
+            Self::Panicked(..) | Self::TimedOut(..) => None,
         }
     }
 }
@@ -116,6 +122,15 @@ impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
         self.shared
             .failures
             .settle(&request, version.as_deref(), action, failed)
+    }
+
+    /// Whether `obj`'s reconcile said its error was terminal.
+    fn take_terminal<K: Resource>(&self, obj: &K) -> bool {
+        if self.shared.failures.is_empty() {
+            return false;
+        }
+        let request = crate::Request::from_obj(self.cluster.id().clone(), obj);
+        self.shared.failures.take_terminal(&request)
     }
 
     /// How many times `obj` failed in a row before.
@@ -268,6 +283,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         error_policy,
         tracker: tracker.clone(),
         name: spec.name.clone(),
+        timeout: spec.reconcile_timeout,
     });
     let running = controller
         .with_config(config)
@@ -313,6 +329,18 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                             result.map_err(|error| Failure::Failed(error, Duration::ZERO))
                         })
                 }));
+                // At the reconcile timeout the reconcile is dropped: a failure of its own.
+                let fut = fut.map(|fut| match single.timeout {
+                    None => futures::future::Either::Left(fut),
+                    Some(limit) => futures::future::Either::Right(
+                        tokio::time::timeout(limit, fut).map(move |done| {
+                            done.unwrap_or_else(|_| {
+                                tracing::warn!(?limit, "reconcile dropped at the reconcile timeout; retried after the object's backoff");
+                                Err(Failure::TimedOut(limit, Duration::ZERO))
+                            })
+                        }),
+                    ),
+                });
                 single.tracker.track_future(
                     async move {
                         let Some(fut) = fut else {
@@ -333,6 +361,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                             let outcome = match &result {
                                 Err(Failure::Failed(..)) => Outcome::Error,
                                 Err(Failure::Panicked(..)) => Outcome::Panic,
+                                Err(Failure::TimedOut(..)) => {
+                                    active.0.series.timed_out();
+                                    Outcome::Error
+                                }
                                 Ok(action) => Outcome::of(false, action),
                             };
                             active.0.series.reconciled(outcome, took);
@@ -368,14 +400,20 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 let (action, failure, took) = match error {
                     Failure::Failed(error, took) => {
                         let ctx = single.context(&obj).with_failures(single.prior(&*obj));
+                        let terminal = single.take_terminal(&*obj);
                         // The error policy is the user's code too: its panic is caught.
-                        let action = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            (single.error_policy)(obj.clone(), error, &ctx)
-                        }))
-                        .unwrap_or_else(|panic| {
-                            tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
-                            Action::requeue(super::PANIC_REQUEUE)
-                        });
+                        let action = if terminal {
+                            tracing::warn!(controller = %single.name, "the error is terminal; not retried until the object changes");
+                            Action::await_change()
+                        } else {
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                (single.error_policy)(obj.clone(), error, &ctx)
+                            }))
+                            .unwrap_or_else(|panic| {
+                                tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
+                                Action::requeue(super::PANIC_REQUEUE)
+                            })
+                        };
                         let action = single.settle(&*obj, action, true);
                         if action.requeue_after().is_none()
                             && let Some(metrics) = &single.metrics
@@ -390,6 +428,11 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     Failure::Panicked(message, took) => (
                         Action::requeue(super::PANIC_REQUEUE),
                         Some(super::Failure::Panic(message.clone())),
+                        *took,
+                    ),
+                    Failure::TimedOut(limit, took) => (
+                        single.settle(&*obj, Action::backoff(), true),
+                        Some(super::Failure::Timeout(*limit)),
                         *took,
                     ),
                 };
