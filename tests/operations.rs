@@ -871,6 +871,11 @@ const CONTROLLER_RUNTIME: &[(&str, &str, &[&str])] = &[
         &["controller"],
     ),
     (
+        "controller_runtime_reconcile_timeouts_total",
+        "counter",
+        &["controller"],
+    ),
+    (
         "controller_runtime_reconcile_time_seconds",
         "histogram",
         &["controller"],
