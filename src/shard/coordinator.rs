@@ -184,12 +184,13 @@ impl<C: ClusterId> Coordinator<C> {
             tokio::pin!(early);
             let mut changed = false;
             // A peer counting gone (or no longer live) changes the assignment without any
-            // Lease changing: the next round starts then, not up to a retry period later
-            // (but, as for a discovery change, no sooner than a quarter period in).
+            // Lease changing: the next round starts then, not up to a retry period later.
+            // Each such moment starts one round (it is past once that round has run), so
+            // there is no floor as for discovery changes: a round that began just before it
+            // must not hold the take-over back.
             let due = self
                 .peers
-                .next_due(Instant::now(), self.config.timing.lease_duration)
-                .map(|due| due.max(began + self.config.timing.retry_period / 4));
+                .next_due(Instant::now(), self.config.timing.lease_duration);
             // Between rounds: hand-offs finishing and fences reaching their deadline.
             loop {
                 let deadline = self.next_deadline();
