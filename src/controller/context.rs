@@ -58,6 +58,29 @@ pub(crate) struct Shared<C: ClusterId, S> {
     pub(crate) failures: super::Failures<Request<C>>,
 }
 
+impl<C: ClusterId, S> Shared<C, S> {
+    /// What the reconciles of the controller `spec` share in one run (`env`), in either mode.
+    pub(crate) fn new<K: crate::Watchable>(
+        spec: &super::Spec<K, C>,
+        env: &super::Env<C>,
+        state: Arc<S>,
+    ) -> Self {
+        Self {
+            state,
+            fleet: FleetView::new(env.fleet.clone()),
+            local: env.local.clone(),
+            shutdown: env.shutdown.clone(),
+            reporter: Reporter {
+                controller: spec.name.to_string(),
+                instance: Some(env.instance.to_string()),
+            },
+            abort: env.grace.abort.clone(),
+            tenure: env.tenure.clone(),
+            failures: super::Failures::new(spec.failure_backoff),
+        }
+    }
+}
+
 /// Object metadata behind a type-erased pointer.
 trait HasMeta: Send + Sync {
     fn object_meta(&self) -> &ObjectMeta;

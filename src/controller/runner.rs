@@ -37,7 +37,6 @@ use crate::cluster::Store;
 use futures::stream::{BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
 use kube_runtime::controller::trigger_self;
-use kube_runtime::events::Reporter;
 use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -48,7 +47,7 @@ use super::relations::{Baseline, seen_before};
 use super::{Env, ReconcileReason, Spec, Trigger};
 use crate::cluster::{CacheError, Change, Engagement, SharedWatch, panic_message};
 use crate::fleet::FleetEvent;
-use crate::{Action, ClusterId, Context, FleetView, Request, Watchable};
+use crate::{Action, ClusterId, Context, Request, Watchable};
 
 /// A reconcile in flight; it yields its request, what it asked for next, why, and whether the
 /// engagement it ran in had ended by the time it returned.
@@ -136,19 +135,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
     E: std::error::Error + Send + 'static,
     P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
 {
-    let shared = Arc::new(Shared {
-        state,
-        fleet: FleetView::new(env.fleet.clone()),
-        local: env.local.clone(),
-        shutdown: env.shutdown.clone(),
-        reporter: Reporter {
-            controller: spec.name.to_string(),
-            instance: Some(env.instance.to_string()),
-        },
-        abort: env.grace.abort.clone(),
-        tenure: env.tenure.clone(),
-        failures: super::Failures::new(spec.failure_backoff),
-    });
+    let shared = Arc::new(Shared::new(&spec, &env, state));
     let mut fleet_rx = spec.engage_fleet.then(|| env.fleet.subscribe());
     let mut slots = Slots {
         spec: spec.clone(),

@@ -16,7 +16,7 @@ use super::{Env, ObjectField, Spec};
 use crate::cluster::ClusterField;
 use crate::cluster::{listing, panic_message};
 use crate::metrics::{Outcome, Series};
-use crate::{Action, Cluster, ClusterId, Context, FleetView, Watchable};
+use crate::{Action, Cluster, ClusterId, Context, Watchable};
 use prometheus_client::metrics::gauge::Gauge;
 
 /// What the runner hands to each call: everything a [`Context`] needs, behind the one `Arc`
@@ -266,19 +266,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         metrics,
         observer: spec.observer.clone(),
         cluster,
-        shared: Arc::new(Shared {
-            state,
-            fleet: FleetView::new(env.fleet),
-            local: env.local,
-            shutdown: env.shutdown,
-            reporter: kube_runtime::events::Reporter {
-                controller: spec.name.to_string(),
-                instance: Some(env.instance.to_string()),
-            },
-            abort: env.grace.abort.clone(),
-            tenure: env.tenure.clone(),
-            failures: super::Failures::new(spec.failure_backoff),
-        }),
+        shared: Arc::new(Shared::new(&spec, &env, state)),
         reconcile,
         error_policy,
         tracker: tracker.clone(),
