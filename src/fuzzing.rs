@@ -232,7 +232,13 @@ async fn queue_machine(data: &[u8]) {
                     model.owed.insert(request.clone());
                 }
                 model.asked(&request);
-                queue.trigger(request, ReconcileReason::ObjectChanged);
+                // Listed objects go to the low lane: served later, never lost.
+                let reason = if arg & 0x80 == 0 {
+                    ReconcileReason::ObjectChanged
+                } else {
+                    ReconcileReason::Listed
+                };
+                queue.trigger(request, reason);
             }
             3 => {
                 // A mapper: one event, the same object in every cluster.

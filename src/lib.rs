@@ -82,8 +82,8 @@ pub use cluster::{
     RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster, strip_managed_fields,
 };
 pub use controller::{
-    Builder, Context, DEFAULT_DISENGAGE_GRACE, Failure, FailureBackoff, PANIC_REQUEUE, Reconciled,
-    Watchable,
+    Builder, Context, DEFAULT_DISENGAGE_GRACE, DEFAULT_RESYNC, Failure, FailureBackoff,
+    PANIC_REQUEUE, Reconciled, Watchable,
 };
 pub use fleet::{ClusterEvent, ClusterEvents, EngageError, Engaged, Fleet, FleetView};
 pub use fleet_api::{

@@ -1,7 +1,7 @@
 //! The reconcile loop controller-runtime users expect, in both modes against a real control
 //! plane: per-object failure backoff (its curve, its reset by a change and by a success, a
-//! sibling and another cluster unaffected), the rate-limited requeue, terminal errors and the
-//! reconcile timeout.
+//! sibling and another cluster unaffected), the rate-limited requeue, terminal errors, the
+//! reconcile timeout, live changes before listed objects, and the periodic resync.
 
 mod common;
 
@@ -473,4 +473,229 @@ async fn fleet_mode_backs_off_per_object_and_cluster_and_starts_over_on_change_o
     let metrics = Metrics::new(&mut registry);
     let manager = Arc::new(Manager::new(clusters).metrics(metrics));
     backoff_scenario(manager, client, "one", Some("two"), Arc::new(registry)).await;
+}
+
+/// Every reconcile's start, in order: `(cluster/name, when)`.
+#[derive(Default)]
+struct Starts(Mutex<Vec<(String, Instant)>>);
+
+impl Starts {
+    fn all(&self) -> Vec<(String, Instant)> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+const ORDER_NS: &str = "order";
+const LISTED: usize = 120;
+const ORDER_CONCURRENCY: u16 = 2;
+
+/// Records the start, then takes 100 ms.
+async fn slow<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Starts>,
+) -> Result<Action, Refused> {
+    let key = format!("{}/{}", ctx.request().cluster, cm.name_any());
+    ctx.state().0.lock().unwrap().push((key, Instant::now()));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    Ok(Action::await_change())
+}
+
+/// The attempts of a resync controller: when, at which version.
+#[derive(Default)]
+struct Seen(Mutex<HashMap<String, Vec<(Instant, String)>>>);
+
+async fn seen<C: ClusterId>(cm: Arc<ConfigMap>, ctx: Context<C, Seen>) -> Result<Action, Refused> {
+    let key = format!("{}/{}", ctx.request().cluster, cm.name_any());
+    let version = cm.resource_version().unwrap_or_default();
+    ctx.state()
+        .0
+        .lock()
+        .unwrap()
+        .entry(key)
+        .or_default()
+        .push((Instant::now(), version));
+    Ok(Action::await_change())
+}
+
+/// How many LIST and finished WATCH requests for ConfigMaps the API server has served (a
+/// relist shows as both; a healthy watch counts when it ends).
+async fn configmap_lists_and_watches(client: &kube::Client) -> u64 {
+    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let text = client.request_text(request).await.unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("apiserver_request_total{")
+                && l.contains("resource=\"configmaps\"")
+                && (l.contains("verb=\"LIST\"") || l.contains("verb=\"WATCH\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Live changes before listed objects, and the periodic resync without a relist, in
+/// whichever mode `manager` runs; `clusters` are the cluster ids as the reconciler sees them.
+async fn order_and_resync_scenario<P: Provider>(
+    manager: Arc<Manager<P>>,
+    client: kube::Client,
+    clusters: &[&str],
+) where
+    P::Id: ClusterId,
+{
+    create_namespace(&client, ORDER_NS).await;
+    let api = Api::<ConfigMap>::namespaced(client.clone(), ORDER_NS);
+    let order_object = |name: &str, label: &str| ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ORDER_NS.into()),
+            labels: Some([(label.to_string(), "yes".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    for i in 0..LISTED {
+        api.create(
+            &PostParams::default(),
+            &order_object(&format!("listed-{i:03}"), "order"),
+        )
+        .await
+        .unwrap();
+    }
+    api.create(&PostParams::default(), &order_object("r", "resync"))
+        .await
+        .unwrap();
+    let starts = Arc::new(Starts::default());
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("order"))
+        .named("order")
+        .concurrency(ORDER_CONCURRENCY)
+        .start(slow, |_, _, _| Action::await_change(), starts.clone());
+    const PERIOD: Duration = Duration::from_secs(2);
+    let resyncs = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("resync"))
+        .named("resync")
+        .resync_every(Some(PERIOD))
+        .start(seen, |_, _, _| Action::await_change(), resyncs.clone());
+    let run = spawn_manager(&manager);
+
+    // The listing is being reconciled, two at a time, 100 ms each: a change now.
+    eventually(30, "the listing's first reconciles", async || {
+        starts.all().len() >= 6
+    })
+    .await;
+    let created = Instant::now();
+    api.create(&PostParams::default(), &order_object("live", "order"))
+        .await
+        .unwrap();
+    let live_keys: Vec<String> = clusters.iter().map(|c| format!("{c}/live")).collect();
+    eventually(30, "the live object's reconciles", async || {
+        let all = starts.all();
+        live_keys.iter().all(|k| all.iter().any(|(s, _)| s == k))
+    })
+    .await;
+    let all = starts.all();
+    for (cluster, key) in clusters.iter().zip(&live_keys) {
+        let prefix = format!("{cluster}/listed-");
+        let live_at = all.iter().find(|(s, _)| s == key).unwrap().1;
+        let listed: Vec<Instant> = all
+            .iter()
+            .filter(|(s, _)| s.starts_with(&prefix))
+            .map(|(_, at)| *at)
+            .collect();
+        let ahead = listed
+            .iter()
+            .filter(|at| **at > created && **at < live_at)
+            .count();
+        // The ones running when the change came, plus what started while its event was on
+        // its way (at most 0.6 s of it): not the listing's rest.
+        assert!(
+            ahead <= 8,
+            "{key}: {ahead} listed objects started between the change and its reconcile"
+        );
+        // Not vacuous: most of the listing was still waiting when the change ran.
+        eventually(60, &format!("{cluster}'s listing done"), async || {
+            starts
+                .all()
+                .iter()
+                .filter(|(s, _)| s.starts_with(&prefix))
+                .count()
+                >= LISTED
+        })
+        .await;
+        let after = starts
+            .all()
+            .iter()
+            .filter(|(s, at)| s.starts_with(&prefix) && *at > live_at)
+            .count();
+        assert!(
+            after >= LISTED / 2,
+            "{key} ran after all but {after} of the listing: it was not ahead of it"
+        );
+    }
+
+    // The resync: every period (±10 %) again, the object unchanged, nothing listed again.
+    let key = format!("{}/r", clusters[0]);
+    let lists = {
+        eventually(30, "the resync object's first reconcile", async || {
+            resyncs
+                .0
+                .lock()
+                .unwrap()
+                .get(&key)
+                .is_some_and(|v| !v.is_empty())
+        })
+        .await;
+        configmap_lists_and_watches(&client).await
+    };
+    eventually(30, "three resyncs", async || {
+        resyncs
+            .0
+            .lock()
+            .unwrap()
+            .get(&key)
+            .is_some_and(|v| v.len() >= 4)
+    })
+    .await;
+    let attempts = resyncs.0.lock().unwrap().get(&key).cloned().unwrap();
+    assert!(
+        attempts.iter().all(|(_, v)| *v == attempts[0].1),
+        "the object did not change: {attempts:?}"
+    );
+    // From the first resync on (the first reconcile came with the listing, after the
+    // period had begun).
+    for pair in attempts[1..4].windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        assert!(
+            gap >= PERIOD.mul_f64(0.9) - Duration::from_millis(5)
+                && gap < PERIOD.mul_f64(1.1) + Duration::from_secs(1),
+            "resync gap {gap:?} for a period of {PERIOD:?}"
+        );
+    }
+    assert_eq!(
+        configmap_lists_and_watches(&client).await,
+        lists,
+        "a resync reads the cache: no list, no watch restarted"
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn single_mode_puts_live_changes_before_listed_objects_and_resyncs_from_the_cache() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    order_and_resync_scenario(manager, client, &[""]).await;
+}
+
+#[tokio::test]
+async fn fleet_mode_puts_live_changes_before_listed_objects_and_resyncs_from_the_cache() {
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    let clusters = Clusters::new();
+    for id in ["one", "two"] {
+        clusters
+            .add(Cluster::new(name(id), client.clone()))
+            .unwrap();
+    }
+    let manager = Arc::new(Manager::new(clusters));
+    order_and_resync_scenario(manager, client, &["one", "two"]).await;
 }

@@ -69,6 +69,10 @@ pub(crate) struct Change<K> {
     /// Whether it comes from the first complete listing (or a replay of the store to a late
     /// subscriber) rather than from a later change.
     pub(crate) initial: bool,
+    /// Whether it is no news: listed (first listing, replay, or a relist that found it at
+    /// the resourceVersion the store held), not seen changing. Such changes are reconciled
+    /// after live ones.
+    pub(crate) listed: bool,
 }
 
 impl<K> Clone for Change<K> {
@@ -77,6 +81,7 @@ impl<K> Clone for Change<K> {
             object: self.object.clone(),
             deleted: self.deleted,
             initial: self.initial,
+            listed: self.listed,
         }
     }
 }
@@ -193,6 +198,7 @@ where
                 object,
                 deleted: false,
                 initial: true,
+                listed: true,
             });
         }
         if subscribers.open {
@@ -320,7 +326,9 @@ where
 /// The objects of a listing in progress: the store swaps them in only at InitDone, so their
 /// notifications wait until then (a reconcile must find the object in the store).
 struct Listing {
-    refs: Vec<ObjectKey>,
+    /// The listing's objects, each with whether the store held it at the same
+    /// resourceVersion before (always for the first listing).
+    refs: Vec<(ObjectKey, bool)>,
     first: bool,
 }
 
@@ -419,6 +427,7 @@ fn step<K: Watchable>(
                 object: obj,
                 deleted: false,
                 initial: false,
+                listed: false,
             });
         }
         Event::Delete(obj) => {
@@ -428,6 +437,7 @@ fn step<K: Watchable>(
                 object: obj,
                 deleted: true,
                 initial: false,
+                listed: false,
             });
         }
         Event::Init => {
@@ -435,7 +445,14 @@ fn step<K: Watchable>(
             writer.init();
         }
         Event::InitApply(obj) => {
-            listing.refs.push(ObjectKey::of(&*obj));
+            let key = ObjectKey::of(&*obj);
+            // The store serves its old content until the listing is done.
+            let unchanged = listing.first
+                || store.get_key(&key).is_some_and(|held| {
+                    held.meta().resource_version == obj.meta().resource_version
+                        && held.meta().uid == obj.meta().uid
+                });
+            listing.refs.push((key, unchanged));
             writer.init_apply(obj);
         }
         Event::InitDone => {
@@ -452,12 +469,13 @@ fn step<K: Watchable>(
                 .state
                 .send_replace(WatchState::Synced { error: None });
             // Taken, not drained: a big listing's buffer is not kept for the next one.
-            for obj_ref in std::mem::take(&mut listing.refs) {
+            for (obj_ref, unchanged) in std::mem::take(&mut listing.refs) {
                 if let Some(object) = store.get_key(&obj_ref) {
                     shared.notify(Change {
                         object,
                         deleted: false,
                         initial: listing.first,
+                        listed: unchanged,
                     });
                 }
             }
@@ -467,6 +485,7 @@ fn step<K: Watchable>(
                         object,
                         deleted: true,
                         initial: false,
+                        listed: false,
                     });
                 }
             }
@@ -584,6 +603,57 @@ mod tests {
         let relist = drain(&mut changes, 3).await;
         assert_eq!(relist, ["+kept/1", "+recreated/4", "-gone/2"]);
         assert!(shared.is_synced());
+    }
+
+    #[tokio::test]
+    async fn a_relist_marks_as_no_news_only_what_it_found_at_the_version_held() {
+        let at = |name: &str, uid: &str, version: &str| {
+            let mut object = cm(name, uid);
+            object.metadata.resource_version = Some(version.into());
+            object
+        };
+        let shared = watch(
+            vec![
+                Event::Init,
+                Event::InitApply(at("same", "1", "10")),
+                Event::InitApply(at("edited", "2", "11")),
+                Event::InitApply(at("recreated", "3", "12")),
+                Event::InitDone,
+                Event::Apply(at("live", "4", "13")),
+                Event::Init,
+                Event::InitApply(at("same", "1", "10")),
+                Event::InitApply(at("edited", "2", "20")),
+                Event::InitApply(at("recreated", "5", "12")),
+                Event::InitApply(at("new", "6", "21")),
+                Event::InitApply(at("live", "4", "13")),
+                Event::InitDone,
+            ],
+            false,
+            &[],
+            None,
+        );
+        let mut changes = Box::pin(shared.subscribe());
+        let mut seen = Vec::new();
+        while seen.len() < 9 {
+            let change = changes.next().await.expect("a change");
+            let name = change.object.metadata.name.clone().unwrap_or_default();
+            seen.push((name, change.initial, change.listed));
+        }
+        let seen: Vec<_> = seen.iter().map(|(n, i, l)| (n.as_str(), *i, *l)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("same", true, true),
+                ("edited", true, true),
+                ("recreated", true, true),
+                ("live", false, false),
+                ("same", false, true),
+                ("edited", false, false),
+                ("recreated", false, false),
+                ("new", false, false),
+                ("live", false, true),
+            ]
+        );
     }
 
     #[tokio::test]

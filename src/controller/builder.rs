@@ -109,6 +109,8 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 disengage_grace: DEFAULT_DISENGAGE_GRACE,
                 failure_backoff: FailureBackoff::default(),
                 reconcile_timeout: None,
+                changes_first: true,
+                resync: Some(super::DEFAULT_RESYNC),
                 observer: None,
                 leader_only: false,
             },
@@ -451,6 +453,37 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     /// stop more gracefully should bound its own calls below the timeout.
     pub fn reconcile_timeout(mut self, timeout: Duration) -> Self {
         self.spec.reconcile_timeout = Some(timeout);
+        self
+    }
+
+    /// Reconciles every object in the controller's caches again about every `period`
+    /// (controller-runtime's `SyncPeriod`): each period is drawn within ±10 % of it, per
+    /// cluster. Default [`DEFAULT_RESYNC`](crate::DEFAULT_RESYNC), 10 hours, as
+    /// controller-runtime's; `None` turns it off (kube-runtime has none). A resync reads the
+    /// cache: nothing is listed again while the watch is healthy. Its requests wait behind
+    /// live changes ([`Builder::changes_first`]), and they are not filtered by the
+    /// [`Builder::predicate`] (controller-runtime's `GenerationChangedPredicate` would drop
+    /// them, which defeats a resync). A reconcile that wants its own period asks for it with
+    /// [`Action::requeue`].
+    pub fn resync_every(mut self, period: Option<Duration>) -> Self {
+        self.spec.resync = period.filter(|p| !p.is_zero());
+        self
+    }
+
+    /// Whether objects that come from a listing without news wait behind live changes: on
+    /// by default (controller-runtime's priority queue, on by default since v0.23, with its
+    /// low priority for unchanged objects). Those are the objects of a cluster's first
+    /// listing, of a relist that found them at the resourceVersion the cache held, and of a
+    /// periodic resync ([`Builder::resync_every`]), and the requests their related objects
+    /// (`owns`, `watches`) map to in the same cases. A reconcile that asks to run again keeps
+    /// the place it had. With a concurrency limit ([`Builder::concurrency`]), a change made
+    /// while a cluster of 10,000 objects is being listed and reconciled then waits for the
+    /// reconciles already running, not for the listing; clusters still take turns within
+    /// each of the two lanes. So that a steady stream of changes cannot hold a listing back
+    /// for ever, one listed object starts after every 16 changes while both wait
+    /// (controller-runtime's queue has no such share). `false`: one lane, in arrival order.
+    pub fn changes_first(mut self, on: bool) -> Self {
+        self.spec.changes_first = on;
         self
     }
 

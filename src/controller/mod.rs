@@ -5,6 +5,7 @@
 mod backoff;
 mod builder;
 mod context;
+mod gate;
 mod queue;
 mod relations;
 mod runner;
@@ -31,10 +32,17 @@ use crate::{Cluster, ClusterId, Fleet, Request, WatchBackoff};
 /// reason replaces an earlier one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum ReconcileReason {
-    /// The object itself changed (or was listed).
+    /// The object itself changed.
     ObjectChanged,
+    /// The object was listed (a first listing, or a relist that found it unchanged): it
+    /// waits behind live changes.
+    Listed,
     /// A related object (owned or watched) of this kind changed.
     RelatedObjectChanged(Arc<str>),
+    /// A related object of this kind was listed, unchanged: it waits behind live changes.
+    RelatedListed(Arc<str>),
+    /// The periodic resync of every cached object: it waits behind live changes.
+    Resync,
     /// The previous reconcile asked to be requeued.
     Requeue,
     /// The previous reconcile asked to be requeued after its object's backoff
@@ -57,7 +65,10 @@ impl fmt::Display for ReconcileReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::ObjectChanged => f.write_str("object changed"),
+            Self::Listed => f.write_str("object listed"),
             Self::RelatedObjectChanged(kind) => write!(f, "related {kind} changed"),
+            Self::RelatedListed(kind) => write!(f, "related {kind} listed"),
+            Self::Resync => f.write_str("periodic resync"),
             Self::Requeue => f.write_str("requeue"),
             Self::Backoff => f.write_str("backoff requeue"),
             Self::ErrorPolicy => f.write_str("error policy requeue"),
@@ -66,6 +77,37 @@ impl fmt::Display for ReconcileReason {
             Self::Bulk => f.write_str("bulk reconcile"),
             Self::Given => f.write_str("trigger stream"),
         }
+    }
+}
+
+/// How often every cached object is reconciled again by default: controller-runtime's
+/// `SyncPeriod` default (10 hours), each period drawn within ±10 % of it.
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10 * 3600);
+
+/// A resync period drawn within ±10 % of `period` (as controller-runtime spreads its
+/// informers' resyncs), so clusters engaged together do not resync together.
+pub(crate) fn jittered_resync(period: Duration) -> Duration {
+    period.mul_f64(0.9 + 0.2 * crate::cluster::random_unit())
+}
+
+/// Ticks every [`jittered_resync`] of `period`, until `ended` is cancelled.
+pub(crate) fn resync_ticks(
+    period: Duration,
+    ended: CancellationToken,
+) -> impl futures::Stream<Item = ()> + Send + 'static {
+    use futures::StreamExt;
+    futures::stream::unfold((), move |()| async move {
+        tokio::time::sleep(jittered_resync(period)).await;
+        Some(((), ()))
+    })
+    .take_until(ended.cancelled_owned())
+}
+
+impl ReconcileReason {
+    /// Whether requests queued for this reason wait behind the others (controller-runtime's
+    /// low priority for objects of an initial listing and resyncs).
+    pub(crate) fn is_low(&self) -> bool {
+        matches!(self, Self::Listed | Self::RelatedListed(_) | Self::Resync)
     }
 }
 
@@ -160,6 +202,10 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) failure_backoff: FailureBackoff,
     /// How long a reconcile may run before it is dropped; `None` for no limit.
     pub(crate) reconcile_timeout: Option<Duration>,
+    /// Whether listed objects without news wait behind live changes.
+    pub(crate) changes_first: bool,
+    /// Every cached object is reconciled again after about this long; `None`: never.
+    pub(crate) resync: Option<Duration>,
     pub(crate) observer: Option<Observer<C>>,
     /// Runs on the leader only when the manager is sharded (without sharding, every
     /// controller is the leader's when there is leader election).

@@ -27,40 +27,71 @@ use super::ReconcileReason;
 use crate::metrics::{Metrics, Outcome, Series};
 use crate::{Action, ClusterId, Request};
 
-/// Ready requests grouped by cluster, served round-robin, with at most `cap` of one cluster in
+/// After this many requests of the normal lane in a row while listed ones wait, one of the
+/// low lane is served: live changes go first, but a steady stream of them cannot starve a
+/// cluster's listing for good (controller-runtime's priority queue can).
+pub(crate) const LOW_SHARE: u32 = 16;
+
+/// Which lane a request waits in: live changes, or listed objects with no news (a first
+/// listing, an unchanged relist, a resync), which go after them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    Normal = 0,
+    Low = 1,
+}
+
+impl Lane {
+    /// The lane for requests queued for `reason`.
+    pub(crate) fn of(reason: &ReconcileReason) -> Self {
+        if reason.is_low() {
+            Self::Low
+        } else {
+            Self::Normal
+        }
+    }
+}
+
+/// Ready requests grouped by cluster and lane, served round-robin within a lane, the normal
+/// lane before the low one (but see [`LOW_SHARE`]), with at most `cap` of one cluster in
 /// flight at once (so a cluster whose API calls hang cannot hold every slot). Each request
 /// carries a payload `R` (why it was queued); for a request pushed twice the first payload is
-/// kept.
+/// kept, unless the second push moves it to the normal lane.
 #[derive(Debug)]
 pub(crate) struct FairQueue<C: ClusterId, R = ()> {
-    /// Per cluster, its ready requests in arrival order. Never holds an empty deque.
-    queues: HashMap<C, VecDeque<(Request<C>, R)>>,
-    /// Clusters with ready requests, in the order they are served next; each exactly once,
-    /// and exactly the keys of `queues`.
-    rotation: VecDeque<C>,
-    /// Every request in `queues` (for deduplication).
-    queued: HashSet<Request<C>>,
-    /// Requests handed out by `pop` and not yet `done`, with when they were handed out.
-    in_flight: HashMap<Request<C>, Instant>,
+    /// Per cluster, its ready requests in arrival order, per lane. A request moved from the
+    /// low lane to the normal one stays behind in the low deque (skipped when reached).
+    /// Never holds a cluster with both deques empty.
+    queues: HashMap<C, [VecDeque<Request<C>>; 2]>,
+    /// Per lane, the clusters with requests in it, in the order they are served next; each
+    /// once, and exactly the clusters whose deque of that lane is not empty.
+    rotation: [VecDeque<C>; 2],
+    /// Every queued request, with its payload and lane.
+    queued: HashMap<Request<C>, (R, Lane)>,
+    /// Requests handed out by `pop` and not yet `done`, with when they were handed out and
+    /// from which lane.
+    in_flight: HashMap<Request<C>, (Instant, Lane)>,
     /// In-flight requests that were pushed again; they are queued once they are done, so the
     /// change that caused the push is not lost, and never run twice at once.
-    dirty: HashMap<Request<C>, R>,
+    dirty: HashMap<Request<C>, (R, Lane)>,
     /// How many requests of each cluster are in flight (clusters with none are absent).
     in_flight_per_cluster: HashMap<C, usize>,
     /// At most this many in flight per cluster; 0 for no limit.
     cap: usize,
+    /// Normal requests served in a row while the low lane had some.
+    streak: u32,
 }
 
 impl<C: ClusterId, R> Default for FairQueue<C, R> {
     fn default() -> Self {
         Self {
             queues: HashMap::default(),
-            rotation: VecDeque::new(),
-            queued: HashSet::default(),
+            rotation: [VecDeque::new(), VecDeque::new()],
+            queued: HashMap::default(),
             in_flight: HashMap::default(),
             dirty: HashMap::default(),
             in_flight_per_cluster: HashMap::default(),
             cap: 0,
+            streak: 0,
         }
     }
 }
@@ -85,25 +116,43 @@ impl<C: ClusterId, R> FairQueue<C, R> {
                 < self.cap
     }
 
-    /// Adds a request that is due. A request already queued is not added twice; one in
-    /// flight is queued again when it is done. True if it was queued now.
-    pub(crate) fn push(&mut self, req: Request<C>, payload: R) -> bool {
+    /// Adds a request that is due, in `lane`. A request already queued is not added twice
+    /// (but moves to the normal lane if pushed there); one in flight is queued again when it
+    /// is done. True if it was queued now.
+    pub(crate) fn push(&mut self, req: Request<C>, payload: R, lane: Lane) -> bool {
         if self.in_flight.contains_key(&req) {
-            self.dirty.entry(req).or_insert(payload);
-            return false;
-        }
-        if self.queued.contains(&req) {
-            return false;
-        }
-        self.queued.insert(req.clone());
-        match self.queues.entry(req.cluster.clone()) {
-            Entry::Occupied(mut q) => q.get_mut().push_back((req, payload)),
-            Entry::Vacant(v) => {
-                self.rotation.push_back(req.cluster.clone());
-                v.insert(VecDeque::from([(req, payload)]));
+            match self.dirty.entry(req) {
+                Entry::Occupied(mut again) => {
+                    if lane == Lane::Normal && again.get().1 == Lane::Low {
+                        again.insert((payload, lane));
+                    }
+                }
+                Entry::Vacant(again) => {
+                    again.insert((payload, lane));
+                }
             }
+            return false;
         }
+        if let Some(queued) = self.queued.get_mut(&req) {
+            if lane == Lane::Normal && queued.1 == Lane::Low {
+                *queued = (payload, lane);
+                self.append(req, lane);
+            }
+            return false;
+        }
+        self.queued.insert(req.clone(), (payload, lane));
+        self.append(req, lane);
         true
+    }
+
+    /// Puts `req` at the end of its cluster's deque of `lane`.
+    fn append(&mut self, req: Request<C>, lane: Lane) {
+        let deques = self.queues.entry(req.cluster.clone()).or_default();
+        let deque = &mut deques[lane as usize];
+        if deque.is_empty() {
+            self.rotation[lane as usize].push_back(req.cluster.clone());
+        }
+        deque.push_back(req);
     }
 
     /// [`FairQueue::pop_at`] now.
@@ -112,36 +161,73 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         self.pop_at(Instant::now())
     }
 
-    /// Takes the next request: the oldest of the first cluster in turn that is under its cap
-    /// (a cluster at its cap keeps its place in the rotation). It counts as in flight from
-    /// `now` until [`FairQueue::done`].
+    /// Takes the next request: from the normal lane if it has one for a cluster under its
+    /// cap (every [`LOW_SHARE`]th time from the low lane first), the oldest of the first
+    /// cluster in that lane's turn (a cluster at its cap keeps its place). It counts as in
+    /// flight from `now` until [`FairQueue::done`].
     pub(crate) fn pop_at(&mut self, now: Instant) -> Option<(Request<C>, R)> {
-        let turn = self.rotation.iter().position(|c| self.under_cap(c))?;
-        let cluster = self.rotation.remove(turn)?;
-        let Entry::Occupied(mut entry) = self.queues.entry(cluster) else {
-            debug_assert!(false, "a cluster in the rotation has a queue");
-            return None;
-        };
-        let (req, payload) = entry.get_mut().pop_front()?;
-        if entry.get().is_empty() {
-            entry.remove();
+        let order = if self.streak >= LOW_SHARE {
+            [Lane::Low, Lane::Normal]
         } else {
-            self.rotation.push_back(entry.key().clone());
+            [Lane::Normal, Lane::Low]
+        };
+        let (req, payload, lane) = order
+            .into_iter()
+            .find_map(|lane| self.pop_lane(lane).map(|(r, p)| (r, p, lane)))?;
+        if lane == Lane::Normal && !self.rotation[Lane::Low as usize].is_empty() {
+            self.streak += 1;
+        } else {
+            self.streak = 0;
         }
-        self.queued.remove(&req);
         if self.queued.is_empty() && self.queued.capacity() > 1024 {
             // A backlog (a thousand clusters' first listings) drained: its tables are not
             // kept at their peak size.
             self.queued.shrink_to_fit();
             self.queues.shrink_to_fit();
-            self.rotation.shrink_to_fit();
+            for rotation in &mut self.rotation {
+                rotation.shrink_to_fit();
+            }
         }
-        self.in_flight.insert(req.clone(), now);
+        self.in_flight.insert(req.clone(), (now, lane));
         *self
             .in_flight_per_cluster
             .entry(req.cluster.clone())
             .or_default() += 1;
         Some((req, payload))
+    }
+
+    /// The oldest request of `lane` of the first cluster in that lane's turn that is under
+    /// its cap, taken out of the queue.
+    fn pop_lane(&mut self, lane: Lane) -> Option<(Request<C>, R)> {
+        let l = lane as usize;
+        loop {
+            let turn = self.rotation[l].iter().position(|c| self.under_cap(c))?;
+            let cluster = self.rotation[l].remove(turn)?;
+            let Entry::Occupied(mut entry) = self.queues.entry(cluster) else {
+                debug_assert!(false, "a cluster in the rotation has a queue");
+                return None;
+            };
+            let deque = &mut entry.get_mut()[l];
+            let mut found = None;
+            while let Some(req) = deque.pop_front() {
+                // Skipped: a request that moved to the normal lane (or was served there).
+                if self.queued.get(&req).is_some_and(|(_, at)| *at == lane) {
+                    found = Some(req);
+                    break;
+                }
+            }
+            if !deque.is_empty() {
+                self.rotation[l].push_back(entry.key().clone());
+            }
+            if entry.get().iter().all(VecDeque::is_empty) {
+                entry.remove();
+            }
+            if let Some(req) = found
+                && let Some((payload, _)) = self.queued.remove(&req)
+            {
+                return Some((req, payload));
+            }
+        }
     }
 
     /// Marks an in-flight request finished; if it was pushed meanwhile it is queued again
@@ -151,8 +237,9 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         self.done_started(req).0
     }
 
-    /// [`FairQueue::done`], with when the request was handed out (if it was in flight).
-    pub(crate) fn done_started(&mut self, req: &Request<C>) -> (bool, Option<Instant>) {
+    /// [`FairQueue::done`], with when the request was handed out and from which lane (if it
+    /// was in flight).
+    pub(crate) fn done_started(&mut self, req: &Request<C>) -> (bool, Option<(Instant, Lane)>) {
         let Some(started) = self.in_flight.remove(req) else {
             return (false, None);
         };
@@ -163,7 +250,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             }
         }
         let requeued = match self.dirty.remove_entry(req) {
-            Some((req, payload)) => self.push(req, payload),
+            Some((req, (payload, lane))) => self.push(req, payload, lane),
             None => false,
         };
         (requeued, Some(started))
@@ -174,17 +261,19 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         self.in_flight
             .iter()
             .filter(move |(r, _)| &r.cluster == cluster)
-            .map(|(_, at)| *at)
+            .map(|(_, (at, _))| *at)
     }
 
     /// Drops everything queued for `cluster` (it was disengaged). In-flight requests finish
     /// on their own; their pending re-runs are dropped too.
     pub(crate) fn remove_cluster(&mut self, cluster: &C) {
-        if let Some(q) = self.queues.remove(cluster) {
-            for (req, _) in q {
-                self.queued.remove(&req);
+        if let Some(deques) = self.queues.remove(cluster) {
+            for req in deques.iter().flatten() {
+                self.queued.remove(req);
             }
-            self.rotation.retain(|c| c != cluster);
+            for rotation in &mut self.rotation {
+                rotation.retain(|c| c != cluster);
+            }
         }
         self.dirty.retain(|r, _| &r.cluster != cluster);
     }
@@ -210,7 +299,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
 /// A scheduler message: equal (and hashed) by request only, so that kube-runtime's scheduler
 /// deduplicates requests whatever their reasons.
 #[derive(Clone, Debug)]
-struct Queued<C: ClusterId>(Request<C>, ReconcileReason);
+struct Queued<C: ClusterId>(Request<C>, ReconcileReason, Lane);
 
 impl<C: ClusterId> PartialEq for Queued<C> {
     fn eq(&self, other: &Self) -> bool {
@@ -251,6 +340,8 @@ pub(crate) struct FleetQueue<C: ClusterId> {
     engaged: HashSet<C>,
     /// 0 for no limit.
     concurrency: usize,
+    /// Whether listed requests go to the low lane (else every request is normal).
+    lanes: bool,
     metrics: Option<QueueMetrics<C>>,
 }
 
@@ -279,8 +370,16 @@ impl<C: ClusterId> FleetQueue<C> {
             ready: FairQueue::with_cap(per_cluster),
             engaged: HashSet::default(),
             concurrency,
+            lanes: true,
             metrics: None,
         }
+    }
+
+    /// With `false`, one lane for every request: listed objects are not put behind live
+    /// changes.
+    pub(crate) fn with_lanes(mut self, lanes: bool) -> Self {
+        self.lanes = lanes;
+        self
     }
 
     /// Keeps `controller`'s series in `metrics` up to date.
@@ -343,20 +442,26 @@ impl<C: ClusterId> FleetQueue<C> {
         self.engaged.contains(cluster)
     }
 
-    /// Asks for `req` to be reconciled now (after the debounce).
+    /// Asks for `req` to be reconciled now (after the debounce), in the low lane if
+    /// `reason` says it is no news.
     pub(crate) fn trigger(&mut self, req: Request<C>, reason: ReconcileReason) {
-        if self.debounce.is_zero() && !self.scheduled.contains(&req) {
-            self.due(req, reason);
+        let lane = if self.lanes {
+            Lane::of(&reason)
         } else {
-            self.schedule(req, reason, Instant::now());
+            Lane::Normal
+        };
+        if self.debounce.is_zero() && !self.scheduled.contains(&req) {
+            self.due(req, reason, lane);
+        } else {
+            self.schedule(req, reason, lane, Instant::now());
         }
     }
 
     /// `req` is due: into the fair queue if its cluster is engaged.
-    fn due(&mut self, req: Request<C>, reason: ReconcileReason) {
+    fn due(&mut self, req: Request<C>, reason: ReconcileReason, lane: Lane) {
         if self.engaged.contains(&req.cluster) {
             let cluster = req.cluster.clone();
-            if self.ready.push(req, (reason, Instant::now())) {
+            if self.ready.push(req, (reason, Instant::now()), lane) {
                 self.queued(&cluster);
             }
         } else {
@@ -364,17 +469,17 @@ impl<C: ClusterId> FleetQueue<C> {
         }
     }
 
-    fn schedule(&mut self, req: Request<C>, reason: ReconcileReason, run_at: Instant) {
+    fn schedule(&mut self, req: Request<C>, reason: ReconcileReason, lane: Lane, run_at: Instant) {
         self.scheduled.insert(req.clone());
         // The receiver lives in `self.scheduler`, so the send cannot fail.
         let _ = self.schedule_tx.send(ScheduleRequest {
-            message: Queued(req, reason),
+            message: Queued(req, reason, lane),
             run_at,
         });
     }
 
     /// Marks `req`, handed out by [`FleetQueue::poll_next`], finished; schedules it again
-    /// after the action's delay if its cluster is still engaged.
+    /// after the action's delay, in the lane it came from, if its cluster is still engaged.
     /// `took` is how long the reconcile ran, if it was timed (metrics are kept).
     pub(crate) fn finish(
         &mut self,
@@ -387,6 +492,10 @@ impl<C: ClusterId> FleetQueue<C> {
             m.active.dec();
         }
         let (requeued, began) = self.ready.done_started(&req);
+        let (began, lane) = match began {
+            Some((at, lane)) => (Some(at), lane),
+            None => (None, Lane::Normal),
+        };
         if let Some(took) = took
             && let Some(series) = self.series(&req.cluster)
         {
@@ -413,7 +522,7 @@ impl<C: ClusterId> FleetQueue<C> {
             // Any delay a user can ask for is accepted: beyond half a year (where tokio's
             // delay queue would panic) it is capped, as kube-runtime's scheduler does.
             let delay = delay.min(MAX_DELAY);
-            self.schedule(req, reason, Instant::now() + delay);
+            self.schedule(req, reason, lane, Instant::now() + delay);
         }
     }
 
@@ -425,9 +534,11 @@ impl<C: ClusterId> FleetQueue<C> {
     ) -> Poll<(Request<C>, ReconcileReason)> {
         // Move everything due into the fair queue first, so clusters take turns among all
         // that is due rather than in the order their delays ran out.
-        while let Poll::Ready(Some(Queued(req, reason))) = self.scheduler.as_mut().poll_next(cx) {
+        while let Poll::Ready(Some(Queued(req, reason, lane))) =
+            self.scheduler.as_mut().poll_next(cx)
+        {
             self.scheduled.remove(&req);
-            self.due(req, reason);
+            self.due(req, reason, lane);
         }
         if self.scheduled.is_empty() && self.scheduled.capacity() > 1024 {
             // A debounced burst came due: its table is not kept at its peak size.
@@ -477,7 +588,10 @@ mod tests {
 
     impl FairQueue<ClusterName> {
         fn push_(&mut self, r: Request<ClusterName>) {
-            self.push(r, ());
+            self.push(r, (), Lane::Normal);
+        }
+        fn push_low(&mut self, r: Request<ClusterName>) {
+            self.push(r, (), Lane::Low);
         }
     }
 
@@ -563,6 +677,76 @@ mod tests {
         assert!(q.is_in_flight(&r));
         q.done(&r);
         assert!(q.pop().map(|(r, ())| r).is_none(), "one push, one re-run");
+    }
+
+    #[test]
+    fn live_changes_go_before_listed_objects_in_every_cluster() {
+        let mut q = FairQueue::default();
+        for i in 0..1_000 {
+            q.push_low(req("a", &format!("l{i}")));
+            q.push_low(req("b", &format!("l{i}")));
+        }
+        q.push_(req("b", "live"));
+        q.push_(req("a", "live"));
+        let first: Vec<_> = (0..2).map(|_| q.pop().unwrap().0).collect();
+        assert_eq!(first, [req("b", "live"), req("a", "live")]);
+        // Then the listings, clusters in turn.
+        let next: Vec<_> = (0..4).map(|_| q.pop().unwrap().0.cluster).collect();
+        assert_eq!(next, ["a", "b", "a", "b"]);
+    }
+
+    #[test]
+    fn a_listed_request_changed_while_queued_moves_ahead_and_runs_once() {
+        let mut q = FairQueue::default();
+        for i in 0..100 {
+            q.push_low(req("a", &format!("l{i}")));
+        }
+        assert!(!q.push(req("a", "l50"), (), Lane::Normal), "already queued");
+        assert_eq!(q.len(), 100);
+        assert_eq!(q.pop().unwrap().0, req("a", "l50"));
+        let mut rest = Vec::new();
+        while let Some((r, ())) = q.pop() {
+            rest.push(r);
+        }
+        assert_eq!(rest.len(), 99, "l50 left behind in the low lane is skipped");
+        assert!(!rest.contains(&req("a", "l50")));
+        // A listed push does not demote a live one.
+        q.push_(req("a", "x"));
+        q.push_low(req("a", "y"));
+        q.push_low(req("a", "x"));
+        assert_eq!(q.pop().unwrap().0, req("a", "x"));
+    }
+
+    #[test]
+    fn a_stream_of_live_changes_cannot_starve_a_listing() {
+        let mut q = FairQueue::default();
+        q.push_low(req("a", "listed"));
+        let mut served = 0;
+        loop {
+            q.push_(req("b", &format!("live{served}")));
+            let (r, ()) = q.pop().unwrap();
+            q.done(&r);
+            served += 1;
+            if r.name == "listed" {
+                break;
+            }
+            assert!(served <= LOW_SHARE as usize, "the listed object starved");
+        }
+        assert_eq!(served, LOW_SHARE as usize + 1);
+    }
+
+    #[test]
+    fn a_rerun_keeps_the_higher_lane_of_its_pushes() {
+        let mut q = FairQueue::default();
+        q.push_low(req("a", "x"));
+        let (x, ()) = q.pop().unwrap();
+        q.push_low(x.clone());
+        q.push_(x.clone());
+        for i in 0..10 {
+            q.push_low(req("a", &format!("l{i}")));
+        }
+        q.done(&x);
+        assert_eq!(q.pop().unwrap().0, x, "re-run in the normal lane");
     }
 
     #[test]
@@ -652,6 +836,62 @@ mod tests {
                 slots_before_quiet <= 1,
                 "quiet waited {slots_before_quiet} reconcile slots"
             );
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_live_change_waits_behind_at_most_the_listed_objects_in_flight() {
+            const CONCURRENCY: usize = 8;
+            let mut q = queue(CONCURRENCY, &["a", "b"]);
+            for i in 0..10_000 {
+                q.trigger(req("a", &format!("o{i}")), ReconcileReason::Listed);
+            }
+            let mut running = Vec::new();
+            for _ in 0..CONCURRENCY {
+                running.push(q.next().await);
+            }
+            // Live changes in the listing cluster and in another arrive now.
+            q.trigger(req("a", "live"), ObjectChanged);
+            q.trigger(req("b", "live"), ObjectChanged);
+            let mut listed_started_after = 0;
+            let mut live = 0;
+            while live < 2 {
+                let (r, why) = running.remove(0);
+                q.finish(r, Action::await_change(), why, None);
+                let (r, why) = q.next().await;
+                if r.name == "live" {
+                    assert_eq!(why, ObjectChanged);
+                    live += 1;
+                } else {
+                    listed_started_after += 1;
+                }
+                running.push((r, why));
+            }
+            assert_eq!(listed_started_after, 0);
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_requeue_keeps_the_lane_its_request_came_from() {
+            let mut q = queue(1, &["a"]);
+            q.trigger(req("a", "listed"), ReconcileReason::Listed);
+            let (r, why) = q.next().await;
+            q.finish(r, Action::requeue(Duration::from_secs(1)), Requeue, None);
+            let _ = why;
+            for i in 0..3 {
+                q.trigger(req("a", &format!("l{i}")), ReconcileReason::Listed);
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            q.trigger(req("a", "live"), ObjectChanged);
+            let order: Vec<String> = {
+                let mut order = Vec::new();
+                for _ in 0..5 {
+                    let (r, why) = q.next().await;
+                    order.push(r.name.clone());
+                    q.finish(r, Action::await_change(), why, None);
+                }
+                order
+            };
+            // The requeue came due after the three listed ones were queued, in their lane.
+            assert_eq!(order, ["live", "l0", "l1", "l2", "listed"]);
         }
 
         #[tokio::test(start_paused = true)]

@@ -2,7 +2,6 @@
 //! change streams they are built on in fleet mode.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use crate::cluster::Store;
@@ -10,7 +9,6 @@ use futures::StreamExt;
 use futures::stream::{self, BoxStream};
 use kube::core::PartialObjectMeta;
 use kube_runtime::WatchStreamExt;
-use kube_runtime::controller::trigger_with;
 use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher;
 
@@ -108,7 +106,8 @@ pub(crate) fn seen_before<K: Watchable>(
 
 /// The objects of `X` in `cluster` as they change (deletions included, also those a relist
 /// found), leaving out those of the first listing that the reference cache had already seen
-/// at the same version. The watch for `config` is started on first use.
+/// at the same version, each with whether it is no news (listed unchanged: see
+/// [`Change::listed`]). The watch for `config` is started on first use.
 /// With a `predicate`, changes whose value for it did not change are left out too
 /// (kube-runtime's filter, keyed by uid); deletions always pass.
 pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
@@ -117,7 +116,7 @@ pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
     dt: &X::DynamicType,
     config: &watcher::Config,
     predicate: Option<&PredicateFn<X>>,
-) -> Result<BoxStream<'static, Arc<X>>, CacheError> {
+) -> Result<BoxStream<'static, (Arc<X>, bool)>, CacheError> {
     let mut baseline = Baseline::of_engagement(reference, dt, config);
     let changes = cluster.watch::<X>(dt, config)?.subscribe();
     let changes = match predicate {
@@ -129,7 +128,7 @@ pub(crate) fn fresh_changes<C: ClusterId, X: Watchable>(
     Ok(changes
         .filter_map(move |change| {
             let fresh = !seen_before(&change, &mut baseline);
-            std::future::ready(fresh.then_some(change.object))
+            std::future::ready(fresh.then_some((change.object, change.listed)))
         })
         .boxed())
 }
@@ -166,6 +165,7 @@ pub(crate) fn touched<X: Watchable>(
             object: Arc::new(object),
             deleted,
             initial: false,
+            listed: false,
         };
         std::future::ready(match event {
             Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
@@ -176,6 +176,15 @@ pub(crate) fn touched<X: Watchable>(
             Err(error) => Some(Err(error)),
         })
     })
+}
+
+/// Why a change of a related `kind` queues a request: no news if it was `listed`.
+fn related(kind: &Arc<str>, listed: bool) -> ReconcileReason {
+    if listed {
+        ReconcileReason::RelatedListed(kind.clone())
+    } else {
+        ReconcileReason::RelatedObjectChanged(kind.clone())
+    }
 }
 
 /// `K` is reconciled when a `Child` it owns changes.
@@ -200,29 +209,25 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
             &self.child,
             &self.watcher_config,
             self.predicate.as_ref(),
-        )?
-        .map(Ok::<_, Infallible>);
+        )?;
         let id = cluster.id().clone();
         let kind: Arc<str> = Arc::from(Child::kind(&self.child).as_ref());
         let owner = self.owner.clone();
-        // kube-runtime's trigger primitive with its owner-reference mapping; the cluster id
-        // goes on afterwards.
-        let owners = move |child: Arc<Child>| {
-            let meta = child.meta();
-            let ns = meta.namespace.as_deref();
-            meta.owner_references
-                .iter()
-                .flatten()
-                .filter_map(|r| ObjectRef::<K>::from_owner_ref(ns, r, owner.clone()))
-                .collect::<Vec<_>>()
-        };
-        Ok(trigger_with(changes, owners)
-            .filter_map(move |request| {
-                let trigger = request.ok().map(|r| {
-                    let req = Request::from_object_ref(id.clone(), r.obj_ref);
-                    (req, ReconcileReason::RelatedObjectChanged(kind.clone()))
-                });
-                std::future::ready(trigger)
+        // kube-runtime's owner-reference mapping; the cluster id goes on afterwards.
+        Ok(changes
+            .flat_map(move |(child, listed)| {
+                let meta = child.meta();
+                let ns = meta.namespace.as_deref();
+                let reason = related(&kind, listed);
+                let id = &id;
+                let owners: Vec<_> = meta
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .filter_map(|r| ObjectRef::<K>::from_owner_ref(ns, r, owner.clone()))
+                    .map(|r| (Request::from_object_ref(id.clone(), r), reason.clone()))
+                    .collect();
+                stream::iter(owners)
             })
             .boxed())
     }
@@ -301,12 +306,10 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             &self.watcher_config,
             self.predicate.as_ref(),
         )?
-        .flat_map(move |object| {
-            let kind = kind.clone();
+        .flat_map(move |(object, listed)| {
+            let reason = related(&kind, listed);
             let requests = mapper(&id, &object).into_iter();
-            stream::iter(
-                requests.map(move |r| (r, ReconcileReason::RelatedObjectChanged(kind.clone()))),
-            )
+            stream::iter(requests.map(move |r| (r, reason.clone())))
         })
         .boxed())
     }

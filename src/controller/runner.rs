@@ -28,17 +28,16 @@
 //! still followed, so work cut short by a replacement is not lost to that baseline.
 
 use crate::hashing::HashMap;
-use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
 use crate::cluster::Store;
-use futures::stream::{BoxStream, FuturesUnordered, SelectAll};
+use futures::stream::{self, BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
-use kube_runtime::controller::trigger_self;
 use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::context::Shared;
@@ -142,7 +141,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         slots: HashMap::default(),
         triggers: SelectAll::new(),
         queue: {
-            let queue = FleetQueue::new(spec.concurrency, spec.per_cluster_cap(), spec.debounce);
+            let queue = FleetQueue::new(spec.concurrency, spec.per_cluster_cap(), spec.debounce)
+                .with_lanes(spec.changes_first);
             match &env.metrics {
                 Some(metrics) => queue.with_metrics(metrics.clone(), spec.name.clone()),
                 None => queue,
@@ -291,6 +291,14 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
                 watch,
                 reference.as_ref().map(|r| &r.store),
             ));
+            if let Some(period) = spec.resync {
+                self.triggers.push(resyncs(
+                    watch.store.clone(),
+                    id.clone(),
+                    period,
+                    engagement.session.token().clone(),
+                ));
+            }
             let synced = watch.synced();
             let signal_id = id.clone();
             self.syncs
@@ -444,23 +452,42 @@ fn primary<K: Watchable, C: ClusterId>(
         None => changes.boxed(),
     };
     let mut baseline = Baseline::of(reference);
-    let fresh = filtered.filter_map(move |change| {
-        let fresh = change
-            .ok()
-            .filter(|change| !seen_before(change, &mut baseline))
-            .map(|change| Ok::<_, Infallible>(change.object));
-        std::future::ready(fresh)
-    });
-    // kube-runtime's own trigger, then the cluster id on top (moving the key's strings).
     let id = id.clone();
-    trigger_self::<K, _>(fresh, spec.dt.clone())
-        .filter_map(move |request| {
-            std::future::ready(request.ok().map(|r| {
-                (
-                    Request::from_object_ref(id.clone(), r.obj_ref),
-                    ReconcileReason::ObjectChanged,
-                )
-            }))
+    filtered
+        .filter_map(move |change| {
+            let trigger = change
+                .ok()
+                .filter(|change| !seen_before(change, &mut baseline))
+                .map(|change| {
+                    // A listed object without news waits behind live changes.
+                    let reason = if change.listed {
+                        ReconcileReason::Listed
+                    } else {
+                        ReconcileReason::ObjectChanged
+                    };
+                    (Request::from_obj(id.clone(), &*change.object), reason)
+                });
+            std::future::ready(trigger)
+        })
+        .boxed()
+}
+
+/// Every object of `store` each resync period of `period`, until the engagement whose
+/// token is `ended` ends.
+fn resyncs<K: Watchable, C: ClusterId>(
+    store: Store<K>,
+    id: C,
+    period: std::time::Duration,
+    ended: CancellationToken,
+) -> BoxStream<'static, Trigger<C>> {
+    super::resync_ticks(period, ended)
+        .flat_map(move |()| {
+            let id = id.clone();
+            let requests = store
+                .state()
+                .into_iter()
+                .map(move |o| (Request::from_obj(id.clone(), &*o), ReconcileReason::Resync));
+            stream::iter(requests)
         })
         .boxed()
 }
@@ -720,6 +747,8 @@ mod tests {
             disengage_grace: std::time::Duration::ZERO,
             failure_backoff: crate::FailureBackoff::default(),
             reconcile_timeout: None,
+            changes_first: true,
+            resync: None,
             leader_only: false,
         }
     }

@@ -6,12 +6,13 @@ use std::time::Duration;
 
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use kube::{Api, Resource};
-use kube_runtime::{Controller, WatchStreamExt};
+use kube_runtime::{Controller, WatchStreamExt, watcher};
 use tokio_util::task::TaskTracker;
 
 use tracing::Instrument;
 
 use super::context::Shared;
+use super::gate::Gate;
 use super::{Env, ObjectField, Spec};
 use crate::cluster::ClusterField;
 use crate::cluster::{listing, panic_message};
@@ -38,6 +39,8 @@ struct Single<C: ClusterId, S, F, EP> {
     observer: Option<super::Observer<C>>,
     /// How long a reconcile may run; `None` for no limit.
     timeout: Option<Duration>,
+    /// Where listed objects wait behind live changes, if they do.
+    gate: Option<Arc<Gate>>,
 }
 
 /// A single-cluster controller's series: the reconcile ones and its workers (its queue is
@@ -148,6 +151,51 @@ impl<C: ClusterId, S, F, EP> Single<C, S, F, EP> {
     }
 }
 
+/// The objects `events` (reflected into the store `reader` reads) trigger, in two lanes: a
+/// change goes on at once, an object listed without news (the first listing, or a relist
+/// that found it at the resourceVersion the store held) waits in `gate`. With a `predicate`
+/// downstream, a relist's unchanged objects are dropped here, as its filter would drop them.
+fn lanes<K: Watchable>(
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    gate: Arc<Gate>,
+    predicate: bool,
+    reader: kube_runtime::reflector::Store<K>,
+    dt: K::DynamicType,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
+    let mut first = true;
+    events.try_filter_map(move |event| {
+        let live = match event {
+            watcher::Event::Apply(object) => Some(object),
+            watcher::Event::InitApply(object) => {
+                // The store serves what it held until the listing is done.
+                let held = kube_runtime::reflector::ObjectRef::from_obj_with(&object, dt.clone());
+                let unchanged = first
+                    || reader.get(&held).is_some_and(|held| {
+                        held.meta().resource_version == object.meta().resource_version
+                            && held.meta().uid == object.meta().uid
+                    });
+                if unchanged {
+                    if first || !predicate {
+                        gate.hold(&object);
+                    }
+                    None
+                } else {
+                    Some(object)
+                }
+            }
+            watcher::Event::InitDone => {
+                first = false;
+                None
+            }
+            watcher::Event::Init | watcher::Event::Delete(_) => None,
+        };
+        if let Some(object) = &live {
+            gate.pass(object);
+        }
+        std::future::ready(Ok(live))
+    })
+}
+
 /// Runs `cluster`'s controller until shutdown; reconciles still running the graceful timeout
 /// after it are dropped.
 pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
@@ -181,14 +229,19 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     let trim = !env.transforms.keep_managed_fields;
     let namespaces = env.namespaces.of::<K>(&spec.dt);
     let dt = spec.dt.clone();
+    // Lanes need a limit to matter: without one every request starts when it is due.
+    let gate =
+        (spec.changes_first && spec.concurrency > 0).then(|| Arc::new(Gate::new(spec.concurrency)));
     let mut controller = match (&spec.predicate, transform) {
         // kube-runtime's own path, when objects are kept as they come, listed in pages, in
-        // every namespace.
-        (None, None) if !streaming && namespaces.is_none() => Controller::new_with(
-            Api::all_with(cluster.client(), &dt),
-            spec.watcher_config.clone(),
-            dt,
-        ),
+        // every namespace, in one lane.
+        (None, None) if !streaming && namespaces.is_none() && gate.is_none() => {
+            Controller::new_with(
+                Api::all_with(cluster.client(), &dt),
+                spec.watcher_config.clone(),
+                dt,
+            )
+        }
         (predicate, transform) => {
             let writer = kube_runtime::reflector::store::Writer::new(dt.clone());
             let reader = writer.as_reader();
@@ -209,16 +262,31 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 Some(transform) => event.modify(|o| transform.apply(o)),
                 None => event,
             })
-            .reflect(writer)
-            .applied_objects();
-            match predicate.clone() {
-                Some(predicate) => Controller::for_stream_with(
-                    stream.predicate_filter(move |obj: &K| predicate(obj), Default::default()),
-                    reader,
-                    dt,
-                ),
-                None => Controller::for_stream_with(stream, reader, dt),
-            }
+            .reflect(writer);
+            let stream = match &gate {
+                // kube-runtime's own: every object listed or changed triggers.
+                None => stream.applied_objects().left_stream(),
+                Some(gate) => lanes(
+                    stream,
+                    gate.clone(),
+                    predicate.is_some(),
+                    reader.clone(),
+                    dt.clone(),
+                )
+                .right_stream(),
+            };
+            let stream = match predicate.clone() {
+                Some(predicate) => stream
+                    .predicate_filter(move |obj: &K| predicate(obj), Default::default())
+                    .left_stream(),
+                None => stream.right_stream(),
+            };
+            // What passed the filters goes to the scheduler: a live change holds the gate.
+            let stream = match gate.clone() {
+                Some(gate) => stream.inspect_ok(move |obj| gate.live(obj)).left_stream(),
+                None => stream.right_stream(),
+            };
+            Controller::for_stream_with(stream, reader, dt)
         }
     };
     for relation in &spec.relations {
@@ -246,8 +314,15 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         });
         controller = controller.reconcile_on(refs);
     }
+    if let Some(gate) = &gate {
+        controller = controller.reconcile_on(gate.clone().releases::<K>(spec.dt.clone()));
+    }
     if let Some(bulk) = spec.bulk.as_ref().and_then(|b| b.lend()) {
         controller = controller.reconcile_all_on(bulk);
+    }
+    if let Some(period) = spec.resync {
+        // kube-runtime's bulk trigger reads the cache, as a resync does.
+        controller = controller.reconcile_all_on(super::resync_ticks(period, env.shutdown.clone()));
     }
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
@@ -272,6 +347,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         tracker: tracker.clone(),
         name: spec.name.clone(),
         timeout: spec.reconcile_timeout,
+        gate: gate.clone(),
     });
     let running = controller
         .with_config(config)
@@ -291,6 +367,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                     },
                     reason = "unknown",
                 );
+                if let Some(gate) = &single.gate {
+                    gate.started(&*obj);
+                }
                 let ctx = single.context(&obj).with_failures(single.prior(&*obj));
                 // The object and controller again, to settle its failure count afterwards.
                 let settling = (obj.clone(), single.clone());
@@ -443,6 +522,12 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             match result {
                 Ok(_) => {}
                 Err(KubeError::ObjectNotFound(obj)) => {
+                    if let Some(gate) = &gate {
+                        gate.begun(&crate::cluster::ObjectKey {
+                            namespace: obj.namespace.clone(),
+                            name: obj.name.clone(),
+                        });
+                    }
                     tracing::debug!(controller = %name, object = %obj, "object not in the cache (deleted); skipping");
                 }
                 Err(KubeError::ReconcilerFailed(error, obj)) => {
