@@ -38,10 +38,10 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{arg_after, cpu_time, create_config_maps};
+use common::{arg_after, cpu_time, create_config_maps, create_namespace};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube_runtime::{WatchStreamExt, watcher};
 use multicluster_runtime::providers::Clusters;
@@ -190,18 +190,7 @@ async fn two_apiservers(objects: usize) -> (TestEnv, Vec<String>) {
 }
 
 async fn populate(client: kube::Client, objects: usize) {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(NAMESPACE.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    namespaces
-        .create(&PostParams::default(), &ns)
-        .await
-        .expect("namespace");
+    create_namespace(&client, NAMESPACE).await;
     let api: Api<ConfigMap> = Api::namespaced(client, NAMESPACE);
     create_config_maps(&api, objects, "mcr").await;
 }

@@ -23,6 +23,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+// Shared with the other benchmarks; this one needs only some of it.
+#[allow(dead_code)]
 mod common;
 
 use common::{arg_after, cpu_time, create_config_maps};

@@ -33,10 +33,10 @@ use std::time::{Duration, Instant};
 #[allow(dead_code)]
 mod common;
 
-use common::arg_after;
+use common::{arg_after, create_namespace};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use multicluster_runtime::providers::Clusters;
@@ -286,20 +286,6 @@ async fn wait(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-async fn create_namespace(client: &kube::Client, name: &str) {
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await
-        .expect("namespace");
 }
 
 /// `apiserver_request_total` for `leases`, summed by verb.

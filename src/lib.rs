@@ -91,7 +91,7 @@ pub use fleet_api::{
 };
 pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
 pub use lease_timing::LeaseTiming;
-pub use manager::{DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
+pub use manager::{DEFAULT_CACHE_SYNC_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};
 pub use request::{ParseRequestError, Request};

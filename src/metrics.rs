@@ -102,6 +102,7 @@ impl prometheus_client::collector::Collector for Watches {
     ) -> Result<(), std::fmt::Error> {
         let synced = Family::<With<WatchLabels>, Gauge>::default();
         let failing = Family::<With<WatchLabels>, Gauge>::default();
+        let overdue = Family::<With<WatchLabels>, Gauge>::default();
         for (_, source) in crate::sync::lock(&self.sources).iter() {
             for (cluster, watches) in source() {
                 let cluster = ClusterLabel(self.cluster_label.then(|| Arc::from(cluster)));
@@ -114,6 +115,9 @@ impl prometheus_client::collector::Collector for Watches {
                     failing
                         .get_or_create(&labels)
                         .inc_by(i64::from(watch.error.is_some()));
+                    overdue
+                        .get_or_create(&labels)
+                        .inc_by(i64::from(watch.overdue));
                 }
             }
         }
@@ -130,15 +134,20 @@ impl prometheus_client::collector::Collector for Watches {
                     "How many of a cluster's watches of a kind fail: forbidden, kind missing, server unreachable",
                     &failing,
                 ),
+                (
+                    "multicluster_runtime_watch_sync_overdue",
+                    "How many of a cluster's watches of a kind have not listed within the manager's cache sync timeout",
+                    &overdue,
+                ),
             ],
         )
     }
 }
 
 /// Encodes families a collector computed at scrape time, each under its name and help.
-fn encode_families<M: prometheus_client::encoding::EncodeMetric>(
+fn encode_families<M: prometheus_client::encoding::EncodeMetric, const N: usize>(
     encoder: &mut prometheus_client::encoding::DescriptorEncoder,
-    families: [(&str, &str, &M); 2],
+    families: [(&str, &str, &M); N],
 ) -> Result<(), std::fmt::Error> {
     for (name, help, family) in families {
         family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;

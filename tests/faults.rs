@@ -926,46 +926,13 @@ async fn a_crd_installed_late_in_one_cluster_is_reconciled_without_a_restart() {
 
 /// Grants `user` what the controller needs on ConfigMaps, through a binding named after it.
 async fn grant(admin: &kube::Client, user: &str) {
-    use k8s_openapi::api::rbac::v1::{
-        ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject,
-    };
-    let role = ClusterRole {
-        metadata: kube::api::ObjectMeta {
-            name: Some("cm-controller".into()),
-            ..Default::default()
-        },
-        rules: Some(vec![PolicyRule {
-            api_groups: Some(vec![String::new()]),
-            resources: Some(vec!["configmaps".into()]),
-            verbs: ["get", "list", "watch", "patch"].map(String::from).to_vec(),
-            ..Default::default()
-        }]),
-        ..Default::default()
-    };
-    let _ = Api::<ClusterRole>::all(admin.clone())
-        .create(&PostParams::default(), &role)
-        .await;
-    let binding = ClusterRoleBinding {
-        metadata: kube::api::ObjectMeta {
-            name: Some(format!("cm-controller-{user}")),
-            ..Default::default()
-        },
-        role_ref: RoleRef {
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            kind: "ClusterRole".into(),
-            name: "cm-controller".into(),
-        },
-        subjects: Some(vec![Subject {
-            kind: "User".into(),
-            name: user.into(),
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            ..Default::default()
-        }]),
-    };
-    Api::<ClusterRoleBinding>::all(admin.clone())
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap();
+    allow_config_maps(
+        admin,
+        user,
+        "cm-controller",
+        &["get", "list", "watch", "patch"],
+    )
+    .await;
 }
 
 async fn revoke(admin: &kube::Client, user: &str) {

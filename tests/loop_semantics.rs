@@ -1,7 +1,8 @@
 //! The reconcile loop controller-runtime users expect, in both modes against a real control
 //! plane: per-object failure backoff (its curve, its reset by a change and by a success, a
 //! sibling and another cluster unaffected), the rate-limited requeue, terminal errors, the
-//! reconcile timeout, live changes before listed objects, and the periodic resync.
+//! reconcile timeout, live changes before listed objects, the periodic resync, the cache
+//! sync timeout, and warm standby.
 
 mod common;
 
@@ -698,4 +699,415 @@ async fn fleet_mode_puts_live_changes_before_listed_objects_and_resyncs_from_the
     }
     let manager = Arc::new(Manager::new(clusters));
     order_and_resync_scenario(manager, client, &["one", "two"]).await;
+}
+
+const SYNC_NS: &str = "sync";
+
+/// A cache that cannot list (its identity may not list ConfigMaps) is reported once the cache
+/// sync timeout passes, in its cluster alone (`refused`; `allowed` goes on), and the report
+/// clears once it may. `grant` gives the identity what it needs.
+async fn sync_timeout_scenario<P: Provider>(
+    manager: Arc<Manager<P>>,
+    admin: kube::Client,
+    refused: &str,
+    allowed: Option<&str>,
+    grant: impl AsyncFnOnce(),
+    registry: Arc<prometheus_client::registry::Registry>,
+) where
+    P::Id: ClusterId,
+{
+    let logs = Logs::capture();
+    create_namespace(&admin, SYNC_NS).await;
+    let api = Api::<ConfigMap>::namespaced(admin.clone(), SYNC_NS);
+    let mut cm = object("a", true, &[]);
+    cm.metadata.namespace = Some(SYNC_NS.into());
+    cm.metadata.labels = Some([("synctest".to_string(), "yes".to_string())].into());
+    api.create(&PostParams::default(), &cm).await.unwrap();
+    let seen_by = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("synctest"))
+        .named("synctest")
+        .start(seen, |_, _, _| Action::await_change(), seen_by.clone());
+    let run = spawn_manager(&manager);
+    eventually(30, "serving", async || manager.served_at().is_some()).await;
+    let addr = manager.served_at().unwrap();
+    let id = P::Id::parse(refused).unwrap();
+    eventually(30, "the refused cluster engaged", async || {
+        manager.cluster(&id).is_some()
+    })
+    .await;
+    let cluster = manager.cluster(&id).unwrap();
+    if let Some(allowed) = allowed {
+        eventually(30, "the allowed cluster reconciles", async || {
+            seen_by
+                .0
+                .lock()
+                .unwrap()
+                .contains_key(&format!("{allowed}/a"))
+        })
+        .await;
+    }
+    let overdue = |cluster: &Cluster<P::Id>| {
+        cluster
+            .cache_status()
+            .iter()
+            .any(|s| s.kind == "ConfigMap" && s.overdue && !s.synced)
+    };
+    eventually(30, "the refused cache reported overdue", async || {
+        overdue(&cluster)
+    })
+    .await;
+    let status = cluster.cache_status();
+    let line = status.iter().find(|s| s.overdue).unwrap();
+    assert!(
+        line.error
+            .as_deref()
+            .is_some_and(|e| e.contains("forbidden") || e.contains("403")),
+        "why: {status:?}"
+    );
+    let label = if refused.is_empty() {
+        "single"
+    } else {
+        refused
+    };
+    eventually(10, "the WARN line", async || {
+        !logs
+            .lines(&[
+                "WARN",
+                &format!("cluster={label}"),
+                "kind=ConfigMap",
+                "cache sync timeout",
+            ])
+            .is_empty()
+    })
+    .await;
+    let (code, verbose) = http_get(addr, "/readyz?verbose").await;
+    assert!(
+        verbose.contains("ConfigMap not listed within the cache sync timeout, failing"),
+        "{code}: {verbose}"
+    );
+    if allowed.is_none() {
+        // The single cluster is the host: its controller's cache counts for readiness.
+        assert_eq!(code, 503, "{verbose}");
+    }
+    let scraped = |text: &str| {
+        sample(
+            text,
+            "multicluster_runtime_watch_sync_overdue",
+            &[("cluster", label), ("kind", "ConfigMap")],
+        )
+    };
+    let text = {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    };
+    assert_eq!(scraped(&text), Some(1.0), "the overdue gauge");
+    if let Some(allowed) = allowed {
+        assert_eq!(
+            sample(
+                &text,
+                "multicluster_runtime_watch_sync_overdue",
+                &[("cluster", allowed), ("kind", "ConfigMap")],
+            ),
+            Some(0.0)
+        );
+    }
+
+    // Allowed now: the watch lists on its next try, the object is reconciled, the report
+    // clears.
+    grant().await;
+    let key = format!("{refused}/a");
+    eventually(
+        60,
+        "the refused cluster reconciles once allowed",
+        async || seen_by.0.lock().unwrap().contains_key(&key),
+    )
+    .await;
+    assert!(!overdue(&cluster), "{:?}", cluster.cache_status());
+    let text = {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    };
+    assert_eq!(scraped(&text), Some(0.0), "the overdue gauge cleared");
+    eventually(30, "ready", async || {
+        http_get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+fn served(
+    registry: &Arc<prometheus_client::registry::Registry>,
+) -> multicluster_runtime::Endpoints {
+    multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+        .plain_http()
+        .metrics(registry.clone())
+}
+
+#[tokio::test]
+async fn single_mode_reports_a_cache_that_does_not_list_in_time_and_clears_it_once_it_does() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    let nobody = tc.add_user("nobody", &[]).unwrap();
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let registry = Arc::new(registry);
+    let client = kube::Client::try_from(nobody.config()).unwrap();
+    let manager = Arc::new(
+        Manager::new(SingleProvider::new(client))
+            .metrics(metrics)
+            .cache_sync_timeout(Duration::from_secs(2))
+            .serve(served(&registry)),
+    );
+    let granting = admin.clone();
+    sync_timeout_scenario(
+        manager,
+        admin,
+        "",
+        None,
+        async move || {
+            allow_config_maps(&granting, "nobody", "cm-reader", &["get", "list", "watch"]).await
+        },
+        registry,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn fleet_mode_reports_a_cache_that_does_not_list_in_time_in_its_cluster_alone() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    let nobody = tc.add_user("nobody", &[]).unwrap();
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::new(name("allowed"), admin.clone()))
+        .unwrap();
+    clusters
+        .add(Cluster::from_config(name("refused"), nobody.config()).unwrap())
+        .unwrap();
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let registry = Arc::new(registry);
+    let manager = Arc::new(
+        Manager::new(clusters)
+            .metrics(metrics)
+            .cache_sync_timeout(Duration::from_secs(2))
+            .serve(served(&registry)),
+    );
+    let granting = admin.clone();
+    sync_timeout_scenario(
+        manager,
+        admin,
+        "refused",
+        Some("allowed"),
+        async move || {
+            allow_config_maps(&granting, "nobody", "cm-reader", &["get", "list", "watch"]).await
+        },
+        registry,
+    )
+    .await;
+}
+
+const WARM_NS: &str = "warm";
+const WARM_OBJECTS: usize = 20;
+
+/// Reconciles by replica: `(replica, name, when)`.
+#[derive(Default)]
+struct ByReplica(Mutex<Vec<(String, String, Instant)>>);
+
+impl ByReplica {
+    fn of(&self, replica: &str) -> Vec<(String, Instant)> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(r, _, _)| r == replica)
+            .map(|(_, n, at)| (n.clone(), *at))
+            .collect()
+    }
+}
+
+struct Replica {
+    name: &'static str,
+    log: Arc<ByReplica>,
+}
+
+async fn by_replica<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    ctx: Context<C, Replica>,
+) -> Result<Action, Refused> {
+    let replica = ctx.state();
+    replica
+        .log
+        .0
+        .lock()
+        .unwrap()
+        .push((replica.name.to_string(), cm.name_any(), Instant::now()));
+    Ok(Action::await_change())
+}
+
+fn warm_election(client: kube::Client, identity: &str) -> multicluster_runtime::LeaderElection {
+    multicluster_runtime::LeaderElection::new(client, "default", "warm-leader")
+        .identity(identity)
+        .timing(
+            multicluster_runtime::LeaseTiming::default()
+                .lease_duration(Duration::from_secs(4))
+                .renew_deadline(Duration::from_secs(2))
+                .retry_period(Duration::from_millis(500)),
+        )
+}
+
+/// Whether `manager`'s cluster `id` has a listed cache of the warm objects.
+fn warm_cache<P: Provider>(manager: &Manager<P>, id: &P::Id) -> bool {
+    manager.cluster(id).is_some_and(|c| {
+        c.cache_status()
+            .iter()
+            .any(|s| s.kind == "ConfigMap" && s.config.contains("warm") && s.synced)
+    })
+}
+
+/// A follower with warm standby keeps the controller's caches listed without reconciling,
+/// and takes over from them; one without starts nothing before it leads. `replica` builds a
+/// replica (`name`, warm or not) with leader election, its controller's state given.
+async fn warm_standby_scenario<P: Provider>(
+    admin: kube::Client,
+    id: &str,
+    replica: impl Fn(&'static str, bool, Arc<ByReplica>) -> Arc<Manager<P>>,
+) where
+    P::Id: ClusterId,
+{
+    let id = P::Id::parse(id).unwrap();
+    create_namespace(&admin, WARM_NS).await;
+    let api = Api::<ConfigMap>::namespaced(admin.clone(), WARM_NS);
+    let warm_object = |name: String| ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name),
+            namespace: Some(WARM_NS.into()),
+            labels: Some([("warm".to_string(), "yes".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    for i in 0..WARM_OBJECTS {
+        api.create(&PostParams::default(), &warm_object(format!("o{i:02}")))
+            .await
+            .unwrap();
+    }
+    let log = Arc::new(ByReplica::default());
+    let a = replica("a", false, log.clone());
+    let a_run = spawn_manager(&a);
+    tokio::time::timeout(Duration::from_secs(30), a.elected())
+        .await
+        .expect("a leads");
+    eventually(30, "a reconciles everything", async || {
+        log.of("a").len() >= WARM_OBJECTS
+    })
+    .await;
+
+    // Two followers: b warm, c cold.
+    let b = replica("b", true, log.clone());
+    let b_run = spawn_manager(&b);
+    let c = replica("c", false, log.clone());
+    let c_run = spawn_manager(&c);
+    eventually(30, "b's caches listed while it follows", async || {
+        warm_cache(&b, &id)
+    })
+    .await;
+    // A change while they follow: b's cache has it; a reconciles it (the sync point for
+    // what the followers did meanwhile).
+    api.create(&PostParams::default(), &warm_object("late".into()))
+        .await
+        .unwrap();
+    eventually(30, "a reconciles the late object", async || {
+        log.of("a").iter().any(|(n, _)| n == "late")
+    })
+    .await;
+    eventually(30, "b's cache has the late object", async || {
+        b.cluster(&id).is_some_and(|c| {
+            c.store::<ConfigMap>(&watcher::Config::default().labels("warm"))
+                .is_ok_and(|s| s.find(|o| o.name_any() == "late").is_some())
+        })
+    })
+    .await;
+    assert!(!b.is_leader() && !c.is_leader());
+    assert!(
+        log.of("b").is_empty(),
+        "a follower reconciled: {:?}",
+        log.of("b")
+    );
+    assert!(
+        !warm_cache(&c, &id),
+        "a cold follower started the controller's cache"
+    );
+    c.shutdown();
+    c_run.await.unwrap();
+
+    // a dies without giving the Lease up: b takes over and reconciles from its caches.
+    a_run.abort();
+    let _ = a_run.await;
+    tokio::time::timeout(Duration::from_secs(15), b.elected())
+        .await
+        .expect("b leads");
+    let leading = Instant::now();
+    eventually(30, "b reconciles everything", async || {
+        log.of("b").len() > WARM_OBJECTS
+    })
+    .await;
+    let first = log.of("b").iter().map(|(_, at)| *at).min().unwrap();
+    assert!(
+        first + Duration::from_millis(100) >= leading,
+        "b reconciled before it led"
+    );
+    b.shutdown();
+    b_run.await.unwrap();
+}
+
+#[tokio::test]
+async fn fleet_mode_warm_standby_keeps_caches_listed_and_takes_over_from_them() {
+    let env = TestEnv::start().await.unwrap();
+    let admin = env.cluster(0).unwrap().client().unwrap();
+    let host = admin.clone();
+    warm_standby_scenario(admin.clone(), "member", move |name, warm, log| {
+        let clusters = Clusters::new();
+        clusters
+            .add(Cluster::new(common::name("member"), host.clone()))
+            .unwrap();
+        let manager =
+            Arc::new(Manager::new(clusters).leader_election(warm_election(host.clone(), name)));
+        Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("warm"))
+            .warm_standby(warm)
+            .start(
+                by_replica,
+                |_, _, _| Action::await_change(),
+                Arc::new(Replica { name, log }),
+            );
+        manager
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn single_mode_warm_standby_keeps_caches_listed_and_takes_over_from_them() {
+    let env = TestEnv::start().await.unwrap();
+    let admin = env.cluster(0).unwrap().client().unwrap();
+    let host = admin.clone();
+    warm_standby_scenario(admin.clone(), "", move |name, warm, log| {
+        let manager = Arc::new(
+            Manager::new(SingleProvider::new(host.clone()))
+                .leader_election(warm_election(host.clone(), name)),
+        );
+        Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("warm"))
+            .warm_standby(warm)
+            .start(
+                by_replica,
+                |_, _, _| Action::await_change(),
+                Arc::new(Replica { name, log }),
+            );
+        manager
+    })
+    .await;
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, ObjectMeta, PostParams};
 
 /// The argument after `flag`, if any.
@@ -52,4 +52,19 @@ pub async fn create_config_maps(api: &Api<ConfigMap>, count: usize, label: &str)
         })
         .buffer_unordered(32);
     while creates.next().await.is_some() {}
+}
+
+/// Creates the namespace `name`.
+pub async fn create_namespace(client: &kube::Client, name: &str) {
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("namespace");
 }

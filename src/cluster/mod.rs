@@ -18,6 +18,7 @@ pub(crate) mod listing;
 pub(crate) mod namespaces;
 mod reauth;
 pub(crate) mod redact;
+mod reported;
 mod session;
 mod source;
 mod store;
@@ -129,6 +130,9 @@ pub struct CacheStatus {
     /// Why the watch is failing, if it is (forbidden, a missing CRD, an unreachable server):
     /// before its first listing, or since (the cache is stale then); `None` once it works.
     pub error: Option<String>,
+    /// Whether its first listing has taken longer than the manager's
+    /// [`cache_sync_timeout`](crate::Manager::cache_sync_timeout) so far.
+    pub overdue: bool,
 }
 
 impl<C: ClusterId> Drop for Inner<C> {
@@ -406,6 +410,25 @@ impl<C: ClusterId> Cluster<C> {
         lock(&self.inner.attachment).session.clone()
     }
 
+    /// Lists a watch of `kind` for `config` that `owner` (a controller) runs itself among
+    /// this engagement's caches, for [`Cluster::cache_status`] and readiness, until the
+    /// report is dropped; `None` if the cluster is not engaged.
+    pub(crate) fn report_watch(
+        &self,
+        kind: String,
+        owner: &str,
+        config: &watcher::Config,
+    ) -> Option<reported::Report> {
+        let session = self.session()?;
+        Some(reported::Report::start(
+            session,
+            ClusterField(&self.inner.id).to_string(),
+            kind,
+            owner,
+            config,
+        ))
+    }
+
     /// The current engagement, with the cluster.
     pub(crate) fn engagement(&self) -> Option<Engagement<C>> {
         self.session().map(|session| Engagement {
@@ -491,13 +514,14 @@ impl<C: ClusterId> Cluster<C> {
         let Some(session) = self.session() else {
             return Vec::new();
         };
+        let timeout = session.settings.sync_timeout;
         let mut status: Vec<CacheStatus> = lock(&session.watches)
             .iter()
             .map(|(key, watch)| {
-                let (synced, error) = match watch.state() {
-                    WatchState::Listing { error } => (false, error),
-                    WatchState::Synced { error } => (true, error),
-                    WatchState::Stopped { failure } => (false, failure),
+                let (synced, error, listing) = match watch.state() {
+                    WatchState::Listing { error } => (false, error, true),
+                    WatchState::Synced { error } => (true, error, false),
+                    WatchState::Stopped { failure } => (false, failure, false),
                 };
                 CacheStatus {
                     kind: watch.kind(),
@@ -505,6 +529,8 @@ impl<C: ClusterId> Cluster<C> {
                     config: format!("{:?}", key.config),
                     synced,
                     error,
+                    overdue: listing
+                        && timeout.is_some_and(|timeout| watch.started().elapsed() >= timeout),
                 }
             })
             .collect();
@@ -755,6 +781,7 @@ impl<C: ClusterId> Cluster<C> {
             stop,
             &indexers,
             session.settings.faults.clone(),
+            session.settings.sync_timeout,
             &runtime,
         );
         {

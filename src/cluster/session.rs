@@ -150,11 +150,13 @@ impl Session {
 }
 
 /// A [`SharedWatch`] of any kind.
-pub(super) trait ErasedWatch: Send + Sync {
+pub(crate) trait ErasedWatch: Send + Sync {
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
     fn add_indexer(&self, indexer: &Indexer);
     fn kind(&self) -> String;
     fn state(&self) -> WatchState;
+    /// When it started.
+    fn started(&self) -> std::time::Instant;
 }
 
 impl<K: Watchable> ErasedWatch for SharedWatch<K> {
@@ -172,6 +174,10 @@ impl<K: Watchable> ErasedWatch for SharedWatch<K> {
 
     fn state(&self) -> WatchState {
         SharedWatch::state(self)
+    }
+
+    fn started(&self) -> std::time::Instant {
+        SharedWatch::started(self)
     }
 }
 

@@ -35,6 +35,9 @@ pub(crate) struct WatchSettings {
     pub(crate) paged_lists: bool,
     /// The namespaces each kind is watched in.
     pub(crate) namespaces: Arc<super::namespaces::NamespaceScopes>,
+    /// A watch that has not listed within this long is reported (a WARN line, its
+    /// [`CacheStatus::overdue`](crate::CacheStatus::overdue), a metric); `None`: never.
+    pub(crate) sync_timeout: Option<std::time::Duration>,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index
@@ -148,13 +151,17 @@ pub(crate) struct SharedWatch<K: Watchable> {
     /// The kind's name, for logs and errors.
     kind: Arc<str>,
     faults: Option<mpsc::UnboundedSender<Fault>>,
+    /// When it started (its first listing's time counts from here).
+    started: std::time::Instant,
 }
 
 impl<K> SharedWatch<K>
 where
     K: Watchable,
 {
-    /// A watch of `events` for `cluster`, running on `runtime` until `stop` is cancelled.
+    /// A watch of `events` for `cluster`, running on `runtime` until `stop` is cancelled;
+    /// reported once if it has not listed within `sync_timeout`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         events: impl Stream<Item = Result<Event<Arc<K>>, watcher::Error>> + Send + 'static,
         dt: &K::DynamicType,
@@ -162,6 +169,7 @@ where
         stop: CancellationToken,
         indexers: &[Indexer],
         faults: Option<mpsc::UnboundedSender<Fault>>,
+        sync_timeout: Option<std::time::Duration>,
         runtime: &tokio::runtime::Handle,
     ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
         let writer = Writer::<K>::new();
@@ -177,11 +185,12 @@ where
             cluster,
             kind: Arc::from(K::kind(dt).as_ref()),
             faults,
+            started: std::time::Instant::now(),
         });
         for indexer in indexers {
             watch.add_indexer(indexer);
         }
-        let task = runtime.spawn(run(events, writer, Arc::downgrade(&watch)));
+        let task = runtime.spawn(run(events, writer, Arc::downgrade(&watch), sync_timeout));
         (watch, task)
     }
 
@@ -249,6 +258,11 @@ where
     /// The watch's state.
     pub(crate) fn state(&self) -> WatchState {
         self.state.borrow().clone()
+    }
+
+    /// When the watch started.
+    pub(crate) fn started(&self) -> std::time::Instant {
+        self.started
     }
 
     /// Registers a field index (once per name) and fills it from the store. Runs the user's
@@ -337,6 +351,7 @@ async fn run<K: Watchable>(
     events: impl Stream<Item = Result<Event<Arc<K>>, watcher::Error>> + Send,
     mut writer: Writer<K>,
     shared: Weak<SharedWatch<K>>,
+    sync_timeout: Option<std::time::Duration>,
 ) {
     let Some((stop, kind)) = shared.upgrade().map(|s| (s.stop.clone(), s.kind.clone())) else {
         return;
@@ -347,9 +362,26 @@ async fn run<K: Watchable>(
         first: true,
     };
     let mut failures = 0u32;
+    let overdue = async move {
+        match sync_timeout {
+            Some(timeout) => tokio::time::sleep(timeout).await,
+            None => std::future::pending().await,
+        }
+    };
+    let mut overdue = std::pin::pin!(futures::FutureExt::fuse(overdue));
     loop {
         let event = tokio::select! {
             () = stop.cancelled() => break,
+            () = &mut overdue => {
+                if let Some(shared) = shared.upgrade()
+                    && let WatchState::Listing { error } = shared.state()
+                {
+                    let timeout = sync_timeout.unwrap_or_default();
+                    let error = error.as_deref().unwrap_or("none yet (the listing is slow)");
+                    tracing::warn!(cluster = %shared.cluster, %kind, ?timeout, %error, "the cache has not listed within the cache sync timeout; requests for its objects wait, the watch keeps trying");
+                }
+                continue;
+            }
             event = events.next() => event,
         };
         let Some(shared) = shared.upgrade() else {
@@ -552,6 +584,7 @@ mod tests {
             CancellationToken::new(),
             indexers,
             faults,
+            None,
             &tokio::runtime::Handle::current(),
         );
         watch

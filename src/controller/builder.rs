@@ -111,6 +111,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 reconcile_timeout: None,
                 changes_first: true,
                 resync: Some(super::DEFAULT_RESYNC),
+                warm: false,
                 observer: None,
                 leader_only: false,
             },
@@ -470,6 +471,21 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         self
     }
 
+    /// Warm standby (controller-runtime's `EnableWarmup`): with leader election, a replica
+    /// that is not leading starts this controller's caches (its kind and those of `owns` and
+    /// `watches`) in every cluster it would follow and keeps them listed, without
+    /// reconciling, so that when it takes the Lease it reconciles from them at once rather
+    /// than listing every cluster first. Off by default, as in controller-runtime: followers
+    /// then hold the caches a leader holds (memory, and a watch per kind and cluster on each
+    /// API server). Without leader election it changes nothing. In single mode a warm
+    /// controller runs on the fleet queue rather than as kube-runtime's `Controller` (which
+    /// cannot watch before it reconciles). A sharded manager's replicas warm only the
+    /// clusters they own.
+    pub fn warm_standby(mut self, on: bool) -> Self {
+        self.spec.warm = on;
+        self
+    }
+
     /// Whether objects that come from a listing without news wait behind live changes: on
     /// by default (controller-runtime's priority queue, on by default since v0.23, with its
     /// low priority for unchanged objects). Those are the objects of a cluster's first
@@ -579,6 +595,12 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         let single = manager.provider().single();
         let (reconcile, error_policy) = (Arc::new(reconcile), Arc::new(error_policy));
         let leader_only = spec.leader_only;
+        if spec.warm {
+            let spec = spec.clone();
+            manager.add_warmer(Arc::new(move |env: Env<P::Id>| {
+                Box::pin(super::warm::run(spec.clone(), env))
+            }));
+        }
         manager.add_controller(
             leader_only,
             Arc::new(move |env: Env<P::Id>| {
@@ -614,7 +636,7 @@ where
     EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
 {
     match single {
-        Some(cluster) if spec.engage_fleet && !spec.engage_local => Either::Left(
+        Some(cluster) if spec.engage_fleet && !spec.engage_local && !spec.warm => Either::Left(
             super::single::run(spec, env, cluster, reconcile, error_policy, state),
         ),
         _ => Either::Right(super::runner::run(

@@ -11,6 +11,7 @@ mod relations;
 mod runner;
 mod single;
 mod sources;
+mod warm;
 
 use std::fmt;
 use std::sync::Arc;
@@ -206,6 +207,8 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) changes_first: bool,
     /// Every cached object is reconciled again after about this long; `None`: never.
     pub(crate) resync: Option<Duration>,
+    /// Whether its caches are started before this replica leads (warm standby).
+    pub(crate) warm: bool,
     pub(crate) observer: Option<Observer<C>>,
     /// Runs on the leader only when the manager is sharded (without sharding, every
     /// controller is the leader's when there is leader election).

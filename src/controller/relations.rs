@@ -29,6 +29,10 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
         reference: Option<&Engagement<C>>,
     ) -> Result<BoxStream<'static, Trigger<C>>, CacheError>;
 
+    /// Starts the watch [`Relation::triggers`] will read in `cluster`, without reading it
+    /// (warm standby).
+    fn warm(&self, cluster: &Engagement<C>) -> Result<(), CacheError>;
+
     /// Adds the relation to a kube-runtime `Controller` (single-cluster mode).
     /// Children and other objects are watched as [`watch`](crate::cluster::listing::watch)
     /// does: by a streaming list if `streaming`, falling back to pages; decoded without
@@ -198,6 +202,12 @@ pub(crate) struct Owns<K: Watchable, Child: Watchable> {
 }
 
 impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Child> {
+    fn warm(&self, cluster: &Engagement<C>) -> Result<(), CacheError> {
+        cluster
+            .watch::<Child>(&self.child, &self.watcher_config)
+            .map(drop)
+    }
+
     fn triggers(
         &self,
         cluster: &Engagement<C>,
@@ -291,6 +301,12 @@ pub(crate) struct Watches<C: ClusterId, K: Watchable, Other: Watchable> {
 }
 
 impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C, K, Other> {
+    fn warm(&self, cluster: &Engagement<C>) -> Result<(), CacheError> {
+        cluster
+            .watch::<Other>(&self.other, &self.watcher_config)
+            .map(drop)
+    }
+
     fn triggers(
         &self,
         cluster: &Engagement<C>,

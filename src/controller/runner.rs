@@ -723,6 +723,7 @@ mod tests {
             CancellationToken::new(),
             &[],
             None,
+            None,
             &tokio::runtime::Handle::current(),
         )
         .0
@@ -749,6 +750,7 @@ mod tests {
             reconcile_timeout: None,
             changes_first: true,
             resync: None,
+            warm: false,
             leader_only: false,
         }
     }

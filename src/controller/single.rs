@@ -232,13 +232,28 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     // Lanes need a limit to matter: without one every request starts when it is due.
     let gate =
         (spec.changes_first && spec.concurrency > 0).then(|| Arc::new(Gate::new(spec.concurrency)));
+    // The primary watch's state, beside the cluster's caches (cache_status, readiness).
+    let report = cluster.report_watch(K::kind(&dt).to_string(), &spec.name, &spec.watcher_config);
+    let observed = report.as_ref().map(|r| r.watch.clone());
+    let observe = move |event: &Result<watcher::Event<K>, watcher::Error>| {
+        if let Some(observed) = &observed {
+            observed.observe(event);
+        }
+    };
     let mut controller = match (&spec.predicate, transform) {
-        // kube-runtime's own path, when objects are kept as they come, listed in pages, in
-        // every namespace, in one lane.
+        // kube-runtime's own path (what `Controller::new_with` builds), when objects are kept
+        // as they come, listed in pages, in every namespace, in one lane.
         (None, None) if !streaming && namespaces.is_none() && gate.is_none() => {
-            Controller::new_with(
+            let writer = kube_runtime::reflector::store::Writer::new(dt.clone());
+            let reader = writer.as_reader();
+            let events = kube_runtime::watcher(
                 Api::all_with(cluster.client(), &dt),
                 spec.watcher_config.clone(),
+            )
+            .inspect(observe);
+            Controller::for_stream_with(
+                kube_runtime::reflector(writer, events).applied_objects(),
+                reader,
                 dt,
             )
         }
@@ -258,6 +273,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 id,
                 &env.backoff,
             )
+            .inspect(observe)
             .map_ok(move |event| match &transform {
                 Some(transform) => event.modify(|o| transform.apply(o)),
                 None => event,
@@ -537,6 +553,23 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             }
             std::future::ready(())
         });
+    // A primary watch that has not listed within the cache sync timeout is reported.
+    let overdue = async move {
+        if let Some(report) = &report
+            && let Some(timeout) = report.timeout
+        {
+            report.watch.clone().report_if_overdue(timeout).await;
+        }
+        // The report stays listed while the controller runs.
+        std::future::pending::<()>().await;
+        drop(report);
+    };
+    let running = async move {
+        tokio::select! {
+            () = running => {}
+            () = overdue => {}
+        }
+    };
     // kube-runtime's graceful shutdown waits for reconciles in flight without a bound.
     let deadline = async {
         shutdown.cancelled().await;

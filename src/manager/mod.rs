@@ -56,6 +56,9 @@ pub struct Manager<P: Provider> {
     /// Controllers from [`Builder::start`](crate::Builder::start), started in every run, and
     /// whether each is leader-only.
     controllers: Mutex<Vec<(ControllerFactory<P::Id>, bool)>>,
+    /// The warm standby of controllers that have it, started in every run with leader
+    /// election, on every replica.
+    warmers: Mutex<Vec<ControllerFactory<P::Id>>>,
     /// While running, where new controllers and tasks are announced; otherwise `None`.
     running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
     /// Controllers run only while this replica holds the lease, if set.
@@ -72,6 +75,8 @@ pub struct Manager<P: Provider> {
     namespaces: Arc<crate::cluster::namespaces::NamespaceScopes>,
     /// Watches list in pages, never by streaming lists.
     paged_lists: bool,
+    /// A watch not listed within this long is reported.
+    cache_sync_timeout: Duration,
     endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
     served_at: Mutex<Option<std::net::SocketAddr>>,
@@ -156,6 +161,10 @@ impl<P: Provider> std::fmt::Debug for Manager<P> {
 /// The default bound on how long shutdown waits for reconciles in flight.
 pub const DEFAULT_GRACEFUL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a cache may take to list before it is reported, by default (controller-runtime's
+/// `CacheSyncTimeout` default); see [`Manager::cache_sync_timeout`].
+pub const DEFAULT_CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(120);
+
 impl<P: Provider> Manager<P> {
     /// A manager for `provider`, with no local cluster, a graceful-shutdown bound of
     /// [`DEFAULT_GRACEFUL_TIMEOUT`] and the default [`WatchBackoff`].
@@ -168,6 +177,7 @@ impl<P: Provider> Manager<P> {
             graceful_timeout: DEFAULT_GRACEFUL_TIMEOUT,
             backoff: WatchBackoff::default(),
             controllers: Mutex::new(Vec::new()),
+            warmers: Mutex::new(Vec::new()),
             running: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             leader_election: None,
@@ -178,6 +188,7 @@ impl<P: Provider> Manager<P> {
             transforms: Arc::default(),
             namespaces: Arc::default(),
             paged_lists: false,
+            cache_sync_timeout: DEFAULT_CACHE_SYNC_TIMEOUT,
             endpoints: None,
             served_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
@@ -324,6 +335,25 @@ impl<P: Provider> Manager<P> {
     #[must_use]
     pub fn paged_lists(mut self) -> Self {
         self.paged_lists = true;
+        self
+    }
+
+    /// How long a cache (a watch of one kind in one cluster) may take to list before it is
+    /// reported: default [`DEFAULT_CACHE_SYNC_TIMEOUT`], 2 minutes, controller-runtime's
+    /// `CacheSyncTimeout`. A cache past it is named in a WARN line (cluster, kind, the
+    /// watch's last error), in [`Cluster::cache_status`](crate::Cluster::cache_status)
+    /// (`overdue`), in `/readyz?verbose` and in `multicluster_runtime_watch_sync_overdue`.
+    ///
+    /// Unlike controller-runtime, where a controller whose caches do not sync in time fails
+    /// and stops the manager, nothing stops: in a fleet one cluster's missing CRD, refused
+    /// credentials or unreachable server must not stop the others, and a restart would list
+    /// again the same way. The watch keeps trying with its backoff, requests for its objects
+    /// wait (other clusters' are served), and the reports clear when it lists. Readiness is
+    /// as before: the host's caches count, members' only with
+    /// [`Endpoints::strict`](crate::Endpoints::strict).
+    #[must_use]
+    pub fn cache_sync_timeout(mut self, timeout: Duration) -> Self {
+        self.cache_sync_timeout = timeout;
         self
     }
 
@@ -558,6 +588,18 @@ impl<P: Provider> Manager<P> {
             false,
             Arc::new(move |env| Box::pin(crate::per_cluster::run(env, name.clone(), task.clone()))),
         );
+    }
+
+    /// Adds a controller's warm standby: started at the beginning of every run with leader
+    /// election (and in the current one), on every replica.
+    pub(crate) fn add_warmer(&self, factory: ControllerFactory<P::Id>) {
+        let running = lock(&self.running);
+        lock(&self.warmers).push(factory.clone());
+        if let Some(tx) = &*running
+            && self.leader_election.is_some()
+        {
+            let _ = tx.send(Job::Task(factory(self.env())));
+        }
     }
 
     pub(crate) fn add_controller(&self, leader_only: bool, factory: ControllerFactory<P::Id>) {

@@ -258,6 +258,7 @@ impl<'a, P: Provider> Run<'a, P> {
             transforms: manager.transforms.clone(),
             paged_lists: manager.paged_lists,
             namespaces: manager.namespaces.clone(),
+            sync_timeout: Some(manager.cache_sync_timeout),
         };
         manager.fleet.open(settings.clone(), sharding.is_some());
         manager.gauge_watches();
@@ -274,6 +275,12 @@ impl<'a, P: Provider> Run<'a, P> {
         let mut tasks = JoinSet::new();
         for task in lock(&manager.pending).drain(..) {
             tasks.spawn(task);
+        }
+        // Warm standby: caches kept listed while waiting for the Lease (every replica).
+        if election.is_some() {
+            for warmer in lock(&manager.warmers).iter() {
+                tasks.spawn(warmer(manager.env()));
+            }
         }
         let server = endpoints.and_then(|(listener, security)| {
             manager.serve_endpoints(listener, security, &shutdown)

@@ -521,11 +521,20 @@ fn readiness<C: ClusterId>(served: &Served<C>, verbose: bool) -> (bool, String) 
                 (None, true) => {}
                 (None, false) => {
                     ready &= !counts;
-                    problems.push(format!("{} listing", watch.kind));
+                    let state = if watch.overdue {
+                        "not listed within the cache sync timeout"
+                    } else {
+                        "listing"
+                    };
+                    problems.push(format!("{} {state}", watch.kind));
                 }
                 (Some(error), synced) => {
                     ready &= !counts;
-                    let state = if synced { "stale, failing" } else { "failing" };
+                    let state = match (synced, watch.overdue) {
+                        (true, _) => "stale, failing",
+                        (false, true) => "not listed within the cache sync timeout, failing",
+                        (false, false) => "failing",
+                    };
                     problems.push(format!("{} {state}: {error}", watch.kind));
                 }
             }

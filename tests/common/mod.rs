@@ -872,3 +872,49 @@ pub async fn grant_urls(client: &kube::Client, account: &str, urls: &[&str]) {
         .await
         .unwrap();
 }
+
+/// Lets `user` use ConfigMaps with `verbs`, through the ClusterRole `role` (created if need
+/// be) and a ClusterRoleBinding `<role>-<user>` (deleted to take it back).
+pub async fn allow_config_maps(admin: &kube::Client, user: &str, role: &str, verbs: &[&str]) {
+    use k8s_openapi::api::rbac::v1::{
+        ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject,
+    };
+    let cluster_role = ClusterRole {
+        metadata: ObjectMeta {
+            name: Some(role.into()),
+            ..Default::default()
+        },
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec![String::new()]),
+            resources: Some(vec!["configmaps".into()]),
+            verbs: verbs.iter().map(|v| v.to_string()).collect(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    // Already there for another user: kept.
+    let _ = Api::<ClusterRole>::all(admin.clone())
+        .create(&PostParams::default(), &cluster_role)
+        .await;
+    let binding = ClusterRoleBinding {
+        metadata: ObjectMeta {
+            name: Some(format!("{role}-{user}")),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "ClusterRole".into(),
+            name: role.into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "User".into(),
+            name: user.into(),
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+}
