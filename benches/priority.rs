@@ -14,7 +14,8 @@
 //! `--concurrency`, a reconcile that records its start and waits `--work-ms`, like an API
 //! call) reconciles the listing; once 1,000 of it have started, a probe every 300 ms creates
 //! one object in A (and, in fleet mode, one in B). For each probe: create → reconcile start,
-//! and how many listed objects started in between.
+//! how many listed objects started in between, and how many of those started after the
+//! probe's event had reached the process (a watch of the probes alone sees it arrive).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,7 +77,13 @@ fn live_object(name: &str) -> ConfigMap {
     ConfigMap {
         metadata: ObjectMeta {
             name: Some(name.into()),
-            labels: Some([("bench".to_string(), "prio".to_string())].into()),
+            labels: Some(
+                [
+                    ("bench".to_string(), "prio".to_string()),
+                    ("probe".to_string(), "yes".to_string()),
+                ]
+                .into(),
+            ),
             ..Default::default()
         },
         ..Default::default()
@@ -90,10 +97,12 @@ struct Settings {
     probes: usize,
 }
 
-/// One probe's figures: its wait and the listed objects that started during it.
+/// One probe's figures: its wait, the listed objects that started during it, and those that
+/// started after its event had reached this process.
 struct Waited {
     wait: Duration,
     ahead: usize,
+    after_arrival: usize,
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -104,13 +113,17 @@ fn median(mut values: Vec<f64>) -> f64 {
 fn report(case: &str, cluster: &str, waited: &[Waited], listing_left: usize) {
     let waits: Vec<f64> = waited.iter().map(|w| w.wait.as_secs_f64() * 1e3).collect();
     let ahead: Vec<f64> = waited.iter().map(|w| w.ahead as f64).collect();
+    let after: Vec<f64> = waited.iter().map(|w| w.after_arrival as f64).collect();
     println!(
         "RESULT case={case} cluster={cluster} wait_ms_median={:.1} wait_ms_max={:.1} \
-         listed_ahead_median={} listed_ahead_max={} listing_left_after_last_probe={listing_left}",
+         listed_ahead_median={} listed_ahead_max={} listed_after_arrival_median={} \
+         listed_after_arrival_max={} listing_left_after_last_probe={listing_left}",
         median(waits.clone()),
         waits.iter().copied().fold(0.0, f64::max),
         median(ahead.clone()),
         ahead.iter().copied().fold(0.0, f64::max),
+        median(after.clone()),
+        after.iter().copied().fold(0.0, f64::max),
     );
 }
 
@@ -132,6 +145,32 @@ async fn case<P: Provider>(
         .concurrency(settings.concurrency)
         .changes_first(changes_first)
         .start(reconcile, never, probe.clone());
+    // When each probe's event reaches this process: a watch of the probes alone, on the same
+    // API servers as the controller's.
+    let arrivals: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let mut watchers = Vec::new();
+    let mut probed = vec![a];
+    probed.extend(b);
+    for (cluster, client) in probed {
+        let api = Api::<ConfigMap>::namespaced(client.clone(), NAMESPACE);
+        let arrivals = arrivals.clone();
+        let cluster = cluster.to_string();
+        watchers.push(tokio::spawn(async move {
+            use futures::StreamExt;
+            let events = watcher(api, watcher::Config::default().labels("probe=yes"));
+            let mut events = std::pin::pin!(events);
+            while let Some(event) = events.next().await {
+                if let Ok(watcher::Event::Apply(cm)) = event {
+                    let key = format!("{cluster}/{}", cm.metadata.name.unwrap_or_default());
+                    arrivals
+                        .lock()
+                        .unwrap()
+                        .entry(key)
+                        .or_insert_with(Instant::now);
+                }
+            }
+        }));
+    }
     let running = manager.clone();
     let run = tokio::spawn(async move { running.run().await });
     engage();
@@ -173,6 +212,10 @@ async fn case<P: Provider>(
     }
     let live = probe.live.lock().unwrap().clone();
     let listed = probe.listed.lock().unwrap().clone();
+    let arrived = arrivals.lock().unwrap().clone();
+    for watcher in watchers {
+        watcher.abort();
+    }
     let mut by_cluster: HashMap<String, Vec<Waited>> = HashMap::new();
     for (key, made_at) in &made {
         let began = live[key];
@@ -180,10 +223,17 @@ async fn case<P: Provider>(
             .iter()
             .filter(|at| **at > *made_at && **at < began)
             .count();
+        let after_arrival = arrived.get(key).map_or(ahead, |arrival| {
+            listed
+                .iter()
+                .filter(|at| **at > *arrival && **at < began)
+                .count()
+        });
         let cluster = key.split('/').next().unwrap_or_default().to_string();
         by_cluster.entry(cluster).or_default().push(Waited {
             wait: began - *made_at,
             ahead,
+            after_arrival,
         });
     }
     let mut clusters: Vec<_> = by_cluster.into_iter().collect();

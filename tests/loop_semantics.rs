@@ -46,6 +46,8 @@ struct Attempts {
     /// Objects labelled `external` whose next attempt succeeds (its failures are not the
     /// object's: nothing in it changes).
     pass_once: Mutex<std::collections::HashSet<String>>,
+    /// How many times the error policy was asked about each key.
+    policy: Mutex<HashMap<String, usize>>,
 }
 
 impl Attempts {
@@ -137,6 +139,13 @@ async fn reconcile<C: ClusterId>(
         // A call that never answers: dropped at the reconcile timeout.
         std::future::pending::<()>().await;
     }
+    if cm.labels().contains_key("polite") {
+        // A call that never answers, abandoned when the context ends at the timeout: its
+        // error goes to the error policy.
+        assert!(ctx.deadline().is_some());
+        ctx.cancelled().await;
+        return Err(Refused);
+    }
     if cm.labels().contains_key("again") {
         return Ok(if count < 5 {
             Action::backoff()
@@ -155,6 +164,17 @@ async fn reconcile<C: ClusterId>(
     } else {
         Err(Refused)
     }
+}
+
+/// Backs off, and counts who asked.
+fn backoff_policy<C: ClusterId>(
+    cm: Arc<ConfigMap>,
+    _: &Refused,
+    ctx: &Context<C, Attempts>,
+) -> Action {
+    let key = format!("{}/{}", ctx.request().cluster, cm.name_any());
+    *ctx.state().policy.lock().unwrap().entry(key).or_default() += 1;
+    Action::backoff()
 }
 
 fn object(name: &str, ok: bool, labels: &[&str]) -> ConfigMap {
@@ -233,7 +253,7 @@ async fn backoff_scenario<P: Provider>(
     Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels(LABEL))
         .failure_backoff(FailureBackoff::default().base(BASE).max(MAX))
         .reconcile_timeout(TIMEOUT)
-        .start(reconcile, |_, _, _| Action::backoff(), attempts.clone());
+        .start(reconcile, backoff_policy, attempts.clone());
     let run = spawn_manager(&manager);
     let bad = format!("{first}/bad");
     let good = format!("{first}/good");
@@ -403,11 +423,39 @@ async fn backoff_scenario<P: Provider>(
     let hung = attempts.wait_for(&hang, 3, 20).await;
     let counted: Vec<u32> = hung[..3].iter().map(|a| a.failures).collect();
     assert_eq!(counted, [0, 1, 2], "a timeout counts as a failure");
+    // Dropped a second after its timeout (its context ended at the timeout).
     for (i, gap) in gaps(&hung[..3]).iter().enumerate() {
-        let least = TIMEOUT + BASE * 2u32.pow(i as u32);
+        let least = TIMEOUT + Duration::from_secs(1) + BASE * 2u32.pow(i as u32);
         assert!(
             *gap >= least && *gap < least + Duration::from_secs(2),
             "hang: gap {i} was {gap:?}, at least {least:?}"
+        );
+    }
+
+    assert_eq!(
+        attempts.policy.lock().unwrap().get(&hang),
+        None,
+        "a dropped reconcile has no error for the error policy"
+    );
+
+    // A reconcile that ends when its context does (at the timeout) returns its own error:
+    // the error policy sees it, and the object backs off.
+    let polite = format!("{first}/polite");
+    api.create(&PostParams::default(), &object("polite", true, &["polite"]))
+        .await
+        .unwrap();
+    eventually(
+        30,
+        "the error policy asked twice about polite",
+        async || attempts.policy.lock().unwrap().get(&polite).copied() >= Some(2),
+    )
+    .await;
+    let tries = attempts.of(&polite);
+    for (i, gap) in gaps(&tries[..2]).iter().enumerate() {
+        let least = TIMEOUT + BASE * 2u32.pow(i as u32);
+        assert!(
+            *gap >= least && *gap < least + Duration::from_millis(900),
+            "polite: gap {i} was {gap:?}, at least {least:?} (and not the drop's second more)"
         );
     }
 
@@ -428,7 +476,8 @@ async fn backoff_scenario<P: Provider>(
     );
     for (metric, least) in [
         ("controller_runtime_terminal_reconcile_errors_total", 2.0),
-        ("controller_runtime_reconcile_timeouts_total", 2.0),
+        // Two of hang's drops, two of polite's returns past the deadline.
+        ("controller_runtime_reconcile_timeouts_total", 4.0),
     ] {
         let counted = sample(&text, metric, &[("cluster", cluster_label)]);
         assert!(counted.is_some_and(|n| n >= least), "{metric}: {counted:?}");

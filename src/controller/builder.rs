@@ -444,14 +444,17 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         self
     }
 
-    /// Drops a reconcile that has run for `timeout` (controller-runtime's
-    /// `ReconciliationTimeout`), so that a call that hangs cannot hold a slot for ever: it
-    /// counts as an error (`controller_runtime_reconcile_errors_total`, and
-    /// `controller_runtime_reconcile_timeouts_total`), [`Builder::on_result`] sees
-    /// [`Failure::Timeout`](crate::Failure::Timeout), and the object is retried after its
-    /// own backoff ([`Action::backoff`]). The error policy is not called: there is no error
-    /// of its type to hand it. Off by default, as in controller-runtime. A reconcile that can
-    /// stop more gracefully should bound its own calls below the timeout.
+    /// Ends a reconcile that has run for `timeout` (controller-runtime's
+    /// `ReconciliationTimeout`), so that a call that hangs cannot hold a slot for ever. At
+    /// the timeout its [`Context`] is cancelled ([`Context::cancelled`] completes,
+    /// [`Context::deadline`] says when): a reconcile that returns then is handled as any
+    /// other (its error goes to the error policy) and counted in
+    /// `controller_runtime_reconcile_timeouts_total`, as controller-runtime cancels its
+    /// context. One still running a second later is dropped: it counts as an error
+    /// (`controller_runtime_reconcile_errors_total` and the timeouts), [`Builder::on_result`]
+    /// sees [`Failure::Timeout`](crate::Failure::Timeout), and the object is retried after
+    /// its own backoff ([`Action::backoff`]); the error policy is not called then, as there is
+    /// no error of its type to hand it. Off by default, as in controller-runtime.
     pub fn reconcile_timeout(mut self, timeout: Duration) -> Self {
         self.spec.reconcile_timeout = Some(timeout);
         self

@@ -40,6 +40,8 @@ pub struct Context<C: ClusterId, S> {
     object: Option<Arc<dyn HasMeta>>,
     /// How many times in a row this object failed (or backed off) before this reconcile.
     failures: u32,
+    /// When the controller's reconcile timeout ends this reconcile, if it has one.
+    deadline: Option<tokio::time::Instant>,
 }
 
 /// What every reconcile of one controller shares; one reference count per reconcile.
@@ -101,6 +103,7 @@ impl<C: ClusterId, S> Clone for Context<C, S> {
             request: self.request.clone(),
             object: self.object.clone(),
             failures: self.failures,
+            deadline: self.deadline,
         }
     }
 }
@@ -128,6 +131,7 @@ impl<C: ClusterId, S> Context<C, S> {
             request: OnceLock::from(request),
             object: None,
             failures: 0,
+            deadline: None,
         }
     }
 
@@ -144,6 +148,7 @@ impl<C: ClusterId, S> Context<C, S> {
             request: OnceLock::new(),
             object: Some(object),
             failures: 0,
+            deadline: None,
         }
     }
 
@@ -184,6 +189,12 @@ impl<C: ClusterId, S> Context<C, S> {
     /// The same context, for an object that failed `failures` times in a row before.
     pub(crate) fn with_failures(mut self, failures: u32) -> Self {
         self.failures = failures;
+        self
+    }
+
+    /// The same context, ending at `deadline` (the reconcile timeout).
+    pub(crate) fn with_deadline(mut self, deadline: Option<tokio::time::Instant>) -> Self {
+        self.deadline = deadline;
         self
     }
 
@@ -297,14 +308,28 @@ impl<C: ClusterId, S> Context<C, S> {
     }
 
     /// Whether the reconcile should stop early: the engagement of its cluster it runs in
-    /// ended (the cluster was disengaged, or replaced by one with new credentials), or the
-    /// manager is shutting down.
+    /// ended (the cluster was disengaged, or replaced by one with new credentials), the
+    /// manager is shutting down, or the controller's reconcile timeout
+    /// ([`Builder::reconcile_timeout`](crate::Builder::reconcile_timeout)) has passed.
     ///
     /// A reconcile that stops early because its cluster was *replaced* loses nothing: every
     /// request in flight at a replacement runs again, on the new cluster, once it returns.
     pub fn is_cancelled(&self) -> bool {
         self.engagement.as_ref().is_some_and(|t| t.is_cancelled())
             || self.shared.shutdown.is_cancelled()
+            || self
+                .deadline
+                .is_some_and(|d| tokio::time::Instant::now() >= d)
+    }
+
+    /// When the controller's reconcile timeout
+    /// ([`Builder::reconcile_timeout`](crate::Builder::reconcile_timeout)) ends this
+    /// reconcile (controller-runtime's context deadline); `None` without one. At the deadline
+    /// [`Context::cancelled`] completes: a reconcile that returns then (its own error, which
+    /// the error policy sees) is handled as any other; one still running a second later is
+    /// dropped.
+    pub fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.deadline
     }
 
     /// Whether this replica still holds, by its own clock, what lets it act on this request's
@@ -342,9 +367,16 @@ impl<C: ClusterId, S> Context<C, S> {
                 None => std::future::pending().await,
             }
         };
+        let deadline = async {
+            match self.deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             () = engagement => {}
             () = self.shared.shutdown.cancelled() => {}
+            () = deadline => {}
         }
     }
 }

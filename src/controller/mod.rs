@@ -81,6 +81,10 @@ impl fmt::Display for ReconcileReason {
     }
 }
 
+/// How long a reconcile may go on after its reconcile timeout, its [`Context`] cancelled,
+/// before its future is dropped.
+pub(crate) const TIMEOUT_GRACE: Duration = Duration::from_secs(1);
+
 /// How often every cached object is reconciled again by default: controller-runtime's
 /// `SyncPeriod` default (10 hours), each period drawn within ±10 % of it.
 pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10 * 3600);

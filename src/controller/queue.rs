@@ -478,6 +478,13 @@ impl<C: ClusterId> FleetQueue<C> {
         });
     }
 
+    /// Counts a reconcile of `cluster` that returned after its reconcile timeout.
+    pub(crate) fn timed_out(&self, cluster: &C) {
+        if let Some(series) = self.series(cluster) {
+            series.timed_out();
+        }
+    }
+
     /// Marks `req`, handed out by [`FleetQueue::poll_next`], finished; schedules it again
     /// after the action's delay, in the lane it came from, if its cluster is still engaged.
     /// `took` is how long the reconcile ran, if it was timed (metrics are kept).

@@ -51,7 +51,8 @@ use crate::{Action, ClusterId, Context, Request, Watchable};
 /// A reconcile in flight; it yields its request, what it asked for next, why, and whether the
 /// engagement it ran in had ended by the time it returned.
 /// A reconcile: its request, what it asked for, why it runs next, whether its engagement
-/// ended meanwhile, and how long it took (timed only when metrics are kept).
+/// ended meanwhile, how long it took (timed only when metrics are kept), and whether it
+/// returned after its deadline (the reconcile timeout) rather than being dropped.
 type Reconciling<C> = Pin<
     Box<
         dyn Future<
@@ -61,6 +62,7 @@ type Reconciling<C> = Pin<
                     ReconcileReason,
                     bool,
                     Option<std::time::Duration>,
+                    bool,
                 ),
             > + Send,
     >,
@@ -205,7 +207,10 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 Some(()) => slots.reconcile_all(),
                 None => bulk = None,
             },
-            Some((req, action, reason, ended, took)) = running.next(), if !running.is_empty() => {
+            Some((req, action, reason, ended, took, overran)) = running.next(), if !running.is_empty() => {
+                if overran {
+                    slots.queue.timed_out(&req.cluster);
+                }
                 // A reconcile whose engagement ended while it ran (its cluster was replaced:
                 // the client it used stopped, its context was cancelled) may have been cut
                 // short: it runs again if the id is still followed, on the new engagement.
@@ -524,13 +529,19 @@ where
     let failures = shared
         .failures
         .prior(&req, version.as_ref().and_then(Option::as_deref));
+    // The reconcile timeout: the context ends at the deadline; the future is dropped a
+    // grace period later if it has not returned.
+    let deadline = spec
+        .reconcile_timeout
+        .map(|limit| tokio::time::Instant::now() + limit);
     let ctx = Context::new(
         req.clone(),
         engagement.cluster,
         token.clone(),
         shared.clone(),
     )
-    .with_failures(failures);
+    .with_failures(failures)
+    .with_deadline(deadline);
     let span = tracing::info_span!(
         "reconcile",
         controller = %spec.name,
@@ -550,12 +561,12 @@ where
         let Some(_busy) = busy else {
             // Its cluster left between the request coming due and now: it runs again on a
             // new engagement of the id, if there is one.
-            return (req, Action::await_change(), reason, true, None);
+            return (req, Action::await_change(), reason, true, None, false);
         };
         if !ctx.shared_tenure().holds() {
             // Past the tenure since it was taken from the queue: queued again, taken once
             // the tenure runs again (or dropped with the cluster).
-            return (req, Action::await_change(), reason, true, None);
+            return (req, Action::await_change(), reason, true, None, false);
         }
         let began = (timed || observer.is_some()).then(std::time::Instant::now);
         // A panic of the reconciler or its error policy ends this reconcile only: the
@@ -567,14 +578,14 @@ where
             let reconciled = reconcile(object.clone(), ctx.clone());
             let result = match limit {
                 None => Ok(reconciled.await),
-                Some(limit) => tokio::time::timeout(limit, reconciled)
+                Some(limit) => tokio::time::timeout(limit + super::TIMEOUT_GRACE, reconciled)
                     .await
                     .map_err(|_| limit),
             };
             let result = match result {
                 Ok(result) => result,
                 Err(limit) => {
-                    tracing::warn!(cluster = %req.cluster, ?limit, "reconcile dropped at the reconcile timeout; retried after the object's backoff");
+                    tracing::warn!(cluster = %req.cluster, ?limit, "reconcile dropped: it did not return within a second of its reconcile timeout; retried after the object's backoff");
                     let action = counts.settle(
                         &req,
                         version(&object).as_deref(),
@@ -658,11 +669,15 @@ where
             biased;
             (action, reason) = work => {
                 let took = began.map(|b| b.elapsed());
-                (req, action, reason, token.is_cancelled(), took)
+                // Returned (not dropped) past its deadline: a timeout too, as
+                // controller-runtime counts one.
+                let overran = reason != ReconcileReason::TimedOut
+                    && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+                (req, action, reason, token.is_cancelled(), took, overran)
             }
             () = abandoned => {
                 tracing::warn!(cluster = %req.cluster, ?grace, "reconcile dropped: its cluster was disengaged and it did not return within the grace period");
-                (req, Action::await_change(), reason, true, began.map(|b| b.elapsed()))
+                (req, Action::await_change(), reason, true, began.map(|b| b.elapsed()), false)
             }
         }
     }

@@ -386,7 +386,13 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 if let Some(gate) = &single.gate {
                     gate.started(&*obj);
                 }
-                let ctx = single.context(&obj).with_failures(single.prior(&*obj));
+                let deadline = single
+                    .timeout
+                    .map(|limit| tokio::time::Instant::now() + limit);
+                let ctx = single
+                    .context(&obj)
+                    .with_failures(single.prior(&*obj))
+                    .with_deadline(deadline);
                 // The object and controller again, to settle its failure count afterwards.
                 let settling = (obj.clone(), single.clone());
                 let observed = single
@@ -416,9 +422,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 let fut = fut.map(|fut| match single.timeout {
                     None => futures::future::Either::Left(fut),
                     Some(limit) => futures::future::Either::Right(
-                        tokio::time::timeout(limit, fut).map(move |done| {
+                        tokio::time::timeout(limit + super::TIMEOUT_GRACE, fut).map(move |done| {
                             done.unwrap_or_else(|_| {
-                                tracing::warn!(?limit, "reconcile dropped at the reconcile timeout; retried after the object's backoff");
+                                tracing::warn!(?limit, "reconcile dropped: it did not return within a second of its reconcile timeout; retried after the object's backoff");
                                 Err(Failure::TimedOut(limit, Duration::ZERO))
                             })
                         }),
@@ -450,6 +456,13 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                                 }
                                 Ok(action) => Outcome::of(false, action),
                             };
+                            // Returned past its deadline: a timeout too, as
+                            // controller-runtime counts one.
+                            if !matches!(result, Err(Failure::TimedOut(..)))
+                                && deadline.is_some_and(|d| tokio::time::Instant::now() >= d)
+                            {
+                                active.0.series.timed_out();
+                            }
                             active.0.series.reconciled(outcome, took);
                         }
                         match result {
