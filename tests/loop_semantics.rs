@@ -536,7 +536,7 @@ impl Starts {
 }
 
 const ORDER_NS: &str = "order";
-const LISTED: usize = 120;
+const LISTED: usize = 80;
 const ORDER_CONCURRENCY: u16 = 2;
 
 /// Records the start, then takes 100 ms.
