@@ -64,7 +64,7 @@ pub use transform::{LAST_APPLIED, strip_managed_fields};
 pub use transport::set_keepalive as transport_keepalive;
 pub use watch::Fault;
 use watch::WatchState;
-pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message};
+pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message, same_version};
 
 use crate::Watchable;
 use crate::sync::lock;

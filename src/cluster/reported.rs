@@ -34,7 +34,10 @@ impl ReportedWatch {
                 self.failing.store(false, Ordering::Release);
             }
             Ok(_) => {
-                if self.failing.swap(false, Ordering::AcqRel) {
+                // Every event passes here: a plain load while the watch works.
+                if self.failing.load(Ordering::Acquire)
+                    && self.failing.swap(false, Ordering::AcqRel)
+                {
                     let mut state = lock(&self.state);
                     if let WatchState::Listing { error } | WatchState::Synced { error } =
                         &mut *state
@@ -60,8 +63,7 @@ impl ReportedWatch {
     pub(crate) async fn report_if_overdue(self: Arc<Self>, timeout: Duration) {
         tokio::time::sleep_until((self.started + timeout).into()).await;
         if let WatchState::Listing { error } = lock(&self.state).clone() {
-            let error = error.as_deref().unwrap_or("none yet (the listing is slow)");
-            tracing::warn!(cluster = %self.cluster, kind = %self.kind, ?timeout, %error, "the cache has not listed within the cache sync timeout; requests for its objects wait, the watch keeps trying");
+            super::watch::warn_overdue(&self.cluster, &self.kind, timeout, error.as_deref());
         }
     }
 }

@@ -376,9 +376,7 @@ async fn run<K: Watchable>(
                 if let Some(shared) = shared.upgrade()
                     && let WatchState::Listing { error } = shared.state()
                 {
-                    let timeout = sync_timeout.unwrap_or_default();
-                    let error = error.as_deref().unwrap_or("none yet (the listing is slow)");
-                    tracing::warn!(cluster = %shared.cluster, %kind, ?timeout, %error, "the cache has not listed within the cache sync timeout; requests for its objects wait, the watch keeps trying");
+                    warn_overdue(&shared.cluster, &kind, sync_timeout.unwrap_or_default(), error.as_deref());
                 }
                 continue;
             }
@@ -480,10 +478,9 @@ fn step<K: Watchable>(
             let key = ObjectKey::of(&*obj);
             // The store serves its old content until the listing is done.
             let unchanged = listing.first
-                || store.get_key(&key).is_some_and(|held| {
-                    held.meta().resource_version == obj.meta().resource_version
-                        && held.meta().uid == obj.meta().uid
-                });
+                || store
+                    .get_key(&key)
+                    .is_some_and(|held| same_version(&*held, &*obj));
             listing.refs.push((key, unchanged));
             writer.init_apply(obj);
         }
@@ -524,6 +521,24 @@ fn step<K: Watchable>(
             listing.first = false;
         }
     }
+}
+
+/// Whether `a` and `b` are the same object at the same resourceVersion (uid included: one
+/// deleted and created again under the name is another).
+pub(crate) fn same_version<K: Resource>(a: &K, b: &K) -> bool {
+    a.meta().resource_version == b.meta().resource_version && a.meta().uid == b.meta().uid
+}
+
+/// Says once that a cache of `kind` in `cluster` has not listed within `timeout`, with the
+/// watch's last error.
+pub(crate) fn warn_overdue(
+    cluster: &str,
+    kind: &str,
+    timeout: std::time::Duration,
+    error: Option<&str>,
+) {
+    let error = error.unwrap_or("none yet (the listing is slow)");
+    tracing::warn!(%cluster, %kind, ?timeout, %error, "the cache has not listed within the cache sync timeout; requests for its objects wait, the watch keeps trying");
 }
 
 fn index<K: Watchable>(shared: &SharedWatch<K>, update: impl FnOnce(&mut FieldIndexes<K>)) {

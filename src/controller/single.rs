@@ -170,10 +170,9 @@ fn lanes<K: Watchable>(
                 // The store serves what it held until the listing is done.
                 let held = kube_runtime::reflector::ObjectRef::from_obj_with(&object, dt.clone());
                 let unchanged = first
-                    || reader.get(&held).is_some_and(|held| {
-                        held.meta().resource_version == object.meta().resource_version
-                            && held.meta().uid == object.meta().uid
-                    });
+                    || reader
+                        .get(&held)
+                        .is_some_and(|held| crate::cluster::same_version(&*held, &object));
                 if unchanged {
                     if first || !predicate {
                         gate.hold(&object);
