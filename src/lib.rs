@@ -60,6 +60,7 @@ mod serve;
 pub mod shard;
 mod sync;
 mod tenure;
+pub mod webhook;
 
 /// The Kubernetes API types this crate's and kube's APIs use. The version feature is the
 /// final binary's choice (see [the crate docs](crate#kubernetes-version)).

@@ -71,6 +71,24 @@ struct RequestLabels {
     host: Arc<str>,
 }
 
+/// controller-runtime's webhook labels: `webhook` is the webhook's name here (its path
+/// carries a cluster's route token, which must not reach a scraper).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WebhookLabels {
+    webhook: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WebhookCodeLabels {
+    webhook: Arc<str>,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WatchLabels {
     kind: String,
@@ -386,6 +404,12 @@ struct Inner {
     shard_handoffs: Family<GroupLabels, Counter>,
     shard_acquired: Family<GroupLabels, Counter>,
     shard_lost: Family<GroupLabels, Counter>,
+    webhook_requests: Family<With<WebhookCodeLabels>, Counter>,
+    webhook_latency: Family<WebhookLabels, Histogram, fn() -> Histogram>,
+    webhook_in_flight: Family<WebhookLabels, Gauge>,
+    webhook_panics: Counter,
+    webhook_refused: Family<ReasonLabels, Counter>,
+    webhook_install_failures: Family<ClusterLabel, Counter>,
 }
 
 /// A sharding group's series.
@@ -448,6 +472,12 @@ impl Metrics {
             shard_handoffs: Family::default(),
             shard_acquired: Family::default(),
             shard_lost: Family::default(),
+            webhook_requests: Family::default(),
+            webhook_latency: Family::new_with_constructor(duration_histogram),
+            webhook_in_flight: Family::default(),
+            webhook_panics: Counter::default(),
+            webhook_refused: Family::default(),
+            webhook_install_failures: Family::default(),
         };
         registry.register_collector(Box::new(inner.watches.clone()));
         registry.register_collector(Box::new(inner.in_flight.clone()));
@@ -557,12 +587,94 @@ impl Metrics {
             "Cluster fences this replica lost without handing the cluster over",
             inner.shard_lost.clone(),
         );
+        registry.register(
+            "controller_runtime_webhook_requests",
+            "Admission reviews answered, per webhook, HTTP status and cluster",
+            inner.webhook_requests.clone(),
+        );
+        registry.register(
+            "controller_runtime_webhook_latency_seconds",
+            "How long admission reviews took, per webhook",
+            inner.webhook_latency.clone(),
+        );
+        registry.register(
+            "controller_runtime_webhook_requests_in_flight",
+            "Admission reviews being handled now, per webhook",
+            inner.webhook_in_flight.clone(),
+        );
+        registry.register(
+            "controller_runtime_webhook_panics",
+            "Admission handlers that panicked",
+            inner.webhook_panics.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_webhook_refused",
+            "Webhook requests refused before any handler saw them, per reason (not_a_route, unknown_webhook, bad_token, unknown_cluster)",
+            inner.webhook_refused.clone(),
+        );
+        registry.register(
+            "multicluster_runtime_webhook_install_failures",
+            "Failed attempts to install (or remove) the webhook configurations, per cluster",
+            inner.webhook_install_failures.clone(),
+        );
         Self {
             inner: Arc::new(inner),
         }
     }
 
     /// The series of sharding group `group`.
+    /// An answered review.
+    pub(crate) fn webhook_answered(
+        &self,
+        webhook: &Arc<str>,
+        cluster: &str,
+        code: u16,
+        took: Duration,
+    ) {
+        let labels = WebhookCodeLabels {
+            webhook: webhook.clone(),
+            code: code.to_string(),
+        };
+        self.inner
+            .webhook_requests
+            .get_or_create(&(labels, self.cluster(cluster)))
+            .inc();
+        self.inner
+            .webhook_latency
+            .get_or_create(&WebhookLabels {
+                webhook: webhook.clone(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// The in-flight gauge of `webhook`.
+    pub(crate) fn webhook_in_flight(&self, webhook: &Arc<str>) -> Gauge {
+        self.inner
+            .webhook_in_flight
+            .get_or_create(&WebhookLabels {
+                webhook: webhook.clone(),
+            })
+            .clone()
+    }
+
+    pub(crate) fn webhook_panicked(&self) {
+        self.inner.webhook_panics.inc();
+    }
+
+    pub(crate) fn webhook_refused(&self, reason: &'static str) {
+        self.inner
+            .webhook_refused
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    pub(crate) fn webhook_install_failed(&self, cluster: &str) {
+        self.inner
+            .webhook_install_failures
+            .get_or_create(&self.cluster(cluster))
+            .inc();
+    }
+
     pub(crate) fn shard(&self, group: &str) -> ShardSeries {
         let labels = GroupLabels {
             group: Arc::from(group),

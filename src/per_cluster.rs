@@ -87,7 +87,7 @@ pub(crate) async fn run<C: ClusterId>(env: Env<C>, name: Arc<str>, task: PerClus
 }
 
 /// A token cancelled when either `a` or `b` is.
-fn until_either(a: CancellationToken, b: CancellationToken) -> CancellationToken {
+pub(crate) fn until_either(a: CancellationToken, b: CancellationToken) -> CancellationToken {
     let either = a.child_token();
     let watcher = either.clone();
     tokio::spawn(async move {

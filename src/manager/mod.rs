@@ -80,6 +80,10 @@ pub struct Manager<P: Provider> {
     endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
     served_at: Mutex<Option<std::net::SocketAddr>>,
+    /// The admission webhooks, if any.
+    webhooks: Option<Arc<crate::webhook::install::Runtime<P::Id>>>,
+    /// Where the webhooks are served in the current run, and their server's state.
+    webhooks_at: Mutex<Option<std::net::SocketAddr>>,
     /// While controllers may run (leading, or running without leader election), the token
     /// that ends their term.
     leading: tokio::sync::watch::Sender<Option<CancellationToken>>,
@@ -118,6 +122,10 @@ pub enum ManagerError {
     /// cannot be used, or secure endpoints without a cluster to check tokens with.
     #[error("the endpoints cannot be served: {0}")]
     Endpoints(String),
+    /// The webhooks' settings cannot work ([`Manager::webhooks`]): a name Kubernetes would
+    /// refuse, a URL that is not https, no host for the certificates' Secret.
+    #[error("the webhooks cannot be served: {0}")]
+    Webhooks(String),
     /// The endpoints could not listen on their address ([`Manager::serve`]).
     #[error("cannot serve the endpoints on {addr}: {error}")]
     Serve {
@@ -191,6 +199,8 @@ impl<P: Provider> Manager<P> {
             cache_sync_timeout: DEFAULT_CACHE_SYNC_TIMEOUT,
             endpoints: None,
             served_at: Mutex::new(None),
+            webhooks: None,
+            webhooks_at: Mutex::new(None),
             leading: tokio::sync::watch::Sender::new(None),
         }
     }
@@ -363,6 +373,48 @@ impl<P: Provider> Manager<P> {
     pub fn serve(mut self, endpoints: Endpoints) -> Self {
         self.endpoints = Some(endpoints);
         self
+    }
+
+    /// Serves admission webhooks while the manager runs, on every replica, and installs
+    /// their configurations where [`Webhooks::install`](crate::webhook::Webhooks::install)
+    /// says: in every engaged cluster by default, by the leader (with leader election) or by
+    /// each cluster's owner (with sharding). See [`webhook`](crate::webhook). The settings
+    /// are checked when the run starts ([`ManagerError::Webhooks`]).
+    #[must_use]
+    pub fn webhooks(mut self, webhooks: crate::webhook::Webhooks<P::Id>) -> Self {
+        let runtime = Arc::new(crate::webhook::install::Runtime {
+            webhooks,
+            keeper: std::sync::OnceLock::new(),
+            secret: std::sync::OnceLock::new(),
+        });
+        self.webhooks = Some(runtime.clone());
+        self.add_controller(
+            false,
+            Arc::new(move |env| Box::pin(crate::webhook::install_task(env, runtime.clone()))),
+        );
+        self
+    }
+
+    /// The address the webhooks listen on in the current run (the port chosen, if the
+    /// address had port 0); `None` when not running or not serving webhooks.
+    pub fn webhooks_served_at(&self) -> Option<std::net::SocketAddr> {
+        *lock(&self.webhooks_at)
+    }
+
+    /// The URL `cluster`'s API server is given for `webhook` (a hook's name), once the
+    /// webhooks' route key is loaded: for configurations you write yourself
+    /// ([`Install::Nothing`](crate::webhook::Install::Nothing)). `None` before that, or
+    /// without webhooks.
+    pub fn webhook_url(&self, cluster: &P::Id, webhook: &str) -> Option<String> {
+        let runtime = self.webhooks.as_ref()?;
+        let served = runtime.keeper.get()?.served()?;
+        Some(runtime.url(&served.route, &cluster.to_string(), webhook))
+    }
+
+    /// The CA bundle the webhooks' configurations carry (PEM), once loaded.
+    pub fn webhook_ca_bundle(&self) -> Option<String> {
+        let runtime = self.webhooks.as_ref()?;
+        Some(runtime.keeper.get()?.served()?.bundle.to_string())
     }
 
     /// The address the endpoints listen on in the current run (the port chosen, if the

@@ -137,8 +137,12 @@ impl<P: Provider> Manager<P> {
         listener: tokio::net::TcpListener,
         (tls, authorizer): Security,
         stopping: &CancellationToken,
+        webhooks_ready: Option<crate::serve::Check>,
     ) -> Option<(AbortOnDropHandle<()>, CancellationToken)> {
-        let endpoints = self.endpoints.as_ref()?;
+        let mut endpoints = self.endpoints.clone()?;
+        if let Some(check) = webhooks_ready {
+            endpoints.readyz.push(("webhooks".into(), check));
+        }
         let stop = CancellationToken::new();
         let addr = listener.local_addr().ok();
         *lock(&self.served_at) = addr;
@@ -153,7 +157,7 @@ impl<P: Provider> Manager<P> {
             fleet: self.fleet.clone(),
             host,
             local: self.local.clone(),
-            endpoints: endpoints.clone(),
+            endpoints,
             authorizer,
             stopping: stopping.clone(),
         });
@@ -164,6 +168,123 @@ impl<P: Provider> Manager<P> {
             stop.clone(),
         )));
         Some((server, stop))
+    }
+
+    /// The webhooks' settings checked, their keeper made (on the first run) and their
+    /// address bound, before anything starts.
+    async fn bind_webhooks(
+        &self,
+    ) -> Result<Option<(tokio::net::TcpListener, Arc<crate::webhook::Keeper>)>, ManagerError> {
+        let Some(runtime) = &self.webhooks else {
+            return Ok(None);
+        };
+        let webhooks = &runtime.webhooks;
+        webhooks.validate().map_err(ManagerError::Webhooks)?;
+        let (host_name, _) = webhooks.url_parts().map_err(ManagerError::Webhooks)?;
+        let keeper = match runtime.keeper.get() {
+            Some(keeper) => keeper.clone(),
+            None => {
+                let secret = match (&webhooks.secret, &self.local) {
+                    (Some((namespace, name)), Some(local)) => {
+                        let client = local.client();
+                        let namespace = namespace
+                            .clone()
+                            .unwrap_or_else(|| client.default_namespace().to_string());
+                        Some((client, namespace, name.clone()))
+                    }
+                    _ => None,
+                };
+                if secret.is_none() {
+                    tracing::info!(
+                        "webhooks: no host cluster: the certificates and route key live in this process only (one replica)"
+                    );
+                }
+                let _ = runtime
+                    .secret
+                    .set(secret.as_ref().map(|(_, namespace, name)| {
+                        k8s_openapi::api::core::v1::ObjectReference {
+                            api_version: Some("v1".into()),
+                            kind: Some("Secret".into()),
+                            namespace: Some(namespace.clone()),
+                            name: Some(name.clone()),
+                            ..Default::default()
+                        }
+                    }));
+                let mut names = vec![host_name];
+                names.extend(webhooks.names.iter().cloned());
+                names.dedup();
+                let keeper = crate::webhook::Keeper::new(
+                    webhooks.certificates.clone(),
+                    secret,
+                    names,
+                    webhooks.check_every,
+                );
+                let _ = runtime.keeper.set(keeper.clone());
+                keeper
+            }
+        };
+        let listener = tokio::net::TcpListener::bind(webhooks.addr)
+            .await
+            .map_err(|error| ManagerError::Serve {
+                addr: webhooks.addr,
+                error,
+            })?;
+        Ok(Some((listener, keeper)))
+    }
+
+    /// Starts the certificate keeper and the webhook server; returns them (and the token
+    /// that stops both) and the server's readiness check.
+    fn serve_webhooks(
+        &self,
+        runtime: &crate::webhook::install::Runtime<P::Id>,
+        listener: tokio::net::TcpListener,
+        keeper: Arc<crate::webhook::Keeper>,
+    ) -> (
+        (
+            AbortOnDropHandle<()>,
+            AbortOnDropHandle<()>,
+            CancellationToken,
+        ),
+        crate::serve::Check,
+    ) {
+        let webhooks = &runtime.webhooks;
+        let (_, base) = webhooks.url_parts().unwrap_or_default();
+        let addr = listener.local_addr().ok();
+        *lock(&self.webhooks_at) = addr;
+        tracing::info!(addr = ?addr, url = %webhooks.url, "serving admission webhooks");
+        let host = match webhooks.install {
+            crate::webhook::Install::Fleet => None,
+            _ => self.local.as_ref().map(|l| l.id().clone()),
+        };
+        let shared = Arc::new(crate::webhook::Shared {
+            fleet: self.fleet.clone(),
+            serve_fleet: webhooks.install != crate::webhook::Install::Host,
+            host,
+            base,
+            hooks: webhooks
+                .hooks
+                .iter()
+                .map(|hook| {
+                    (
+                        hook.name.clone(),
+                        (hook.handle(), Arc::from(hook.name.as_str())),
+                    )
+                })
+                .collect(),
+            keeper: keeper.clone(),
+            metrics: self.metrics.clone(),
+            listening: std::sync::atomic::AtomicBool::new(false),
+        });
+        let stop = CancellationToken::new();
+        let keeping = AbortOnDropHandle::new(tokio::spawn(keeper.run(stop.clone())));
+        let server = AbortOnDropHandle::new(tokio::spawn(crate::webhook::serve(
+            listener,
+            shared.clone(),
+            stop.clone(),
+            self.graceful_timeout,
+        )));
+        let ready: crate::serve::Check = Arc::new(move || shared.ready());
+        ((server, keeping, stop), ready)
     }
 
     /// The watch gauges read this manager's clusters at scrape time (one source per manager:
@@ -220,6 +341,12 @@ struct Run<'a, P: Provider> {
     local: Option<Engagement<P::Id>>,
     /// The endpoints' server and the token that stops it.
     server: Option<(AbortOnDropHandle<()>, CancellationToken)>,
+    /// The webhook server and the certificate keeper, and the token that stops them.
+    webhooks: Option<(
+        AbortOnDropHandle<()>,
+        AbortOnDropHandle<()>,
+        CancellationToken,
+    )>,
     /// Last, so that it is dropped last when the run is.
     abandoned: Abandoned<'a, P>,
 }
@@ -249,6 +376,7 @@ impl<'a, P: Provider> Run<'a, P> {
             armed: true,
         };
         let endpoints = manager.bind_endpoints().await?;
+        let webhook_listener = manager.bind_webhooks().await?;
         let (faults_tx, faults) = mpsc::unbounded_channel();
         let settings = WatchSettings {
             backoff: manager.backoff.clone(),
@@ -282,8 +410,15 @@ impl<'a, P: Provider> Run<'a, P> {
                 tasks.spawn(warmer(manager.env()));
             }
         }
+        let (webhooks, webhook_ready) = match (webhook_listener, &manager.webhooks) {
+            (Some((listener, keeper)), Some(runtime)) => {
+                let (handles, ready) = manager.serve_webhooks(runtime, listener, keeper);
+                (Some(handles), Some(ready))
+            }
+            _ => (None, None),
+        };
         let server = endpoints.and_then(|(listener, security)| {
-            manager.serve_endpoints(listener, security, &shutdown)
+            manager.serve_endpoints(listener, security, &shutdown, webhook_ready)
         });
         // Sharded: every controller but the leader-only ones runs from the start, each on this
         // replica's share, which the coordinator keeps in the fleet.
@@ -367,6 +502,7 @@ impl<'a, P: Provider> Run<'a, P> {
             fence_tenure,
             local,
             server,
+            webhooks,
             abandoned,
         })
     }
@@ -501,6 +637,11 @@ impl<'a, P: Provider> Run<'a, P> {
     async fn wind_down(mut self, result: Result<(), ManagerError>) -> Result<(), ManagerError> {
         let manager = self.manager;
         self.shutdown.cancel();
+        // The webhook server takes no new review from now on; those in flight are answered
+        // meanwhile (awaited below, within the graceful timeout).
+        if let Some((_, _, stop)) = &self.webhooks {
+            stop.cancel();
+        }
         {
             // From now on, added tasks wait for the next run.
             *lock(&manager.running) = None;
@@ -540,6 +681,11 @@ impl<'a, P: Provider> Run<'a, P> {
             && let Some(session) = local.cluster.detach()
         {
             session.stopped().await;
+        }
+        if let Some((server, keeper, _)) = self.webhooks.take() {
+            let _ = server.await;
+            let _ = keeper.await;
+            *lock(&manager.webhooks_at) = None;
         }
         if let Some((server, stop)) = self.server.take() {
             stop.cancel();

@@ -27,7 +27,7 @@ use tokio_util::task::TaskTracker;
 use crate::{Cluster, ClusterId, Fleet};
 
 pub(crate) use auth::{Authorizer, Verdict};
-pub(crate) use tls::{Certificates, Source as TlsSource};
+pub(crate) use tls::{Certificates, Source as TlsSource, certified};
 
 /// A named check of `/healthz` or `/readyz`: `Err` says why it fails.
 pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;

@@ -132,7 +132,7 @@ fn from_files(cert: &std::path::Path, key: &std::path::Path) -> Result<Arc<Certi
     certified(chain, private).map_err(|e| format!("{}: {e}", key.display()))
 }
 
-fn certified(
+pub(crate) fn certified(
     chain: Vec<CertificateDer<'static>>,
     private: PrivateKeyDer<'static>,
 ) -> Result<Arc<CertifiedKey>, String> {

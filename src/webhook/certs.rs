@@ -1,0 +1,706 @@
+//! The webhook server's certificates and route key ([`Keeper`]): made by the crate and kept
+//! in a host Secret (shared by every replica, kept across restarts, rotated before they
+//! expire), or read from files; in both cases the route key lives in that Secret when there
+//! is a host cluster.
+//!
+//! Rotation never leaves a member without the CA of the certificate being served: a new CA
+//! is made (and added to the bundle installed everywhere) long before it signs anything,
+//! and a CA that signed a certificate some replica may still serve stays in the bundle
+//! until it expires.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, ObjectMeta, PostParams};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::route::{KEY_LEN, RouteKey};
+use crate::sync::lock;
+
+/// Where the serving certificate and the CA bundle come from.
+#[derive(Clone, Debug)]
+pub(crate) enum Source {
+    Generated(Generated),
+    Files {
+        cert: std::path::PathBuf,
+        key: std::path::PathBuf,
+        ca: std::path::PathBuf,
+    },
+}
+
+/// The settings of certificates the crate makes.
+#[derive(Clone, Debug)]
+pub(crate) struct Generated {
+    pub(crate) ca_validity: Duration,
+    pub(crate) serving_validity: Duration,
+}
+
+/// What the server serves now.
+#[derive(Clone)]
+pub(crate) struct Served {
+    pub(crate) key: Arc<CertifiedKey>,
+    pub(crate) route: RouteKey,
+    /// The PEM CA bundle members are given (`caBundle`).
+    pub(crate) bundle: Arc<str>,
+}
+
+/// Keeps the certificates and route key current: [`Keeper::run`] reads (and makes, and
+/// rotates) them every `check_every`; handshakes and routes read the current ones.
+pub(crate) struct Keeper {
+    source: Source,
+    /// The Secret (`namespace`, `name`) on the host, if there is a host.
+    secret: Option<(kube::Client, String, String)>,
+    /// The names (DNS names, IP addresses) the serving certificate is for.
+    names: Vec<String>,
+    check_every: Duration,
+    served: Mutex<Option<Served>>,
+    /// The route key of [`Source::Files`], once read.
+    route_cache: Mutex<Option<Vec<u8>>>,
+    bundle: watch::Sender<Option<Arc<str>>>,
+    loaded: AtomicBool,
+}
+
+impl std::fmt::Debug for Keeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keeper")
+            .field("source", &self.source)
+            .field("names", &self.names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ResolvesServerCert for Keeper {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        lock(&self.served).as_ref().map(|s| s.key.clone())
+    }
+}
+
+/// The Secret's state record: validity of each part, in Unix seconds.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+struct Record {
+    /// The generation of the current CA (its common name carries it).
+    ca: Option<Period>,
+    next: Option<Period>,
+    /// Until when the previous CA stays in the bundle.
+    previous_until: Option<i64>,
+    serving: Option<ServingRecord>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+struct Period {
+    generation: u64,
+    issued: i64,
+    expires: i64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+struct ServingRecord {
+    issued: i64,
+    expires: i64,
+    /// The generation of the CA that signed it.
+    ca: u64,
+    names: Vec<String>,
+}
+
+/// The Secret's content, parsed.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Material {
+    route: Option<Vec<u8>>,
+    record: Record,
+    ca: Option<(String, String)>,
+    next: Option<(String, String)>,
+    previous: Option<String>,
+    serving: Option<(String, String)>,
+}
+
+const ROUTE: &str = "route.key";
+const RECORD: &str = "state.json";
+const CA: (&str, &str) = ("ca.crt", "ca.key");
+const NEXT: (&str, &str) = ("next-ca.crt", "next-ca.key");
+const PREVIOUS: &str = "previous-ca.crt";
+const SERVING: (&str, &str) = ("tls.crt", "tls.key");
+
+impl Material {
+    fn of(secret: &Secret) -> Self {
+        let data = secret.data.clone().unwrap_or_default();
+        let text = |key: &str| {
+            data.get(key)
+                .and_then(|b| String::from_utf8(b.0.clone()).ok())
+        };
+        let pair = |(cert, key): (&str, &str)| Some((text(cert)?, text(key)?));
+        Self {
+            route: data
+                .get(ROUTE)
+                .map(|b| b.0.clone())
+                .filter(|r| r.len() == KEY_LEN),
+            record: text(RECORD)
+                .and_then(|r| serde_json::from_str(&r).ok())
+                .unwrap_or_default(),
+            ca: pair(CA),
+            next: pair(NEXT),
+            previous: text(PREVIOUS),
+            serving: pair(SERVING),
+        }
+    }
+
+    fn data(&self) -> BTreeMap<String, ByteString> {
+        let mut data = BTreeMap::new();
+        let mut put = |key: &str, value: &[u8]| {
+            data.insert(key.to_string(), ByteString(value.to_vec()));
+        };
+        if let Some(route) = &self.route {
+            put(ROUTE, route);
+        }
+        put(
+            RECORD,
+            serde_json::to_string(&self.record)
+                .unwrap_or_default()
+                .as_bytes(),
+        );
+        for (names, pair) in [(CA, &self.ca), (NEXT, &self.next), (SERVING, &self.serving)] {
+            if let Some((cert, key)) = pair {
+                put(names.0, cert.as_bytes());
+                put(names.1, key.as_bytes());
+            }
+        }
+        if let Some(previous) = &self.previous {
+            put(PREVIOUS, previous.as_bytes());
+        }
+        data
+    }
+
+    /// The bundle members trust: the current CA, the next one, the previous one.
+    fn bundle(&self) -> String {
+        let mut bundle = String::new();
+        for cert in [
+            self.ca.as_ref().map(|c| &c.0),
+            self.next.as_ref().map(|c| &c.0),
+            self.previous.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            bundle.push_str(cert);
+            if !cert.ends_with('\n') {
+                bundle.push('\n');
+            }
+        }
+        bundle
+    }
+}
+
+fn unix(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Whether `fraction` of `issued..expires` has passed at `now`.
+fn past(issued: i64, expires: i64, now: i64, fraction: (i64, i64)) -> bool {
+    let life = (expires - issued).max(1);
+    (now - issued) * fraction.1 >= life * fraction.0
+}
+
+fn ca_params(generation: u64) -> Result<rcgen::CertificateParams, String> {
+    let mut params =
+        rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        format!("multicluster-runtime webhook CA {generation}"),
+    );
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(params)
+}
+
+fn offset(t: i64) -> Result<time::OffsetDateTime, String> {
+    time::OffsetDateTime::from_unix_timestamp(t).map_err(|e| e.to_string())
+}
+
+/// A new CA of `generation`, valid from a little before `now` (clocks differ) for `validity`.
+fn new_ca(
+    generation: u64,
+    now: i64,
+    validity: Duration,
+) -> Result<(Period, (String, String)), String> {
+    let mut params = ca_params(generation)?;
+    let expires = now.saturating_add(i64::try_from(validity.as_secs()).unwrap_or(i64::MAX / 2));
+    params.not_before = offset(now - 300)?;
+    params.not_after = offset(expires)?;
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+    let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+    Ok((
+        Period {
+            generation,
+            issued: now,
+            expires,
+        },
+        (cert.pem(), key.serialize_pem()),
+    ))
+}
+
+/// A serving certificate for `names`, signed by the CA (`pem`, `generation`), never valid
+/// past the CA.
+fn new_serving(
+    ca: &(String, String),
+    period: &Period,
+    names: &[String],
+    now: i64,
+    validity: Duration,
+) -> Result<(ServingRecord, (String, String)), String> {
+    let ca_key = rcgen::KeyPair::from_pem(&ca.1).map_err(|e| e.to_string())?;
+    let issuer = rcgen::Issuer::new(ca_params(period.generation)?, ca_key);
+    let mut params = rcgen::CertificateParams::new(names.to_vec()).map_err(|e| e.to_string())?;
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "multicluster-runtime webhook");
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    params.use_authority_key_identifier_extension = true;
+    let expires = now
+        .saturating_add(i64::try_from(validity.as_secs()).unwrap_or(i64::MAX / 2))
+        .min(period.expires);
+    params.not_before = offset(now - 300)?;
+    params.not_after = offset(expires)?;
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+    let cert = params.signed_by(&key, &issuer).map_err(|e| e.to_string())?;
+    Ok((
+        ServingRecord {
+            issued: now,
+            expires,
+            ca: period.generation,
+            names: names.to_vec(),
+        },
+        (cert.pem(), key.serialize_pem()),
+    ))
+}
+
+/// What the Secret should hold at `now`, if not what it holds: what is missing made, a next
+/// CA made at two thirds of the current one's life, promoted at five sixths (the previous
+/// staying in the bundle until it expires), the serving certificate made again at two
+/// thirds of its life, when its CA changed or when its names did.
+fn plan(
+    material: &Material,
+    now: i64,
+    names: &[String],
+    settings: &Generated,
+) -> Result<Option<Material>, String> {
+    let mut next = material.clone();
+    if next.route.is_none() {
+        next.route = Some(random_key()?);
+    }
+    let usable_ca = |pair: &Option<(String, String)>, period: &Option<Period>| {
+        pair.is_some() && period.as_ref().is_some_and(|p| p.expires > now)
+    };
+    if !usable_ca(&next.ca, &next.record.ca) {
+        // Nothing usable: start again (a next CA, if usable, takes its place).
+        if usable_ca(&next.next, &next.record.next) {
+            next.ca = next.next.take();
+            next.record.ca = next.record.next.take();
+        } else {
+            let generation = next.record.ca.as_ref().map_or(1, |p| p.generation + 1);
+            let (period, pair) = new_ca(generation, now, settings.ca_validity)?;
+            next.ca = Some(pair);
+            next.record.ca = Some(period);
+            next.next = None;
+            next.record.next = None;
+        }
+    }
+    let current = next.record.ca.clone().ok_or("no CA")?;
+    if next.next.is_none() || next.record.next.is_none() {
+        next.next = None;
+        next.record.next = None;
+        if past(current.issued, current.expires, now, (2, 3)) {
+            let (period, pair) = new_ca(current.generation + 1, now, settings.ca_validity)?;
+            next.next = Some(pair);
+            next.record.next = Some(period);
+        }
+    } else if past(current.issued, current.expires, now, (5, 6)) {
+        next.previous = next.ca.take().map(|(cert, _)| cert);
+        next.record.previous_until = Some(current.expires);
+        next.ca = next.next.take();
+        next.record.ca = next.record.next.take();
+    }
+    if next.record.previous_until.is_none_or(|until| until <= now) {
+        next.previous = None;
+        next.record.previous_until = None;
+    }
+    let ca_period = next.record.ca.clone().ok_or("no CA")?;
+    let renew = match (&next.serving, &next.record.serving) {
+        (Some(_), Some(serving)) => {
+            serving.ca != ca_period.generation
+                || serving.names != names
+                || past(serving.issued, serving.expires, now, (2, 3))
+        }
+        _ => true,
+    };
+    if renew {
+        let ca = next.ca.as_ref().ok_or("no CA")?;
+        let (record, pair) = new_serving(ca, &ca_period, names, now, settings.serving_validity)?;
+        next.serving = Some(pair);
+        next.record.serving = Some(record);
+    }
+    Ok((next != *material).then_some(next))
+}
+
+fn random_key() -> Result<Vec<u8>, String> {
+    use ring::rand::SecureRandom;
+    let mut key = vec![0; KEY_LEN];
+    ring::rand::SystemRandom::new()
+        .fill(&mut key)
+        .map_err(|_| "no random numbers".to_string())?;
+    Ok(key)
+}
+
+fn certified(cert: &str, key: &str) -> Result<Arc<CertifiedKey>, String> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|_| "the certificate is not valid PEM".to_string())?;
+    if chain.is_empty() {
+        return Err("no certificate".into());
+    }
+    let private = PrivateKeyDer::from_pem_slice(key.as_bytes())
+        .map_err(|_| "the key is not valid PEM".to_string())?;
+    crate::serve::certified(chain, private)
+}
+
+impl Keeper {
+    pub(crate) fn new(
+        source: Source,
+        secret: Option<(kube::Client, String, String)>,
+        names: Vec<String>,
+        check_every: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            source,
+            secret,
+            names,
+            check_every,
+            served: Mutex::new(None),
+            route_cache: Mutex::new(None),
+            bundle: watch::Sender::new(None),
+            loaded: AtomicBool::new(false),
+        })
+    }
+
+    /// What is served now (`None` until the first load).
+    pub(crate) fn served(&self) -> Option<Served> {
+        lock(&self.served).clone()
+    }
+
+    /// The CA bundle, told when it changes (`None` until the first load).
+    pub(crate) fn bundle(&self) -> watch::Receiver<Option<Arc<str>>> {
+        self.bundle.subscribe()
+    }
+
+    pub(crate) fn is_loaded(&self) -> bool {
+        self.loaded.load(Ordering::Relaxed)
+    }
+
+    /// Loads, makes and rotates until `stop`: every `check_every`, and again soon after a
+    /// failure (a WARN line names the Secret and the reason).
+    pub(crate) async fn run(self: Arc<Self>, stop: CancellationToken) {
+        let mut failures = 0u32;
+        let mut warned = false;
+        loop {
+            let wait = match self.refresh().await {
+                Ok(()) => {
+                    failures = 0;
+                    warned = false;
+                    self.check_every
+                }
+                Err(problem) => {
+                    failures = failures.saturating_add(1);
+                    if !warned || failures.is_multiple_of(30) {
+                        tracing::warn!(%problem, "webhooks: the serving certificate could not be loaded or rotated; trying again");
+                        warned = true;
+                    }
+                    self.check_every
+                        .min(Duration::from_millis(200) * failures.min(25))
+                }
+            };
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// One round: read what there is, write what changed, serve it.
+    async fn refresh(&self) -> Result<(), String> {
+        match &self.source {
+            Source::Generated(settings) => {
+                let Some((client, namespace, name)) = &self.secret else {
+                    // No host: made once, in this process only.
+                    if self.is_loaded() {
+                        return Ok(());
+                    }
+                    let material = plan(
+                        &Material::default(),
+                        unix(SystemTime::now()),
+                        &self.names,
+                        settings,
+                    )?
+                    .unwrap_or_default();
+                    return self.install(&material);
+                };
+                let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+                let what = format!("Secret {namespace}/{name} on the host");
+                for _ in 0..3 {
+                    let existing = api.get_opt(name).await.map_err(|e| {
+                        format!("{what}: {}", crate::cluster::redact::safe_text(&e))
+                    })?;
+                    let material = existing.as_ref().map(Material::of).unwrap_or_default();
+                    let now = unix(SystemTime::now());
+                    let Some(planned) = plan(&material, now, &self.names, settings)? else {
+                        return self.install(&material);
+                    };
+                    match self.write(&api, name, existing, &planned).await {
+                        Ok(()) => {
+                            tracing::info!(secret = %format!("{namespace}/{name}"), "webhooks: certificates written");
+                            return self.install(&planned);
+                        }
+                        // Another replica wrote first: read again.
+                        Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                        Err(e) => {
+                            return Err(format!(
+                                "{what}: {}",
+                                crate::cluster::redact::safe_text(&e)
+                            ));
+                        }
+                    }
+                }
+                Err(format!("{what}: written by others meanwhile, three times"))
+            }
+            Source::Files { cert, key, ca } => {
+                let route = self.route_key().await?;
+                let read = |path: &std::path::Path| {
+                    std::fs::read_to_string(path)
+                        .map_err(|e| format!("{}: cannot be read ({})", path.display(), e.kind()))
+                };
+                let (cert_pem, key_pem, ca_pem) = (read(cert)?, read(key)?, read(ca)?);
+                let material = Material {
+                    route: Some(route),
+                    ca: Some((ca_pem, String::new())),
+                    serving: Some((cert_pem, key_pem)),
+                    ..Material::default()
+                };
+                self.install(&material)
+                    .map_err(|e| format!("{}: {e}", cert.display()))
+            }
+        }
+    }
+
+    async fn write(
+        &self,
+        api: &Api<Secret>,
+        name: &str,
+        existing: Option<Secret>,
+        material: &Material,
+    ) -> Result<(), kube::Error> {
+        let mut secret = existing.unwrap_or_else(|| Secret {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                labels: Some(BTreeMap::from([(
+                    "app.kubernetes.io/managed-by".to_string(),
+                    "multicluster-runtime".to_string(),
+                )])),
+                ..ObjectMeta::default()
+            },
+            type_: Some("Opaque".into()),
+            ..Secret::default()
+        });
+        secret.data = Some(material.data());
+        secret.string_data = None;
+        if secret.metadata.resource_version.is_some() {
+            api.replace(name, &PostParams::default(), &secret).await?;
+        } else {
+            api.create(&PostParams::default(), &secret).await?;
+        }
+        Ok(())
+    }
+
+    /// The route key kept in the host Secret (made if missing), or one of this process's.
+    async fn route_key(&self) -> Result<Vec<u8>, String> {
+        // Read once: it never changes while the process runs.
+        if let Some(route) = lock(&self.route_cache).clone() {
+            return Ok(route);
+        }
+        let route = match &self.secret {
+            None => random_key()?,
+            Some((client, namespace, name)) => {
+                let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+                let what = format!("Secret {namespace}/{name} on the host");
+                let mut found = None;
+                for _ in 0..3 {
+                    let existing = api.get_opt(name).await.map_err(|e| {
+                        format!("{what}: {}", crate::cluster::redact::safe_text(&e))
+                    })?;
+                    let mut material = existing.as_ref().map(Material::of).unwrap_or_default();
+                    if let Some(route) = material.route.clone() {
+                        found = Some(route);
+                        break;
+                    }
+                    material.route = Some(random_key()?);
+                    match self.write(&api, name, existing, &material).await {
+                        Ok(()) => {
+                            found = material.route;
+                            break;
+                        }
+                        Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                        Err(e) => {
+                            return Err(format!(
+                                "{what}: {}",
+                                crate::cluster::redact::safe_text(&e)
+                            ));
+                        }
+                    }
+                }
+                found.ok_or_else(|| format!("{what}: written by others meanwhile, three times"))?
+            }
+        };
+        *lock(&self.route_cache) = Some(route.clone());
+        Ok(route)
+    }
+
+    /// Serves `material`: its serving certificate, its route key, its bundle (members told
+    /// when the bundle changed).
+    fn install(&self, material: &Material) -> Result<(), String> {
+        let (cert, key) = material.serving.as_ref().ok_or("no serving certificate")?;
+        let key = certified(cert, key)?;
+        let route = material.route.as_ref().ok_or("no route key")?;
+        let bundle: Arc<str> = Arc::from(material.bundle());
+        *lock(&self.served) = Some(Served {
+            key,
+            route: RouteKey::new(route),
+            bundle: bundle.clone(),
+        });
+        self.loaded.store(true, Ordering::Relaxed);
+        self.bundle.send_if_modified(|current| {
+            if current.as_deref() == Some(&*bundle) {
+                false
+            } else {
+                *current = Some(bundle);
+                true
+            }
+        });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Generated {
+        Generated {
+            ca_validity: Duration::from_secs(600),
+            serving_validity: Duration::from_secs(300),
+        }
+    }
+
+    fn names() -> Vec<String> {
+        vec!["127.0.0.1".into(), "localhost".into()]
+    }
+
+    /// The CAs in a bundle, by generation.
+    fn generations(material: &Material) -> Vec<u64> {
+        let r = &material.record;
+        let mut out: Vec<u64> = [r.ca.as_ref(), r.next.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|p| p.generation)
+            .collect();
+        if material.previous.is_some() {
+            out.push(0);
+        }
+        out
+    }
+
+    #[test]
+    fn rotation_adds_a_ca_to_the_bundle_before_it_signs_and_keeps_the_old_one_until_it_expires() {
+        let t0 = 1_000_000;
+        let first = plan(&Material::default(), t0, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert!(first.route.is_some() && first.serving.is_some());
+        assert_eq!(generations(&first), vec![1]);
+        certified(
+            &first.serving.as_ref().unwrap().0,
+            &first.serving.as_ref().unwrap().1,
+        )
+        .unwrap();
+        // Nothing to do soon after.
+        assert_eq!(plan(&first, t0 + 10, &names(), &settings()).unwrap(), None);
+        // Two thirds of the CA's life: a next CA in the bundle, the serving certificate still
+        // the first CA's (renewed at two thirds of its own life, by the same CA).
+        let second = plan(&first, t0 + 400, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(generations(&second), vec![1, 2]);
+        assert_eq!(second.record.serving.as_ref().unwrap().ca, 1);
+        assert_eq!(second.route, first.route);
+        // Five sixths: the next CA signs; the first stays in the bundle until it expires.
+        let third = plan(&second, t0 + 500, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(generations(&third), vec![2, 0]);
+        assert_eq!(third.record.serving.as_ref().unwrap().ca, 2);
+        assert_eq!(
+            third.previous.as_deref(),
+            Some(first.ca.as_ref().unwrap().0.as_str())
+        );
+        assert!(third.bundle().contains(&first.ca.as_ref().unwrap().0));
+        // Expired: gone from the bundle.
+        let fourth = plan(&third, t0 + 601, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(generations(&fourth), vec![2]);
+        // Other names: a new serving certificate, same CA.
+        let renamed = plan(&fourth, t0 + 602, &["example.com".to_string()], &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            renamed.record.serving.as_ref().unwrap().names,
+            ["example.com"]
+        );
+        assert_eq!(renamed.ca, fourth.ca);
+    }
+
+    #[test]
+    fn a_secret_read_back_is_the_material_written() {
+        let material = plan(&Material::default(), 5, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        let secret = Secret {
+            data: Some(material.data()),
+            ..Secret::default()
+        };
+        assert_eq!(Material::of(&secret), material);
+        // Anything unreadable is made again, not served.
+        let mut broken = material.data();
+        broken.insert(RECORD.into(), ByteString(b"{".to_vec()));
+        let broken = Material::of(&Secret {
+            data: Some(broken),
+            ..Secret::default()
+        });
+        let fixed = plan(&broken, 6, &names(), &settings()).unwrap().unwrap();
+        assert!(fixed.record.ca.is_some());
+        assert_eq!(fixed.route, material.route);
+    }
+}

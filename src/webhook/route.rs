@@ -1,0 +1,198 @@
+//! Where a member's API server sends its reviews: `<base path>/<cluster>/<token>/<webhook>`.
+//!
+//! The token is a keyed hash (HMAC-SHA-256) of the cluster's id under a key only the
+//! replicas know: the administrator of one member reads its own URL in its own webhook
+//! configuration, but cannot make the token of another cluster from it, so the path proves
+//! which cluster's configuration a review came through. The apiserver adds
+//! `?timeout=<n>s` itself: the query is not part of the route.
+
+use ring::hmac;
+
+/// The length of a route key, in bytes.
+pub(crate) const KEY_LEN: usize = 32;
+
+/// Domain separation: these tokens are for nothing else the key might ever sign.
+const CONTEXT: &[u8] = b"multicluster-runtime webhook route\0";
+
+/// The text an empty cluster id is written as (a single-cluster provider's id is empty).
+const EMPTY: &str = "~";
+
+/// The keyed hash routes are made and checked with.
+#[derive(Clone)]
+pub(crate) struct RouteKey(hmac::Key);
+
+impl std::fmt::Debug for RouteKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RouteKey(..)")
+    }
+}
+
+impl RouteKey {
+    pub(crate) fn new(secret: &[u8]) -> Self {
+        Self(hmac::Key::new(hmac::HMAC_SHA256, secret))
+    }
+
+    /// The token of `cluster` (its id's text form): 32 hexadecimal digits (128 bits).
+    pub(crate) fn token(&self, cluster: &str) -> String {
+        let mut context = hmac::Context::with_key(&self.0);
+        context.update(CONTEXT);
+        context.update(cluster.as_bytes());
+        let tag = context.sign();
+        let mut out = String::with_capacity(32);
+        for byte in &tag.as_ref()[..16] {
+            use std::fmt::Write as _;
+            let _ = write!(out, "{byte:02x}");
+        }
+        out
+    }
+
+    /// Whether `token` is `cluster`'s, compared in constant time.
+    pub(crate) fn verify(&self, cluster: &str, token: &str) -> bool {
+        let expected = self.token(cluster);
+        // Every byte compared, whatever the first difference.
+        expected.len() == token.len()
+            && expected
+                .bytes()
+                .zip(token.bytes())
+                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+                == 0
+    }
+}
+
+/// A route of a request, split but not yet checked.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Route<'a> {
+    /// The cluster id's text form, decoded.
+    pub(crate) cluster: String,
+    pub(crate) token: &'a str,
+    pub(crate) webhook: &'a str,
+}
+
+/// Why a path is not a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NotARoute {
+    /// Not under the base path, or not three segments after it.
+    Shape,
+    /// The cluster segment is not valid percent-encoding (or not UTF-8).
+    Encoding,
+}
+
+/// The path segment of a cluster id: bytes outside `[A-Za-z0-9._-]` percent-encoded, the
+/// empty id as `~`.
+pub(crate) fn encode_cluster(id: &str) -> String {
+    if id.is_empty() {
+        return EMPTY.to_string();
+    }
+    let mut out = String::with_capacity(id.len());
+    for byte in id.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'_' | b'-') {
+            out.push(byte as char);
+        } else {
+            use std::fmt::Write as _;
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
+}
+
+fn decode_cluster(segment: &str) -> Result<String, NotARoute> {
+    if segment == EMPTY {
+        return Ok(String::new());
+    }
+    if segment.is_empty() {
+        return Err(NotARoute::Shape);
+    }
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes.get(i + 1..i + 3).ok_or(NotARoute::Encoding)?;
+                let hex = std::str::from_utf8(hex).map_err(|_| NotARoute::Encoding)?;
+                let byte = u8::from_str_radix(hex, 16).map_err(|_| NotARoute::Encoding)?;
+                out.push(byte);
+                i += 3;
+            }
+            byte => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| NotARoute::Encoding)
+}
+
+/// The path (no query) of `cluster`'s `webhook` under `base` (no trailing slash).
+pub(crate) fn path(base: &str, key: &RouteKey, cluster: &str, webhook: &str) -> String {
+    format!(
+        "{base}/{}/{}/{webhook}",
+        encode_cluster(cluster),
+        key.token(cluster)
+    )
+}
+
+/// Splits `path` (the query already cut off) under `base`.
+pub(crate) fn parse<'a>(base: &str, path: &'a str) -> Result<Route<'a>, NotARoute> {
+    let rest = path.strip_prefix(base).ok_or(NotARoute::Shape)?;
+    let rest = rest.strip_prefix('/').ok_or(NotARoute::Shape)?;
+    let mut parts = rest.split('/');
+    let (Some(cluster), Some(token), Some(webhook), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(NotARoute::Shape);
+    };
+    if token.is_empty() || webhook.is_empty() {
+        return Err(NotARoute::Shape);
+    }
+    Ok(Route {
+        cluster: decode_cluster(cluster)?,
+        token,
+        webhook,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_route_names_its_cluster_and_only_its_key_makes_its_token() {
+        let key = RouteKey::new(&[7; KEY_LEN]);
+        for id in ["east", "", "team a/prod", "ünï", "%41", "~"] {
+            let path = path("/webhooks", &key, id, "owners.example.com");
+            let route = parse("/webhooks", &path).unwrap();
+            assert_eq!(route.cluster, id, "{path}");
+            assert_eq!(route.webhook, "owners.example.com");
+            assert!(key.verify(id, route.token));
+            // Another cluster's id with this token, or another key: refused.
+            assert!(!key.verify(&format!("{id}x"), route.token));
+            assert!(!RouteKey::new(&[8; KEY_LEN]).verify(id, route.token));
+        }
+        assert_ne!(key.token("east"), key.token("west"));
+        assert_eq!(key.token("east").len(), 32);
+        assert!(!key.verify("east", ""));
+        assert!(!key.verify("east", &key.token("east")[..31]));
+    }
+
+    #[test]
+    fn paths_of_another_shape_are_not_routes() {
+        for path in [
+            "/webhooks",
+            "/webhooks/",
+            "/webhooks/east/t",
+            "/webhooks/east/t/w/x",
+            "/webhooks//t/w",
+            "/webhooks/east//w",
+            "/webhooks/east/t/",
+            "/other/east/t/w",
+            "/webhooksx/east/t/w",
+        ] {
+            assert_eq!(parse("/webhooks", path), Err(NotARoute::Shape), "{path}");
+        }
+        for path in ["/webhooks/%zz/t/w", "/webhooks/%4/t/w", "/webhooks/%FF/t/w"] {
+            assert_eq!(parse("/webhooks", path), Err(NotARoute::Encoding), "{path}");
+        }
+        assert_eq!(parse("", "/east/t/w").unwrap().cluster, "east");
+    }
+}
