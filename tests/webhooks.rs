@@ -1,0 +1,794 @@
+//! Admission webhooks for a fleet, called by real kube-apiservers over loopback: validating
+//! and mutating in every engaged cluster, each review naming its cluster; configurations
+//! following engagement (a cluster engaged at run time, a replaced one kept, a disengaged
+//! one removed); a member whose identity may not install them (an Event, a metric, the
+//! others served); forged and stale routes refused; handler errors and the webhook down
+//! under `Fail` and `Ignore`; a CA rotation without a failed admission.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::ResourceExt;
+use kube::api::{Api, ObjectMeta, PostParams};
+use multicluster_runtime::providers::Clusters;
+use multicluster_runtime::webhook::{FailurePolicy, Hook, Mutation, Review, Verdict, Webhooks};
+use multicluster_runtime::{Cluster, ClusterName, Manager, Metrics};
+use multicluster_runtime_testenv::TestEnv;
+
+const NS: &str = "hooks";
+const MANAGED: &str = "fleet.example.com/managed";
+const OWNER: &str = "fleet.example.com/owner";
+
+/// Every review a handler got: (webhook, cluster, object name).
+#[derive(Default)]
+struct Seen(Mutex<Vec<(String, String, String)>>);
+
+impl Seen {
+    fn note(&self, webhook: &str, cluster: &ClusterName, name: &str) {
+        self.0
+            .lock()
+            .unwrap()
+            .push((webhook.into(), cluster.to_string(), name.into()));
+    }
+
+    fn has(&self, webhook: &str, cluster: &str, name: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(w, c, n)| w == webhook && c == cluster && n == name)
+    }
+
+    fn of_name(&self, name: &str) -> Vec<(String, String, String)> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, _, n)| n == name)
+            .cloned()
+            .collect()
+    }
+}
+
+fn selector(label: &str) -> LabelSelector {
+    LabelSelector {
+        match_labels: Some(BTreeMap::from([(label.to_string(), "true".to_string())])),
+        match_expressions: None,
+    }
+}
+
+fn cm(name: &str, labels: &[&str], owner: Option<&str>) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|l| (l.to_string(), "true".to_string()))
+                    .collect(),
+            ),
+            annotations: owner.map(|o| BTreeMap::from([(OWNER.to_string(), o.to_string())])),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// The fleet policy: a managed ConfigMap gets its creator as owner unless it names one
+/// (mutating); one whose owner is empty is denied, naming the cluster (validating). Two
+/// more hooks for the failure policies: `strict` (Fail) and `lenient` (Ignore), which fail
+/// on objects labelled `broken`.
+fn webhooks(port: u16, seen: Arc<Seen>) -> Webhooks<ClusterName> {
+    let (defaults, owners, strict, lenient) =
+        (seen.clone(), seen.clone(), seen.clone(), seen.clone());
+    Webhooks::new(
+        format!("127.0.0.1:{port}").parse().unwrap(),
+        format!("https://127.0.0.1:{port}/admission"),
+    )
+    .check_every(Duration::from_millis(500))
+    .hook(
+        Hook::mutating(
+            "defaults.fleet.example.com",
+            move |review: Review<ClusterName, ConfigMap>| {
+                let seen = defaults.clone();
+                async move {
+                    let mut object = review.object.unwrap();
+                    seen.note("defaults", &review.cluster, &object.name_any());
+                    let annotations = object.metadata.annotations.get_or_insert_default();
+                    if annotations.contains_key(OWNER) {
+                        return Ok::<_, String>(Mutation::unchanged());
+                    }
+                    let user = review.user_info.username.unwrap_or_default();
+                    annotations.insert(OWNER.into(), user);
+                    Ok(Mutation::changed(object))
+                }
+            },
+        )
+        .object_selector(selector(MANAGED)),
+    )
+    .hook(
+        Hook::validating(
+            "owners.fleet.example.com",
+            move |review: Review<ClusterName, ConfigMap>| {
+                let seen = owners.clone();
+                async move {
+                    let object = review.object.unwrap();
+                    seen.note("owners", &review.cluster, &object.name_any());
+                    let owner = object.annotations().get(OWNER).cloned().unwrap_or_default();
+                    Ok::<_, String>(if owner.is_empty() {
+                        Verdict::deny(format!(
+                            "in cluster {}: ConfigMap {} has no owner",
+                            review.cluster,
+                            object.name_any()
+                        ))
+                    } else {
+                        Verdict::allow()
+                    })
+                }
+            },
+        )
+        .object_selector(selector(MANAGED)),
+    )
+    .hook(
+        Hook::validating(
+            "strict.fleet.example.com",
+            move |review: Review<ClusterName, ConfigMap>| {
+                let seen = strict.clone();
+                async move {
+                    let object = review.object.unwrap();
+                    seen.note("strict", &review.cluster, &object.name_any());
+                    if object.labels().contains_key("broken") {
+                        return Err("the policy store is unreachable".to_string());
+                    }
+                    Ok(Verdict::allow())
+                }
+            },
+        )
+        .object_selector(selector("strict")),
+    )
+    .hook(
+        Hook::validating(
+            "lenient.fleet.example.com",
+            move |review: Review<ClusterName, ConfigMap>| {
+                let seen = lenient.clone();
+                async move {
+                    let object = review.object.unwrap();
+                    seen.note("lenient", &review.cluster, &object.name_any());
+                    if object.labels().contains_key("broken") {
+                        return Err("the policy store is unreachable".to_string());
+                    }
+                    Ok(Verdict::allow())
+                }
+            },
+        )
+        .object_selector(selector("lenient"))
+        .failure_policy(FailurePolicy::Ignore),
+    )
+}
+
+fn configs(client: &kube::Client) -> Api<ValidatingWebhookConfiguration> {
+    Api::all(client.clone())
+}
+
+fn mutating_configs(client: &kube::Client) -> Api<MutatingWebhookConfiguration> {
+    Api::all(client.clone())
+}
+
+/// Waits until `client`'s cluster has both configurations of the manager.
+async fn installed(client: &kube::Client, what: &str) -> ValidatingWebhookConfiguration {
+    eventually(30, &format!("the configurations in {what}"), async || {
+        matches!(
+            mutating_configs(client)
+                .get_opt("multicluster-runtime")
+                .await,
+            Ok(Some(_))
+        ) && matches!(
+            configs(client).get_opt("multicluster-runtime").await,
+            Ok(Some(_))
+        )
+    })
+    .await;
+    configs(client).get("multicluster-runtime").await.unwrap()
+}
+
+/// The error of creating `object`, if any: (HTTP code, reason, message).
+async fn create(
+    client: &kube::Client,
+    object: &ConfigMap,
+) -> Result<ConfigMap, (u16, String, String)> {
+    Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), object)
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(status) => {
+                (status.code, status.reason.clone(), status.message.clone())
+            }
+            other => (0, String::new(), other.to_string()),
+        })
+}
+
+fn scrape(registry: &prometheus_client::registry::Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text
+}
+
+/// Lets `user` manage webhook configurations (`ClusterRole` `webhook-installer`).
+async fn allow_webhook_configurations(admin: &kube::Client, user: &str) {
+    use k8s_openapi::api::rbac::v1::{
+        ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject,
+    };
+    let role = ClusterRole {
+        metadata: ObjectMeta {
+            name: Some("webhook-installer".into()),
+            ..Default::default()
+        },
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec!["admissionregistration.k8s.io".into()]),
+            resources: Some(vec![
+                "validatingwebhookconfigurations".into(),
+                "mutatingwebhookconfigurations".into(),
+            ]),
+            verbs: ["get", "create", "patch", "update", "delete"]
+                .iter()
+                .map(|v| v.to_string())
+                .collect(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    Api::<ClusterRole>::all(admin.clone())
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding = ClusterRoleBinding {
+        metadata: ObjectMeta {
+            name: Some(format!("webhook-installer-{user}")),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "ClusterRole".into(),
+            name: "webhook-installer".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "User".into(),
+            name: user.into(),
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
+    let env = TestEnv::builder().clusters(4).start().await.unwrap();
+    let [c0, c1, c2, c3] = [0, 1, 2, 3].map(|i| env.cluster(i).unwrap());
+    let admins: Vec<kube::Client> = [&c0, &c1, &c2, &c3]
+        .iter()
+        .map(|c| c.client().unwrap())
+        .collect();
+    for admin in &admins {
+        create_namespace(admin, NS).await;
+    }
+    let member = |id: &str, c: &multicluster_runtime_testenv::TestCluster| {
+        Cluster::from_config(name(id), c.config()).unwrap()
+    };
+    let provider = Clusters::new();
+    for (id, c) in [("a", &c1), ("b", &c2), ("c", &c3)] {
+        provider.add(member(id, c)).unwrap();
+    }
+    let port = free_port();
+    let seen = Arc::new(Seen::default());
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let manager = Arc::new(
+        Manager::new(provider.clone())
+            .with_local(member("host", &c0))
+            .metrics(metrics)
+            .webhooks(webhooks(port, seen.clone())),
+    );
+    let run = spawn_manager(&manager);
+
+    // The host Secret holds the CA, the serving certificate and the route key.
+    eventually(30, "the webhook Secret on the host", async || {
+        matches!(
+            Api::<Secret>::namespaced(admins[0].clone(), "default")
+                .get_opt("multicluster-runtime-webhook")
+                .await,
+            Ok(Some(_))
+        )
+    })
+    .await;
+
+    // Three clusters: each installs, mutates, allows and denies, naming itself.
+    for (id, admin) in [("a", &admins[1]), ("b", &admins[2]), ("c", &admins[3])] {
+        let config = installed(admin, id).await;
+        let url = config.webhooks.unwrap()[0]
+            .client_config
+            .url
+            .clone()
+            .unwrap();
+        assert!(url.contains(&format!("/admission/{id}/")), "{url}");
+        let created = create(admin, &cm("defaulted", &[MANAGED], None))
+            .await
+            .unwrap();
+        let owner = created
+            .annotations()
+            .get(OWNER)
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            !owner.is_empty(),
+            "in {id}: the creator is the default owner"
+        );
+        assert!(seen.has("defaults", id, "defaulted") && seen.has("owners", id, "defaulted"));
+        create(admin, &cm("owned", &[MANAGED], Some("team-x")))
+            .await
+            .unwrap();
+        let (code, reason, message) = create(admin, &cm("orphan", &[MANAGED], Some("")))
+            .await
+            .unwrap_err();
+        assert_eq!((code, reason.as_str()), (403, "Forbidden"), "{message}");
+        assert!(
+            message.contains("denied the request")
+                && message.contains(&format!("in cluster {id}: ConfigMap orphan has no owner")),
+            "{message}"
+        );
+        // Not selected: no review at all.
+        create(admin, &cm("unmanaged", &[], None)).await.unwrap();
+        assert!(seen.of_name("unmanaged").is_empty());
+    }
+    let text = scrape(&registry);
+    for id in ["a", "b", "c"] {
+        let answered = sample(
+            &text,
+            "controller_runtime_webhook_requests_total",
+            &[
+                ("webhook", "owners.fleet.example.com"),
+                ("code", "200"),
+                ("cluster", id),
+            ],
+        );
+        assert!(answered.is_some_and(|n| n >= 3.0), "{id}: {answered:?}");
+    }
+
+    // A handler's error: a denial with status 500 under Fail, an allowed answer under Ignore.
+    let (code, _, message) = create(
+        &admins[1],
+        &cm("broken-strict", &["strict", "broken"], None),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(code, 500, "{message}");
+    assert!(
+        message
+            .contains("webhook strict.fleet.example.com failed: the policy store is unreachable"),
+        "{message}"
+    );
+    create(
+        &admins[1],
+        &cm("broken-lenient", &["lenient", "broken"], None),
+    )
+    .await
+    .unwrap();
+    assert!(seen.has("lenient", "a", "broken-lenient"));
+
+    // A fourth cluster engaged at run time: installed and served.
+    provider.add(member("d", &c0)).unwrap();
+    installed(&admins[0], "d").await;
+    let created = create(&admins[0], &cm("late", &[MANAGED], None))
+        .await
+        .unwrap();
+    assert!(created.annotations().contains_key(OWNER));
+    assert!(seen.has("defaults", "d", "late"));
+
+    // `b` replaced under its id (other credentials): its configuration stays as it was.
+    let before = configs(&admins[2])
+        .get("multicluster-runtime")
+        .await
+        .unwrap();
+    let other = c2.add_user("b-admin", &["system:masters"]).unwrap();
+    let replaced = Cluster::from_config(name("b"), other.config()).unwrap();
+    assert_eq!(
+        provider.add(replaced).unwrap(),
+        multicluster_runtime::Engaged::Replaced
+    );
+    create(&admins[2], &cm("after-replacement", &[MANAGED], None))
+        .await
+        .unwrap();
+    assert!(seen.has("defaults", "b", "after-replacement"));
+    let after = configs(&admins[2])
+        .get("multicluster-runtime")
+        .await
+        .unwrap();
+    assert_eq!(
+        after.uid(),
+        before.uid(),
+        "b's configuration was not removed"
+    );
+
+    // A forged route: b's administrator points a webhook at a's id with b's token (all they
+    // can read). Refused before any handler, so the write fails under Fail.
+    let b_url = manager
+        .webhook_url(&name("b"), "owners.fleet.example.com")
+        .unwrap();
+    let forged = b_url.replace("/admission/b/", "/admission/a/");
+    let mut forged_config = configs(&admins[2])
+        .get("multicluster-runtime")
+        .await
+        .unwrap();
+    forged_config.metadata = ObjectMeta {
+        name: Some("forged".into()),
+        ..Default::default()
+    };
+    let hooks = forged_config.webhooks.as_mut().unwrap();
+    hooks.retain(|h| h.name == "owners.fleet.example.com");
+    hooks[0].client_config.url = Some(forged.clone());
+    hooks[0].object_selector = Some(selector("forged"));
+    configs(&admins[2])
+        .create(&PostParams::default(), &forged_config)
+        .await
+        .unwrap();
+    let refused_before = sample(
+        &scrape(&registry),
+        "multicluster_runtime_webhook_refused_total",
+        &[("reason", "bad_token")],
+    )
+    .unwrap_or(0.0);
+    let (code, _, message) = create(&admins[2], &cm("forged-object", &["forged"], Some("x")))
+        .await
+        .unwrap_err();
+    assert_eq!(code, 500, "{message}");
+    assert!(message.contains("failed calling webhook"), "{message}");
+    assert!(
+        seen.of_name("forged-object").is_empty(),
+        "no handler saw the forged review: {:?}",
+        seen.of_name("forged-object")
+    );
+    let refused = sample(
+        &scrape(&registry),
+        "multicluster_runtime_webhook_refused_total",
+        &[("reason", "bad_token")],
+    )
+    .unwrap_or(0.0);
+    assert!(refused > refused_before, "{refused_before} -> {refused}");
+    configs(&admins[2])
+        .delete("forged", &Default::default())
+        .await
+        .unwrap();
+
+    // `c` disengaged for good: its configurations removed; its old URL (written back by
+    // its administrator) is refused as an unknown cluster.
+    let c_url = manager
+        .webhook_url(&name("c"), "owners.fleet.example.com")
+        .unwrap();
+    let mut stale = configs(&admins[3])
+        .get("multicluster-runtime")
+        .await
+        .unwrap();
+    assert!(provider.remove(&name("c")));
+    eventually(30, "c's configurations removed", async || {
+        matches!(
+            configs(&admins[3]).get_opt("multicluster-runtime").await,
+            Ok(None)
+        ) && matches!(
+            mutating_configs(&admins[3])
+                .get_opt("multicluster-runtime")
+                .await,
+            Ok(None)
+        )
+    })
+    .await;
+    stale.metadata = ObjectMeta {
+        name: Some("stale".into()),
+        ..Default::default()
+    };
+    let hooks = stale.webhooks.as_mut().unwrap();
+    hooks.retain(|h| h.name == "owners.fleet.example.com");
+    assert_eq!(hooks[0].client_config.url.as_deref(), Some(c_url.as_str()));
+    configs(&admins[3])
+        .create(&PostParams::default(), &stale)
+        .await
+        .unwrap();
+    let (code, _, message) = create(&admins[3], &cm("after-leaving", &[MANAGED], Some("x")))
+        .await
+        .unwrap_err();
+    assert_eq!(code, 500, "{message}");
+    assert!(seen.of_name("after-leaving").is_empty());
+    assert!(
+        sample(
+            &scrape(&registry),
+            "multicluster_runtime_webhook_refused_total",
+            &[("reason", "unknown_cluster")],
+        )
+        .is_some_and(|n| n >= 1.0)
+    );
+    configs(&admins[3])
+        .delete("stale", &Default::default())
+        .await
+        .unwrap();
+
+    // A member whose identity may not install: an Event on the host and a metric; the
+    // others are served meanwhile; once allowed, it is installed.
+    let nobody = c3.add_user("nobody", &[]).unwrap();
+    provider
+        .add(Cluster::from_config(name("e"), nobody.config()).unwrap())
+        .unwrap();
+    eventually(30, "the install failure counted", async || {
+        sample(
+            &scrape(&registry),
+            "multicluster_runtime_webhook_install_failures_total",
+            &[("cluster", "e")],
+        )
+        .is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    eventually(
+        30,
+        "an Event on the host's webhook Secret naming the cluster",
+        async || {
+            has_event(
+                &admins[0],
+                "default",
+                "WebhookInstallFailed",
+                "multicluster-runtime-webhook",
+                "cluster e",
+            )
+            .await
+        },
+    )
+    .await;
+    create(&admins[1], &cm("meanwhile", &[MANAGED], None))
+        .await
+        .unwrap();
+    assert!(seen.has("defaults", "a", "meanwhile"));
+    allow_webhook_configurations(&admins[3], "nobody").await;
+    installed(&admins[3], "e").await;
+
+    // Stopped: the configurations stay (a restart is not a departure); with the server
+    // down, Fail refuses writes and Ignore lets them through.
+    manager.shutdown();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap();
+    installed(&admins[1], "a after the stop").await;
+    let (code, reason, message) = create(&admins[1], &cm("down-strict", &["strict"], None))
+        .await
+        .unwrap_err();
+    assert_eq!((code, reason.as_str()), (500, "InternalError"), "{message}");
+    assert!(
+        message.contains("failed calling webhook \"strict.fleet.example.com\""),
+        "{message}"
+    );
+    create(&admins[1], &cm("down-lenient", &["lenient"], None))
+        .await
+        .unwrap();
+    assert!(seen.of_name("down-lenient").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ca_rotation_fails_no_admission() {
+    let env = TestEnv::start().await.unwrap();
+    let c0 = env.cluster(0).unwrap();
+    let admin = c0.client().unwrap();
+    create_namespace(&admin, NS).await;
+    let provider = Clusters::new();
+    provider
+        .add(Cluster::from_config(name("only"), c0.config()).unwrap())
+        .unwrap();
+    let port = free_port();
+    let seen = Arc::new(Seen::default());
+    // A CA of 24 s: the next one joins the bundle at 16 s and signs from 20 s on; serving
+    // certificates of 9 s are made again every 6 s.
+    let manager = Arc::new(
+        Manager::new(provider)
+            .with_local(Cluster::from_config(name("host"), c0.config()).unwrap())
+            .webhooks(
+                webhooks(port, seen.clone())
+                    .validity(Duration::from_secs(24), Duration::from_secs(9))
+                    .secret(Some(NS.into()), "rotating"),
+            ),
+    );
+    let run = spawn_manager(&manager);
+    let first = installed(&admin, "only").await;
+    let first_bundle = first.webhooks.unwrap()[0]
+        .client_config
+        .ca_bundle
+        .clone()
+        .unwrap();
+    let first_ca = manager.webhook_ca_bundle().unwrap();
+    // Admissions go on while the CA turns over: each one mutated and allowed.
+    let mut admitted = 0;
+    let mut bundles = vec![first_bundle.clone()];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let object = cm(&format!("rotation-{admitted}"), &[MANAGED], None);
+        let created = create(&admin, &object)
+            .await
+            .unwrap_or_else(|e| panic!("admission {admitted} failed during the rotation: {e:?}"));
+        assert!(created.annotations().contains_key(OWNER));
+        admitted += 1;
+        let bundle = configs(&admin)
+            .get("multicluster-runtime")
+            .await
+            .unwrap()
+            .webhooks
+            .unwrap()[0]
+            .client_config
+            .ca_bundle
+            .clone()
+            .unwrap();
+        if bundles.last() != Some(&bundle) {
+            bundles.push(bundle);
+        }
+        // Done once the first CA has left the bundle: the new one signs, everywhere.
+        let current = manager.webhook_ca_bundle().unwrap();
+        let first_pem = first_ca.trim();
+        if !current.contains(first_pem) && bundles.len() >= 3 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the CA did not turn over: {} bundles seen",
+            bundles.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(admitted > 20, "{admitted} admissions");
+    let secret = Api::<Secret>::namespaced(admin.clone(), NS)
+        .get("rotating")
+        .await
+        .unwrap();
+    assert!(secret.data.unwrap().contains_key("route.key"));
+    manager.shutdown();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// The port of a webhook URL (`https://127.0.0.1:<port>/...`).
+fn port_of(url: &str) -> u16 {
+    url.trim_start_matches("https://127.0.0.1:")
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_replicas_install_what_they_own_and_serve_every_cluster() {
+    use multicluster_runtime::{LeaseTiming, Sharding};
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let [c0, c1, c2] = [0, 1, 2].map(|i| env.cluster(i).unwrap());
+    let host = c0.client().unwrap();
+    let members = [("x", c1.client().unwrap()), ("y", c2.client().unwrap())];
+    for (_, admin) in &members {
+        create_namespace(admin, NS).await;
+    }
+    let timing = LeaseTiming::default()
+        .lease_duration(Duration::from_secs(6))
+        .renew_deadline(Duration::from_secs(4))
+        .retry_period(Duration::from_secs(1));
+    let replica = |id: &str| {
+        let provider = Clusters::new();
+        for (cluster, tc) in [("x", &c1), ("y", &c2)] {
+            provider
+                .add(Cluster::from_config(name(cluster), tc.config()).unwrap())
+                .unwrap();
+        }
+        let port = free_port();
+        let seen = Arc::new(Seen::default());
+        let manager = Arc::new(
+            Manager::new(provider)
+                .with_local(Cluster::new(name("host"), host.clone()))
+                .graceful_timeout(Duration::from_secs(5))
+                .sharding(
+                    Sharding::new(host.clone(), "default", "hooks")
+                        .identity(id)
+                        .timing(timing.clone()),
+                )
+                .webhooks(webhooks(port, seen.clone())),
+        );
+        (manager, port, seen)
+    };
+    let replicas = [replica("r1"), replica("r2")];
+    let runs: Vec<_> = replicas.iter().map(|(m, _, _)| spawn_manager(m)).collect();
+    // Each cluster's configuration points at the replica that owns it, once both run.
+    let owner_port = |id: &str| {
+        let owners: Vec<u16> = replicas
+            .iter()
+            .filter(|(m, _, _)| m.fleet().get(&name(id)).is_some())
+            .map(|(_, port, _)| *port)
+            .collect();
+        (owners.len() == 1).then(|| owners[0])
+    };
+    eventually(60, "each cluster installed by its owner", async || {
+        let both_peers = replicas
+            .iter()
+            .all(|(m, _, _)| m.shard_status().is_some_and(|s| s.peers.len() == 2));
+        let mut right = both_peers;
+        for (id, admin) in &members {
+            let installed = configs(admin)
+                .get_opt("multicluster-runtime")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|c| c.webhooks?.first()?.client_config.url.clone());
+            right &= match (installed, owner_port(id)) {
+                (Some(url), Some(port)) => port_of(&url) == port,
+                _ => false,
+            };
+        }
+        right
+    })
+    .await;
+    // Both replicas route with the key of the shared Secret.
+    let token_path = |m: &Manager<Clusters<ClusterName>>| {
+        let url = m
+            .webhook_url(&name("x"), "owners.fleet.example.com")
+            .unwrap();
+        url.split_once("/admission/").unwrap().1.to_string()
+    };
+    assert_eq!(token_path(&replicas[0].0), token_path(&replicas[1].0));
+    // A review of `x` sent to the replica that does not own it is served there.
+    let owner = owner_port("x").unwrap();
+    let (other, other_seen) = replicas
+        .iter()
+        .find(|(_, port, _)| *port != owner)
+        .map(|(m, _, seen)| (m, seen))
+        .unwrap();
+    let admin = &members[0].1;
+    let mut via_other = configs(admin).get("multicluster-runtime").await.unwrap();
+    via_other.metadata = ObjectMeta {
+        name: Some("via-other".into()),
+        ..Default::default()
+    };
+    let hooks = via_other.webhooks.as_mut().unwrap();
+    hooks.retain(|h| h.name == "owners.fleet.example.com");
+    hooks[0].client_config.url = Some(
+        other
+            .webhook_url(&name("x"), "owners.fleet.example.com")
+            .unwrap(),
+    );
+    hooks[0].object_selector = Some(selector("via-other"));
+    configs(admin)
+        .create(&PostParams::default(), &via_other)
+        .await
+        .unwrap();
+    let (code, _, message) = create(admin, &cm("served-elsewhere", &["via-other"], Some("")))
+        .await
+        .unwrap_err();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("in cluster x: ConfigMap served-elsewhere has no owner"),
+        "{message}"
+    );
+    assert!(other_seen.has("owners", "x", "served-elsewhere"));
+    for (manager, _, _) in &replicas {
+        manager.shutdown();
+    }
+    for run in runs {
+        tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
