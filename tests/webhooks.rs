@@ -30,7 +30,11 @@ const OWNER: &str = "fleet.example.com/owner";
 
 /// Every review a handler got: (webhook, cluster, object name).
 #[derive(Default)]
-struct Seen(Mutex<Vec<(String, String, String)>>);
+struct Seen(
+    Mutex<Vec<(String, String, String)>>,
+    Mutex<Vec<String>>,
+    tokio::sync::Notify,
+);
 
 impl Seen {
     fn note(&self, webhook: &str, cluster: &ClusterName, name: &str) {
@@ -38,6 +42,14 @@ impl Seen {
             .lock()
             .unwrap()
             .push((webhook.into(), cluster.to_string(), name.into()));
+    }
+
+    fn dry_run(&self, name: &str) {
+        self.1.lock().unwrap().push(name.into());
+    }
+
+    fn was_dry_run(&self, name: &str) -> bool {
+        self.1.lock().unwrap().iter().any(|n| n == name)
     }
 
     fn has(&self, webhook: &str, cluster: &str, name: &str) -> bool {
@@ -85,12 +97,18 @@ fn cm(name: &str, labels: &[&str], owner: Option<&str>) -> ConfigMap {
 }
 
 /// The fleet policy: a managed ConfigMap gets its creator as owner unless it names one
-/// (mutating); one whose owner is empty is denied, naming the cluster (validating). Two
-/// more hooks for the failure policies: `strict` (Fail) and `lenient` (Ignore), which fail
-/// on objects labelled `broken`.
+/// (mutating); one whose owner is empty is denied, naming the cluster, and an owner cannot
+/// change (validating). Two more hooks for the failure policies: `strict` (Fail) and
+/// `lenient` (Ignore), which fail on objects labelled `broken`; and `slow`, which takes two
+/// seconds to allow.
 fn webhooks(port: u16, seen: Arc<Seen>) -> Webhooks<ClusterName> {
-    let (defaults, owners, strict, lenient) =
-        (seen.clone(), seen.clone(), seen.clone(), seen.clone());
+    let (defaults, owners, strict, lenient, slow) = (
+        seen.clone(),
+        seen.clone(),
+        seen.clone(),
+        seen.clone(),
+        seen.clone(),
+    );
     Webhooks::new(
         format!("127.0.0.1:{port}").parse().unwrap(),
         format!("https://127.0.0.1:{port}/admission"),
@@ -104,6 +122,9 @@ fn webhooks(port: u16, seen: Arc<Seen>) -> Webhooks<ClusterName> {
                 async move {
                     let mut object = review.object.unwrap();
                     seen.note("defaults", &review.cluster, &object.name_any());
+                    if review.dry_run {
+                        seen.dry_run(&object.name_any());
+                    }
                     let annotations = object.metadata.annotations.get_or_insert_default();
                     if annotations.contains_key(OWNER) {
                         return Ok::<_, String>(Mutation::unchanged());
@@ -125,6 +146,16 @@ fn webhooks(port: u16, seen: Arc<Seen>) -> Webhooks<ClusterName> {
                     let object = review.object.unwrap();
                     seen.note("owners", &review.cluster, &object.name_any());
                     let owner = object.annotations().get(OWNER).cloned().unwrap_or_default();
+                    let was = review
+                        .old_object
+                        .as_ref()
+                        .and_then(|old| old.annotations().get(OWNER).cloned());
+                    if let Some(was) = was.filter(|was| *was != owner) {
+                        return Ok(Verdict::deny(format!(
+                            "the owner of {} is {was}: it cannot change",
+                            object.name_any()
+                        )));
+                    }
                     Ok::<_, String>(if owner.is_empty() {
                         Verdict::deny(format!(
                             "in cluster {}: ConfigMap {} has no owner",
@@ -173,6 +204,22 @@ fn webhooks(port: u16, seen: Arc<Seen>) -> Webhooks<ClusterName> {
         )
         .object_selector(selector("lenient"))
         .failure_policy(FailurePolicy::Ignore),
+    )
+    .hook(
+        Hook::validating(
+            "slow.fleet.example.com",
+            move |review: Review<ClusterName, ConfigMap>| {
+                let seen = slow.clone();
+                async move {
+                    let object = review.object.unwrap();
+                    seen.note("slow", &review.cluster, &object.name_any());
+                    seen.2.notify_one();
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    Ok::<_, String>(Verdict::allow())
+                }
+            },
+        )
+        .object_selector(selector("slow")),
     )
 }
 
@@ -300,6 +347,9 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
         Manager::new(provider.clone())
             .with_local(member("host", &c0))
             .metrics(metrics)
+            .serve(
+                multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap()).plain_http(),
+            )
             .webhooks(webhooks(port, seen.clone())),
     );
     let run = spawn_manager(&manager);
@@ -353,6 +403,39 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
         create(admin, &cm("unmanaged", &[], None)).await.unwrap();
         assert!(seen.of_name("unmanaged").is_empty());
     }
+    // The old object: an owner cannot change.
+    let cms = Api::<ConfigMap>::namespaced(admins[1].clone(), NS);
+    let mut owned = cms.get("owned").await.unwrap();
+    owned
+        .annotations_mut()
+        .insert(OWNER.into(), "team-y".into());
+    let error = cms
+        .replace("owned", &PostParams::default(), &owned)
+        .await
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("the owner of owned is team-x: it cannot change"),
+        "{error}"
+    );
+    // A dry run is reviewed as one, and stores nothing.
+    cms.create(
+        &PostParams {
+            dry_run: true,
+            ..Default::default()
+        },
+        &cm("dry", &[MANAGED], None),
+    )
+    .await
+    .unwrap();
+    assert!(seen.was_dry_run("dry"));
+    assert!(cms.get_opt("dry").await.unwrap().is_none());
+    // Readiness counts the webhook server.
+    let endpoints = manager.served_at().unwrap();
+    let (status, body) = http_get(endpoints, "/readyz?verbose").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("check webhooks: ok"), "{body}");
     let text = scrape(&registry);
     for id in ["a", "b", "c"] {
         let answered = sample(
@@ -560,9 +643,15 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
     allow_webhook_configurations(&admins[3], "nobody").await;
     installed(&admins[3], "e").await;
 
-    // Stopped: the configurations stay (a restart is not a departure); with the server
-    // down, Fail refuses writes and Ignore lets them through.
+    // Stopped while a review is in flight: it is answered before the server goes (the
+    // write succeeds); the configurations stay (a restart is not a departure); with the
+    // server down, Fail refuses writes and Ignore lets them through.
+    let admin = admins[1].clone();
+    let in_flight =
+        tokio::spawn(async move { create(&admin, &cm("in-flight", &["slow"], None)).await });
+    seen.2.notified().await;
     manager.shutdown();
+    in_flight.await.unwrap().unwrap();
     tokio::time::timeout(Duration::from_secs(30), run)
         .await
         .unwrap()

@@ -16,7 +16,6 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use super::Keeper;
 use super::review::Handle;
@@ -89,7 +88,7 @@ pub(crate) async fn serve<C: ClusterId>(
     let mut config = config;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let connections = TaskTracker::new();
+    let mut connections = tokio::task::JoinSet::new();
     let room = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let closing = CancellationToken::new();
     shared.listening.store(true, Ordering::Relaxed);
@@ -97,6 +96,7 @@ pub(crate) async fn serve<C: ClusterId>(
         let accepted = tokio::select! {
             () = stop.cancelled() => break,
             accepted = listener.accept() => accepted,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let stream = match accepted {
             Ok((stream, _)) => stream,
@@ -144,15 +144,13 @@ pub(crate) async fn serve<C: ClusterId>(
     drop(listener);
     shared.listening.store(false, Ordering::Relaxed);
     closing.cancel();
-    connections.close();
-    if tokio::time::timeout(drain, connections.wait())
-        .await
-        .is_err()
-    {
+    let all = async { while connections.join_next().await.is_some() {} };
+    if tokio::time::timeout(drain, all).await.is_err() {
         tracing::warn!(
             ?drain,
             "webhooks: reviews still in flight at the end of the drain were dropped"
         );
+        connections.shutdown().await;
     }
 }
 
