@@ -9,7 +9,7 @@ seconds=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(request_text cluster_names queue kubeconfig namespace_scope object_decoding access_providers)
+  targets=(request_text cluster_names queue kubeconfig namespace_scope object_decoding access_providers webhook_review)
 fi
 
 tools=${MCR_TOOLS:-$HOME/.cache/multicluster-runtime/tools}

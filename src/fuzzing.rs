@@ -17,7 +17,7 @@ use crate::providers::{ApiPath, File, Multi, Target, Trust};
 use crate::{Action, ClusterName, Request, SingleCluster};
 
 /// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
-pub const TARGETS: [&str; 7] = [
+pub const TARGETS: [&str; 8] = [
     "request_text",
     "cluster_names",
     "queue",
@@ -25,6 +25,7 @@ pub const TARGETS: [&str; 7] = [
     "namespace_scope",
     "object_decoding",
     "access_providers",
+    "webhook_review",
 ];
 
 /// Runs the target called `name` on `data`; false for an unknown name.
@@ -37,6 +38,7 @@ pub fn run(name: &str, data: &[u8]) -> bool {
         "namespace_scope" => namespace_scope(data),
         "object_decoding" => object_decoding(data),
         "access_providers" => access_providers(data),
+        "webhook_review" => webhook_review(data),
         _ => return false,
     }
     true
@@ -631,4 +633,136 @@ pub fn access_providers(data: &[u8]) {
             && cluster.certificate_authority.is_none(),
         "a profile's TLS settings or paths were taken"
     );
+}
+
+/// 8. The webhook server's routing and review handling: an arbitrary path and body (and a
+///    cluster id, NUL-separated). Never a panic. A path routes only to a served cluster
+///    whose token it carries; the path made for a served cluster routes back to it and
+///    webhook, with another cluster's token it is refused as `BadToken`, and for a cluster
+///    not served as `UnknownCluster`. Every answer to a body is an `AdmissionReview` of
+///    `admission.k8s.io/v1` with a response whose uid is the request's when the body has
+///    one; a validating answer never carries a patch; a mutating answer's patch applies to
+///    the request's object.
+pub fn webhook_review(data: &[u8]) {
+    use std::collections::HashMap;
+
+    use k8s_openapi::api::core::v1::ConfigMap;
+
+    use crate::webhook::route::{self, RouteKey};
+    use crate::webhook::{
+        FailurePolicy, Mutation, Refusal, Review, Verdict, review, route_request,
+    };
+
+    let [path, body, id, flag] = <[String; 4]>::try_from(fields(data, 4)).expect("4");
+    let key = RouteKey::new(&[3; route::KEY_LEN]);
+    let served = ["east", "", "team a/prod"];
+    let serves = |c: &ClusterName| served.contains(&c.as_str());
+    let hooks: HashMap<String, u8> = HashMap::from([("v.example.com".to_string(), 0)]);
+    // Arbitrary paths: routed only with the right token to a served cluster.
+    if let Ok((cluster, _)) = route_request::<ClusterName, _>("/base", &hooks, &key, serves, &path)
+    {
+        assert!(serves(&cluster), "{path:?} routed to {cluster}");
+        let token = path.rsplit('/').nth(1).expect("a route has a token");
+        assert!(key.verify(cluster.as_str(), token), "{path:?}");
+    }
+    // Made paths: back to their cluster; another's token or an unserved cluster refused.
+    let made = route::path("/base", &key, &id, "v.example.com");
+    let routed = route_request::<ClusterName, _>("/base", &hooks, &key, serves, &made);
+    let expected = if served.contains(&id.as_str()) {
+        Ok(id.clone())
+    } else {
+        Err(Refusal::UnknownCluster)
+    };
+    assert_eq!(
+        routed.map(|(c, _)| c.as_str().to_string()),
+        expected,
+        "{made:?}"
+    );
+    let other = if id == "east" { "" } else { "east" };
+    let forged = made.replacen(&key.token(&id), &key.token(other), 1);
+    assert_eq!(
+        route_request::<ClusterName, _>("/base", &hooks, &key, serves, &forged).map(|_| ()),
+        Err(Refusal::BadToken),
+        "{forged:?}"
+    );
+    // Reviews.
+    let policy = if flag.is_empty() {
+        FailurePolicy::Fail
+    } else {
+        FailurePolicy::Ignore
+    };
+    let settings = review::Settings {
+        name: std::sync::Arc::from("v.example.com"),
+        failure_policy: policy,
+    };
+    let validating = review::validating(
+        settings.clone(),
+        |review: Review<ClusterName, ConfigMap>| async move {
+            match review.name.as_str() {
+                "error" => Err("failed"),
+                "deny" => Ok(Verdict::deny("no").warn("w")),
+                _ => Ok(Verdict::allow()),
+            }
+        },
+    );
+    let mutating = review::mutating(
+        settings,
+        |review: Review<ClusterName, ConfigMap>| async move {
+            let Some(mut object) = review.object else {
+                return Ok(Mutation::unchanged());
+            };
+            if review.name == "error" {
+                return Err("failed");
+            }
+            object
+                .metadata
+                .annotations
+                .get_or_insert_default()
+                .insert("a/b~c".into(), review.cluster.to_string());
+            Ok(Mutation::changed(object))
+        },
+    );
+    let request: Option<serde_json::Value> = serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("request").cloned());
+    let uid = request
+        .as_ref()
+        .and_then(|r| r.get("uid"))
+        .and_then(|u| u.as_str())
+        .map(str::to_string);
+    for (handle, mutating) in [(validating, false), (mutating, true)] {
+        let answer = handle(
+            ClusterName::from(id.as_str()),
+            bytes::Bytes::from(body.clone()),
+        )
+        .now_or_never()
+        .expect("the handlers never wait");
+        let review: serde_json::Value =
+            serde_json::from_slice(&answer.body).expect("the answer is JSON");
+        assert_eq!(review["apiVersion"], "admission.k8s.io/v1", "{review}");
+        assert_eq!(review["kind"], "AdmissionReview", "{review}");
+        let response = &review["response"];
+        if let Some(uid) = &uid {
+            assert_eq!(response["uid"].as_str(), Some(uid.as_str()), "{review}");
+        }
+        if response["allowed"] == false {
+            let code = response["status"]["code"].as_u64().unwrap_or(0);
+            assert!(code >= 400, "a denial without a code: {review}");
+        }
+        let patch = response.get("patch");
+        if !mutating {
+            assert!(
+                patch.is_none(),
+                "a validating answer with a patch: {review}"
+            );
+        } else if let Some(patch) = patch {
+            let bytes: Vec<u8> = serde_json::from_value(patch.clone()).expect("bytes");
+            let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
+            let mut object = request
+                .as_ref()
+                .and_then(|r| r.get("object").cloned())
+                .expect("a patch has an object to change");
+            json_patch::patch(&mut object, &patch).expect("the patch applies to the object");
+        }
+    }
 }

@@ -792,7 +792,7 @@ async fn sharded_replicas_install_what_they_own_and_serve_every_cluster() {
                 .sharding(
                     Sharding::new(host.clone(), "default", "hooks")
                         .identity(id)
-                        .timing(timing.clone()),
+                        .timing(timing),
                 )
                 .webhooks(webhooks(port, seen.clone())),
         );

@@ -31,7 +31,7 @@
 
 mod certs;
 pub(crate) mod install;
-mod review;
+pub(crate) mod review;
 pub(crate) mod route;
 mod server;
 
@@ -50,7 +50,7 @@ use crate::ClusterId;
 
 pub(crate) use certs::Keeper;
 pub(crate) use install::install_task;
-pub(crate) use server::{Shared, serve};
+pub(crate) use server::{Refusal, Shared, route as route_request, serve};
 
 /// The default name of the webhook configuration objects.
 pub const DEFAULT_CONFIGURATION_NAME: &str = "multicluster-runtime";

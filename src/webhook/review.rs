@@ -17,6 +17,9 @@ use serde::de::DeserializeOwned;
 use super::{FailurePolicy, Mutation, Review, Verdict};
 use crate::ClusterId;
 
+/// The version of `AdmissionReview` served (the configurations ask for it alone).
+const V1: &str = "admission.k8s.io/v1";
+
 /// A hook with its kind erased: the cluster and the body to the answer.
 pub(crate) type Handle<C> =
     Arc<dyn Fn(C, bytes::Bytes) -> futures::future::BoxFuture<'static, Answer> + Send + Sync>;
@@ -43,9 +46,15 @@ where
     K: kube::Resource + DeserializeOwned,
 {
     let review: Result<AdmissionReview<K>, _> = serde_json::from_slice(body);
-    let error = match review.map(TryInto::<AdmissionRequest<K>>::try_into) {
-        Ok(Ok(request)) => return Ok(request),
-        Ok(Err(_)) => "the review has no request".to_string(),
+    let error = match review {
+        // Only the version the configurations ask for: the answer is in it.
+        Ok(review) if review.types.api_version != V1 || review.types.kind != "AdmissionReview" => {
+            format!("not an {V1} AdmissionReview")
+        }
+        Ok(review) => match TryInto::<AdmissionRequest<K>>::try_into(review) {
+            Ok(request) => return Ok(request),
+            Err(_) => "the review has no request".to_string(),
+        },
         Err(error) => format!("the review cannot be read: {error}"),
     };
     // Answered with the request's uid when it can be read: a denial the user reads, not a
@@ -136,6 +145,92 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     format!("panicked: {}", crate::cluster::panic_message(panic))
 }
 
+/// The request's object as sent.
+fn raw_object(body: &[u8]) -> serde_json::Value {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        request: Option<Request>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Request {
+        object: Option<serde_json::Value>,
+    }
+    serde_json::from_slice::<Body>(body)
+        .ok()
+        .and_then(|b| b.request?.object)
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// `raw` with what the handler changed between `before` and `after` (the typed forms):
+/// every place the typed forms differ takes `after`'s value, written at the deepest point
+/// `raw` has (a whole array when the change is inside one); the rest of `raw`, fields the
+/// type does not know among it, stays as it was.
+fn changed(
+    raw: &serde_json::Value,
+    before: &serde_json::Value,
+    after: &serde_json::Value,
+) -> serde_json::Value {
+    use serde_json::Value;
+    let mut out = raw.clone();
+    for op in json_patch::diff(before, after).0 {
+        let path = op.path().as_str();
+        // Tokens of the pointer: `/a/b~1c` is `a`, `b/c`.
+        let tokens: Vec<&str> = path.split('/').skip(1).collect();
+        // The deepest container `out` has on the way, and the token below it.
+        let mut depth = 0;
+        while depth < tokens.len() {
+            let prefix = pointer(&tokens[..depth]);
+            let container = out.pointer(&prefix);
+            let has_next = match container {
+                Some(Value::Object(map)) => map.contains_key(&unescape(tokens[depth])),
+                Some(Value::Array(items)) => tokens[depth]
+                    .parse::<usize>()
+                    .is_ok_and(|i| i < items.len()),
+                _ => false,
+            };
+            if !has_next || depth + 1 == tokens.len() {
+                break;
+            }
+            depth += 1;
+        }
+        let prefix = pointer(&tokens[..depth]);
+        match out.pointer_mut(&prefix) {
+            Some(Value::Array(items)) => {
+                // Inside an array: the whole array as the handler left it.
+                if let Some(Value::Array(new)) = after.pointer(&prefix) {
+                    *items = new.clone();
+                }
+            }
+            Some(Value::Object(map)) if depth < tokens.len() => {
+                let key = unescape(tokens[depth]);
+                match after.pointer(&pointer(&tokens[..=depth])) {
+                    Some(value) => {
+                        map.insert(key, value.clone());
+                    }
+                    None => {
+                        map.remove(&key);
+                    }
+                }
+            }
+            Some(slot) => {
+                if let Some(value) = after.pointer(&prefix) {
+                    *slot = value.clone();
+                }
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+fn pointer(tokens: &[&str]) -> String {
+    tokens.iter().map(|t| format!("/{t}")).collect()
+}
+
+fn unescape(token: &str) -> String {
+    token.replace("~1", "/").replace("~0", "~")
+}
+
 /// A validating hook's handle.
 pub(crate) fn validating<C, K, F, Fut, E>(settings: Settings, handler: F) -> Handle<C>
 where
@@ -197,6 +292,9 @@ where
             };
             let response = AdmissionResponse::from(&request);
             let before = request.object.as_ref().map(serde_json::to_value);
+            // The object as the API server sent it: the patch must apply to it, not to its
+            // typed form (which may have fields the raw one lacks, or lack some it has).
+            let raw = raw_object(&body);
             let review = review_of(cluster, request);
             let outcome = std::panic::AssertUnwindSafe(async move { handler(review).await })
                 .catch_unwind()
@@ -219,7 +317,7 @@ where
                 return answer(response, false);
             };
             let patch = serde_json::to_value(&object)
-                .map(|after| json_patch::diff(&before, &after))
+                .map(|after| json_patch::diff(&raw, &changed(&raw, &before, &after)))
                 .map_err(|e| e.to_string())
                 .and_then(|patch| {
                     if patch.0.is_empty() {
@@ -245,4 +343,36 @@ where
             }
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_patch_carries_the_handlers_change_onto_the_object_as_sent() {
+        // Sent without `metadata` and with a field the type does not know; the typed forms
+        // have an empty `metadata` and lack the unknown field.
+        let raw = json!({"kind": "ConfigMap", "unknown": {"keep": 1}, "data": {"a": "1"}, "list": [1, 2]});
+        let before =
+            json!({"kind": "ConfigMap", "metadata": {}, "data": {"a": "1"}, "list": [1, 2]});
+        let after = json!({"kind": "ConfigMap", "metadata": {"annotations": {"o/w": "x"}},
+            "data": {"b": "2"}, "list": [1, 3, 4]});
+        let out = changed(&raw, &before, &after);
+        assert_eq!(
+            out,
+            json!({"kind": "ConfigMap", "unknown": {"keep": 1},
+                "metadata": {"annotations": {"o/w": "x"}}, "data": {"b": "2"}, "list": [1, 3, 4]})
+        );
+        let mut patched = raw.clone();
+        json_patch::patch(&mut patched, &json_patch::diff(&raw, &out)).unwrap();
+        assert_eq!(patched, out);
+        // Nothing changed: nothing to send.
+        assert!(
+            json_patch::diff(&raw, &changed(&raw, &before, &before))
+                .0
+                .is_empty()
+        );
+    }
 }
