@@ -162,17 +162,19 @@ impl<C: ClusterId> Runtime<C> {
         let describe = |kind: &str, e: kube::Error| {
             format!("{kind} {name}: {}", crate::cluster::redact::safe_text(&e))
         };
-        if let Some(config) = validating {
-            Api::<ValidatingWebhookConfiguration>::all(cluster.client())
-                .patch(name, &params, &Patch::Apply(&config))
-                .await
-                .map_err(|e| describe("ValidatingWebhookConfiguration", e))?;
-        }
+        // Defaults before checks: a validating webhook alone would refuse what the
+        // mutating one is there to fill in.
         if let Some(config) = mutating {
             Api::<MutatingWebhookConfiguration>::all(cluster.client())
                 .patch(name, &params, &Patch::Apply(&config))
                 .await
                 .map_err(|e| describe("MutatingWebhookConfiguration", e))?;
+        }
+        if let Some(config) = validating {
+            Api::<ValidatingWebhookConfiguration>::all(cluster.client())
+                .patch(name, &params, &Patch::Apply(&config))
+                .await
+                .map_err(|e| describe("ValidatingWebhookConfiguration", e))?;
         }
         Ok(())
     }
