@@ -134,6 +134,8 @@ mod book {
     struct Operations;
     #[doc = include_str!("../docs/sharding.md")]
     struct Sharding;
+    #[doc = include_str!("../docs/webhooks.md")]
+    struct Webhooks;
     #[doc = include_str!("../docs/architecture.md")]
     struct Architecture;
     #[doc = include_str!("../docs/advanced/events.md")]

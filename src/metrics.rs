@@ -355,7 +355,10 @@ fn duration_histogram() -> Histogram {
 ///
 /// Not reported: the Go runtime's and process collectors' series, client-go's
 /// `leader_election_slowpath_total` (its elector's fallback from a cached read; this crate's
-/// elector reads the Lease each time), and the webhook and certificate watcher series.
+/// elector reads the Lease each time) and the certificate watcher series. The webhook series
+/// ([`Manager::webhooks`](crate::Manager::webhooks)) carry the hook's name as `webhook`
+/// (controller-runtime's path label would carry a cluster's route token) and a `cluster`
+/// label on the request counter.
 ///
 /// ```
 /// use prometheus_client::registry::Registry;

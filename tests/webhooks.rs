@@ -683,14 +683,14 @@ async fn a_ca_rotation_fails_no_admission() {
         .unwrap();
     let port = free_port();
     let seen = Arc::new(Seen::default());
-    // A CA of 24 s: the next one joins the bundle at 16 s and signs from 20 s on; serving
-    // certificates of 9 s are made again every 6 s.
+    // A CA of 12 s: the next one joins the bundle at 8 s and signs from 10 s on; serving
+    // certificates of 6 s are made again every 4 s.
     let manager = Arc::new(
         Manager::new(provider)
             .with_local(Cluster::from_config(name("host"), c0.config()).unwrap())
             .webhooks(
                 webhooks(port, seen.clone())
-                    .validity(Duration::from_secs(24), Duration::from_secs(9))
+                    .validity(Duration::from_secs(12), Duration::from_secs(6))
                     .secret(Some(NS.into()), "rotating"),
             ),
     );
@@ -739,7 +739,7 @@ async fn a_ca_rotation_fails_no_admission() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(admitted > 20, "{admitted} admissions");
+    assert!(admitted > 10, "{admitted} admissions");
     let secret = Api::<Secret>::namespaced(admin.clone(), NS)
         .get("rotating")
         .await

@@ -50,7 +50,9 @@ use crate::ClusterId;
 
 pub(crate) use certs::Keeper;
 pub(crate) use install::install_task;
-pub(crate) use server::{Refusal, Shared, route as route_request, serve};
+#[cfg(feature = "fuzzing")]
+pub(crate) use server::{Refusal, route as route_request};
+pub(crate) use server::{Shared, serve};
 
 /// The default name of the webhook configuration objects.
 pub const DEFAULT_CONFIGURATION_NAME: &str = "multicluster-runtime";
