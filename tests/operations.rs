@@ -850,6 +850,9 @@ async fn metrics_carry_the_cluster_follow_reconciles_and_leave_with_a_disengaged
 /// controller-runtime's series (`pkg/internal/controller/metrics`, `pkg/metrics/workqueue.go`,
 /// `client_go_adapter.go`, `leaderelection.go` as of v0.22): name, type, label names.
 const CONTROLLER_RUNTIME: &[(&str, &str, &[&str])] = &[
+    // The webhook series with labels appear once a webhook is served (tests/webhooks.rs);
+    // this one is there from the start.
+    ("controller_runtime_webhook_panics_total", "counter", &[]),
     (
         "controller_runtime_reconcile_total",
         "counter",
@@ -1123,6 +1126,7 @@ async fn every_series_has_controller_runtime_s_name_type_and_labels_with_the_clu
                 "controller_runtime_max_concurrent_reconciles",
                 "controller_runtime_active_workers",
                 "leader_election_master_status",
+                "controller_runtime_webhook_panics_total",
             ]
             .contains(name);
             let cluster = match *mode {

@@ -3,7 +3,8 @@
 //! following engagement (a cluster engaged at run time, a replaced one kept, a disengaged
 //! one removed); a member whose identity may not install them (an Event, a metric, the
 //! others served); forged and stale routes refused; handler errors and the webhook down
-//! under `Fail` and `Ignore`; a CA rotation without a failed admission.
+//! under `Fail` and `Ignore`; host-only webhooks and a CA rotation without a failed
+//! admission; sharded replicas.
 
 mod common;
 
@@ -20,7 +21,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::api::{Api, ObjectMeta, PostParams};
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::webhook::{FailurePolicy, Hook, Mutation, Review, Verdict, Webhooks};
+use multicluster_runtime::webhook::{
+    FailurePolicy, Hook, Install, Mutation, Review, Verdict, Webhooks,
+};
 use multicluster_runtime::{Cluster, ClusterName, Manager, Metrics};
 use multicluster_runtime_testenv::TestEnv;
 
@@ -471,14 +474,21 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
     .unwrap();
     assert!(seen.has("lenient", "a", "broken-lenient"));
 
-    // A fourth cluster engaged at run time: installed and served.
-    provider.add(member("d", &c0)).unwrap();
-    installed(&admins[0], "d").await;
+    // A fourth cluster engaged at run time, with an id a URL path cannot carry as it is (as
+    // the Cluster API and Cluster Inventory providers' `namespace/name`): installed and served.
+    provider.add(member("fleet/d", &c0)).unwrap();
+    let config = installed(&admins[0], "fleet/d").await;
+    let url = config.webhooks.unwrap()[0]
+        .client_config
+        .url
+        .clone()
+        .unwrap();
+    assert!(!url.contains("fleet/d") && !url.contains('%'), "{url}");
     let created = create(&admins[0], &cm("late", &[MANAGED], None))
         .await
         .unwrap();
     assert!(created.annotations().contains_key(OWNER));
-    assert!(seen.has("defaults", "d", "late"));
+    assert!(seen.has("defaults", "fleet/d", "late"));
 
     // `b` replaced under its id (other credentials): its configuration stays as it was.
     let before = configs(&admins[2])
@@ -672,7 +682,7 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_ca_rotation_fails_no_admission() {
+async fn host_only_webhooks_turn_over_their_ca_without_a_failed_admission() {
     let env = TestEnv::start().await.unwrap();
     let c0 = env.cluster(0).unwrap();
     let admin = c0.client().unwrap();
@@ -683,19 +693,66 @@ async fn a_ca_rotation_fails_no_admission() {
         .unwrap();
     let port = free_port();
     let seen = Arc::new(Seen::default());
-    // A CA of 12 s: the next one joins the bundle at 8 s and signs from 10 s on; serving
-    // certificates of 6 s are made again every 4 s.
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    // Host only, as Go's multicluster-runtime serves webhooks: the fleet's cluster `only`
+    // (the same API server here) is neither installed nor served. A CA of 12 s: the next
+    // one joins the bundle at 8 s and signs from 10 s on; serving certificates of 6 s are
+    // made again every 4 s.
     let manager = Arc::new(
         Manager::new(provider)
             .with_local(Cluster::from_config(name("host"), c0.config()).unwrap())
+            .metrics(metrics)
             .webhooks(
                 webhooks(port, seen.clone())
+                    .install(Install::Host)
                     .validity(Duration::from_secs(12), Duration::from_secs(6))
                     .secret(Some(NS.into()), "rotating"),
             ),
     );
     let run = spawn_manager(&manager);
-    let first = installed(&admin, "only").await;
+    let first = installed(&admin, "the host").await;
+    let url = first.webhooks.as_ref().unwrap()[0]
+        .client_config
+        .url
+        .clone()
+        .unwrap();
+    assert!(url.contains("/admission/host/"), "{url}");
+    // The fleet cluster's own route, written by hand, is refused: not served in this mode.
+    let mut member = first.clone();
+    member.metadata = ObjectMeta {
+        name: Some("member".into()),
+        ..Default::default()
+    };
+    let hooks = member.webhooks.as_mut().unwrap();
+    hooks.retain(|h| h.name == "owners.fleet.example.com");
+    hooks[0].client_config.url = Some(
+        manager
+            .webhook_url(&name("only"), "owners.fleet.example.com")
+            .unwrap(),
+    );
+    hooks[0].object_selector = Some(selector("member"));
+    configs(&admin)
+        .create(&PostParams::default(), &member)
+        .await
+        .unwrap();
+    let (code, _, message) = create(&admin, &cm("from-member", &["member"], Some("x")))
+        .await
+        .unwrap_err();
+    assert_eq!(code, 500, "{message}");
+    assert!(seen.of_name("from-member").is_empty());
+    assert!(
+        sample(
+            &scrape(&registry),
+            "multicluster_runtime_webhook_refused_total",
+            &[("reason", "unknown_cluster")],
+        )
+        .is_some_and(|n| n >= 1.0)
+    );
+    configs(&admin)
+        .delete("member", &Default::default())
+        .await
+        .unwrap();
     let first_bundle = first.webhooks.unwrap()[0]
         .client_config
         .ca_bundle

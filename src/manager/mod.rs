@@ -386,6 +386,7 @@ impl<P: Provider> Manager<P> {
             webhooks,
             keeper: std::sync::OnceLock::new(),
             secret: std::sync::OnceLock::new(),
+            recorder: std::sync::OnceLock::new(),
         });
         self.webhooks = Some(runtime.clone());
         self.add_controller(

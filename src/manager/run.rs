@@ -180,6 +180,16 @@ impl<P: Provider> Manager<P> {
         };
         let webhooks = &runtime.webhooks;
         webhooks.validate().map_err(ManagerError::Webhooks)?;
+        if self.local.is_none()
+            && matches!(
+                webhooks.install,
+                crate::webhook::Install::Host | crate::webhook::Install::FleetAndHost
+            )
+        {
+            return Err(ManagerError::Webhooks(
+                "webhooks installed in the host need one: Manager::with_local".into(),
+            ));
+        }
         let (host_name, _) = webhooks.url_parts().map_err(ManagerError::Webhooks)?;
         let keeper = match runtime.keeper.get() {
             Some(keeper) => keeper.clone(),
@@ -212,6 +222,9 @@ impl<P: Provider> Manager<P> {
                     }));
                 let mut names = vec![host_name];
                 names.extend(webhooks.names.iter().cloned());
+                // In one order whatever the settings' order: replicas compare the names the
+                // certificate is for, and must agree.
+                names.sort();
                 names.dedup();
                 let keeper = crate::webhook::Keeper::new(
                     webhooks.certificates.clone(),
@@ -267,7 +280,7 @@ impl<P: Provider> Manager<P> {
                 .map(|hook| {
                     (
                         hook.name.clone(),
-                        (hook.handle(), Arc::from(hook.name.as_str())),
+                        (hook.handle(), Arc::from(hook.name.as_str()), hook.timeout),
                     )
                 })
                 .collect(),
@@ -637,11 +650,6 @@ impl<'a, P: Provider> Run<'a, P> {
     async fn wind_down(mut self, result: Result<(), ManagerError>) -> Result<(), ManagerError> {
         let manager = self.manager;
         self.shutdown.cancel();
-        // The webhook server takes no new review from now on; those in flight are answered
-        // meanwhile (awaited below, within the graceful timeout).
-        if let Some((_, _, stop)) = &self.webhooks {
-            stop.cancel();
-        }
         {
             // From now on, added tasks wait for the next run.
             *lock(&manager.running) = None;
@@ -653,6 +661,13 @@ impl<'a, P: Provider> Run<'a, P> {
             }
         }
         let lost = self.drain().await;
+        // The webhook server goes after the controllers (their own writes may need it, as in
+        // controller-runtime): it takes no new review from now on, and those in flight are
+        // answered (awaited below, within the graceful timeout). Readiness has failed since
+        // the start of the shutdown, so a Service has stopped sending it reviews meanwhile.
+        if let Some((_, _, stop)) = &self.webhooks {
+            stop.cancel();
+        }
         // Only a lease this replica still holds (as far as it knows) is given up on the way
         // out: one lost is not asked about again (the host may be out of reach, which is
         // often why it was lost).

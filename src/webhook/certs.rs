@@ -54,6 +54,14 @@ pub(crate) struct Served {
     pub(crate) bundle: Arc<str>,
 }
 
+/// What members are given, told to the installers when it changes: the CA bundle, and the
+/// route key (by a fingerprint: the token of a fixed text).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Published {
+    pub(crate) bundle: Arc<str>,
+    route: String,
+}
+
 /// Keeps the certificates and route key current: [`Keeper::run`] reads (and makes, and
 /// rotates) them every `check_every`; handshakes and routes read the current ones.
 pub(crate) struct Keeper {
@@ -66,7 +74,9 @@ pub(crate) struct Keeper {
     served: Mutex<Option<Served>>,
     /// The route key of [`Source::Files`], once read.
     route_cache: Mutex<Option<Vec<u8>>>,
-    bundle: watch::Sender<Option<Arc<str>>>,
+    /// Without a host: what is served, made and rotated here.
+    in_process: Mutex<Material>,
+    bundle: watch::Sender<Option<Published>>,
     loaded: AtomicBool,
 }
 
@@ -330,7 +340,16 @@ fn plan(
             next.next = Some(pair);
             next.record.next = Some(period);
         }
-    } else if past(current.issued, current.expires, now, (5, 6)) {
+    } else if past(current.issued, current.expires, now, (5, 6))
+        && next
+            .record
+            .next
+            .as_ref()
+            .is_some_and(|n| now - n.issued >= (current.expires - current.issued) / 6)
+    {
+        // Promoted once the next CA has been in the bundle for a sixth of a CA's life at
+        // least (installers have had that long to give it to every member), even if no
+        // replica could look at the Secret between two thirds and five sixths.
         next.previous = next.ca.take().map(|(cert, _)| cert);
         next.record.previous_until = Some(current.expires);
         next.ca = next.next.take();
@@ -393,6 +412,7 @@ impl Keeper {
             check_every,
             served: Mutex::new(None),
             route_cache: Mutex::new(None),
+            in_process: Mutex::new(Material::default()),
             bundle: watch::Sender::new(None),
             loaded: AtomicBool::new(false),
         })
@@ -403,8 +423,8 @@ impl Keeper {
         lock(&self.served).clone()
     }
 
-    /// The CA bundle, told when it changes (`None` until the first load).
-    pub(crate) fn bundle(&self) -> watch::Receiver<Option<Arc<str>>> {
+    /// The CA bundle and route key, told when either changes (`None` until the first load).
+    pub(crate) fn bundle(&self) -> watch::Receiver<Option<Published>> {
         self.bundle.subscribe()
     }
 
@@ -446,18 +466,13 @@ impl Keeper {
         match &self.source {
             Source::Generated(settings) => {
                 let Some((client, namespace, name)) = &self.secret else {
-                    // No host: made once, in this process only.
-                    if self.is_loaded() {
-                        return Ok(());
+                    // No host: kept (and rotated) in this process only.
+                    let mut kept = lock(&self.in_process);
+                    let now = unix(SystemTime::now());
+                    if let Some(planned) = plan(&kept, now, &self.names, settings)? {
+                        *kept = planned;
                     }
-                    let material = plan(
-                        &Material::default(),
-                        unix(SystemTime::now()),
-                        &self.names,
-                        settings,
-                    )?
-                    .unwrap_or_default();
-                    return self.install(&material);
+                    return self.install(&kept);
                 };
                 let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
                 let what = format!("Secret {namespace}/{name} on the host");
@@ -501,7 +516,7 @@ impl Keeper {
                     ..Material::default()
                 };
                 self.install(&material)
-                    .map_err(|e| format!("{}: {e}", cert.display()))
+                    .map_err(|e| format!("{} and {}: {e}", cert.display(), key.display()))
             }
         }
     }
@@ -585,17 +600,18 @@ impl Keeper {
         let key = certified(cert, key)?;
         let route = material.route.as_ref().ok_or("no route key")?;
         let bundle: Arc<str> = Arc::from(material.bundle());
-        *lock(&self.served) = Some(Served {
-            key,
-            route: RouteKey::new(route),
+        let route = RouteKey::new(route);
+        let published = Published {
             bundle: bundle.clone(),
-        });
+            route: route.token("\0fingerprint"),
+        };
+        *lock(&self.served) = Some(Served { key, route, bundle });
         self.loaded.store(true, Ordering::Relaxed);
         self.bundle.send_if_modified(|current| {
-            if current.as_deref() == Some(&*bundle) {
+            if current.as_ref() == Some(&published) {
                 false
             } else {
-                *current = Some(bundle);
+                *current = Some(published);
                 true
             }
         });
@@ -666,6 +682,21 @@ mod tests {
             Some(first.ca.as_ref().unwrap().0.as_str())
         );
         assert!(third.bundle().contains(&first.ca.as_ref().unwrap().0));
+        // Nobody looked between two thirds and five sixths: the next CA made at five sixths
+        // does not sign before it has been in the bundle a sixth of a CA's life.
+        let late = plan(&first, t0 + 500, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(generations(&late), vec![1, 2]);
+        assert_eq!(plan(&late, t0 + 560, &names(), &settings()).unwrap(), None);
+        let waiting = plan(&late, t0 + 590, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(waiting.record.serving.as_ref().unwrap().ca, 1);
+        let promoted = plan(&waiting, t0 + 600, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        assert_eq!(promoted.record.serving.as_ref().unwrap().ca, 2);
         // Expired: gone from the bundle.
         let fourth = plan(&third, t0 + 601, &names(), &settings())
             .unwrap()
@@ -680,6 +711,56 @@ mod tests {
             ["example.com"]
         );
         assert_eq!(renamed.ca, fourth.ca);
+    }
+
+    #[tokio::test]
+    async fn certificate_files_are_read_again_when_they_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path();
+        let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.crt"));
+        let write = |material: &Material| {
+            let (c, k) = material.serving.clone().unwrap();
+            std::fs::write(&cert, c).unwrap();
+            std::fs::write(&key, k).unwrap();
+            std::fs::write(&ca, material.bundle()).unwrap();
+        };
+        let first = plan(&Material::default(), 10, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        write(&first);
+        let keeper = Keeper::new(
+            Source::Files {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            },
+            None,
+            names(),
+            Duration::from_secs(1),
+        );
+        let mut published = keeper.bundle();
+        keeper.refresh().await.unwrap();
+        let served = keeper.served().unwrap();
+        assert_eq!(&*served.bundle, first.bundle().as_str());
+        assert!(published.has_changed().unwrap());
+        published.borrow_and_update();
+        // Rotated on disk (as a mounted Secret is): the new pair served, the new bundle
+        // published, the route key kept.
+        let second = plan(&Material::default(), 20, &names(), &settings())
+            .unwrap()
+            .unwrap();
+        write(&second);
+        keeper.refresh().await.unwrap();
+        let again = keeper.served().unwrap();
+        assert_eq!(&*again.bundle, second.bundle().as_str());
+        assert!(!Arc::ptr_eq(&again.key, &served.key));
+        assert!(published.has_changed().unwrap());
+        assert_eq!(again.route.token("x"), served.route.token("x"));
+        // Half written: the previous pair is kept, and the error names the file.
+        std::fs::write(&key, "not a key").unwrap();
+        let problem = keeper.refresh().await.unwrap_err();
+        assert!(problem.contains("tls.key"), "{problem}");
+        assert_eq!(&*keeper.served().unwrap().bundle, second.bundle().as_str());
     }
 
     #[test]

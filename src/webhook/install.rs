@@ -34,12 +34,28 @@ pub(crate) struct Runtime<C: ClusterId> {
     pub(crate) keeper: OnceLock<Arc<Keeper>>,
     /// The host Secret, which install failures are recorded on as Events.
     pub(crate) secret: OnceLock<Option<ObjectReference>>,
+    /// The recorder of those Events: one, so that a failure repeated is one Event series
+    /// (its count going up), not a new Event each time.
+    pub(crate) recorder: OnceLock<kube_runtime::events::Recorder>,
 }
 
 impl<C: ClusterId> Runtime<C> {
     /// The URL of `cluster`'s `webhook`.
     pub(crate) fn url(&self, key: &RouteKey, cluster: &str, webhook: &str) -> String {
         super::route::path(&self.webhooks.url, key, cluster, webhook)
+    }
+
+    fn recorder(&self, env: &Env<C>) -> Option<&kube_runtime::events::Recorder> {
+        let local = env.local.as_ref()?;
+        Some(self.recorder.get_or_init(|| {
+            kube_runtime::events::Recorder::new(
+                local.client(),
+                kube_runtime::events::Reporter {
+                    controller: FIELD_MANAGER.into(),
+                    instance: Some(env.instance.to_string()),
+                },
+            )
+        }))
     }
 
     fn rules(hook: &super::Hook<C>) -> Vec<RuleWithOperations> {
@@ -159,8 +175,13 @@ impl<C: ClusterId> Runtime<C> {
         let (validating, mutating) = self.configurations(key, &id, bundle);
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let name = &self.webhooks.configuration;
+        // An API error may quote the configuration (a refused URL, a policy engine's
+        // message): the route token is taken out of the text before it reaches a log line
+        // or an Event.
+        let token = key.token(&id);
         let describe = |kind: &str, e: kube::Error| {
-            format!("{kind} {name}: {}", crate::cluster::redact::safe_text(&e))
+            let text = crate::cluster::redact::safe_text(&e).replace(&token, "<route token>");
+            format!("{kind} {name}: {text}")
         };
         // Defaults before checks: a validating webhook alone would refuse what the
         // mutating one is there to fill in.
@@ -177,6 +198,22 @@ impl<C: ClusterId> Runtime<C> {
                 .map_err(|e| describe("ValidatingWebhookConfiguration", e))?;
         }
         Ok(())
+    }
+
+    /// Whether `cluster` has neither configuration (an apply sent before the cluster left
+    /// may land after a delete).
+    async fn absent(&self, cluster: &Cluster<C>) -> Result<bool, String> {
+        let name = &self.webhooks.configuration;
+        let read = |e: kube::Error| format!("{name}: {}", crate::cluster::redact::safe_text(&e));
+        let validating = Api::<ValidatingWebhookConfiguration>::all(cluster.client())
+            .get_opt(name)
+            .await
+            .map_err(read)?;
+        let mutating = Api::<MutatingWebhookConfiguration>::all(cluster.client())
+            .get_opt(name)
+            .await
+            .map_err(read)?;
+        Ok(validating.is_none() && mutating.is_none())
     }
 
     /// Deletes `cluster`'s configurations (those already gone are fine).
@@ -215,16 +252,9 @@ impl<C: ClusterId> Runtime<C> {
         if first {
             tracing::warn!(%cluster, %problem, "webhooks: could not {what} the configurations; trying again");
         }
-        let (Some(local), Some(Some(secret))) = (&env.local, self.secret.get()) else {
+        let (Some(recorder), Some(Some(secret))) = (self.recorder(env), self.secret.get()) else {
             return;
         };
-        let recorder = kube_runtime::events::Recorder::new(
-            local.client(),
-            kube_runtime::events::Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: Some(env.instance.to_string()),
-            },
-        );
         let event = kube_runtime::events::Event {
             type_: kube_runtime::events::EventType::Warning,
             reason: "WebhookInstallFailed".into(),
@@ -245,9 +275,9 @@ impl<C: ClusterId> Runtime<C> {
     }
 }
 
-/// The wait after the `n`th failure in a row: 1 s doubling to a minute.
+/// The wait after the `n`th failure in a row (from 1): 1 s doubling to a minute.
 fn backoff(n: u32) -> Duration {
-    Duration::from_secs(1 << n.min(6)).min(Duration::from_secs(60))
+    Duration::from_secs(1 << n.saturating_sub(1).min(6)).min(Duration::from_secs(60))
 }
 
 /// Keeps `cluster`'s configurations applied with the current bundle until `until`.
@@ -262,11 +292,11 @@ async fn keep_applied<C: ClusterId>(
     };
     let mut bundles = keeper.bundle();
     let id = cluster.id().to_string();
-    loop {
+    'bundle: loop {
         // The bundle now (waiting for the first).
         let bundle = loop {
-            if let Some(bundle) = bundles.borrow_and_update().clone() {
-                break bundle;
+            if let Some(published) = bundles.borrow_and_update().clone() {
+                break published.bundle;
             }
             tokio::select! {
                 () = until.cancelled() => return,
@@ -278,7 +308,13 @@ async fn keep_applied<C: ClusterId>(
         };
         let mut failures = 0u32;
         loop {
-            match rt.apply(&cluster, &served.route, &bundle).await {
+            // Given up as soon as the engagement ends: a cluster leaving for good is
+            // cleaned up by `remove`, which an apply must not follow.
+            let applied = tokio::select! {
+                () = until.cancelled() => return,
+                applied = rt.apply(&cluster, &served.route, &bundle) => applied,
+            };
+            match applied {
                 Ok(()) => {
                     tracing::debug!(cluster = %id, "webhooks: configurations applied");
                     break;
@@ -289,15 +325,12 @@ async fn keep_applied<C: ClusterId>(
                     failures = failures.saturating_add(1);
                     tokio::select! {
                         () = until.cancelled() => return,
-                        // A new bundle is applied at once.
-                        changed = bundles.changed() => if changed.is_err() { return } else { break },
+                        // A new bundle is applied at once, with the next try.
+                        changed = bundles.changed() => if changed.is_err() { return } else { continue 'bundle },
                         () = tokio::time::sleep(backoff(failures)) => {}
                     }
                 }
             }
-        }
-        if failures > 0 && bundles.has_changed().unwrap_or(false) {
-            continue;
         }
         tokio::select! {
             () = until.cancelled() => return,
@@ -306,22 +339,36 @@ async fn keep_applied<C: ClusterId>(
     }
 }
 
-/// Removes the configurations of `cluster`, which left the fleet: a few tries, then a WARN.
+/// Removes the configurations of `cluster`, which left the fleet for good: retried with
+/// backoff until both are gone (checked after the delete: an apply sent before the cluster
+/// left may land after it), the cluster is engaged again, or the installer stops.
 async fn remove<C: ClusterId>(env: Env<C>, rt: Arc<Runtime<C>>, cluster: Cluster<C>) {
     let id = cluster.id().to_string();
-    for attempt in 0..5u32 {
-        match rt.remove(&cluster).await {
-            Ok(()) => {
+    let mut failures = 0u32;
+    loop {
+        if env.fleet.get(cluster.id()).is_some() || env.fleet.discovered(cluster.id()).is_some() {
+            return;
+        }
+        let outcome = match rt.remove(&cluster).await {
+            Ok(()) => rt.absent(&cluster).await,
+            Err(problem) => Err(problem),
+        };
+        match outcome {
+            Ok(true) => {
                 tracing::debug!(cluster = %id, "webhooks: configurations removed");
                 return;
             }
+            // Applied again behind the delete: delete again.
+            Ok(false) => {}
             Err(problem) => {
-                rt.failed(&env, &id, "remove", &problem, attempt == 0).await;
-                tokio::select! {
-                    () = env.shutdown.cancelled() => return,
-                    () = tokio::time::sleep(backoff(attempt)) => {}
-                }
+                failures = failures.saturating_add(1);
+                rt.failed(&env, &id, "remove", &problem, failures == 1)
+                    .await;
             }
+        }
+        tokio::select! {
+            () = env.shutdown.cancelled() => return,
+            () = tokio::time::sleep(backoff(failures.max(1))) => {}
         }
     }
 }

@@ -511,6 +511,13 @@ impl<C: ClusterId> Webhooks<C> {
             .url
             .parse()
             .map_err(|e| format!("the webhook URL {:?} is not a URL: {e}", self.url))?;
+        // Kubernetes refuses user info and fragments in a webhook URL.
+        if uri.authority().is_some_and(|a| a.as_str().contains('@')) || self.url.contains('#') {
+            return Err(format!(
+                "the webhook URL {:?} may not have user info or a fragment",
+                self.url
+            ));
+        }
         if uri.scheme_str() != Some("https") {
             return Err(format!("the webhook URL {:?} must be https", self.url));
         }
@@ -562,6 +569,15 @@ impl<C: ClusterId> Webhooks<C> {
         }
         if self.hooks.is_empty() {
             return Err("no hook: add one with Webhooks::hook".into());
+        }
+        if let certs::Source::Generated(generated) = &self.certificates
+            && self.check_every.saturating_mul(6) > generated.ca_validity
+        {
+            // A rotation has a sixth of the CA's life between its steps.
+            return Err(format!(
+                "check_every ({:?}) must be at most a sixth of the CA's validity ({:?})",
+                self.check_every, generated.ca_validity
+            ));
         }
         Ok(())
     }

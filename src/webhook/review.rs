@@ -161,10 +161,11 @@ fn raw_object(body: &[u8]) -> serde_json::Value {
         .unwrap_or(serde_json::Value::Null)
 }
 
-/// `raw` with what the handler changed between `before` and `after` (the typed forms):
-/// every place the typed forms differ takes `after`'s value, written at the deepest point
-/// `raw` has (a whole array when the change is inside one); the rest of `raw`, fields the
-/// type does not know among it, stays as it was.
+/// `raw` with what the handler changed between `before` and `after` (the typed forms): each
+/// change applied to `raw` as it is where `raw` has the same shape there; elsewhere (a
+/// parent `raw` lacks, an array of another length) `after`'s value written at the deepest
+/// point `raw` has (a whole array when the change is inside one). The rest of `raw`, fields
+/// the type does not know among it, stays as it was.
 fn changed(
     raw: &serde_json::Value,
     before: &serde_json::Value,
@@ -173,6 +174,11 @@ fn changed(
     use serde_json::Value;
     let mut out = raw.clone();
     for op in json_patch::diff(before, after).0 {
+        // Where the object as sent has the same shape as its typed form, the handler's change
+        // applies to it as it is, and everything around it stays, unknown fields included.
+        if json_patch::patch(&mut out, std::slice::from_ref(&op)).is_ok() {
+            continue;
+        }
         let path = op.path().as_str();
         // Tokens of the pointer: `/a/b~1c` is `a`, `b/c`.
         let tokens: Vec<&str> = path.split('/').skip(1).collect();
@@ -368,6 +374,15 @@ mod tests {
         let mut patched = raw.clone();
         json_patch::patch(&mut patched, &json_patch::diff(&raw, &out)).unwrap();
         assert_eq!(patched, out);
+        // An element appended to an array whose elements have fields the type does not know:
+        // those fields stay.
+        let raw = json!({"list": [{"name": "a", "unknown": 1}]});
+        let before = json!({"list": [{"name": "a"}]});
+        let after = json!({"list": [{"name": "a"}, {"name": "b"}]});
+        assert_eq!(
+            changed(&raw, &before, &after),
+            json!({"list": [{"name": "a", "unknown": 1}, {"name": "b"}]})
+        );
         // Nothing changed: nothing to send.
         assert!(
             json_patch::diff(&raw, &changed(&raw, &before, &before))

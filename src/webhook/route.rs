@@ -14,8 +14,12 @@ pub(crate) const KEY_LEN: usize = 32;
 /// Domain separation: these tokens are for nothing else the key might ever sign.
 const CONTEXT: &[u8] = b"multicluster-runtime webhook route\0";
 
-/// The text an empty cluster id is written as (a single-cluster provider's id is empty).
-const EMPTY: &str = "~";
+/// The mark of a cluster segment written in base64url: ids that are not plain names (empty,
+/// `.` or `..`, or with any character outside `[A-Za-z0-9._-]`). The API server decodes a
+/// URL's path before it sends the request (`%2F` arrives as `/`, and `.` segments are
+/// cleaned away), so percent-encoding cannot carry such ids; base64url's alphabet and `~`
+/// pass through unchanged.
+const ENCODED: char = '~';
 
 /// The keyed hash routes are made and checked with.
 #[derive(Clone)]
@@ -73,54 +77,76 @@ pub(crate) struct Route<'a> {
 pub(crate) enum NotARoute {
     /// Not under the base path, or not three segments after it.
     Shape,
-    /// The cluster segment is not valid percent-encoding (or not UTF-8).
+    /// The cluster segment is neither a plain name nor valid base64url of UTF-8.
     Encoding,
 }
 
-/// The path segment of a cluster id: bytes outside `[A-Za-z0-9._-]` percent-encoded, the
-/// empty id as `~`.
+/// The path segment of a cluster id: the id itself when it is a plain name, else `~` and
+/// its bytes in base64url without padding (the empty id is `~`).
 pub(crate) fn encode_cluster(id: &str) -> String {
-    if id.is_empty() {
-        return EMPTY.to_string();
+    if is_plain(id) {
+        return id.to_string();
     }
-    let mut out = String::with_capacity(id.len());
-    for byte in id.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'_' | b'-') {
-            out.push(byte as char);
-        } else {
-            use std::fmt::Write as _;
-            let _ = write!(out, "%{byte:02X}");
+    let mut out = String::with_capacity(1 + id.len().div_ceil(3) * 4);
+    out.push(ENCODED);
+    for chunk in id.as_bytes().chunks(3) {
+        let bits = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            let index = (bits >> (18 - 6 * i)) & 0x3f;
+            out.push(char::from(ALPHABET[index as usize]));
         }
     }
     out
 }
 
+const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+/// Whether `id` can stand in a path as it is.
+fn is_plain(id: &str) -> bool {
+    !id.is_empty()
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 fn decode_cluster(segment: &str) -> Result<String, NotARoute> {
-    if segment == EMPTY {
-        return Ok(String::new());
-    }
-    if segment.is_empty() {
-        return Err(NotARoute::Shape);
-    }
-    let bytes = segment.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = bytes.get(i + 1..i + 3).ok_or(NotARoute::Encoding)?;
-                let hex = std::str::from_utf8(hex).map_err(|_| NotARoute::Encoding)?;
-                let byte = u8::from_str_radix(hex, 16).map_err(|_| NotARoute::Encoding)?;
-                out.push(byte);
-                i += 3;
-            }
-            byte => {
-                out.push(byte);
-                i += 1;
-            }
+    let Some(encoded) = segment.strip_prefix(ENCODED) else {
+        return if is_plain(segment) {
+            Ok(segment.to_string())
+        } else if segment.is_empty() {
+            Err(NotARoute::Shape)
+        } else {
+            Err(NotARoute::Encoding)
+        };
+    };
+    let mut out = Vec::with_capacity(encoded.len() * 3 / 4);
+    for chunk in encoded.as_bytes().chunks(4) {
+        if chunk.len() == 1 {
+            return Err(NotARoute::Encoding);
+        }
+        let mut bits = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            let value = ALPHABET
+                .iter()
+                .position(|a| a == c)
+                .ok_or(NotARoute::Encoding)?;
+            bits |= (value as u32) << (18 - 6 * i);
+        }
+        for i in 0..chunk.len() - 1 {
+            out.push((bits >> (16 - 8 * i)) as u8);
         }
     }
-    String::from_utf8(out).map_err(|_| NotARoute::Encoding)
+    let id = String::from_utf8(out).map_err(|_| NotARoute::Encoding)?;
+    // One spelling per id: a plain name written encoded is not a route.
+    if is_plain(&id) || encode_cluster(&id) != segment {
+        return Err(NotARoute::Encoding);
+    }
+    Ok(id)
 }
 
 /// The path (no query) of `cluster`'s `webhook` under `base` (no trailing slash).
@@ -159,10 +185,29 @@ mod tests {
     #[test]
     fn a_route_names_its_cluster_and_only_its_key_makes_its_token() {
         let key = RouteKey::new(&[7; KEY_LEN]);
-        for id in ["east", "", "team a/prod", "ünï", "%41", "~"] {
+        for id in [
+            "east",
+            "",
+            "team a/prod",
+            "ns/name",
+            "ünï",
+            "%41",
+            "~",
+            ".",
+            "..",
+            "a.b-c_d",
+            "~x",
+        ] {
             let path = path("/webhooks", &key, id, "owners.example.com");
             let route = parse("/webhooks", &path).unwrap();
             assert_eq!(route.cluster, id, "{path}");
+            // What the API server's client would change: no `/` or `%` inside a segment, no
+            // `.` or `..` segment.
+            let segment = path.split('/').nth(2).unwrap();
+            assert!(
+                !segment.contains('%') && segment != "." && segment != "..",
+                "{path}"
+            );
             assert_eq!(route.webhook, "owners.example.com");
             assert!(key.verify(id, route.token));
             // Another cluster's id with this token, or another key: refused.
@@ -190,7 +235,13 @@ mod tests {
         ] {
             assert_eq!(parse("/webhooks", path), Err(NotARoute::Shape), "{path}");
         }
-        for path in ["/webhooks/%zz/t/w", "/webhooks/%4/t/w", "/webhooks/%FF/t/w"] {
+        for path in [
+            "/webhooks/%41/t/w",
+            "/webhooks/~*/t/w",
+            "/webhooks/~Q/t/w",
+            "/webhooks/~_w/t/w",
+            "/webhooks/~ZWFzdA/t/w",
+        ] {
             assert_eq!(parse("/webhooks", path), Err(NotARoute::Encoding), "{path}");
         }
         assert_eq!(parse("", "/east/t/w").unwrap().cluster, "east");

@@ -26,6 +26,9 @@ use crate::{ClusterId, Fleet};
 /// etcd, and a review carries two of them.
 const MAX_BODY: usize = 7 << 20;
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A TLS handshake takes milliseconds on the paths API servers use; a client that idles in
+/// it holds a connection slot for no more than this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_CONNECTIONS: usize = 1024;
 
 /// What the server reads.
@@ -37,8 +40,8 @@ pub(crate) struct Shared<C: ClusterId> {
     pub(crate) host: Option<C>,
     /// The routes' base path (the URL's path, no trailing slash).
     pub(crate) base: String,
-    /// By webhook name: the handle and the metrics label.
-    pub(crate) hooks: HashMap<String, (Handle<C>, Arc<str>)>,
+    /// By webhook name: the handle, the metrics label and the hook's timeout.
+    pub(crate) hooks: HashMap<String, (Handle<C>, Arc<str>, Duration)>,
     pub(crate) keeper: Arc<Keeper>,
     pub(crate) metrics: Option<crate::Metrics>,
     /// Set once the server accepts connections; cleared when it stops.
@@ -114,7 +117,7 @@ pub(crate) async fn serve<C: ClusterId>(
         let closing = closing.clone();
         connections.spawn(async move {
             let _permit = permit;
-            let handshake = tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream));
+            let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
             let stream = tokio::select! {
                 () = closing.cancelled() => return,
                 stream = handshake => match stream {
@@ -190,10 +193,16 @@ impl Refusal {
     }
 
     fn response(self) -> Response<Full<Bytes>> {
-        match self {
+        let mut response = match self {
             Self::NotFound | Self::UnknownWebhook => text(StatusCode::NOT_FOUND, "not found\n"),
             Self::BadToken | Self::UnknownCluster => text(StatusCode::FORBIDDEN, "forbidden\n"),
-        }
+        };
+        // A refused client keeps no connection (and no slot of the server's) open.
+        response.headers_mut().insert(
+            hyper::header::CONNECTION,
+            hyper::header::HeaderValue::from_static("close"),
+        );
+        response
     }
 }
 
@@ -238,7 +247,7 @@ async fn answer<C: ClusterId>(shared: &Shared<C>, req: Request<Incoming>) -> Res
         |id: &C| shared.serves(id),
         req.uri().path(),
     );
-    let (cluster, (handle, label)) = match routed {
+    let (cluster, (handle, label, timeout)) = match routed {
         Ok(routed) => routed,
         Err(refusal) => {
             if let Some(metrics) = &shared.metrics {
@@ -264,7 +273,23 @@ async fn answer<C: ClusterId>(shared: &Shared<C>, req: Request<Incoming>) -> Res
     let response = if json {
         match Limited::new(req.into_body(), MAX_BODY).collect().await {
             Ok(body) => {
-                let answer = handle(cluster, body.to_bytes()).await;
+                // The API server gives up at the hook's timeout: a handler still running a
+                // second later is dropped rather than left holding the connection.
+                let answer = tokio::time::timeout(
+                    *timeout + Duration::from_secs(1),
+                    handle(cluster, body.to_bytes()),
+                )
+                .await;
+                let Ok(answer) = answer else {
+                    let response = text(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "the handler did not answer in time\n",
+                    );
+                    if let Some(metrics) = &shared.metrics {
+                        metrics.webhook_answered(label, &cluster_text, 504, started.elapsed());
+                    }
+                    return response;
+                };
                 if answer.panicked
                     && let Some(metrics) = &shared.metrics
                 {
