@@ -273,6 +273,37 @@ fn scrape(registry: &prometheus_client::registry::Registry) -> String {
     text
 }
 
+/// Writes by hand, in `client`'s cluster, a configuration `name` holding the `owners` hook of
+/// `from` (one of the manager's), sent to `url` (`from`'s if `None`) and, with `label`, for
+/// objects so labelled only. Returns the URL it carries.
+async fn hand_written(
+    client: &kube::Client,
+    from: &ValidatingWebhookConfiguration,
+    name: &str,
+    url: Option<String>,
+    label: Option<&str>,
+) -> String {
+    let mut config = from.clone();
+    config.metadata = ObjectMeta {
+        name: Some(name.into()),
+        ..Default::default()
+    };
+    let hooks = config.webhooks.as_mut().unwrap();
+    hooks.retain(|h| h.name == "owners.fleet.example.com");
+    if let Some(url) = url {
+        hooks[0].client_config.url = Some(url);
+    }
+    if let Some(label) = label {
+        hooks[0].object_selector = Some(selector(label));
+    }
+    let carried = hooks[0].client_config.url.clone().unwrap();
+    configs(client)
+        .create(&PostParams::default(), &config)
+        .await
+        .unwrap();
+    carried
+}
+
 /// Lets `user` manage webhook configurations (`ClusterRole` `webhook-installer`).
 async fn allow_webhook_configurations(admin: &kube::Client, user: &str) {
     use k8s_openapi::api::rbac::v1::{
@@ -521,22 +552,18 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
         .webhook_url(&name("b"), "owners.fleet.example.com")
         .unwrap();
     let forged = b_url.replace("/admission/b/", "/admission/a/");
-    let mut forged_config = configs(&admins[2])
+    let b_config = configs(&admins[2])
         .get("multicluster-runtime")
         .await
         .unwrap();
-    forged_config.metadata = ObjectMeta {
-        name: Some("forged".into()),
-        ..Default::default()
-    };
-    let hooks = forged_config.webhooks.as_mut().unwrap();
-    hooks.retain(|h| h.name == "owners.fleet.example.com");
-    hooks[0].client_config.url = Some(forged.clone());
-    hooks[0].object_selector = Some(selector("forged"));
-    configs(&admins[2])
-        .create(&PostParams::default(), &forged_config)
-        .await
-        .unwrap();
+    hand_written(
+        &admins[2],
+        &b_config,
+        "forged",
+        Some(forged),
+        Some("forged"),
+    )
+    .await;
     let refused_before = sample(
         &scrape(&registry),
         "multicluster_runtime_webhook_refused_total",
@@ -570,7 +597,7 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
     let c_url = manager
         .webhook_url(&name("c"), "owners.fleet.example.com")
         .unwrap();
-    let mut stale = configs(&admins[3])
+    let stale = configs(&admins[3])
         .get("multicluster-runtime")
         .await
         .unwrap();
@@ -587,17 +614,8 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
         )
     })
     .await;
-    stale.metadata = ObjectMeta {
-        name: Some("stale".into()),
-        ..Default::default()
-    };
-    let hooks = stale.webhooks.as_mut().unwrap();
-    hooks.retain(|h| h.name == "owners.fleet.example.com");
-    assert_eq!(hooks[0].client_config.url.as_deref(), Some(c_url.as_str()));
-    configs(&admins[3])
-        .create(&PostParams::default(), &stale)
-        .await
-        .unwrap();
+    let carried = hand_written(&admins[3], &stale, "stale", None, None).await;
+    assert_eq!(carried, c_url);
     let (code, _, message) = create(&admins[3], &cm("after-leaving", &[MANAGED], Some("x")))
         .await
         .unwrap_err();
@@ -719,23 +737,8 @@ async fn host_only_webhooks_turn_over_their_ca_without_a_failed_admission() {
         .unwrap();
     assert!(url.contains("/admission/host/"), "{url}");
     // The fleet cluster's own route, written by hand, is refused: not served in this mode.
-    let mut member = first.clone();
-    member.metadata = ObjectMeta {
-        name: Some("member".into()),
-        ..Default::default()
-    };
-    let hooks = member.webhooks.as_mut().unwrap();
-    hooks.retain(|h| h.name == "owners.fleet.example.com");
-    hooks[0].client_config.url = Some(
-        manager
-            .webhook_url(&name("only"), "owners.fleet.example.com")
-            .unwrap(),
-    );
-    hooks[0].object_selector = Some(selector("member"));
-    configs(&admin)
-        .create(&PostParams::default(), &member)
-        .await
-        .unwrap();
+    let only = manager.webhook_url(&name("only"), "owners.fleet.example.com");
+    hand_written(&admin, &first, "member", only, Some("member")).await;
     let (code, _, message) = create(&admin, &cm("from-member", &["member"], Some("x")))
         .await
         .unwrap_err();
@@ -902,23 +905,9 @@ async fn sharded_replicas_install_what_they_own_and_serve_every_cluster() {
         .map(|(m, _, seen)| (m, seen))
         .unwrap();
     let admin = &members[0].1;
-    let mut via_other = configs(admin).get("multicluster-runtime").await.unwrap();
-    via_other.metadata = ObjectMeta {
-        name: Some("via-other".into()),
-        ..Default::default()
-    };
-    let hooks = via_other.webhooks.as_mut().unwrap();
-    hooks.retain(|h| h.name == "owners.fleet.example.com");
-    hooks[0].client_config.url = Some(
-        other
-            .webhook_url(&name("x"), "owners.fleet.example.com")
-            .unwrap(),
-    );
-    hooks[0].object_selector = Some(selector("via-other"));
-    configs(admin)
-        .create(&PostParams::default(), &via_other)
-        .await
-        .unwrap();
+    let x_config = configs(admin).get("multicluster-runtime").await.unwrap();
+    let url = other.webhook_url(&name("x"), "owners.fleet.example.com");
+    hand_written(admin, &x_config, "via-other", url, Some("via-other")).await;
     let (code, _, message) = create(admin, &cm("served-elsewhere", &["via-other"], Some("")))
         .await
         .unwrap_err();
