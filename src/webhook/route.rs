@@ -87,22 +87,11 @@ pub(crate) fn encode_cluster(id: &str) -> String {
     if is_plain(id) {
         return id.to_string();
     }
-    let mut out = String::with_capacity(1 + id.len().div_ceil(3) * 4);
-    out.push(ENCODED);
-    for chunk in id.as_bytes().chunks(3) {
-        let bits = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
-        for i in 0..=chunk.len() {
-            let index = (bits >> (18 - 6 * i)) & 0x3f;
-            out.push(char::from(ALPHABET[index as usize]));
-        }
-    }
+    use base64::Engine as _;
+    let mut out = String::from(ENCODED);
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode_string(id, &mut out);
     out
 }
-
-const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
 /// Whether `id` can stand in a path as it is.
 fn is_plain(id: &str) -> bool {
@@ -124,23 +113,10 @@ fn decode_cluster(segment: &str) -> Result<String, NotARoute> {
             Err(NotARoute::Encoding)
         };
     };
-    let mut out = Vec::with_capacity(encoded.len() * 3 / 4);
-    for chunk in encoded.as_bytes().chunks(4) {
-        if chunk.len() == 1 {
-            return Err(NotARoute::Encoding);
-        }
-        let mut bits = 0u32;
-        for (i, c) in chunk.iter().enumerate() {
-            let value = ALPHABET
-                .iter()
-                .position(|a| a == c)
-                .ok_or(NotARoute::Encoding)?;
-            bits |= (value as u32) << (18 - 6 * i);
-        }
-        for i in 0..chunk.len() - 1 {
-            out.push((bits >> (16 - 8 * i)) as u8);
-        }
-    }
+    use base64::Engine as _;
+    let out = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(encoded)
+        .map_err(|_| NotARoute::Encoding)?;
     let id = String::from_utf8(out).map_err(|_| NotARoute::Encoding)?;
     // One spelling per id: a plain name written encoded is not a route.
     if is_plain(&id) || encode_cluster(&id) != segment {
