@@ -245,6 +245,31 @@ async fn kubeconfig_files_reach_the_cluster_and_are_cluster_specific() {
     let version = client.apiserver_version().await.unwrap();
     assert_eq!(format!("{}.{}", version.major, version.minor), "1.36");
 
+    // The kubeconfigs of one environment merge (`KUBECONFIG=a:b`, as getting-started.md does):
+    // each context keeps its own cluster's credentials.
+    let merged = Kubeconfig::read_from(a.kubeconfig_path())
+        .unwrap()
+        .merge(Kubeconfig::read_from(b.kubeconfig_path()).unwrap())
+        .unwrap();
+    for cluster in [&a, &b] {
+        let options = KubeConfigOptions {
+            context: Some(cluster.name().to_string()),
+            ..Default::default()
+        };
+        let config = kube::Config::from_custom_kubeconfig(merged.clone(), &options)
+            .await
+            .unwrap();
+        assert_eq!(
+            config.cluster_url.to_string(),
+            format!("{}/", cluster.server())
+        );
+        let client = kube::Client::try_from(config).unwrap();
+        let api: Api<ConfigMap> = Api::namespaced(client, "default");
+        api.list(&ListParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("{} through the merged kubeconfig: {e}", cluster.name()));
+    }
+
     // Cluster a's credentials and CA are worthless against cluster b.
     let mut wrong = a.config();
     wrong.cluster_url = b.server().parse().unwrap();
@@ -359,9 +384,33 @@ async fn missing_binaries_are_reported_with_the_way_to_get_them() {
     let err = Assets::in_dir(empty.path()).unwrap_err();
     let msg = err.to_string();
     assert!(
-        msg.contains("scripts/testenv-assets.sh") && msg.contains("MCR_TESTENV_ASSETS"),
+        msg.contains("Assets::locate_or_build()")
+            && msg.contains("scripts/testenv-assets.sh")
+            && msg.contains("MCR_TESTENV_ASSETS"),
         "{msg}"
     );
+}
+
+/// `Assets::build`, the crate's own way to the binaries (for users without the repository's
+/// scripts), runs the build script the crate carries. The suite's binaries are in the default
+/// cache already (scripts/test.sh builds them there), so this finds them through the script's
+/// own check: the script text, its environment and the directory it prints are what is tested.
+/// (The Go build itself is the same script, which CI runs cold through scripts/testenv-assets.sh.)
+#[tokio::test]
+async fn the_crate_builds_or_finds_its_binaries_through_its_own_script() {
+    let built = Assets::build().await.unwrap();
+    assert_eq!(Some(built.dir().to_path_buf()), Assets::default_dir());
+    assert!(built.kube_apiserver().is_file() && built.etcd().is_file());
+    let env = TestEnv::builder().assets(built).start().await.unwrap();
+    let version = env
+        .cluster(0)
+        .unwrap()
+        .client()
+        .unwrap()
+        .apiserver_version()
+        .await
+        .unwrap();
+    assert_eq!(format!("{}.{}", version.major, version.minor), "1.36");
 }
 
 // --- no orphans ---------------------------------------------------------------------------

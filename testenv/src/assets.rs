@@ -17,6 +17,10 @@ pub const KUBEBUILDER_ASSETS_ENV: &str = "KUBEBUILDER_ASSETS";
 /// Variable overriding the root of the default cache (`<root>/<kubernetes version>`).
 pub const CACHE_ENV: &str = "MCR_TESTENV_CACHE";
 
+/// The build of the test control plane: the crate's `build-assets.sh`, run by
+/// [`Assets::build`] (and by the repository's `scripts/testenv-assets.sh`).
+const BUILD_SCRIPT: &str = include_str!("../build-assets.sh");
+
 const ETCD: &str = "etcd";
 const KUBE_APISERVER: &str = "kube-apiserver";
 
@@ -77,6 +81,47 @@ impl Assets {
         })
     }
 
+    /// [`Assets::locate`], building the binaries into the default cache when they are not
+    /// there yet (with [`Assets::build`]).
+    ///
+    /// Only the default cache is filled: when `$MCR_TESTENV_ASSETS` or `$KUBEBUILDER_ASSETS`
+    /// names a directory without the binaries, that is an error, as with `locate`. The first
+    /// call builds for about five minutes on two cores and needs `go` (1.26 or newer, or an
+    /// older one that can fetch it through the Go module proxy), `bash` and `flock`; later
+    /// calls find the cache at once. Concurrent calls, also from other processes, wait for
+    /// one build.
+    pub async fn locate_or_build() -> Result<Self, Error> {
+        let env = |name: &str| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        if [ASSETS_ENV, KUBEBUILDER_ASSETS_ENV]
+            .iter()
+            .any(|var| env(var).is_some())
+        {
+            return Self::locate();
+        }
+        match Self::locate() {
+            Ok(assets) => Ok(assets),
+            Err(Error::AssetsNotFound { .. }) => Self::build().await,
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Builds `kube-apiserver` [`KUBERNETES_VERSION`] and its `etcd` from their Go modules into
+    /// the default cache ([`Assets::default_dir`]), or finds them there already built and
+    /// checked. The build's progress goes to standard error.
+    ///
+    /// Runs the crate's own build script with `bash`; needs `go` and `flock` on `PATH`.
+    pub async fn build() -> Result<Self, Error> {
+        let script = tokio::task::spawn_blocking(run_build_script);
+        let dir = script.await.map_err(|e| Error::AssetsBuild {
+            detail: format!("the build task ended: {e}"),
+        })??;
+        Self::in_dir(&dir)
+    }
+
     /// Uses the binaries in `dir`, checking that both are there.
     pub fn in_dir(dir: impl AsRef<Path>) -> Result<Self, Error> {
         let dir = dir.as_ref();
@@ -109,6 +154,39 @@ impl Assets {
     /// Path of the `kube-apiserver` binary.
     pub fn kube_apiserver(&self) -> PathBuf {
         self.dir.join(KUBE_APISERVER)
+    }
+}
+
+/// Runs [`BUILD_SCRIPT`] and returns the directory it printed last.
+fn run_build_script() -> Result<PathBuf, Error> {
+    use std::process::{Command, Stdio};
+    let output = Command::new("bash")
+        .arg("-c")
+        .arg(BUILD_SCRIPT)
+        .arg("build-assets.sh")
+        // The cache directory is named after the version this crate looks for.
+        .env("MCR_K8S_VERSION", KUBERNETES_VERSION)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| Error::AssetsBuild {
+            detail: format!("could not run bash: {e}"),
+        })?;
+    if !output.status.success() {
+        return Err(Error::AssetsBuild {
+            detail: format!(
+                "the build script exited with {} (its log is above, on standard error)",
+                output.status
+            ),
+        });
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    match stdout.lines().rev().find(|line| !line.trim().is_empty()) {
+        Some(dir) => Ok(PathBuf::from(dir.trim())),
+        None => Err(Error::AssetsBuild {
+            detail: "the build script printed no directory".to_string(),
+        }),
     }
 }
 
@@ -185,6 +263,7 @@ mod tests {
         assert!(msg.contains("MCR_TESTENV_ASSETS"), "{msg}");
         assert!(msg.contains("KUBEBUILDER_ASSETS"), "{msg}");
         assert!(msg.contains("scripts/testenv-assets.sh"), "{msg}");
+        assert!(msg.contains("Assets::locate_or_build()"), "{msg}");
         assert!(msg.contains("etcd"), "{msg}");
 
         let err = Assets::locate_with(env_of(&[("HOME", empty.path())])).unwrap_err();

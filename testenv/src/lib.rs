@@ -26,7 +26,9 @@
 //!
 //! `etcd` and `kube-apiserver` are found as [`Assets::locate`] describes: `$MCR_TESTENV_ASSETS`,
 //! else `$KUBEBUILDER_ASSETS` (binaries installed by controller-runtime's `setup-envtest` work),
-//! else the cache that `scripts/testenv-assets.sh` fills by building them from their Go modules.
+//! else the cache that [`Assets::locate_or_build`] (or the repository's
+//! `scripts/testenv-assets.sh`) fills by building them from their Go modules with the
+//! machine's Go toolchain: about five minutes on two cores the first time, reused after.
 //!
 //! # Clean-up
 //!
@@ -79,11 +81,18 @@ pub enum Error {
     /// The `etcd` / `kube-apiserver` binaries were not found.
     #[error(
         "test control plane binaries not found: {detail}. Build them with \
-         `scripts/testenv-assets.sh` (it prints the directory), or point {ASSETS_ENV} \
-         (or {KUBEBUILDER_ASSETS_ENV}) at a directory holding `etcd` and `kube-apiserver`"
+         `Assets::locate_or_build()` (or the repository's `scripts/testenv-assets.sh`, which \
+         prints the directory), or point {ASSETS_ENV} (or {KUBEBUILDER_ASSETS_ENV}) at a \
+         directory holding `etcd` and `kube-apiserver`"
     )]
     AssetsNotFound {
         /// Where they were looked for and what was missing.
+        detail: String,
+    },
+    /// Building the binaries ([`Assets::build`]) failed; its log went to standard error.
+    #[error("building the test control plane binaries failed: {detail}")]
+    AssetsBuild {
+        /// What failed: a missing tool, or the build's exit status.
         detail: String,
     },
     /// A file-system or process operation failed.
@@ -1302,10 +1311,13 @@ fn kubeconfig_yaml(
 ) -> String {
     // JSON strings are valid YAML scalars, which quotes arbitrary names safely.
     let q = |s: &str| serde_json::Value::from(s).to_string();
+    // The user entry is named per cluster too, so that the kubeconfigs of one environment
+    // merge (`KUBECONFIG=a:b`) without one cluster's admin credentials standing for another's.
+    let user_entry = format!("{user}@{cluster}");
     let context = if user == "admin" {
         cluster.to_string()
     } else {
-        format!("{user}@{cluster}")
+        user_entry.clone()
     };
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: {c}\n  cluster:\n    server: {server}\n    \
@@ -1315,7 +1327,7 @@ fn kubeconfig_yaml(
         c = q(cluster),
         server = q(server),
         ca = b64(ca_pem),
-        u = q(user),
+        u = q(&user_entry),
         cert = b64(&creds.cert_pem),
         key = b64(&creds.key_pem),
         ctx = q(&context),
@@ -1369,7 +1381,7 @@ mod tests {
             &creds,
         );
         let kc = Kubeconfig::from_yaml(&yaml).unwrap();
-        assert_eq!(kc.auth_infos[0].name, "we: \"odd\" user");
+        assert_eq!(kc.auth_infos[0].name, "we: \"odd\" user@c");
         assert_eq!(kc.current_context.as_deref(), Some("we: \"odd\" user@c"));
         assert_eq!(
             kc.clusters[0].cluster.as_ref().unwrap().server.as_deref(),
