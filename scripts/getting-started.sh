@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs docs/getting-started.md as a newcomer would: a new project beside this checkout made
-# with the page's commands, the page's dependencies in its Cargo.toml (the path to the
-# checkout as written there) and the page's program as its src/main.rs, then both runs:
+# Runs docs/getting-started.md as a newcomer would: a new project beside the crates made
+# with the page's commands, the page's dependencies in its Cargo.toml (the paths as written
+# there) and the page's program as its src/main.rs, then both runs:
 #
 #   1. `cargo run`: two local control planes, a greeting reconciled in each, a clean stop;
 #   2. `cargo run -- --context ... --context ...`: the clusters of kubeconfig contexts, here
@@ -52,8 +52,13 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-# The page's layout: the checkout, and the new project beside it.
-ln -s "$repo" "$work/multicluster-runtime"
+# The page's layout: the crates in multicluster-runtime/ (testenv in its testenv/), the new
+# project beside it. They are the packages `cargo publish` would upload (scripts/package.sh
+# checks their contents), so this also proves the packages build on their own.
+bash "$repo/scripts/package.sh" --allow-dirty
+mkdir -p "$work/multicluster-runtime/testenv"
+tar -xzf "$repo/target/package/multicluster-runtime-0.1.0.crate" -C "$work/multicluster-runtime" --strip-components=1
+tar -xzf "$repo/target/package/multicluster-runtime-testenv-0.1.0.crate" -C "$work/multicluster-runtime/testenv" --strip-components=1
 cd "$work"
 
 echo "-- the page's commands: cargo new fleet-demo; cd fleet-demo"

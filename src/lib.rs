@@ -132,6 +132,8 @@ mod book {
     struct Providers;
     #[doc = include_str!("../docs/operations.md")]
     struct Operations;
+    #[doc = include_str!("../docs/troubleshooting.md")]
+    struct Troubleshooting;
     #[doc = include_str!("../docs/sharding.md")]
     struct Sharding;
     #[doc = include_str!("../docs/webhooks.md")]

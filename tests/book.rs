@@ -166,3 +166,88 @@ fn anchors_follow_mdbook() {
         ["x.md#y"]
     );
 }
+
+/// Every string literal of the crate's sources (`src/`), with line continuations joined and
+/// escaped quotes unescaped: the texts its messages are made of.
+fn source_literals() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    let mut sources = Vec::new();
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut sources);
+    let literal = regex::Regex::new(r#""((?:[^"\\]|\\.)*)""#).unwrap();
+    let continuation = regex::Regex::new(r"\\\n\s*").unwrap();
+    let mut literals = Vec::new();
+    for source in &sources {
+        for found in literal.captures_iter(source) {
+            let text = continuation.replace_all(&found[1], "");
+            literals.push(text.replace("\\\"", "\"").replace("\\\\", "\\"));
+        }
+    }
+    literals
+}
+
+/// The book quotes the crate's messages in ```` ```text,quote ```` blocks, one per line, with
+/// `{name}` for the parts that vary (docs/troubleshooting.md). Each literal part of each line
+/// is in one of the crate's string literals, so a reworded message cannot leave its quote
+/// behind; and each line has words of its own, so no line passes on punctuation alone.
+#[test]
+fn the_books_quoted_messages_are_the_crates_own() {
+    let literals = source_literals();
+    let placeholder = regex::Regex::new(r"\{[^{}]*\}").unwrap();
+    let mut files = BTreeSet::new();
+    markdown_files(&docs(), &docs(), &mut files);
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(docs().join(file)).unwrap();
+        let mut in_quote = false;
+        for line in text.lines() {
+            if line.trim() == "```text,quote" {
+                in_quote = true;
+                continue;
+            }
+            if in_quote && line.trim() == "```" {
+                in_quote = false;
+                continue;
+            }
+            if !in_quote {
+                continue;
+            }
+            let fragments: Vec<&str> = placeholder
+                .split(line)
+                .filter(|f| !f.is_empty())
+                .collect();
+            let letters = fragments
+                .iter()
+                .flat_map(|f| f.chars())
+                .filter(char::is_ascii_alphabetic)
+                .count();
+            assert!(
+                letters >= 2,
+                "{}: the quote {line:?} has no words of its own to check",
+                file.display()
+            );
+            for fragment in fragments {
+                if !literals.iter().any(|literal| literal.contains(fragment)) {
+                    missing.push(format!("{}: {fragment:?} of {line:?}", file.display()));
+                }
+            }
+            checked += 1;
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "quoted text found in no string literal of src/:\n{}",
+        missing.join("\n")
+    );
+    // The troubleshooting chapter alone quotes more than this.
+    assert!(checked >= 50, "only {checked} quoted lines found");
+}
