@@ -181,7 +181,10 @@ fn source_literals() -> Vec<String> {
         }
     }
     let mut sources = Vec::new();
-    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut sources);
+    walk(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut sources,
+    );
     let literal = regex::Regex::new(r#""((?:[^"\\]|\\.)*)""#).unwrap();
     let continuation = regex::Regex::new(r"\\\n\s*").unwrap();
     let mut literals = Vec::new();
@@ -221,10 +224,7 @@ fn the_books_quoted_messages_are_the_crates_own() {
             if !in_quote {
                 continue;
             }
-            let fragments: Vec<&str> = placeholder
-                .split(line)
-                .filter(|f| !f.is_empty())
-                .collect();
+            let fragments: Vec<&str> = placeholder.split(line).filter(|f| !f.is_empty()).collect();
             let letters = fragments
                 .iter()
                 .flat_map(|f| f.chars())
@@ -250,4 +250,37 @@ fn the_books_quoted_messages_are_the_crates_own() {
     );
     // The troubleshooting chapter alone quotes more than this.
     assert!(checked >= 50, "only {checked} quoted lines found");
+}
+
+/// mdBook's `{{#include FILE:ANCHOR}}` (docs/providers.md takes its provider from an example
+/// that CI runs): the file exists and has the anchor's start and end.
+#[test]
+fn included_files_and_anchors_exist() {
+    let mut files = BTreeSet::new();
+    markdown_files(&docs(), &docs(), &mut files);
+    let include = regex::Regex::new(r"\{\{#include ([^}:]+)(?::([A-Za-z0-9_-]+))?\}\}").unwrap();
+    let mut seen = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(docs().join(file)).unwrap();
+        let dir = docs().join(file).parent().unwrap().to_path_buf();
+        for found in include.captures_iter(&text) {
+            let target = dir.join(&found[1]);
+            let content = std::fs::read_to_string(&target).unwrap_or_else(|e| {
+                panic!("{}: cannot read {}: {e}", file.display(), &found[1])
+            });
+            if let Some(anchor) = found.get(2) {
+                let anchor = anchor.as_str();
+                for mark in [format!("ANCHOR: {anchor}"), format!("ANCHOR_END: {anchor}")] {
+                    assert!(
+                        content.contains(&mark),
+                        "{}: {} has no {mark}",
+                        file.display(),
+                        &found[1]
+                    );
+                }
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen >= 1, "no include found: the check checks nothing");
 }
