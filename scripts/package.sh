@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packages both crates as `cargo publish` would (`cargo package --workspace`, without the
+# Packages the workspace's crates as `cargo publish` would (`cargo package --workspace`, without the
 # verification build: scripts/getting-started.sh builds a project against these packages)
 # and checks what each holds: the library, its README, LICENSE (and the CHANGELOG for the main
 # crate); no tests, benchmarks, examples, scripts, manifests, CI, fuzz targets or build
@@ -50,4 +50,5 @@ check() {
 }
 check multicluster-runtime Cargo.toml README.md LICENSE CHANGELOG.md src/lib.rs docs/getting-started.md
 check multicluster-runtime-testenv Cargo.toml README.md LICENSE src/lib.rs build-assets.sh
+check multicluster-runtime-cli Cargo.toml README.md LICENSE src/main.rs
 exit $status

@@ -265,9 +265,8 @@ fn included_files_and_anchors_exist() {
         let dir = docs().join(file).parent().unwrap().to_path_buf();
         for found in include.captures_iter(&text) {
             let target = dir.join(&found[1]);
-            let content = std::fs::read_to_string(&target).unwrap_or_else(|e| {
-                panic!("{}: cannot read {}: {e}", file.display(), &found[1])
-            });
+            let content = std::fs::read_to_string(&target)
+                .unwrap_or_else(|e| panic!("{}: cannot read {}: {e}", file.display(), &found[1]));
             if let Some(anchor) = found.get(2) {
                 let anchor = anchor.as_str();
                 for mark in [format!("ANCHOR: {anchor}"), format!("ANCHOR_END: {anchor}")] {

@@ -640,12 +640,25 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 
 /// The example binary, built (or found fresh) in this test's target directory.
 pub fn operator_binary() -> std::path::PathBuf {
+    built(&["--all-features", "--example", "operator"])
+        .join("examples")
+        .join("operator")
+}
+
+/// `mcr` (cli/), built (or found fresh) in this test's target directory.
+pub fn mcr_binary() -> std::path::PathBuf {
+    built(&["-p", "multicluster-runtime-cli", "--bin", "mcr"]).join("mcr")
+}
+
+/// Runs `cargo build ARGS` into this test's target directory; the profile's directory.
+fn built(args: &[&str]) -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
     let target_dir = profile_dir.parent().unwrap();
     let mut build = std::process::Command::new(env!("CARGO"));
     build
-        .args(["build", "--all-features", "--example", "operator"])
+        .arg("build")
+        .args(args)
         .arg("--target-dir")
         .arg(target_dir);
     if profile_dir.ends_with("release") {
@@ -655,8 +668,8 @@ pub fn operator_binary() -> std::path::PathBuf {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .unwrap();
-    assert!(status.success(), "building examples/operator.rs");
-    profile_dir.join("examples").join("operator")
+    assert!(status.success(), "cargo build {args:?}");
+    profile_dir
 }
 
 pub fn free_port() -> u16 {
