@@ -47,12 +47,19 @@ struct Directory {
 }
 
 /// What the provider knows of one file.
+#[derive(Default)]
 struct Known {
+    /// The bytes of the last poll: a file is used once it is the same two polls in a row (a
+    /// writer may be half-way through it).
+    seen: Vec<u8>,
     /// The bytes it last tried: an unchanged file is not built again, and not reported again.
-    content: Vec<u8>,
+    tried: Option<Vec<u8>>,
     /// For bytes that gave no cluster, when to try them again (a credential plugin may work
     /// later); `None` once they gave an engaged cluster.
     retry_at: Option<Instant>,
+    /// A build that did not finish in time and still holds its thread: no other starts
+    /// for this file until it ends.
+    stuck: Option<tokio::task::JoinHandle<Result<Cluster<ClusterName>, &'static str>>>,
 }
 
 impl Directory {
@@ -81,32 +88,50 @@ impl Provider for Directory {
             let dir = self.dir.clone();
             match tokio::task::spawn_blocking(move || read_kubeconfigs(&dir)).await {
                 Ok(Ok(files)) => {
-                    for (name, content) in &files {
-                        let unchanged = known.get(name).filter(|k| &k.content == content);
-                        if unchanged
-                            .is_some_and(|k| k.retry_at.is_none_or(|at| Instant::now() < at))
+                    for (name, file) in &files {
+                        let known = known.entry(name.clone()).or_default();
+                        let content = match file {
+                            Ok(content) => content,
+                            Err(error) => {
+                                // Unreadable: its cluster stays as it was.
+                                tracing::warn!(cluster = %name, %error, "kubeconfig unreadable");
+                                continue;
+                            }
+                        };
+                        let settled = known.seen == *content;
+                        known.seen.clone_from(content);
+                        let tried = known.tried.as_ref() == Some(content);
+                        let due = known.retry_at.is_some_and(|at| Instant::now() >= at);
+                        if !settled || (tried && !due) {
+                            continue;
+                        }
+                        if known
+                            .stuck
+                            .as_ref()
+                            .is_some_and(|build| !build.is_finished())
                         {
                             continue;
                         }
-                        let retry_at = match self.build(name, content).await {
+                        known.tried = Some(content.clone());
+                        known.retry_at = match self.build(name, content, &mut known.stuck).await {
                             Ok(cluster) => match fleet.engage(cluster) {
                                 Ok(_) => None,
                                 Err(error) => {
-                                    tracing::warn!(cluster = %name, %error, "not engaged");
+                                    if !tried {
+                                        tracing::warn!(cluster = %name, %error, "not engaged");
+                                    }
                                     Some(Instant::now() + self.every)
                                 }
                             },
                             Err(problem) => {
                                 // Its cluster, if it has one, stays as it was. Reported once
                                 // per content.
-                                if unchanged.is_none() {
+                                if !tried {
                                     tracing::warn!(cluster = %name, problem, "kubeconfig unusable");
                                 }
                                 Some(Instant::now() + self.retry)
                             }
                         };
-                        let content = content.clone();
-                        known.insert(name.clone(), Known { content, retry_at });
                     }
                     // Only a file that is gone takes its cluster away.
                     known.retain(|name, _| files.contains_key(name));
@@ -131,52 +156,99 @@ impl Provider for Directory {
 }
 
 impl Directory {
-    /// The cluster a kubeconfig describes. The error is in words of its own: the parsers'
-    /// messages can quote the file, and a kubeconfig holds credentials.
+    /// The cluster a kubeconfig describes, built on a blocking thread (reading the files it
+    /// names, running its exec credential plugin) and bounded in time; a build that does not
+    /// finish is left in `stuck`. The error is in words of its own: the parsers' messages can
+    /// quote the file, and a kubeconfig holds credentials.
     async fn build(
         &self,
         name: &ClusterName,
         content: &[u8],
+        stuck: &mut Option<tokio::task::JoinHandle<Result<Cluster<ClusterName>, &'static str>>>,
     ) -> Result<Cluster<ClusterName>, &'static str> {
-        let text = std::str::from_utf8(content).map_err(|_| "not UTF-8")?;
-        let kubeconfig =
-            Kubeconfig::from_yaml(text).map_err(|_| "not a kubeconfig (cut short?)")?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
+        let (id, content) = (name.clone(), content.to_vec());
+        let runtime = tokio::runtime::Handle::current();
+        let mut build = tokio::task::spawn_blocking(move || {
+            let text = std::str::from_utf8(&content).map_err(|_| "not UTF-8")?;
+            let kubeconfig =
+                Kubeconfig::from_yaml(text).map_err(|_| "not a kubeconfig (cut short?)")?;
+            // kube makes an anonymous client of a context whose user is missing: a file cut
+            // short before its user's credentials would replace a working cluster.
+            if !has_credentials(&kubeconfig) {
+                return Err("its context's user has no credentials (cut short?)");
+            }
+            let options = KubeConfigOptions::default();
+            let config = runtime
+                .block_on(kube::Config::from_custom_kubeconfig(kubeconfig, &options))
                 .map_err(|_| "no usable current context (cut short?)")?;
-        // The client is built here, and an exec credential plugin runs while it is: on a
-        // blocking thread, bounded in time (a plugin that hangs costs a thread, not a worker).
-        let id = name.clone();
-        let build = tokio::task::spawn_blocking(move || Cluster::from_config(id, config));
-        match tokio::time::timeout(self.build_timeout, build).await {
-            Ok(Ok(Ok(cluster))) => Ok(cluster),
             // The crate's client errors hold no plugin output; still, a fixed phrase is enough.
-            Ok(Ok(Err(_))) => Err("its credentials do not give a client"),
+            Cluster::from_config(id, config).map_err(|_| "its credentials do not give a client")
+        });
+        match tokio::time::timeout(self.build_timeout, &mut build).await {
+            Ok(Ok(built)) => built,
             Ok(Err(_)) => Err("building its client panicked"),
-            Err(_) => Err("building its client did not finish in time (a hung credential plugin?)"),
+            Err(_) => {
+                *stuck = Some(build);
+                Err("building its client did not finish in time (a hung credential plugin?)")
+            }
         }
     }
 }
 
-/// Every `*.yaml` file of `dir`: the cluster name and the content.
-fn read_kubeconfigs(dir: &Path) -> std::io::Result<BTreeMap<ClusterName, Vec<u8>>> {
+/// Whether the current context names a user that is defined and has a credential.
+fn has_credentials(kubeconfig: &Kubeconfig) -> bool {
+    let Some(context) = kubeconfig.current_context.as_deref().and_then(|current| {
+        kubeconfig
+            .contexts
+            .iter()
+            .find(|c| c.name == current)
+            .and_then(|c| c.context.as_ref())
+    }) else {
+        return false;
+    };
+    let Some(user) = context.user.as_deref() else {
+        return false;
+    };
+    kubeconfig
+        .auth_infos
+        .iter()
+        .find(|u| u.name == user)
+        .and_then(|u| u.auth_info.as_ref())
+        .is_some_and(|u| {
+            u.token.is_some()
+                || u.token_file.is_some()
+                || u.exec.is_some()
+                || u.auth_provider.is_some()
+                || u.username.is_some()
+                || (u.client_certificate_data.is_some() || u.client_certificate.is_some())
+                    && (u.client_key_data.is_some() || u.client_key.is_some())
+        })
+}
+
+/// Every `*.yaml` file of `dir`: the cluster name and the content, or why it could not be
+/// read (that file only: the others go on).
+type Files = BTreeMap<ClusterName, Result<Vec<u8>, String>>;
+
+fn read_kubeconfigs(dir: &Path) -> std::io::Result<Files> {
     let mut files = BTreeMap::new();
     for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
+        let Ok(entry) = entry else { continue };
+        let path = entry.path();
         let (Some(stem), Some("yaml")) = (
             path.file_stem().and_then(|s| s.to_str()),
             path.extension().and_then(|e| e.to_str()),
         ) else {
             continue;
         };
-        // A file removed between the listing and the read is simply not there.
         match std::fs::read(&path) {
             Ok(content) => {
-                files.insert(ClusterName::from(stem), content);
+                files.insert(ClusterName::from(stem), Ok(content));
             }
+            // Removed between the listing and the read: simply not there.
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            Err(error) => return Err(error),
+            Err(error) => {
+                files.insert(ClusterName::from(stem), Err(error.kind().to_string()));
+            }
         }
     }
     Ok(files)
@@ -207,6 +279,16 @@ fn error_policy<C: ClusterId>(
 }
 
 type Check = Result<(), Box<dyn std::error::Error>>;
+
+/// A kubeconfig as kubectl orders one (users last), cut short inside its user: every context
+/// is there, the credentials are not.
+fn cut_inside_users(full: &str) -> Result<String, Box<dyn std::error::Error>> {
+    let users = full.find("\nusers:").ok_or("no users")? + 1;
+    let contexts = full.find("\ncontexts:").ok_or("no contexts")? + 1;
+    let (head, user_block, tail) = (&full[..users], &full[users..contexts], &full[contexts..]);
+    let cut = user_block.find("  user:\n").ok_or("no user")? + "  user:\n".len();
+    Ok(format!("{head}{tail}{}", &user_block[..cut]))
+}
 
 /// Waits until `done` holds, polling; fails after 60 s.
 async fn wait_for(what: &str, mut done: impl FnMut() -> bool) -> Check {
@@ -318,6 +400,12 @@ async fn main() -> Check {
     create_and_see(c1.client()?, "west", "two", &mut seen).await?;
     println!("  west stays engaged and reconciled; junk is reported, not engaged");
 
+    println!("west's file written as kubectl orders one (users last), cut inside its user");
+    write("west", &cut_inside_users(&full)?)?;
+    wait_for("the provider to read it", polled()).await?;
+    create_and_see(c1.client()?, "west", "three", &mut seen).await?;
+    println!("  west keeps its credentials, not an anonymous client");
+
     println!("a credential plugin that hangs, beside the others");
     let mut hung = Kubeconfig::from_yaml(c0.kubeconfig())?;
     for named in &mut hung.auth_infos {
@@ -344,13 +432,13 @@ async fn main() -> Check {
     if ids().contains("hung") {
         return Err("a cluster whose plugin never answered was engaged".into());
     }
-    create_and_see(c0.client()?, "north", "three", &mut seen).await?;
+    create_and_see(c0.client()?, "north", "four", &mut seen).await?;
     println!("  north engaged after the hung build was given up; the rest unaffected");
 
     println!("west's file removed");
     std::fs::remove_file(dir.path().join("west.yaml"))?;
     wait_for("west to be disengaged", || !ids().contains("west")).await?;
-    create_and_see(c0.client()?, "east", "four", &mut seen).await?;
+    create_and_see(c0.client()?, "east", "five", &mut seen).await?;
     println!("  west disengaged; east still reconciled");
 
     let engaged = ids();

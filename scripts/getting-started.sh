@@ -14,10 +14,11 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 page="$repo/docs/getting-started.md"
 
-if [ -z "${MCR_TESTENV_ASSETS:-}" ] && [ -z "${KUBEBUILDER_ASSETS:-}" ]; then
-  MCR_TESTENV_ASSETS=$(bash "$repo/scripts/testenv-assets.sh")
-  export MCR_TESTENV_ASSETS
-fi
+# The control plane in the default cache (or $MCR_TESTENV_CACHE), where the page's program
+# finds it with Assets::locate_or_build: the variables that would point it elsewhere are
+# unset for the page's runs, so the crate's own lookup is what runs.
+bash "$repo/scripts/testenv-assets.sh" >/dev/null
+assets_dir=$(bash "$repo/scripts/testenv-assets.sh" --print)
 
 # The n-th fenced block with the given info string under the given heading.
 block() {
@@ -44,11 +45,22 @@ PY
 
 work=$(mktemp -d)
 holder=""
+demo=""
+# Ends a background process: SIGINT (a graceful stop), then SIGKILL after 30 s.
+stop() {
+  local pid=$1
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+  kill -INT "$pid" 2>/dev/null || true
+  for _ in $(seq 1 150); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
 cleanup() {
-  if [ -n "$holder" ] && kill -0 "$holder" 2>/dev/null; then
-    kill -INT "$holder" 2>/dev/null || true
-    wait "$holder" 2>/dev/null || true
-  fi
+  stop "$demo"
+  stop "$holder"
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -75,7 +87,7 @@ export CARGO_TARGET_DIR="$repo/target"
 
 echo "-- step 1: cargo run"
 out="$work/step1.log"
-cargo run 2>&1 | tee "$out"
+env -u MCR_TESTENV_ASSETS -u KUBEBUILDER_ASSETS cargo run 2>&1 | tee "$out"
 for cluster in cluster-0 cluster-1; do
   grep -q "^reconciled cluster://$cluster/default/greeting (1 keys)$" "$out" || {
     echo "step 1: no reconcile of $cluster's greeting" >&2
@@ -86,7 +98,8 @@ grep -q "^every cluster's greeting was reconciled" "$out"
 
 echo "-- step 2: cargo run -- --context cluster-0 --context cluster-2 (control planes held by testenv_fleet)"
 held="$work/held.log"
-(cd "$repo" && exec cargo run --quiet --all-features --example testenv_fleet -- --hold) > "$held" 2>&1 &
+(cd "$repo" && cargo build --quiet --all-features --example testenv_fleet)
+(cd "$repo" && MCR_TESTENV_ASSETS="$assets_dir" exec cargo run --quiet --all-features --example testenv_fleet -- --hold) > "$held" 2>&1 &
 holder=$!
 for _ in $(seq 1 600); do
   grep -q '^holding the clusters' "$held" && break
@@ -95,6 +108,7 @@ for _ in $(seq 1 600); do
 done
 grep -q '^holding the clusters' "$held" || { cat "$held" >&2; exit 1; }
 KUBECONFIG=$(sed -n 's/^kubectl --kubeconfig \(.*\) get configmaps$/\1/p' "$held" | paste -sd:)
+[ -n "$KUBECONFIG" ] || { cat "$held" >&2; echo "testenv_fleet printed no kubeconfig" >&2; exit 1; }
 export KUBECONFIG
 echo "KUBECONFIG=$KUBECONFIG"
 out="$work/step2.log"
@@ -109,8 +123,18 @@ for _ in $(seq 1 600); do
   sleep 0.2
 done
 kill -INT "$demo" 2>/dev/null || true
+for _ in $(seq 1 150); do
+  kill -0 "$demo" 2>/dev/null || break
+  sleep 0.2
+done
+if kill -0 "$demo" 2>/dev/null; then
+  cat "$out"
+  echo "step 2: still running 30 s after SIGINT" >&2
+  exit 1
+fi
 status=0
 wait "$demo" || status=$?
+demo=""
 cat "$out"
 for cluster in cluster-0 cluster-2; do
   grep -q "^reconciled cluster://$cluster/default/hello " "$out" || {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Packages the workspace's crates as `cargo publish` would (`cargo package --workspace`, without the
-# verification build: scripts/getting-started.sh builds a project against these packages)
+# verification build: scripts/getting-started.sh builds a project against the library and
+# testenv packages; mcr's package is checked for its contents only)
 # and checks what each holds: the library, its README, LICENSE (and the CHANGELOG for the main
 # crate); no tests, benchmarks, examples, scripts, manifests, CI, fuzz targets or build
 # output. Leaves the packages in target/package/.
@@ -36,7 +37,7 @@ check() {
     grep -qx "$required" <<<"$list" || { echo "$crate: $required is missing from the package" >&2; status=1; }
   done
   local unwanted
-  unwanted=$(grep -E '^(tests|benches|examples|scripts|deploy|fuzz|target|\.ci|\.github)/|^BENCHMARKS\.md$|\.crate$' <<<"$list" || true)
+  unwanted=$(grep -E '^(tests|benches|examples|scripts|deploy|fuzz|target|testenv|cli|\.ci|\.github)/|^BENCHMARKS\.md$|^Containerfile$|\.crate$' <<<"$list" || true)
   if [ -n "$unwanted" ]; then
     echo "$crate: the package holds files that are not for users:" >&2
     echo "$unwanted" >&2

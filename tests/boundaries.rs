@@ -499,3 +499,58 @@ async fn readiness_waits_for_the_manager_and_its_host_not_for_a_member_still_lis
         run.await.unwrap();
     }
 }
+
+/// The host client of leader election is the user's own `kube::Client`, so its errors are
+/// kube's, plugin output and all. A leader whose exec plugin starts failing loses the lease
+/// at the renew deadline, and the reason it gives (the manager's error, the ERROR line) says
+/// what failed in fixed words.
+#[tokio::test]
+async fn a_leader_whose_credential_plugin_fails_reports_the_loss_without_the_plugins_output() {
+    use multicluster_runtime::{LeaderElection, LeaseTiming};
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let token = service_account_token(&tc, "lease-holder").await;
+    let dir = tempfile::tempdir().unwrap();
+    let host = kube::Client::try_from(refreshing_plugin(&tc, dir.path(), &token)).unwrap();
+    let timing = LeaseTiming::default()
+        .lease_duration(Duration::from_secs(4))
+        .renew_deadline(Duration::from_secs(2))
+        .retry_period(Duration::from_millis(500));
+    let manager = Arc::new(
+        Manager::new(multicluster_runtime::providers::Nop::<ClusterName>::new())
+            .leader_election(LeaderElection::new(host, "default", "plugin-leader").timing(timing)),
+    );
+    let run = tokio::spawn({
+        let manager = manager.clone();
+        async move { manager.run().await }
+    });
+    tokio::time::timeout(Duration::from_secs(60), manager.elected())
+        .await
+        .expect("elected");
+
+    std::fs::write(dir.path().join("fail"), "").unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the manager stops after losing the lease")
+        .unwrap();
+    let error = result.expect_err("leadership lost");
+    let text = format!("{error} / {error:?}");
+    assert!(
+        matches!(
+            error,
+            multicluster_runtime::ManagerError::LeadershipLost { .. }
+        ),
+        "{text}"
+    );
+    assert!(
+        dir.path().join("failed").exists(),
+        "the plugin failed: {text}"
+    );
+    assert!(!text.contains(MARKER), "{text}");
+    assert!(
+        text.contains("exec credential plugin exited with status 1"),
+        "what failed is said: {text}"
+    );
+    assert_eq!(logs.lines(&[MARKER]), Vec::<String>::new());
+}

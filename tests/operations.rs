@@ -2511,6 +2511,17 @@ fn mcr(binary: &std::path::Path, args: &[&str]) -> String {
     stdout
 }
 
+/// Runs `mcr ARGS`, which must fail; its standard error.
+fn mcr_refused(binary: &std::path::Path, args: &[&str]) -> String {
+    let output = std::process::Command::new(binary)
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "mcr {args:?} succeeded: {stderr}");
+    stderr
+}
+
 /// The kubeconfig and the token in the host Secret `mcr-system/<name>` that `mcr join` wrote.
 async fn joined_secret(
     host: &kube::Client,
@@ -2721,6 +2732,28 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
     );
     let bindings: Api<ClusterRoleBinding> = Api::all(a.clone());
     assert!(exists(&bindings, "mcr-join:a:view").await);
+    // Another member under a name in use is refused before anything is made in it.
+    let refused = mcr_refused(
+        &mcr_bin,
+        &[
+            "join",
+            b_tc.name(),
+            "--host-context",
+            host_tc.name(),
+            "--kubeconfig",
+            kubeconfig,
+            "--name",
+            "a",
+        ],
+    );
+    assert!(refused.contains("another member"), "{refused}");
+    assert!(
+        !exists(
+            &Api::<Secret>::namespaced(b.clone(), "mcr-system"),
+            "mcr-join-a"
+        )
+        .await
+    );
 
     // The example operator engages both through the Secrets and copies into them as that
     // identity (deploy/member.yaml's Role is all it has there).
@@ -2749,7 +2782,7 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
     // Joining again converges (the view binding not asked for again goes; the record of what
     // join made is unchanged) and rotates: a new token, the one before still valid, and on
     // the next join the first one revoked.
-    let records: Api<ConfigMap> = Api::namespaced(a.clone(), "mcr-system");
+    let records: Api<Secret> = Api::namespaced(a.clone(), "mcr-system");
     let record = records.get("mcr-join-a").await.unwrap().data;
     join(a_tc.name(), "a", &[]);
     assert!(!exists(&bindings, "mcr-join:a:view").await);
@@ -2800,7 +2833,7 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
     // made (the manifest's Role and RoleBinding, the ServiceAccount, the namespace, the token
     // anchors, the record).
     let (_, _, last_token) = joined_secret(&host, "a").await;
-    mcr(
+    let out = mcr(
         &mcr_bin,
         &[
             "unjoin",
@@ -2832,12 +2865,17 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
         "token anchors left: {}",
         anchors.items.len()
     );
-    // No namespace controller runs in testenv: the namespace is deleting, or gone.
+    // The namespace join made holds the operator's copy, which join did not make: it stays.
     let namespace = Api::<Namespace>::all(a.clone())
-        .get_opt("mcr-system")
+        .get("mcr-system")
         .await
         .unwrap();
-    assert!(namespace.is_none_or(|ns| ns.metadata.deletion_timestamp.is_some()));
+    assert!(namespace.metadata.deletion_timestamp.is_none());
+    assert!(configmap_in(&a, "mcr-system", "settings").await.is_some());
+    assert!(
+        out.contains("kept Namespace mcr-system: it holds ConfigMap settings"),
+        "{out}"
+    );
     eventually(30, "a's last token refused", async || {
         who_is(a_tc.server(), a_tc.ca_pem(), &last_token)
             .await
@@ -2852,6 +2890,36 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
             .any(|line| line.contains("cluster disengaged") && line.contains("\"cluster\":\"a\""))
     })
     .await;
+
+    // A record rewritten to name an object join did not make (a ConfigMap of someone
+    // else's): unjoin leaves it, as it does every object without its label and uid.
+    let b_cms: Api<ConfigMap> = Api::namespaced(b.clone(), "mcr-system");
+    let victim = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("victim".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    b_cms.create(&PostParams::default(), &victim).await.unwrap();
+    let b_records: Api<Secret> = Api::namespaced(b.clone(), "mcr-system");
+    let mut entries: Vec<serde_json::Value> = serde_json::from_slice(
+        &b_records.get("mcr-join-b").await.unwrap().data.unwrap()["created"].0,
+    )
+    .unwrap();
+    entries.push(serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap", "namespace": "mcr-system", "name": "victim"
+    }));
+    b_records
+        .patch(
+            "mcr-join-b",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "stringData": { "created": serde_json::to_string(&entries).unwrap() }
+            })),
+        )
+        .await
+        .unwrap();
 
     // Unjoin b: what join made goes, what was there before stays.
     mcr(
@@ -2869,19 +2937,14 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
     );
     assert!(!exists(&secrets, "b").await);
     assert!(exists(&b_accounts, "mcr-member").await);
+    assert!(exists(&b_cms, "victim").await);
     let b_namespace = Api::<Namespace>::all(b.clone())
         .get("mcr-system")
         .await
         .unwrap();
     assert!(b_namespace.metadata.deletion_timestamp.is_none());
     assert!(!member_manifest_rbac_left(&b).await);
-    assert!(
-        !exists(
-            &Api::<ConfigMap>::namespaced(b.clone(), "mcr-system"),
-            "mcr-join-b"
-        )
-        .await
-    );
+    assert!(!exists(&b_records, "mcr-join-b").await);
     eventually(30, "b's token refused", async || {
         who_is(b_tc.server(), b_tc.ca_pem(), &b_token)
             .await
@@ -2900,9 +2963,29 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
         "--output-file",
         file_arg,
     ];
-    let mut args = vec!["join", b_tc.name(), "--role", "mcr-system/mcr-member"];
+    let mut args = vec![
+        "join",
+        b_tc.name(),
+        "--manifest",
+        member_manifest,
+        "--role",
+        "mcr-system/mcr-member",
+    ];
     args.extend(common);
+    // A file that join did not write is not overwritten.
+    std::fs::write(&file, "someone else's").unwrap();
+    let refused = mcr_refused(&mcr_bin, &args);
+    assert!(refused.contains("left alone"), "{refused}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "someone else's");
+    std::fs::remove_file(&file).unwrap();
     mcr(&mcr_bin, &args);
+    assert!(
+        exists(
+            &Api::<RoleBinding>::namespaced(b.clone(), "mcr-system"),
+            "mcr-join:b-file:mcr-member"
+        )
+        .await
+    );
     use std::os::unix::fs::PermissionsExt as _;
     assert_eq!(
         std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
@@ -2913,6 +2996,11 @@ async fn mcr_join_gives_members_identities_that_last_rotates_them_and_unjoin_rem
         .await
         .unwrap();
     let client = kube::Client::try_from(config).unwrap();
+    // The identity can do what the Role it was bound to allows.
+    Api::<ConfigMap>::namespaced(client.clone(), "mcr-system")
+        .list(&Default::default())
+        .await
+        .unwrap();
     let review = Api::<k8s_openapi::api::authentication::v1::SelfSubjectReview>::all(client)
         .create(&PostParams::default(), &Default::default())
         .await

@@ -392,15 +392,23 @@ async fn missing_binaries_are_reported_with_the_way_to_get_them() {
 }
 
 /// `Assets::build`, the crate's own way to the binaries (for users without the repository's
-/// scripts), runs the build script the crate carries. The suite's binaries are in the default
-/// cache already (scripts/test.sh builds them there), so this finds them through the script's
-/// own check: the script text, its environment and the directory it prints are what is tested.
-/// (The Go build itself is the same script, which CI runs cold through scripts/testenv-assets.sh.)
+/// scripts), runs the build script the crate carries. Into a cache root of the test's own
+/// that already holds the suite's binaries (links to them), so the script's own check finds
+/// them and no Go build runs: the script text, its environment and the directory it prints
+/// are what is tested. (The Go build itself is the same script, which CI runs cold through
+/// scripts/testenv-assets.sh.)
 #[tokio::test]
 async fn the_crate_builds_or_finds_its_binaries_through_its_own_script() {
-    let built = Assets::build().await.unwrap();
-    assert_eq!(Some(built.dir().to_path_buf()), Assets::default_dir());
-    assert!(built.kube_apiserver().is_file() && built.etcd().is_file());
+    let located = Assets::locate().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let dir = root
+        .path()
+        .join(multicluster_runtime_testenv::KUBERNETES_VERSION);
+    std::fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::symlink(located.etcd(), dir.join("etcd")).unwrap();
+    std::os::unix::fs::symlink(located.kube_apiserver(), dir.join("kube-apiserver")).unwrap();
+    let built = Assets::build_into(root.path()).await.unwrap();
+    assert_eq!(built.dir(), dir);
     let env = TestEnv::builder().assets(built).start().await.unwrap();
     let version = env
         .cluster(0)

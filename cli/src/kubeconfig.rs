@@ -6,16 +6,24 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result, anyhow};
 use base64::Engine as _;
-use kube::config::{AuthInfo, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext};
+use kube::config::{
+    AuthInfo, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext, NamedExtension,
+};
+
+use crate::destination::Held;
+
+/// The context extension in which a written kubeconfig says what it holds.
+pub const NOTE: &str = "multicluster-runtime.sigs.k8s.io/joined";
 
 /// A kubeconfig for `token` at the cluster `member_context` names (its server replaced by
-/// `server` if given), with one context `name`.
+/// `server` if given), with one context `name`, which carries `note`.
 pub fn for_token(
     kubeconfig: &Kubeconfig,
     member_context: &str,
     server: Option<&str>,
     name: &str,
     token: &str,
+    note: Option<&Held>,
 ) -> Result<String> {
     let context = kubeconfig
         .contexts
@@ -65,6 +73,14 @@ pub fn for_token(
             context: Some(Context {
                 cluster: name.to_string(),
                 user: Some(name.to_string()),
+                extensions: note
+                    .map(|note| -> Result<_> {
+                        Ok(vec![NamedExtension {
+                            name: NOTE.to_string(),
+                            extension: serde_json::to_value(note)?,
+                        }])
+                    })
+                    .transpose()?,
                 ..Default::default()
             }),
             ..Default::default()
@@ -75,8 +91,26 @@ pub fn for_token(
     serde_saphyr::to_string(&written).map_err(|e| anyhow!("writing the kubeconfig: {e}"))
 }
 
+/// What a kubeconfig `join` wrote says it holds; `None` for any other content.
+pub fn note_of(content: &[u8]) -> Option<Held> {
+    let kubeconfig = Kubeconfig::from_yaml(std::str::from_utf8(content).ok()?).ok()?;
+    let [context] = kubeconfig.contexts.as_slice() else {
+        return None;
+    };
+    let extension = context
+        .context
+        .as_ref()?
+        .extensions
+        .as_ref()?
+        .iter()
+        .find(|e| e.name == NOTE)?;
+    serde_json::from_value(extension.extension.clone()).ok()
+}
+
 /// Writes `content` to `path`, readable by its owner only, replacing any file there at once
-/// (a reader sees the old file or the new one, never half of one).
+/// (a reader sees the old file or the new one, never half of one). The temporary file is new
+/// (`O_EXCL`: never an existing file or a symlink someone planted), hidden (the File provider
+/// skips hidden files) and removed if anything fails.
 pub fn write_file(path: &Path, content: &str) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let dir = path
@@ -86,18 +120,32 @@ pub fn write_file(path: &Path, content: &str) -> Result<()> {
     let file_name = path
         .file_name()
         .ok_or_else(|| anyhow!("{} is not a file path", path.display()))?;
-    let partial = dir.join(format!(".{}.partial", file_name.to_string_lossy()));
-    let mut file = std::fs::OpenOptions::new()
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let partial = dir.join(format!(
+        ".{}.{}-{nonce}.partial",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .open(&partial)
-        .with_context(|| format!("writing {}", partial.display()))?;
-    file.write_all(content.as_bytes())
-        .and_then(|()| file.sync_all())
-        .with_context(|| format!("writing {}", partial.display()))?;
-    std::fs::rename(&partial, path)
-        .with_context(|| format!("moving the kubeconfig to {}", path.display()))?;
+        .and_then(|mut file| {
+            file.write_all(content.as_bytes())?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&partial, path));
+    if let Err(error) = written {
+        let _ = std::fs::remove_file(&partial);
+        return Err(error).with_context(|| format!("writing {}", path.display()));
+    }
+    // The rename itself survives a crash once the directory is synced.
+    if let Ok(dir) = std::fs::File::open(dir) {
+        let _ = dir.sync_all();
+    }
     Ok(())
 }

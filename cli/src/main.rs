@@ -7,27 +7,24 @@
 //! `mcr unjoin` removes exactly what `join` made. Running `join` again converges on what it is
 //! told and issues a new token (rotation); the book's operations chapter has the details.
 
+mod destination;
 mod kubeconfig;
 mod member;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use multicluster_runtime::providers::{KUBECONFIG_SECRET_KEY, KUBECONFIG_SECRET_LABEL};
+
+use destination::{Destination, Held};
 
 /// The field manager of everything `mcr` applies.
 const FIELD_MANAGER: &str = "mcr-join";
 /// On every object `join` makes: the cluster name it was joined as.
 pub(crate) const JOINED_AS: &str = "multicluster-runtime.sigs.k8s.io/joined-as";
-/// On the host Secret: when the token in it expires (RFC 3339).
-const TOKEN_EXPIRES: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
-/// On the host Secret: the member identity the token is for (`namespace/name`).
-const SERVICE_ACCOUNT: &str = "multicluster-runtime.sigs.k8s.io/service-account";
 
 #[derive(Parser)]
 #[command(
@@ -62,14 +59,21 @@ struct Common {
     /// The kubeconfig holding the contexts (default: $KUBECONFIG, else ~/.kube/config).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
-    /// The cluster's name in the fleet, and the host Secret's name (default: the member
-    /// context, lower case, other characters than letters, digits, '-' and '.' made '-').
+    /// The join's name: the host Secret's name (which `KubeconfigSecrets` makes the
+    /// cluster's name in the fleet) and the label on what join makes in the member. Default:
+    /// the member context, lower case, other characters than letters, digits, '-' and '.'
+    /// made '-'. At most 63 characters.
     #[arg(long)]
     name: Option<String>,
+    /// Replace (join) or remove (unjoin) a credential that another member's join wrote under
+    /// this name.
+    #[arg(long)]
+    force: bool,
     /// The host namespace of the kubeconfig Secret (the operator's `--namespace`).
     #[arg(long, default_value = "mcr-system")]
     secret_namespace: String,
-    /// The member identity, `NAMESPACE/NAME`; made if it does not exist.
+    /// The member identity, `NAMESPACE/NAME`; made if it does not exist. `unjoin` takes it
+    /// from the credential it removes when it can.
     #[arg(long, default_value = "mcr-system/mcr-member")]
     service_account: String,
 }
@@ -118,7 +122,8 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(seconds))
 }
 
-/// A name the fleet and a Secret can carry (an RFC 1123 subdomain).
+/// A name the fleet, a Secret and a label value can all carry: an RFC 1123 subdomain of at
+/// most 63 characters.
 fn cluster_name(common: &Common) -> Result<String> {
     let name = match &common.name {
         Some(name) => name.clone(),
@@ -138,10 +143,9 @@ fn cluster_name(common: &Common) -> Result<String> {
             .to_string(),
     };
     let valid = !name.is_empty()
-        && name.len() <= 253
+        && name.len() <= 63
         && name.split('.').all(|label| {
             !label.is_empty()
-                && label.len() <= 63
                 && label
                     .chars()
                     .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
@@ -149,7 +153,9 @@ fn cluster_name(common: &Common) -> Result<String> {
                 && !label.ends_with('-')
         });
     if !valid {
-        bail!("{name:?} is not a cluster name (an RFC 1123 subdomain); give one with --name");
+        bail!(
+            "{name:?} is not a join name (an RFC 1123 subdomain of at most 63 characters); give one with --name"
+        );
     }
     Ok(name)
 }
@@ -163,7 +169,11 @@ fn split_pair<'a>(text: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
     }
 }
 
-async fn client_for(kubeconfig: &Kubeconfig, context: &str, role: &str) -> Result<kube::Client> {
+async fn client_for(
+    kubeconfig: &Kubeconfig,
+    context: &str,
+    role: &str,
+) -> Result<(kube::Client, String)> {
     let options = KubeConfigOptions {
         context: Some(context.to_string()),
         ..Default::default()
@@ -171,8 +181,10 @@ async fn client_for(kubeconfig: &Kubeconfig, context: &str, role: &str) -> Resul
     let config = kube::Config::from_custom_kubeconfig(kubeconfig.clone(), &options)
         .await
         .with_context(|| format!("the {role} context {context:?} of the kubeconfig"))?;
-    kube::Client::try_from(config)
-        .with_context(|| format!("a client for the {role} context {context:?}"))
+    let server = config.cluster_url.to_string();
+    let client = kube::Client::try_from(config)
+        .with_context(|| format!("a client for the {role} context {context:?}"))?;
+    Ok((client, server))
 }
 
 fn read_kubeconfig(path: Option<&PathBuf>) -> Result<Kubeconfig> {
@@ -185,12 +197,75 @@ fn read_kubeconfig(path: Option<&PathBuf>) -> Result<Kubeconfig> {
     }
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
-    match Cli::parse().command {
-        Command::Join(join) => run_join(join).await,
-        Command::Unjoin(common) => run_unjoin(common).await,
+async fn destination(common: &Common, kubeconfig: &Kubeconfig, name: &str) -> Result<Destination> {
+    match (&common.host_context, &common.output_file) {
+        (Some(context), _) => {
+            let (host, server) = client_for(kubeconfig, context, "host").await?;
+            Ok(Destination::secret(
+                host,
+                &server,
+                &common.secret_namespace,
+                name,
+            ))
+        }
+        (None, Some(path)) => Destination::file(path),
+        (None, None) => bail!("give --host-context or --output-file"),
     }
+}
+
+/// What `dest` holds under `name`, refused if it is another member's (unless `force`).
+async fn held_for(dest: &Destination, member_uid: &str, force: bool) -> Result<Option<Held>> {
+    let held = dest.held().await?;
+    if let Some(held) = &held
+        && held.member_uid.as_deref() != Some(member_uid)
+        && !force
+    {
+        bail!(
+            "{} holds the credential of another member joined under this name; choose another --name, or give --force",
+            dest.describe()
+        );
+    }
+    Ok(held)
+}
+
+fn main() -> ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: starting the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match Cli::parse().command {
+            Command::Join(join) => run_join(join).await,
+            Command::Unjoin(common) => run_unjoin(common).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", report(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes, but a credential plugin's failure in fixed words: kube's text of
+/// it holds the plugin's command line and output, which can hold secrets.
+fn report(error: &anyhow::Error) -> String {
+    let mut parts = Vec::new();
+    for cause in error.chain() {
+        if let Some(kube::Error::Auth(_)) = cause.downcast_ref::<kube::Error>() {
+            parts.push(
+                "the kubeconfig's credentials could not be obtained (an exec plugin or auth provider failed; its output is not shown)"
+                    .to_string(),
+            );
+            break;
+        }
+        parts.push(cause.to_string());
+    }
+    parts.join(": ")
 }
 
 async fn run_join(join: Join) -> Result<()> {
@@ -204,11 +279,6 @@ async fn run_join(join: Join) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let kubeconfig = read_kubeconfig(common.kubeconfig.as_ref())?;
     let member_context = &common.member_context;
-    let member = client_for(&kubeconfig, member_context, "member").await?;
-    let host = match &common.host_context {
-        Some(context) => Some(client_for(&kubeconfig, context, "host").await?),
-        None => None,
-    };
     let manifests = join
         .manifest
         .iter()
@@ -217,51 +287,63 @@ async fn run_join(join: Join) -> Result<()> {
                 .with_context(|| format!("reading the manifest {}", path.display()))
         })
         .collect::<Result<Vec<_>>>()?;
+    // Everything that can fail without the member is checked before anything is made there:
+    // the kubeconfig to write (the CA file it names), the destination and what it holds.
+    kubeconfig::for_token(
+        &kubeconfig,
+        member_context,
+        join.server.as_deref(),
+        &name,
+        "",
+        None,
+    )?;
+    let (member, _) = client_for(&kubeconfig, member_context, "member").await?;
+    let member_uid = member::Member::fingerprint(&member).await?;
+    let dest = destination(common, &kubeconfig, &name).await?;
+    let held = held_for(&dest, &member_uid, common.force).await?;
 
     let joined = member::Member::new(member, &name, sa_namespace, sa_name);
     let issued = joined
-        .join(&manifests, &join.cluster_role, &roles, join.token_ttl)
+        .join(
+            &manifests,
+            &join.cluster_role,
+            &roles,
+            join.token_ttl,
+            &dest.key(),
+        )
         .await
         .with_context(|| format!("joining the member context {member_context:?} as {name}"))?;
+    let note = Held {
+        anchor: Some(issued.anchor.clone()),
+        member_uid: Some(member_uid),
+        service_account: Some(common.service_account.clone()),
+        expires: Some(issued.expires.clone()),
+    };
     let written = kubeconfig::for_token(
         &kubeconfig,
         member_context,
         join.server.as_deref(),
         &name,
         &issued.token,
-    )?;
-
-    match (&host, &common.output_file) {
-        (Some(host), _) => {
-            write_secret(
-                host,
-                &common.secret_namespace,
-                &name,
-                &written,
-                &issued.expires,
-                &common.service_account,
-            )
-            .await
-            .with_context(|| {
-                format!(
-                    "writing the kubeconfig Secret {}/{name} on the host",
-                    common.secret_namespace
-                )
-            })?;
-            println!(
-                "wrote the kubeconfig Secret {}/{name} on the host",
-                common.secret_namespace
-            );
-        }
-        (None, Some(path)) => {
-            kubeconfig::write_file(path, &written)?;
-            println!("wrote the kubeconfig file {}", path.display());
-        }
-        (None, None) => bail!("give --host-context or --output-file"),
+        Some(&note),
+    );
+    let stored = match written {
+        Ok(written) => dest.write(&written, &note).await,
+        Err(error) => Err(error),
+    };
+    if let Err(error) = stored {
+        joined.drop_anchor(&issued.anchor).await;
+        return Err(error).with_context(|| format!("writing {}", dest.describe()));
     }
-    // Only now that the new token is where the provider reads it: tokens older than the one
-    // before are revoked (the one before keeps working until the next join).
-    let revoked = joined.revoke_older_tokens().await?;
+    println!("wrote {}", dest.describe());
+    // The new token is where the provider reads it: of this destination's tokens only the new
+    // one and the one it held before stay valid (a replica may still use that one).
+    let previous = held.and_then(|h| h.anchor);
+    let keep: Vec<&str> = [Some(issued.anchor.as_str()), previous.as_deref()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let revoked = joined.revoke_tokens(&dest.key(), &keep).await?;
     println!(
         "joined {member_context:?} as {name}: ServiceAccount {sa_namespace}/{sa_name}, token valid until {} \
          (run `mcr join` again before then to rotate it){}",
@@ -275,108 +357,42 @@ async fn run_join(join: Join) -> Result<()> {
     Ok(())
 }
 
-async fn write_secret(
-    host: &kube::Client,
-    namespace: &str,
-    name: &str,
-    kubeconfig: &str,
-    expires: &str,
-    service_account: &str,
-) -> Result<()> {
-    let secret = serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {
-                KUBECONFIG_SECRET_LABEL: "true",
-                JOINED_AS: name,
-            },
-            "annotations": {
-                TOKEN_EXPIRES: expires,
-                SERVICE_ACCOUNT: service_account,
-            },
-        },
-        "type": "Opaque",
-        "stringData": { KUBECONFIG_SECRET_KEY: kubeconfig },
-    });
-    let api: Api<Secret> = Api::namespaced(host.clone(), namespace);
-    if let Some(existing) = api.get_opt(name).await? {
-        let ours = existing
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(JOINED_AS))
-            .map(String::as_str)
-            == Some(name);
-        if !ours {
-            bail!(
-                "a Secret {namespace}/{name} exists that `mcr join` did not make; choose another --name"
-            );
-        }
-    }
-    api.patch(
-        name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&secret),
-    )
-    .await?;
-    Ok(())
-}
-
 async fn run_unjoin(common: Common) -> Result<()> {
     let name = cluster_name(&common)?;
-    let (sa_namespace, sa_name) = split_pair(&common.service_account, "--service-account")?;
     let kubeconfig = read_kubeconfig(common.kubeconfig.as_ref())?;
     let member_context = &common.member_context;
-    let member = client_for(&kubeconfig, member_context, "member").await?;
+    let (member, _) = client_for(&kubeconfig, member_context, "member").await?;
+    let member_uid = member::Member::fingerprint(&member).await?;
+    let dest = destination(&common, &kubeconfig, &name).await?;
+    let held = held_for(&dest, &member_uid, common.force).await?;
+    // The identity the credential was for, else the flag's.
+    let account = held
+        .as_ref()
+        .and_then(|h| h.service_account.clone())
+        .unwrap_or_else(|| common.service_account.clone());
+    let (sa_namespace, sa_name) = split_pair(&account, "the service account")?;
+    let joined = member::Member::new(member, &name, sa_namespace, sa_name);
+    let was_joined = joined.joined().await?;
 
     // The credential goes first, so the fleet disengages the cluster before its identity
     // goes away.
-    match (&common.host_context, &common.output_file) {
-        (Some(context), _) => {
-            let host = client_for(&kubeconfig, context, "host").await?;
-            let api: Api<Secret> = Api::namespaced(host, &common.secret_namespace);
-            match api.get_opt(&name).await? {
-                Some(secret)
-                    if secret
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(JOINED_AS))
-                        .map(String::as_str)
-                        == Some(name.as_str()) =>
-                {
-                    api.delete(&name, &DeleteParams::default()).await?;
-                    println!(
-                        "removed the kubeconfig Secret {}/{name} from the host",
-                        common.secret_namespace
-                    );
-                }
-                Some(_) => bail!(
-                    "the Secret {}/{name} on the host was not made by `mcr join`; left alone",
-                    common.secret_namespace
-                ),
-                None => println!(
-                    "no kubeconfig Secret {}/{name} on the host",
-                    common.secret_namespace
-                ),
-            }
-        }
-        (None, Some(path)) => match std::fs::remove_file(path) {
-            Ok(()) => println!("removed the kubeconfig file {}", path.display()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                println!("no kubeconfig file {}", path.display())
-            }
-            Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
-        },
-        (None, None) => bail!("give --host-context or --output-file"),
+    if held.is_some() {
+        dest.remove().await?;
+        println!("removed {}", dest.describe());
     }
-    let removed = member::Member::new(member, &name, sa_namespace, sa_name)
-        .unjoin()
+    if held.is_none() && !was_joined {
+        bail!(
+            "nothing of a join named {name} was found: no credential in {}, no record in the member's {sa_namespace} (give the --name, and the --service-account, join was given)",
+            dest.describe()
+        );
+    }
+    let (removed, kept) = joined
+        .unjoin(&dest.key())
         .await
         .with_context(|| format!("unjoining the member context {member_context:?} ({name})"))?;
     println!("unjoined {member_context:?} ({name}): {removed} object(s) removed from the member");
+    for what in kept {
+        println!("kept {what}");
+    }
     Ok(())
 }

@@ -1,42 +1,43 @@
 //! What `join` makes in a member cluster, and `unjoin` removes.
 //!
 //! - Objects that did not exist before `join` (the manifests' objects, the identity's
-//!   namespace and ServiceAccount) are listed in a record, the ConfigMap `mcr-join-<name>` in
-//!   the identity's namespace; `unjoin` removes those, newest first, and nothing else.
+//!   namespace and ServiceAccount) get the label `joined-as=<name>` and are listed, with their
+//!   uids, in a record: the Secret `mcr-join-<name>` in the identity's namespace (a Secret, so
+//!   that the identity itself, which may write ConfigMaps there, cannot rewrite it). `unjoin`
+//!   deletes a recorded object only if it still carries that label and uid.
 //! - Bindings of the roles given are labelled with the cluster name; `join` removes those it
 //!   was not given this time, `unjoin` removes them all.
-//! - Each token is bound to an object of its own, an empty Secret labelled as a token anchor:
-//!   deleting the anchor revokes the token at once. `join` keeps the newest two (the token it
-//!   just issued and the one before, which the fleet may still be using), `unjoin` deletes all.
+//! - Each token is bound to an object of its own, an empty Secret (its anchor): deleting the
+//!   anchor revokes the token. Anchors are kept per destination (a host Secret, a file), so
+//!   rotating one destination's token never touches another's. The destination names the
+//!   anchor of the token it holds; after a join the destination's new anchor and the one it
+//!   held before stay, every other of that destination is deleted.
 
-use std::collections::BTreeSet;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleBinding};
 use kube::api::{
     Api, DeleteParams, DynamicObject, GroupVersionKind, ListParams, ObjectMeta, Patch, PatchParams,
-    PostParams,
+    PostParams, Preconditions,
 };
-use kube::discovery::{Scope, pinned_kind};
+use kube::discovery::{Discovery, Scope, pinned_kind, verbs};
 use serde::{Deserialize, Serialize};
 
 use crate::{FIELD_MANAGER, JOINED_AS};
 
-/// On token anchors, beside `JOINED_AS`.
-const TOKEN_ANCHOR: &str = "multicluster-runtime.sigs.k8s.io/token-anchor";
-/// On token anchors: when the token was issued, in nanoseconds since the epoch (finer than
-/// creation timestamps, which count seconds).
-const ISSUED: &str = "multicluster-runtime.sigs.k8s.io/issued";
+/// On anchors: which destination's token they anchor (a hash of the destination).
+const TOKEN_FOR: &str = "multicluster-runtime.sigs.k8s.io/token-for";
+/// On records, beside `JOINED_AS`.
+const RECORD: &str = "multicluster-runtime.sigs.k8s.io/join-record";
 /// The record's data key.
 const CREATED: &str = "created";
-/// How many tokens stay valid after a join: the new one and the one before.
-const TOKENS_KEPT: usize = 2;
 
 /// An object `join` created.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Made {
     #[serde(rename = "apiVersion")]
     api_version: String,
@@ -44,6 +45,22 @@ struct Made {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     namespace: Option<String>,
     name: String,
+    /// Set once created (the entry is written before the object is made, so that a join
+    /// stopped in between leaves nothing unrecorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    uid: Option<String>,
+}
+
+impl Made {
+    fn same_object(&self, other: &Made) -> bool {
+        (&self.api_version, &self.kind, &self.namespace, &self.name)
+            == (
+                &other.api_version,
+                &other.kind,
+                &other.namespace,
+                &other.name,
+            )
+    }
 }
 
 /// A token `join` issued.
@@ -51,6 +68,8 @@ pub struct Issued {
     pub token: String,
     /// When it expires, RFC 3339.
     pub expires: String,
+    /// Its anchor's name.
+    pub anchor: String,
 }
 
 pub struct Member {
@@ -70,177 +89,252 @@ impl Member {
         }
     }
 
+    /// The member's own id: the uid of its `kube-system` namespace, which every cluster has
+    /// and which no one renames. Written beside each credential, so that two members joined
+    /// under one name are told apart.
+    pub async fn fingerprint(client: &kube::Client) -> Result<String> {
+        Api::<Namespace>::all(client.clone())
+            .get("kube-system")
+            .await
+            .context("reading the member's kube-system namespace (its id)")?
+            .metadata
+            .uid
+            .ok_or_else(|| anyhow!("the member's kube-system namespace has no uid"))
+    }
+
     fn record_name(&self) -> String {
         format!("mcr-join-{}", self.name)
+    }
+
+    fn labels(&self) -> BTreeMap<String, String> {
+        [(JOINED_AS.to_string(), self.name.clone())].into()
     }
 
     fn joined_selector(&self) -> ListParams {
         ListParams::default().labels(&format!("{JOINED_AS}={}", self.name))
     }
 
-    /// The objects the record lists (none if there is no record).
+    /// The record's entries (none if there is no record).
     async fn record(&self) -> Result<Vec<Made>> {
-        let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
         let Some(record) = api.get_opt(&self.record_name()).await? else {
             return Ok(Vec::new());
         };
-        let text = record
+        let ours = record
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(RECORD))
+            .is_some();
+        if !ours {
+            bail!(
+                "the Secret {}/{} was not made by `mcr join`",
+                self.sa_namespace,
+                self.record_name()
+            );
+        }
+        let bytes = record
             .data
             .as_ref()
             .and_then(|d| d.get(CREATED))
-            .map_or("[]", String::as_str);
-        serde_json::from_str(text)
+            .map(|b| b.0.clone());
+        let text = bytes.unwrap_or_else(|| b"[]".to_vec());
+        serde_json::from_slice(&text)
             .with_context(|| format!("the record {}/{}", self.sa_namespace, self.record_name()))
     }
 
     async fn save_record(&self, made: &[Made]) -> Result<()> {
+        let mut labels = self.labels();
+        labels.insert(RECORD.to_string(), "true".to_string());
         let record = serde_json::json!({
             "apiVersion": "v1",
-            "kind": "ConfigMap",
+            "kind": "Secret",
             "metadata": {
                 "name": self.record_name(),
                 "namespace": self.sa_namespace,
-                "labels": { JOINED_AS: self.name },
+                "labels": labels,
             },
-            "data": { CREATED: serde_json::to_string(made)? },
+            "type": "Opaque",
+            "stringData": { CREATED: serde_json::to_string(made)? },
         });
-        Api::<ConfigMap>::namespaced(self.client.clone(), &self.sa_namespace)
+        Api::<Secret>::namespaced(self.client.clone(), &self.sa_namespace)
             .patch(
                 &self.record_name(),
                 &PatchParams::apply(FIELD_MANAGER).force(),
                 &Patch::Apply(&record),
             )
-            .await?;
+            .await
+            .context("writing the record of what join made")?;
         Ok(())
     }
 
-    /// Applies the manifests, makes the identity and its bindings, and issues a token.
+    /// Records `entry`, then makes it with `create` (which returns its uid), then records the
+    /// uid.
+    async fn make<F>(&self, made: &mut Vec<Made>, entry: Made, create: F) -> Result<()>
+    where
+        F: AsyncFnOnce() -> Result<Option<String>>,
+    {
+        let at = match made.iter().position(|m| m.same_object(&entry)) {
+            Some(at) => at,
+            None => {
+                made.push(entry);
+                made.len() - 1
+            }
+        };
+        self.save_record(made).await?;
+        made[at].uid = create().await?;
+        self.save_record(made).await
+    }
+
+    /// Applies the manifests, makes the identity and its bindings, and issues a token for
+    /// the destination `token_for`.
     pub async fn join(
         &self,
         manifests: &[String],
         cluster_roles: &[String],
         roles: &[(&str, &str)],
         ttl: Duration,
+        token_for: &str,
     ) -> Result<Issued> {
         let mut made = self.record().await?;
-        let ns = &self.sa_namespace;
+        let ns = self.sa_namespace.clone();
 
         // The identity's namespace first: the record lives there.
         let namespaces: Api<Namespace> = Api::all(self.client.clone());
-        if namespaces.get_opt(ns).await?.is_none() {
+        if namespaces.get_opt(&ns).await?.is_none() {
+            let entry = made_entry("v1", "Namespace", None, &ns);
             let namespace = Namespace {
                 metadata: ObjectMeta {
                     name: Some(ns.clone()),
-                    labels: Some([(JOINED_AS.to_string(), self.name.clone())].into()),
+                    labels: Some(self.labels()),
                     ..Default::default()
                 },
                 ..Default::default()
             };
-            namespaces
+            // The namespace must exist before the record can be written in it.
+            let created = namespaces
                 .create(&PostParams::default(), &namespace)
                 .await
                 .with_context(|| format!("creating the namespace {ns}"))?;
-            remember(
-                &mut made,
-                Made {
-                    api_version: "v1".into(),
-                    kind: "Namespace".into(),
-                    namespace: None,
-                    name: ns.clone(),
-                },
-            );
+            let mut entry = entry;
+            entry.uid = created.metadata.uid;
+            remember(&mut made, entry);
+            self.save_record(&made).await?;
+        } else {
+            self.save_record(&made).await?;
         }
-        self.save_record(&made).await?;
 
         for manifest in manifests {
-            let documents: Vec<serde_json::Value> = serde_saphyr::from_multiple(manifest)
-                .map_err(|e| anyhow!("a manifest is not YAML: {e}"))?;
+            let documents: Vec<serde_json::Value> =
+                serde_saphyr::from_multiple(manifest).map_err(|_| {
+                    anyhow!("a manifest is not YAML (its text is not shown: it may hold secrets)")
+                })?;
             for document in documents.into_iter().filter(|d| !d.is_null()) {
-                let object: DynamicObject = serde_json::from_value(document)
-                    .context("a manifest document is not an object")?;
-                let (api, made_as) = self.api_of(&object).await?;
-                let name = made_as.name.clone();
-                let existed = api.get_opt(&name).await?.is_some();
-                api.patch(
-                    &name,
-                    &PatchParams::apply(FIELD_MANAGER),
-                    &Patch::Apply(&object),
-                )
-                .await
-                .with_context(|| format!("applying {} {name}", made_as.kind))?;
-                if !existed {
-                    remember(&mut made, made_as);
-                    self.save_record(&made).await?;
+                let mut object: DynamicObject = serde_json::from_value(document)
+                    .map_err(|_| anyhow!("a manifest document is not a Kubernetes object"))?;
+                let (api, entry) = self.api_of(&object).await?;
+                let name = entry.name.clone();
+                let what = format!("{} {name}", entry.kind);
+                if api.get_opt(&name).await?.is_some() {
+                    api.patch(
+                        &name,
+                        &PatchParams::apply(FIELD_MANAGER),
+                        &Patch::Apply(&object),
+                    )
+                    .await
+                    .with_context(|| format!("applying {what}"))?;
+                    continue;
                 }
+                // A new object carries the label: unjoin deletes only what still has it.
+                object
+                    .metadata
+                    .labels
+                    .get_or_insert_with(Default::default)
+                    .insert(JOINED_AS.to_string(), self.name.clone());
+                self.make(&mut made, entry, async || {
+                    let applied = api
+                        .patch(
+                            &name,
+                            &PatchParams::apply(FIELD_MANAGER),
+                            &Patch::Apply(&object),
+                        )
+                        .await
+                        .with_context(|| format!("applying {what}"))?;
+                    Ok(applied.metadata.uid)
+                })
+                .await?;
             }
         }
 
-        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), ns);
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), &ns);
         if accounts.get_opt(&self.sa_name).await?.is_none() {
+            let entry = made_entry("v1", "ServiceAccount", Some(&ns), &self.sa_name);
             let account = ServiceAccount {
                 metadata: ObjectMeta {
                     name: Some(self.sa_name.clone()),
-                    labels: Some([(JOINED_AS.to_string(), self.name.clone())].into()),
+                    labels: Some(self.labels()),
                     ..Default::default()
                 },
                 ..Default::default()
             };
-            accounts
-                .create(&PostParams::default(), &account)
-                .await
-                .context("creating the ServiceAccount")?;
-            remember(
-                &mut made,
-                Made {
-                    api_version: "v1".into(),
-                    kind: "ServiceAccount".into(),
-                    namespace: Some(ns.clone()),
-                    name: self.sa_name.clone(),
-                },
-            );
-            self.save_record(&made).await?;
+            self.make(&mut made, entry, async || {
+                let created = accounts
+                    .create(&PostParams::default(), &account)
+                    .await
+                    .context("creating the ServiceAccount")?;
+                Ok(created.metadata.uid)
+            })
+            .await?;
         }
 
         self.bind(cluster_roles, roles).await?;
-        self.issue(ttl).await
+        self.issue(ttl, token_for).await
     }
 
-    /// The API of `object`'s kind, and what it would be recorded as.
+    /// The API of `object`'s kind, and its record entry.
     async fn api_of(&self, object: &DynamicObject) -> Result<(Api<DynamicObject>, Made)> {
         let types = object
             .types
             .clone()
             .ok_or_else(|| anyhow!("a manifest object has no apiVersion and kind"))?;
-        let gvk = GroupVersionKind::try_from(&types).map_err(|e| anyhow!("{e}"))?;
         let name = object
             .metadata
             .name
             .clone()
             .ok_or_else(|| anyhow!("a {} in a manifest has no name", types.kind))?;
-        let namespace = object.metadata.namespace.clone();
-        let made = Made {
-            api_version: types.api_version.clone(),
-            kind: types.kind.clone(),
-            namespace,
-            name,
-        };
-        Ok((self.api_for(&made, &gvk).await?, made))
-    }
-
-    async fn api_for(&self, made: &Made, gvk: &GroupVersionKind) -> Result<Api<DynamicObject>> {
-        let (resource, caps) = pinned_kind(&self.client, gvk).await.with_context(|| {
-            format!(
+        let entry = made_entry(
+            &types.api_version,
+            &types.kind,
+            object.metadata.namespace.as_deref(),
+            &name,
+        );
+        let api = self.api_for(&entry).await?.ok_or_else(|| {
+            anyhow!(
                 "the member does not serve {} {}",
-                made.api_version, made.kind
+                types.api_version,
+                types.kind
             )
         })?;
-        Ok(match (caps.scope, made.namespace.as_deref()) {
+        Ok((api, entry))
+    }
+
+    /// The API of a recorded object's kind; `None` if the member no longer serves it.
+    async fn api_for(&self, made: &Made) -> Result<Option<Api<DynamicObject>>> {
+        let (group, version) = match made.api_version.split_once('/') {
+            Some((group, version)) => (group, version),
+            None => ("", made.api_version.as_str()),
+        };
+        let gvk = GroupVersionKind::gvk(group, version, &made.kind);
+        let Ok((resource, caps)) = pinned_kind(&self.client, &gvk).await else {
+            return Ok(None);
+        };
+        Ok(Some(match (caps.scope, made.namespace.as_deref()) {
             (Scope::Namespaced, Some(ns)) => {
                 Api::namespaced_with(self.client.clone(), ns, &resource)
             }
             (Scope::Namespaced, None) => bail!("the {} {} has no namespace", made.kind, made.name),
             (Scope::Cluster, _) => Api::all_with(self.client.clone(), &resource),
-        })
+        }))
     }
 
     fn binding_name(&self, role: &str) -> String {
@@ -254,9 +348,9 @@ impl Member {
             "name": self.sa_name,
             "namespace": self.sa_namespace,
         }]);
-        let labels = serde_json::json!({ JOINED_AS: self.name });
+        let labels = self.labels();
         let cluster_bindings: Api<ClusterRoleBinding> = Api::all(self.client.clone());
-        let mut wanted = BTreeSet::new();
+        let mut wanted = Vec::new();
         for role in cluster_roles {
             let name = self.binding_name(role);
             let binding = serde_json::json!({
@@ -274,7 +368,7 @@ impl Member {
                 )
                 .await
                 .with_context(|| format!("binding the ClusterRole {role}"))?;
-            wanted.insert((None, name));
+            wanted.push((None, name));
         }
         for (namespace, role) in roles {
             let name = self.binding_name(role);
@@ -293,7 +387,7 @@ impl Member {
                 )
                 .await
                 .with_context(|| format!("binding the Role {namespace}/{role}"))?;
-            wanted.insert((Some(namespace.to_string()), name));
+            wanted.push((Some(namespace.to_string()), name));
         }
         self.remove_bindings(|key| !wanted.contains(key)).await?;
         Ok(())
@@ -309,7 +403,7 @@ impl Member {
         for binding in cluster_bindings.list(&self.joined_selector()).await? {
             let name = binding.metadata.name.unwrap_or_default();
             if stale(&(None, name.clone())) {
-                removed += delete(&cluster_bindings, &name).await?;
+                removed += delete(&cluster_bindings, &name, None).await?;
             }
         }
         let bindings: Api<RoleBinding> = Api::all(self.client.clone());
@@ -318,30 +412,21 @@ impl Member {
             let name = binding.metadata.name.unwrap_or_default();
             if stale(&(Some(namespace.clone()), name.clone())) {
                 let api: Api<RoleBinding> = Api::namespaced(self.client.clone(), &namespace);
-                removed += delete(&api, &name).await?;
+                removed += delete(&api, &name, None).await?;
             }
         }
         Ok(removed)
     }
 
-    /// A token for the identity, bound to a new anchor and valid for `ttl`.
-    async fn issue(&self, ttl: Duration) -> Result<Issued> {
+    /// A token for the identity, valid for `ttl`, bound to a new anchor of `token_for`'s.
+    async fn issue(&self, ttl: Duration, token_for: &str) -> Result<Issued> {
         let anchors: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
-        let issued = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos();
+        let mut labels = self.labels();
+        labels.insert(TOKEN_FOR.to_string(), token_for.to_string());
         let anchor = Secret {
             metadata: ObjectMeta {
                 generate_name: Some(format!("mcr-join-{}-token-", self.name)),
-                labels: Some(
-                    [
-                        (JOINED_AS.to_string(), self.name.clone()),
-                        (TOKEN_ANCHOR.to_string(), "true".to_string()),
-                    ]
-                    .into(),
-                ),
-                annotations: Some([(ISSUED.to_string(), issued.to_string())].into()),
+                labels: Some(labels),
                 ..Default::default()
             },
             type_: Some("Opaque".into()),
@@ -351,6 +436,7 @@ impl Member {
             .create(&PostParams::default(), &anchor)
             .await
             .context("creating the token's anchor Secret")?;
+        let anchor_name = anchor.metadata.name.clone().unwrap_or_default();
         let request = TokenRequest {
             spec: Some(TokenRequestSpec {
                 audiences: None,
@@ -368,94 +454,211 @@ impl Member {
             Api::namespaced(self.client.clone(), &self.sa_namespace);
         let answer = accounts
             .create_token_request(&self.sa_name, &PostParams::default(), &request)
-            .await
-            .context("requesting a token for the ServiceAccount")?;
-        let status = answer
-            .status
-            .ok_or_else(|| anyhow!("the API server answered the token request without a token"))?;
-        let expires = serde_json::to_value(&status.expiration_timestamp)?
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let token = status
-            .token
-            .ok_or_else(|| anyhow!("the API server answered the token request without a token"))?;
-        Ok(Issued { token, expires })
+            .await;
+        let status = match answer {
+            Ok(answer) => answer.status,
+            Err(error) => {
+                self.drop_anchor(&anchor_name).await;
+                return Err(error).context("requesting a token for the ServiceAccount");
+            }
+        };
+        let Some((token, expires)) = status.and_then(|s| {
+            let expires = serde_json::to_value(&s.expiration_timestamp).ok()?;
+            Some((s.token?, expires.as_str()?.to_string()))
+        }) else {
+            self.drop_anchor(&anchor_name).await;
+            bail!("the API server answered the token request without a token");
+        };
+        Ok(Issued {
+            token,
+            expires,
+            anchor: anchor_name,
+        })
     }
 
-    /// Deletes the anchors of all but the newest tokens; how many.
-    pub async fn revoke_older_tokens(&self) -> Result<usize> {
-        let mut anchors = self.anchors().await?;
-        anchors.sort_by_key(|(issued, _)| std::cmp::Reverse(*issued));
+    /// Deletes the anchor of a token that is not going to be used (best effort).
+    pub async fn drop_anchor(&self, anchor: &str) {
         let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+        if let Err(error) = delete(&api, anchor, None).await {
+            eprintln!("warning: could not delete the unused token anchor {anchor}: {error:#}");
+        }
+    }
+
+    /// Deletes `token_for`'s anchors but `keep`; how many.
+    pub async fn revoke_tokens(&self, token_for: &str, keep: &[&str]) -> Result<usize> {
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+        let selector = format!("{JOINED_AS}={},{TOKEN_FOR}={token_for}", self.name);
         let mut revoked = 0;
-        for (_, name) in anchors.iter().skip(TOKENS_KEPT) {
-            revoked += delete(&api, name).await?;
+        for anchor in api.list(&ListParams::default().labels(&selector)).await? {
+            let name = anchor.metadata.name.unwrap_or_default();
+            if !keep.contains(&name.as_str()) {
+                revoked += delete(&api, &name, None).await?;
+            }
         }
         Ok(revoked)
     }
 
-    /// This cluster's token anchors: when issued, and the name.
-    async fn anchors(&self) -> Result<Vec<(u128, String)>> {
+    /// Whether tokens of destinations other than `token_for` are still anchored here.
+    async fn other_destinations(&self, token_for: &str) -> Result<bool> {
         let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
-        let selector = format!("{JOINED_AS}={},{TOKEN_ANCHOR}=true", self.name);
-        Ok(api
+        let selector = format!(
+            "{JOINED_AS}={},{TOKEN_FOR}!={token_for},{TOKEN_FOR}",
+            self.name
+        );
+        Ok(!api
             .list(&ListParams::default().labels(&selector))
             .await?
-            .into_iter()
-            .map(|s| {
-                let issued = s
-                    .metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(ISSUED))
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0);
-                (issued, s.metadata.name.unwrap_or_default())
-            })
-            .collect())
+            .items
+            .is_empty())
     }
 
-    /// Removes every token, binding and recorded object; how many objects went.
-    pub async fn unjoin(&self) -> Result<usize> {
-        let mut removed = 0;
-        let anchors: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
-        for (_, name) in self.anchors().await? {
-            removed += delete(&anchors, &name).await?;
+    /// Whether the record exists.
+    pub async fn joined(&self) -> Result<bool> {
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+        Ok(api.get_opt(&self.record_name()).await?.is_some())
+    }
+
+    /// Revokes `token_for`'s tokens; when no other destination holds one, removes the
+    /// bindings and what join made. Returns what it removed, and what it kept and why.
+    pub async fn unjoin(&self, token_for: &str) -> Result<(usize, Vec<String>)> {
+        let mut removed = self.revoke_tokens(token_for, &[]).await?;
+        let mut kept = Vec::new();
+        if self.other_destinations(token_for).await? {
+            kept.push(format!(
+                "the identity and its bindings: another destination of {} still holds a token",
+                self.name
+            ));
+            return Ok((removed, kept));
         }
         removed += self.remove_bindings(|_| true).await?;
         let made = self.record().await?;
+        // Other joins' records in the identity's namespace: what they use stays.
+        let records: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+        let others: Vec<String> = records
+            .list(&ListParams::default().labels(RECORD))
+            .await?
+            .into_iter()
+            .filter(|r| {
+                r.metadata.labels.as_ref().and_then(|l| l.get(JOINED_AS)) != Some(&self.name)
+            })
+            .filter_map(|r| r.metadata.name)
+            .collect();
         for object in made.iter().rev() {
-            let gvk = gvk_of(object)?;
-            let api = self.api_for(object, &gvk).await?;
-            removed += delete(&api, &object.name).await?;
+            let what = format!("{} {}", object.kind, object.name);
+            let shared = object.kind == "ServiceAccount" && object.name == self.sa_name
+                || object.kind == "Namespace" && object.name == self.sa_namespace;
+            if shared && !others.is_empty() {
+                kept.push(format!(
+                    "{what}: other joins use it ({})",
+                    others.join(", ")
+                ));
+                continue;
+            }
+            if object.kind == "Namespace" && object.api_version == "v1" {
+                if let Some(holds) = self.namespace_holds_others(&object.name).await? {
+                    kept.push(format!("{what}: it holds {holds}, which join did not make"));
+                    continue;
+                }
+                // The record goes before its namespace.
+                delete(&records, &self.record_name(), None).await?;
+            }
+            let Some(api) = self.api_for(object).await? else {
+                continue;
+            };
+            let Some(current) = api.get_opt(&object.name).await? else {
+                continue;
+            };
+            let labelled = current
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(JOINED_AS))
+                == Some(&self.name);
+            let same = object.uid.is_none() || object.uid == current.metadata.uid;
+            if !labelled || !same {
+                kept.push(format!(
+                    "{what}: not the object join made (its label or uid differs)"
+                ));
+                continue;
+            }
+            removed += delete(&api, &object.name, current.metadata.uid).await?;
         }
-        let records: Api<ConfigMap> = Api::namespaced(self.client.clone(), &self.sa_namespace);
-        delete(&records, &self.record_name()).await?;
-        Ok(removed)
+        delete(&records, &self.record_name(), None).await?;
+        Ok((removed, kept))
+    }
+
+    /// Something in `namespace` that join did not make, if anything (the defaults every
+    /// namespace gets aside).
+    async fn namespace_holds_others(&self, namespace: &str) -> Result<Option<String>> {
+        let discovery = Discovery::new(self.client.clone())
+            .run()
+            .await
+            .context("discovering the member's kinds")?;
+        for group in discovery.groups() {
+            for (resource, caps) in group.recommended_resources() {
+                if caps.scope != Scope::Namespaced || !caps.supports_operation(verbs::LIST) {
+                    continue;
+                }
+                if resource.kind == "Event" {
+                    continue;
+                }
+                let api: Api<DynamicObject> =
+                    Api::namespaced_with(self.client.clone(), namespace, &resource);
+                let Ok(list) = api.list(&ListParams::default()).await else {
+                    continue;
+                };
+                for object in list {
+                    let name = object.metadata.name.clone().unwrap_or_default();
+                    let ours = object
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(JOINED_AS))
+                        == Some(&self.name);
+                    let default = matches!(
+                        (resource.kind.as_str(), name.as_str()),
+                        ("ConfigMap", "kube-root-ca.crt") | ("ServiceAccount", "default")
+                    );
+                    if !ours && !default {
+                        return Ok(Some(format!("{} {name}", resource.kind)));
+                    }
+                }
+            }
+        }
+        Ok(None)
     }
 }
 
-fn gvk_of(made: &Made) -> Result<GroupVersionKind> {
-    let (group, version) = match made.api_version.split_once('/') {
-        Some((group, version)) => (group, version),
-        None => ("", made.api_version.as_str()),
-    };
-    Ok(GroupVersionKind::gvk(group, version, &made.kind))
-}
-
-fn remember(made: &mut Vec<Made>, object: Made) {
-    if !made.contains(&object) {
-        made.push(object);
+fn made_entry(api_version: &str, kind: &str, namespace: Option<&str>, name: &str) -> Made {
+    Made {
+        api_version: api_version.to_string(),
+        kind: kind.to_string(),
+        namespace: namespace.map(str::to_string),
+        name: name.to_string(),
+        uid: None,
     }
 }
 
-/// Deletes `name`; 1 if it was there, 0 if not.
-async fn delete<K>(api: &Api<K>, name: &str) -> Result<usize>
+fn remember(made: &mut Vec<Made>, entry: Made) {
+    match made.iter_mut().find(|m| m.same_object(&entry)) {
+        Some(known) => known.uid = entry.uid,
+        None => made.push(entry),
+    }
+}
+
+/// Deletes `name` (only the object with `uid`, if given); 1 if it was there, 0 if not.
+async fn delete<K>(api: &Api<K>, name: &str, uid: Option<String>) -> Result<usize>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    match api.delete(name, &DeleteParams::default()).await {
+    let params = DeleteParams {
+        preconditions: uid.map(|uid| Preconditions {
+            uid: Some(uid),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    match api.delete(name, &params).await {
         Ok(_) => Ok(1),
         Err(kube::Error::Api(status)) if status.code == 404 => Ok(0),
         Err(e) => Err(e).with_context(|| format!("deleting {name}")),

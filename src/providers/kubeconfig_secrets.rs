@@ -293,7 +293,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
             };
             if let Some(field) = field {
                 return Err(format!(
-                    "users[{i}].user.{field}: kubeconfigs from Secrets may not run exec credential plugins or auth-providers (see KubeconfigSecrets::allow_exec)"
+                    "users[{i}].user.{field}: kubeconfigs from Secrets may not run exec credential plugins or auth-providers (see the provider's allow_exec)"
                 ));
             }
         }
@@ -306,7 +306,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
             && let Some((field, _)) = files.iter().find(|(_, f)| f.is_some())
         {
             return Err(format!(
-                "users[{i}].user.{field}: kubeconfigs from Secrets may not read local files, it would send or use the controller's own files (see KubeconfigSecrets::allow_local_files)"
+                "users[{i}].user.{field}: kubeconfigs from Secrets may not read local files, it would send or use the controller's own files (see the provider's allow_local_files)"
             ));
         }
     }
@@ -318,7 +318,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
                 .is_some_and(|c| c.certificate_authority.is_some())
         {
             return Err(format!(
-                "clusters[{i}].cluster.certificate-authority: kubeconfigs from Secrets may not read local files (see KubeconfigSecrets::allow_local_files)"
+                "clusters[{i}].cluster.certificate-authority: kubeconfigs from Secrets may not read local files (see the provider's allow_local_files)"
             ));
         }
     }

@@ -115,7 +115,17 @@ impl Assets {
     ///
     /// Runs the crate's own build script with `bash`; needs `go` and `flock` on `PATH`.
     pub async fn build() -> Result<Self, Error> {
-        let script = tokio::task::spawn_blocking(run_build_script);
+        Self::build_with(None).await
+    }
+
+    /// [`Assets::build`] into the cache root `root` (the binaries go to
+    /// `root/<KUBERNETES_VERSION>`) instead of the default one.
+    pub async fn build_into(root: impl AsRef<Path>) -> Result<Self, Error> {
+        Self::build_with(Some(root.as_ref().to_path_buf())).await
+    }
+
+    async fn build_with(root: Option<PathBuf>) -> Result<Self, Error> {
+        let script = tokio::task::spawn_blocking(move || run_build_script(root.as_deref()));
         let dir = script.await.map_err(|e| Error::AssetsBuild {
             detail: format!("the build task ended: {e}"),
         })??;
@@ -157,10 +167,15 @@ impl Assets {
     }
 }
 
-/// Runs [`BUILD_SCRIPT`] and returns the directory it printed last.
-fn run_build_script() -> Result<PathBuf, Error> {
+/// Runs [`BUILD_SCRIPT`] (with the cache root `root`, if given) and returns the directory it
+/// printed last.
+fn run_build_script(root: Option<&Path>) -> Result<PathBuf, Error> {
     use std::process::{Command, Stdio};
-    let output = Command::new("bash")
+    let mut command = Command::new("bash");
+    if let Some(root) = root {
+        command.env(CACHE_ENV, root);
+    }
+    let output = command
         .arg("-c")
         .arg(BUILD_SCRIPT)
         .arg("build-assets.sh")
