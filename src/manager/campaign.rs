@@ -81,8 +81,11 @@ pub(super) async fn campaign(
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break match last_error.take() {
+                    // The host client is the user's own: its authentication errors are
+                    // kube's, with a credential plugin's command line and output.
                     Some(error) => format!(
-                        "not renewed within the renew deadline ({renew_deadline:?}); last error: {error}"
+                        "not renewed within the renew deadline ({renew_deadline:?}); last error: {}",
+                        crate::cluster::Shown(&error)
                     ),
                     None => format!("not renewed within the renew deadline ({renew_deadline:?})"),
                 };
