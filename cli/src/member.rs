@@ -31,6 +31,9 @@ use crate::{FIELD_MANAGER, JOINED_AS};
 
 /// On anchors: which destination's token they anchor (a hash of the destination).
 const TOKEN_FOR: &str = "multicluster-runtime.sigs.k8s.io/token-for";
+/// On the bindings of `--cluster-role` and `--role`, beside `JOINED_AS` (the manifests' own
+/// bindings carry `JOINED_AS` too, and are not `bind`'s to remove).
+const BINDING: &str = "multicluster-runtime.sigs.k8s.io/join-binding";
 /// On records, beside `JOINED_AS`.
 const RECORD: &str = "multicluster-runtime.sigs.k8s.io/join-record";
 /// The record's data key.
@@ -110,8 +113,9 @@ impl Member {
         [(JOINED_AS.to_string(), self.name.clone())].into()
     }
 
-    fn joined_selector(&self) -> ListParams {
-        ListParams::default().labels(&format!("{JOINED_AS}={}", self.name))
+    /// The bindings `bind` made for this join.
+    fn bindings_selector(&self) -> ListParams {
+        ListParams::default().labels(&format!("{JOINED_AS}={},{BINDING}", self.name))
     }
 
     /// The record's entries (none if there is no record).
@@ -235,6 +239,17 @@ impl Member {
                 let (api, entry) = self.api_of(&object).await?;
                 let name = entry.name.clone();
                 let what = format!("{} {name}", entry.kind);
+                // A new object, or one an earlier join made, carries the label: unjoin
+                // deletes only what still has it. (Applied without it, the label this field
+                // manager set before would be taken off.)
+                if made.iter().any(|m| m.same_object(&entry)) || api.get_opt(&name).await?.is_none()
+                {
+                    object
+                        .metadata
+                        .labels
+                        .get_or_insert_with(Default::default)
+                        .insert(JOINED_AS.to_string(), self.name.clone());
+                }
                 if api.get_opt(&name).await?.is_some() {
                     api.patch(
                         &name,
@@ -245,12 +260,6 @@ impl Member {
                     .with_context(|| format!("applying {what}"))?;
                     continue;
                 }
-                // A new object carries the label: unjoin deletes only what still has it.
-                object
-                    .metadata
-                    .labels
-                    .get_or_insert_with(Default::default)
-                    .insert(JOINED_AS.to_string(), self.name.clone());
                 self.make(&mut made, entry, async || {
                     let applied = api
                         .patch(
@@ -348,7 +357,8 @@ impl Member {
             "name": self.sa_name,
             "namespace": self.sa_namespace,
         }]);
-        let labels = self.labels();
+        let mut labels = self.labels();
+        labels.insert(BINDING.to_string(), "true".to_string());
         let cluster_bindings: Api<ClusterRoleBinding> = Api::all(self.client.clone());
         let mut wanted = Vec::new();
         for role in cluster_roles {
@@ -400,14 +410,14 @@ impl Member {
     ) -> Result<usize> {
         let mut removed = 0;
         let cluster_bindings: Api<ClusterRoleBinding> = Api::all(self.client.clone());
-        for binding in cluster_bindings.list(&self.joined_selector()).await? {
+        for binding in cluster_bindings.list(&self.bindings_selector()).await? {
             let name = binding.metadata.name.unwrap_or_default();
             if stale(&(None, name.clone())) {
                 removed += delete(&cluster_bindings, &name, None).await?;
             }
         }
         let bindings: Api<RoleBinding> = Api::all(self.client.clone());
-        for binding in bindings.list(&self.joined_selector()).await? {
+        for binding in bindings.list(&self.bindings_selector()).await? {
             let namespace = binding.metadata.namespace.unwrap_or_default();
             let name = binding.metadata.name.unwrap_or_default();
             if stale(&(Some(namespace.clone()), name.clone())) {
