@@ -223,10 +223,8 @@ impl Member {
             let mut entry = entry;
             entry.uid = created.metadata.uid;
             remember(&mut made, entry);
-            self.save_record(&made).await?;
-        } else {
-            self.save_record(&made).await?;
         }
+        self.save_record(&made).await?;
 
         for manifest in manifests {
             let documents: Vec<serde_json::Value> =
@@ -242,15 +240,15 @@ impl Member {
                 // A new object, or one an earlier join made, carries the label: unjoin
                 // deletes only what still has it. (Applied without it, the label this field
                 // manager set before would be taken off.)
-                if made.iter().any(|m| m.same_object(&entry)) || api.get_opt(&name).await?.is_none()
-                {
+                let exists = api.get_opt(&name).await?.is_some();
+                if !exists || made.iter().any(|m| m.same_object(&entry)) {
                     object
                         .metadata
                         .labels
                         .get_or_insert_with(Default::default)
                         .insert(JOINED_AS.to_string(), self.name.clone());
                 }
-                if api.get_opt(&name).await?.is_some() {
+                if exists {
                     api.patch(
                         &name,
                         &PatchParams::apply(FIELD_MANAGER),
@@ -490,7 +488,10 @@ impl Member {
     pub async fn drop_anchor(&self, anchor: &str) {
         let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.sa_namespace);
         if let Err(error) = delete(&api, anchor, None).await {
-            eprintln!("warning: could not delete the unused token anchor {anchor}: {error:#}");
+            eprintln!(
+                "warning: could not delete the unused token anchor {anchor}: {}",
+                crate::report(&error)
+            );
         }
     }
 
