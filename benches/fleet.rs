@@ -8,7 +8,7 @@
 //!
 //! Child flags for `--variant`: `--paged-lists`, `--keep-managed-fields`, `--kube-client`.
 //! `MCR_BENCH_WRAP="valgrind --tool=massif"` runs each child under that command.
-//! cargo bench --bench fleet -- scale [--n 10000]
+//! cargo bench --bench fleet -- scale [--n 10000]   # with metrics served; one scrape at the end
 //! ```
 //!
 //! W1: each apiserver has namespace `bench` with 10 ConfigMaps labelled `bench=mcr`. A child
@@ -467,13 +467,40 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
     drop(env);
 }
 
-/// 10,000 names over two apiservers (10 ConfigMaps each), all added at once, in one process.
+/// 10,000 names over two apiservers (10 ConfigMaps each), all added at once, in one process,
+/// with metrics kept and served; `/metrics` is scraped once at the end.
 async fn scale(n: usize) {
     println!("\n== scale: {n} names over 2 apiservers, 10 ConfigMaps each");
     let (env, kubeconfigs) = two_apiservers(10).await;
-    let figures = run_child("w1", &["--n".into(), n.to_string()], &kubeconfigs, None).await;
+    let args = ["--n".into(), n.to_string(), "--metrics".into()];
+    let figures = run_child("w1", &args, &kubeconfigs, None).await;
     println!("{figures:?}");
     drop(env);
+}
+
+/// One GET of `/metrics` at `at`: its time, the bytes of the answer, and how far the
+/// process's resident memory rose above what it was before (its peak, reset just before).
+async fn scrape(at: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // "5": resets the peak resident set size (VmHWM) to the current one.
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset VmHWM");
+    let before = status_kib("VmRSS:");
+    let started = Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(at).await.expect("connect");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("request");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("answer");
+    let took = started.elapsed();
+    assert!(answer.starts_with(b"HTTP/1.1 200"), "scrape refused");
+    format!(
+        " scrape_s={:.3} scrape_mib={:.1} scrape_peak_extra_kib={}",
+        took.as_secs_f64(),
+        answer.len() as f64 / (1024.0 * 1024.0),
+        status_kib("VmHWM:").saturating_sub(before)
+    )
 }
 
 struct Counter {
@@ -609,6 +636,17 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
     if args.iter().any(|a| a == "--paged-lists") {
         manager = manager.paged_lists();
     }
+    // `--metrics`: the manager keeps its metrics and serves `/metrics` (plain HTTP on
+    // loopback); after the idle wait the child scrapes it once and reports the scrape.
+    let metrics = args.iter().any(|a| a == "--metrics");
+    if metrics {
+        let mut registry = prometheus_client::registry::Registry::default();
+        manager = manager.metrics(multicluster_runtime::Metrics::new(&mut registry));
+        let endpoints = multicluster_runtime::Endpoints::new(([127, 0, 0, 1], 0).into())
+            .plain_http()
+            .metrics(Arc::new(registry));
+        manager = manager.serve(endpoints);
+    }
     let manager = Arc::new(manager);
     // `--kube-client`: each name gets a client of kube's own stack (HTTP/1.1, a pool per
     // client), as `Cluster::from_config` built them before the shared transport.
@@ -661,12 +699,20 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
             counter.reach(n * 10).await;
             let all = added.elapsed();
             tokio::time::sleep(Duration::from_secs(10)).await;
+            let (rss, sockets, tcp, cpu) =
+                (status_kib("VmRSS:"), sockets(), tcp_sockets(), cpu_time());
+            let scrape = if metrics {
+                let at = manager.served_at().expect("serving");
+                scrape(at).await
+            } else {
+                String::new()
+            };
             println!(
-                "RESULT rss_kib={} sockets={} tcp={} cpu_s={:.2} all_s={:.3} engage_s={:.3} threads={} reconciles={}",
-                status_kib("VmRSS:"),
-                sockets(),
-                tcp_sockets(),
-                cpu_time().as_secs_f64(),
+                "RESULT rss_kib={} sockets={} tcp={} cpu_s={:.2} all_s={:.3} engage_s={:.3} threads={} reconciles={}{scrape}",
+                rss,
+                sockets,
+                tcp,
+                cpu.as_secs_f64(),
                 all.as_secs_f64(),
                 engaged.as_secs_f64(),
                 threads(),

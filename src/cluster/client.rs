@@ -230,6 +230,18 @@ pub(crate) struct Limited<S> {
     granted: bool,
 }
 
+/// A copy shares the cluster's limit, not the token or wait of the one copied.
+impl<S: Clone> Clone for Limited<S> {
+    fn clone(&self) -> Self {
+        Limited {
+            inner: self.inner.clone(),
+            state: self.state.clone(),
+            wait: None,
+            granted: false,
+        }
+    }
+}
+
 impl<S, B> tower_service::Service<Request<Body>> for Limited<S>
 where
     S: tower_service::Service<Request<Body>, Response = Response<B>>,

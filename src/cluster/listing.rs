@@ -16,17 +16,18 @@ use std::task::{Context, Poll, ready};
 
 use futures::future::Either;
 use futures::{Stream, TryStreamExt};
-use kube::{Api, Client, Resource};
-use kube_runtime::watcher::{self, Event, InitialListStrategy, watcher};
+use kube::Resource;
+use kube_runtime::watcher::{self, Event, InitialListStrategy};
 use pin_project::pin_project;
 
 use super::trim::{Trimmed, Whole, untrimmed, unwrapped};
+use super::wire::{self, Requester, Watched};
 use crate::Watchable;
 
-/// What a watch lists: a kind (with its dynamic type) through a client, in one namespace or
-/// in all.
+/// What a watch lists: a kind (with its dynamic type) through a requester (a client, or the
+/// service stack of one), in one namespace or in all.
 pub(crate) struct Target<K: Watchable> {
-    pub(crate) client: Client,
+    pub(crate) requester: Requester,
     pub(crate) dt: K::DynamicType,
     /// `None` for every namespace (and for cluster-scoped kinds).
     pub(crate) namespace: Option<String>,
@@ -35,7 +36,7 @@ pub(crate) struct Target<K: Watchable> {
 impl<K: Watchable> Clone for Target<K> {
     fn clone(&self) -> Self {
         Self {
-            client: self.client.clone(),
+            requester: self.requester.clone(),
             dt: self.dt.clone(),
             namespace: self.namespace.clone(),
         }
@@ -44,9 +45,9 @@ impl<K: Watchable> Clone for Target<K> {
 
 impl<K: Watchable> Target<K> {
     /// The kind across all namespaces.
-    pub(crate) fn all(client: Client, dt: &K::DynamicType) -> Self {
+    pub(crate) fn all(requester: impl Into<Requester>, dt: &K::DynamicType) -> Self {
         Self {
-            client,
+            requester: requester.into(),
             dt: dt.clone(),
             namespace: None,
         }
@@ -58,19 +59,19 @@ impl<K: Watchable> Target<K> {
         self
     }
 
-    /// An `Api` of `W`, a wrapper of `K`, for this target.
-    fn api<W: Resource<DynamicType = K::DynamicType, Scope = kube::core::DynamicResourceScope>>(
-        &self,
-    ) -> Api<W> {
-        match &self.namespace {
-            Some(ns) => Api::namespaced_with(self.client.clone(), ns, &self.dt),
-            None => Api::all_with(self.client.clone(), &self.dt),
+    /// This target, watched as `W`, a wrapper of `K`.
+    fn watched<W: Resource<DynamicType = K::DynamicType>>(&self) -> Watched<W> {
+        Watched {
+            requester: self.requester.clone(),
+            dt: self.dt.clone(),
+            namespace: self.namespace.clone(),
         }
     }
 }
 
-/// kube-runtime's watcher of `target` for `config`, listing by a streaming list when
-/// `streaming` (and `config` keeps bookmarks, which streaming lists need) and in pages when
+/// A watcher ([`wire::watcher`], kube-runtime's protocol) of `target` for `config`, listing
+/// by a streaming list when `streaming` (and `config` keeps bookmarks, which streaming lists
+/// need) and in pages when
 /// the server turns out not to serve streaming lists. A `config` that asks for streaming lists
 /// itself gets them whatever `streaming` says, and no fallback: that is the caller's choice.
 /// `cluster` names the cluster in the log line of a fallback. With `trim`, objects are decoded
@@ -142,18 +143,19 @@ pub(crate) fn scoped<K: Watchable>(
     }
 }
 
-/// kube-runtime's watcher of `target`, of objects decoded without managed fields if `trim`.
+/// The watcher of `target` ([`wire::watcher`]), of objects decoded without managed fields if
+/// `trim`.
 fn open<K: Watchable>(
     target: &Target<K>,
     config: watcher::Config,
     trim: bool,
 ) -> impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K> {
     if trim {
-        let api = target.api::<Trimmed<K>>();
-        Either::Left(watcher(api, config).map_ok(untrimmed as fn(_) -> _))
+        let watched = target.watched::<Trimmed<K>>();
+        Either::Left(wire::watcher(watched, config).map_ok(untrimmed as fn(_) -> _))
     } else {
-        let api = target.api::<Whole<K>>();
-        Either::Right(watcher(api, config).map_ok(unwrapped as fn(_) -> _))
+        let watched = target.watched::<Whole<K>>();
+        Either::Right(wire::watcher(watched, config).map_ok(unwrapped as fn(_) -> _))
     }
 }
 

@@ -26,6 +26,7 @@ mod transform;
 mod transport;
 pub(crate) mod trim;
 mod watch;
+pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -110,6 +111,9 @@ enum ClientSlot {
     Deferred {
         make: Mutex<Option<MakeClient>>,
         made: std::sync::OnceLock<Client>,
+        /// The stack the client is made of, for the cluster's watches (which need no
+        /// client, and so no buffer); `None` for kube's own stacks.
+        raw: Option<wire::RawService>,
     },
     Given {
         given: Client,
@@ -181,24 +185,32 @@ impl<C: ClusterId> Cluster<C> {
     pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
         let state = Arc::new(ClientState::default());
         let layer = ClientLayer(state.clone());
-        let make = Self::make_client(&config, layer).map_err(redact::redact_kube)?;
+        let (make, raw) = Self::make_client(&config, layer).map_err(redact::redact_kube)?;
         let slot = ClientSlot::Deferred {
             make: Mutex::new(Some(make)),
             made: std::sync::OnceLock::new(),
+            raw,
         };
         Ok(Self::build(id, slot, state, Some(config), None))
     }
 
     /// How to make the client of `config` once it is first needed: over the shared
-    /// transport, or kube's own stack for what the transport does not do.
-    fn make_client(config: &kube::Config, layer: ClientLayer) -> Result<MakeClient, kube::Error> {
+    /// transport (with the stack it is made of, for watches), or kube's own stack for what
+    /// the transport does not do.
+    fn make_client(
+        config: &kube::Config,
+        layer: ClientLayer,
+    ) -> Result<(MakeClient, Option<wire::RawService>), kube::Error> {
         Ok(match transport::shared(config)? {
-            Some(transport) => transport::client(config, transport, layer)?,
+            Some(transport) => {
+                let (make, raw) = transport::client(config, transport, layer)?;
+                (make, Some(raw))
+            }
             None => {
                 // secrets-lint: from_config passes the error through redact_kube.
                 let builder = kube::client::ClientBuilder::try_from(config.clone())?;
                 let builder = builder.with_layer(&layer);
-                Box::new(move || builder.build())
+                (Box::new(move || builder.build()), None)
             }
         })
     }
@@ -300,7 +312,7 @@ impl<C: ClusterId> Cluster<C> {
     pub fn client(&self) -> Client {
         match &self.inner.client {
             ClientSlot::Built(client) => client.clone(),
-            ClientSlot::Deferred { make, made } => made
+            ClientSlot::Deferred { make, made, .. } => made
                 .get_or_init(|| {
                     // Taken once: `get_or_init` runs one initialiser at a time, and only
                     // until one returns.
@@ -336,6 +348,15 @@ impl<C: ClusterId> Cluster<C> {
                     })
                     .clone()
             }
+        }
+    }
+
+    /// How the cluster's watches send their requests: the stack its client is made of where
+    /// there is one (a cluster whose client nobody asks for never makes it), else the client.
+    pub(crate) fn requester(&self) -> wire::Requester {
+        match &self.inner.client {
+            ClientSlot::Deferred { raw: Some(raw), .. } => wire::Requester::Service(raw.clone()),
+            _ => wire::Requester::Client(self.client()),
         }
     }
 
@@ -731,7 +752,7 @@ impl<C: ClusterId> Cluster<C> {
         let namespaces = session.settings.namespaces.of::<K>(dt);
         let events = match &self.inner.source {
             None => {
-                let target = listing::Target::<K>::all(self.client(), dt);
+                let target = listing::Target::<K>::all(self.requester(), dt);
                 let one = |namespace: Option<&str>| {
                     let transform = transform.clone();
                     backoff::Retrying::new(

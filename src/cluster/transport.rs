@@ -894,7 +894,8 @@ fn auth_layer(
 
 /// A client for `config` whose requests go through `transport`, behind `outer` (the
 /// cluster's own layer) and kube's per-client layers: base URI, retries (if the
-/// configuration asks for them), authentication, extra and impersonation headers.
+/// configuration asks for them), authentication, extra and impersonation headers; and the
+/// same stack without the client, for the cluster's watches.
 ///
 /// The client itself (whose request buffer is a task of its own) is made when the returned
 /// function is called: everything that can fail is done here.
@@ -902,7 +903,7 @@ pub(crate) fn client(
     config: &kube::Config,
     transport: Arc<Transport>,
     outer: super::client::ClientLayer,
-) -> Result<super::client::MakeClient, kube::Error> {
+) -> Result<(super::client::MakeClient, super::wire::RawService), kube::Error> {
     let retry = config
         .default_retry
         .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
@@ -913,8 +914,14 @@ pub(crate) fn client(
         .layer(auth_layer(config, transport.endpoint.identity.clone())?)
         .layer(config.extra_headers_layer()?)
         .service(Shared(transport));
+    let raw = super::wire::RawService::new(tower::ServiceExt::map_response(
+        service.clone(),
+        |response: Response<TransportBody>| {
+            response.map(|body| Box::pin(body) as super::wire::ResponseBody)
+        },
+    ));
     let namespace = config.default_namespace.clone();
-    Ok(Box::new(move || kube::Client::new(service, namespace)))
+    Ok((Box::new(move || kube::Client::new(service, namespace)), raw))
 }
 
 #[cfg(test)]

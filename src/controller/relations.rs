@@ -257,7 +257,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         if let Some(predicate) = &self.predicate {
             // The predicate reads whole children.
             let children = listing::scoped(
-                Target::<Child>::all(cluster.client(), &self.child),
+                Target::<Child>::all(cluster.requester(), &self.child),
                 namespaces.of::<Child>(&self.child),
                 self.watcher_config.clone(),
                 streaming,
@@ -273,7 +273,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         // Only the owner references matter here: the children's metadata, as kube-runtime's
         // own `Controller::owns` watches them.
         let children = listing::scoped(
-            Target::<PartialObjectMeta<Child>>::all(cluster.client(), &self.child),
+            Target::<PartialObjectMeta<Child>>::all(cluster.requester(), &self.child),
             namespaces.of::<PartialObjectMeta<Child>>(&self.child),
             self.watcher_config.clone(),
             streaming,
@@ -342,7 +342,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
         let others = listing::scoped(
-            Target::<Other>::all(cluster.client(), &self.other),
+            Target::<Other>::all(cluster.requester(), &self.other),
             namespaces.of::<Other>(&self.other),
             self.watcher_config.clone(),
             streaming,

@@ -261,7 +261,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
             let reader = writer.as_reader();
             // The controller's trigger backoff covers this stream too (errors pass through).
             let id = ClusterField(cluster.id()).to_string().into();
-            let target = listing::Target::all(cluster.client(), &dt);
+            let target = listing::Target::all(cluster.requester(), &dt);
             let config = spec.watcher_config.clone();
             let stream = listing::scoped(
                 target,
