@@ -441,7 +441,7 @@ where
                     },
                 ),
                 InitialListStrategy::StreamingList => {
-                    match self.watched.watch(&self.watch_params(true), "0").await {
+                    match Box::pin(self.watched.watch(&self.watch_params(true), "0")).await {
                         Ok(events) => (Some(Ok(Event::Init)), Phase::Streaming(events)),
                         Err(error) => {
                             logged(&error, "starting a streaming list");
@@ -471,7 +471,7 @@ where
                 {
                     return (Some(Ok(Event::InitDone)), Phase::Listed(version));
                 }
-                match self.watched.list(&self.list_params(continue_token)).await {
+                match Box::pin(self.watched.list(&self.list_params(continue_token))).await {
                     Ok(list) => {
                         let version = list.metadata.resource_version.filter(|v| !v.is_empty());
                         let continue_token = list.metadata.continue_.filter(|t| !t.is_empty());
@@ -535,11 +535,7 @@ where
                 None => (None, Phase::Start),
             },
             Phase::Listed(version) => {
-                match self
-                    .watched
-                    .watch(&self.watch_params(false), &version)
-                    .await
-                {
+                match Box::pin(self.watched.watch(&self.watch_params(false), &version)).await {
                     Ok(events) => (None, Phase::Watching(version, events)),
                     Err(error) => {
                         logged(&error, "starting a watch");
