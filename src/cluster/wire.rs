@@ -235,12 +235,20 @@ impl<W: DeserializeOwned> Stream for Events<W> {
             if line.is_empty() {
                 continue;
             }
-            match serde_json::from_slice::<WatchEvent<W>>(&line) {
+            // Validated whole, once: decoding from a `str` then checks no string on its own.
+            let line = match std::str::from_utf8(&line) {
+                Ok(line) => line,
+                Err(error) => {
+                    let error = std::io::Error::new(std::io::ErrorKind::InvalidData, error);
+                    return Poll::Ready(Some(Err(kube::Error::ReadEvents(error))));
+                }
+            };
+            match serde_json::from_str::<WatchEvent<W>>(line) {
                 Ok(event) => return Poll::Ready(Some(Ok(event))),
                 // A line cut off by the end of the response.
                 Err(error) if error.is_eof() => continue,
                 Err(error) => {
-                    if let Ok(status) = serde_json::from_slice::<Status>(&line) {
+                    if let Ok(status) = serde_json::from_str::<Status>(line) {
                         return Poll::Ready(Some(Err(kube::Error::Api(status.boxed()))));
                     }
                     return Poll::Ready(Some(Err(kube::Error::SerdeError(error))));
@@ -298,7 +306,10 @@ impl<W: Resource> Watched<W> {
         request.extensions_mut().insert("list");
         let body = self.requester.send(request).await?.into_body();
         let bytes = collect(body).await?;
-        serde_json::from_slice(&bytes).map_err(kube::Error::SerdeError)
+        let text = std::str::from_utf8(&bytes).map_err(|error| {
+            kube::Error::ReadEvents(std::io::Error::new(std::io::ErrorKind::InvalidData, error))
+        })?;
+        serde_json::from_str(text).map_err(kube::Error::SerdeError)
     }
 
     async fn watch(&self, params: &WatchParams, version: &str) -> kube::Result<Pin<Box<Events<W>>>>
