@@ -83,6 +83,11 @@ impl Bucket {
         }
     }
 
+    /// Returns a token taken and not used (at most up to the burst).
+    fn give_back(&mut self) {
+        self.tokens = (self.tokens + 1.0).min(f64::from(self.limit.burst));
+    }
+
     /// Takes a token; how long until it is due.
     fn reserve(&mut self) -> Duration {
         let now = Instant::now();
@@ -153,6 +158,14 @@ impl ClientState {
         match &*lock(&self.limit) {
             Limit::Inherited(bucket) | Limit::Own(Some(bucket)) => Some(bucket.limit),
             Limit::Unset | Limit::Own(None) => None,
+        }
+    }
+
+    /// Gives back a token taken by a request that was not sent.
+    fn give_back(&self) {
+        match &mut *lock(&self.limit) {
+            Limit::Inherited(bucket) | Limit::Own(Some(bucket)) => bucket.give_back(),
+            Limit::Unset | Limit::Own(None) => {}
         }
     }
 
@@ -228,6 +241,16 @@ pub(crate) struct Limited<S> {
     wait: Option<Pin<Box<Sleep>>>,
     /// A token is held for the next call.
     granted: bool,
+}
+
+/// A request that took its token (or reserved one and waits for it) and is dropped before it
+/// is sent gives the token back: watches stopped under throttling do not hold up the next.
+impl<S> Drop for Limited<S> {
+    fn drop(&mut self) {
+        if self.granted || self.wait.is_some() {
+            self.state.give_back();
+        }
+    }
 }
 
 /// A copy shares the cluster's limit, not the token or wait of the one copied.
@@ -335,6 +358,8 @@ impl tower_service::Service<Request<Body>> for Forward {
 
 #[cfg(test)]
 mod tests {
+    use tower_layer::Layer;
+
     use super::*;
 
     #[tokio::test(start_paused = true)]
@@ -352,6 +377,36 @@ mod tests {
             assert_eq!(bucket.reserve(), Duration::ZERO);
         }
         assert_eq!(bucket.reserve(), Duration::from_millis(100));
+    }
+
+    /// A request dropped after it took its token (or while waiting for it) gives the token
+    /// back: a watch stopped under throttling does not slow the cluster's next request.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_dropped_before_it_is_sent_gives_its_token_back() {
+        let state = Arc::new(ClientState::default());
+        state.set_limit(Some(RateLimit::new(1.0, 1).unwrap()));
+        let service = tower::service_fn(|_: Request<Body>| async {
+            Ok::<_, std::io::Error>(Response::new(Body::empty()))
+        });
+        let mut limited = ClientLayer(state.clone()).layer(service);
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        // Granted the only token, then dropped without a call.
+        assert!(tower_service::Service::poll_ready(&mut limited, &mut cx).is_ready());
+        let mut waiting = limited.clone();
+        drop(limited);
+        // The next request finds the token there, without waiting a second for the refill.
+        assert!(tower_service::Service::poll_ready(&mut waiting, &mut cx).is_ready());
+        // And one dropped while waiting for its token gives its reservation back too.
+        let mut third = waiting.clone();
+        assert!(tower_service::Service::poll_ready(&mut third, &mut cx).is_pending());
+        drop(third);
+        drop(waiting);
+        let mut fourth =
+            ClientLayer(state.clone()).layer(tower::service_fn(|_: Request<Body>| async {
+                Ok::<_, std::io::Error>(Response::new(Body::empty()))
+            }));
+        assert!(tower_service::Service::poll_ready(&mut fourth, &mut cx).is_ready());
     }
 
     #[test]

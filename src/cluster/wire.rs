@@ -66,7 +66,7 @@ impl Requester {
             Requester::Client(client) => client
                 .send(request)
                 .await?
-                .map(|body| Box::pin(body.map_err(BoxError::from)) as ResponseBody),
+                .map(|body| Box::pin(body.map_err(unwrapped)) as ResponseBody),
             Requester::Service(service) => service
                 .clone()
                 .oneshot(request)
@@ -74,6 +74,15 @@ impl Requester {
                 .map_err(service_error)?,
         };
         refused(response).await
+    }
+}
+
+/// A body error of kube's client as the stack's own: kube wraps them in
+/// [`kube::Error::Service`], which the reader would wrap again.
+fn unwrapped(error: kube::Error) -> BoxError {
+    match error {
+        kube::Error::Service(inner) => inner,
+        other => Box::new(other),
     }
 }
 
@@ -259,16 +268,14 @@ impl<W: DeserializeOwned> Stream for Events<W> {
 }
 
 /// What a failed read of a watch response is: `None` for the connection ending under it (the
-/// watch resumes, as kube's reader does on an unexpected EOF or a read timeout), a
-/// [`kube::Error::ReadEvents`] otherwise.
+/// watch resumes, as kube's reader does on an unexpected EOF), a
+/// [`kube::Error::ReadEvents`] otherwise (a read timeout included: the watch reports it and
+/// waits out its backoff).
 fn read_error(error: BoxError) -> Option<kube::Error> {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&*error);
     while let Some(error) = source {
         if let Some(io) = error.downcast_ref::<std::io::Error>()
-            && matches!(
-                io.kind(),
-                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::TimedOut
-            )
+            && io.kind() == std::io::ErrorKind::UnexpectedEof
         {
             tracing::debug!(error = %io, "a watch response ended early; resuming");
             return None;
@@ -723,5 +730,25 @@ mod tests {
         ))))
         .unwrap();
         assert!(events.next().await.is_none());
+    }
+
+    /// A body that stalls past the transport's read timeout is an error of the watch (which
+    /// its backoff and status report, and which tells a streaming list cut short from one
+    /// the server does not serve), not a quiet end.
+    #[tokio::test]
+    async fn a_read_timeout_is_an_error_not_an_end() {
+        let (tx, body) = body();
+        let mut events = Box::pin(Events::<ConfigMap>::new(body));
+        tx.unbounded_send(Err(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "no frame within the read timeout",
+        ))))
+        .unwrap();
+        match events.next().await {
+            Some(Err(kube::Error::ReadEvents(error))) => {
+                assert!(error.to_string().contains("read timeout"), "{error}");
+            }
+            other => panic!("a read timeout is a ReadEvents error: {other:?}"),
+        }
     }
 }
