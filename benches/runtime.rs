@@ -3,6 +3,7 @@
 //! ```sh
 //! export MCR_TESTENV_ASSETS=$(scripts/testenv-assets.sh)
 //! cargo bench --bench runtime -- callgrind [--fleet] [--runs N]   # zero cost of single-cluster mode
+//! cargo bench --bench runtime -- callgrind --concurrency [--runs N] # single mode at 4 and 64 at once
 //! cargo bench --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
 //! cargo bench --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
 //! cargo bench --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
@@ -86,6 +87,10 @@ fn main() {
                 // `--fleet` adds fleet mode, to compare its instructions across commits.
                 let modes: &[&str] = if args.iter().any(|a| a == "--metrics") {
                     &["fleet", "fleet-metrics"]
+                } else if args.iter().any(|a| a == "--concurrency") {
+                    // Single mode's backlog: kube-runtime's runner polls every running
+                    // reconcile on each wake-up, so its cost grows with how many run at once.
+                    &["single", "single-c4", "single-c64"]
                 } else if args.iter().any(|a| a == "--fleet") {
                     &["kube", "kube-streaming", "single", "fleet"]
                 } else {
@@ -298,6 +303,15 @@ async fn child(mode: &str, kubeconfig: &str) {
         "single" => {
             let manager = Manager::new(SingleProvider::new(client));
             Builder::<_, ConfigMap>::new(&manager, wc)
+                .run(count, never, Arc::new(Counter::default()))
+                .await
+        }
+        // `single-cN`: the same with at most N reconciles at once.
+        limited if limited.starts_with("single-c") => {
+            let n: u16 = limited["single-c".len()..].parse().expect("concurrency");
+            let manager = Manager::new(SingleProvider::new(client));
+            Builder::<_, ConfigMap>::new(&manager, wc)
+                .concurrency(n)
                 .run(count, never, Arc::new(Counter::default()))
                 .await
         }
