@@ -233,13 +233,19 @@ fn callgrind(kubeconfig: &str, modes: &[&'static str], runs: usize) {
             (a as i64 - b as i64) / OBJECTS as i64
         );
     };
-    if modes.contains(&"single") {
+    if modes.contains(&"single") && modes.contains(&"kube") {
         print!("single / kube:");
         ratio("single", "kube");
     }
     if modes.contains(&"kube-streaming") {
         print!("single / kube-streaming:");
         ratio("single", "kube-streaming");
+    }
+    for limited in ["single-c4", "single-c64"] {
+        if modes.contains(&limited) {
+            print!("{limited} / single:");
+            ratio(limited, "single");
+        }
     }
     if modes.contains(&"fleet-metrics") {
         print!("fleet-metrics / fleet:");
