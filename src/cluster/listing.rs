@@ -71,9 +71,9 @@ impl<K: Watchable> Target<K> {
 
 /// A watcher ([`wire::watcher`], kube-runtime's protocol) of `target` for `config`, listing
 /// by a streaming list when `streaming` (and `config` keeps bookmarks, which streaming lists
-/// need) and in pages when
-/// the server turns out not to serve streaming lists. A `config` that asks for streaming lists
-/// itself gets them whatever `streaming` says, and no fallback: that is the caller's choice.
+/// need) and in pages when the server turns out not to serve streaming lists. A `config` that
+/// asks for streaming lists itself gets them whatever `streaming` says, and no fallback: that
+/// is the caller's choice.
 /// `cluster` names the cluster in the log line of a fallback. With `trim`, objects are decoded
 /// without their managed fields ([`Trimmed`]).
 pub(crate) fn watch<K: Watchable>(

@@ -244,13 +244,9 @@ impl<W: DeserializeOwned> Stream for Events<W> {
             if line.is_empty() {
                 continue;
             }
-            // Validated whole, once: decoding from a `str` then checks no string on its own.
-            let line = match std::str::from_utf8(&line) {
+            let line = match text(&line) {
                 Ok(line) => line,
-                Err(error) => {
-                    let error = std::io::Error::new(std::io::ErrorKind::InvalidData, error);
-                    return Poll::Ready(Some(Err(kube::Error::ReadEvents(error))));
-                }
+                Err(error) => return Poll::Ready(Some(Err(error))),
             };
             match serde_json::from_str::<WatchEvent<W>>(line) {
                 Ok(event) => return Poll::Ready(Some(Ok(event))),
@@ -265,6 +261,14 @@ impl<W: DeserializeOwned> Stream for Events<W> {
             }
         }
     }
+}
+
+/// `bytes` as text, checked as UTF-8 once: decoding from a `str` then checks no string of
+/// it on its own.
+fn text(bytes: &[u8]) -> kube::Result<&str> {
+    std::str::from_utf8(bytes).map_err(|error| {
+        kube::Error::ReadEvents(std::io::Error::new(std::io::ErrorKind::InvalidData, error))
+    })
 }
 
 /// What a failed read of a watch response is: `None` for the connection ending under it (the
@@ -313,10 +317,7 @@ impl<W: Resource> Watched<W> {
         request.extensions_mut().insert("list");
         let body = self.requester.send(request).await?.into_body();
         let bytes = collect(body).await?;
-        let text = std::str::from_utf8(&bytes).map_err(|error| {
-            kube::Error::ReadEvents(std::io::Error::new(std::io::ErrorKind::InvalidData, error))
-        })?;
-        serde_json::from_str(text).map_err(kube::Error::SerdeError)
+        serde_json::from_str(text(&bytes)?).map_err(kube::Error::SerdeError)
     }
 
     async fn watch(&self, params: &WatchParams, version: &str) -> kube::Result<Pin<Box<Events<W>>>>
