@@ -422,3 +422,162 @@ async fn owned_children_watched_by_their_metadata_only_trigger_their_owner() {
     )
     .await;
 }
+
+/// What each controller of [`one_watch_per_kind`] reconciled, and what the context cache of
+/// Secrets held when it did.
+#[derive(Default)]
+struct Shared {
+    reconciled: Mutex<std::collections::BTreeSet<(String, String)>>,
+    cached: Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl Shared {
+    fn reconciled(&self, controller: &str, name: &str) -> bool {
+        self.reconciled
+            .lock()
+            .unwrap()
+            .contains(&(controller.to_string(), name.to_string()))
+    }
+    fn cached(&self, name: &str) -> bool {
+        self.cached.lock().unwrap().contains(name)
+    }
+}
+
+async fn create_secret(client: &kube::Client, name: &str) {
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("zoo".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), "zoo")
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+}
+
+/// Runs two controllers of Secrets, whose reconciler reads a context cache of Secrets, on
+/// `manager` (whose one cluster is `tc`), and returns how many more watches of Secrets the API
+/// server serves once each of the three has seen a Secret created after it had listed.
+async fn watches_of_two_controllers_and_a_cache<P: Provider>(
+    manager: Manager<P>,
+    tc: &multicluster_runtime_testenv::TestCluster,
+    mode: &str,
+) -> usize {
+    let client = tc.client().unwrap();
+    let before = tc.served_watches("secrets", true).await.unwrap();
+    let manager = Arc::new(manager);
+    let shared = Arc::new(Shared::default());
+    for controller in ["first", "second"] {
+        let builder = Builder::<_, Secret>::new(&manager, Default::default()).named(controller);
+        // The second in two lanes (listed objects wait in a gate) with a predicate: the
+        // filters a controller puts on a watch it shares with another.
+        let builder = match controller {
+            "second" => builder
+                .concurrency(2)
+                .changes_first(true)
+                .with_predicate(|s: &Secret| {
+                    Some(
+                        s.metadata
+                            .resource_version
+                            .as_deref()
+                            .unwrap_or_default()
+                            .len() as u64
+                            + 1,
+                    )
+                }),
+            _ => builder,
+        };
+        builder.start(
+            move |secret: Arc<Secret>, ctx: Context<_, Shared>| async move {
+                let cache = ctx
+                    .cluster()
+                    .cache::<Secret>(&Default::default())
+                    .await
+                    .map_err(|e| kube::Error::Service(e.into()))?;
+                let names: Vec<String> = cache
+                    .store()
+                    .state()
+                    .iter()
+                    .filter_map(|s| s.metadata.name.clone())
+                    .collect();
+                let name = secret.metadata.name.clone().unwrap_or_default();
+                let held = names.contains(&name);
+                ctx.state().cached.lock().unwrap().extend(names);
+                ctx.state()
+                    .reconciled
+                    .lock()
+                    .unwrap()
+                    .insert((controller.to_string(), name));
+                // A cache of its own (before sharing) may lag the controller's watch.
+                Ok(if held {
+                    Action::await_change()
+                } else {
+                    Action::requeue(std::time::Duration::from_millis(100))
+                })
+            },
+            never,
+            shared.clone(),
+        );
+    }
+    let listed = format!("{mode}-listed");
+    create_secret(&client, &listed).await;
+    let run = spawn_manager(&manager);
+    let both = async |name: &str| {
+        shared.reconciled("first", name) && shared.reconciled("second", name) && shared.cached(name)
+    };
+    eventually(
+        30,
+        &format!("{mode}: both controllers reconciled {listed}"),
+        async || both(&listed).await,
+    )
+    .await;
+    // Created after every watch has listed: each of them can only hear of it through a watch.
+    let live = format!("{mode}-live");
+    create_secret(&client, &live).await;
+    eventually(
+        30,
+        &format!("{mode}: both controllers and the cache saw {live}"),
+        async || both(&live).await,
+    )
+    .await;
+    let after = tc.served_watches("secrets", true).await.unwrap();
+    manager.shutdown();
+    run.await.unwrap();
+    // Its watches are gone (the API server notices a closed watch soon, not at once).
+    eventually(
+        30,
+        &format!("{mode}: the manager's watches ended"),
+        async || tc.served_watches("secrets", true).await.unwrap() == before,
+    )
+    .await;
+    after.saturating_sub(before)
+}
+
+#[tokio::test]
+async fn two_controllers_of_a_kind_and_a_context_cache_share_one_watch_in_every_mode() {
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let client = tc.client().unwrap();
+    create_namespace(&client, "zoo").await;
+
+    let single = Manager::new(SingleProvider::new(client.clone()));
+    let single = watches_of_two_controllers_and_a_cache(single, &tc, "single").await;
+    // kube-runtime's own watcher underneath (objects kept whole, listed in pages).
+    let kube = Manager::new(SingleProvider::new(client.clone()))
+        .keep_managed_fields()
+        .paged_lists();
+    let kube = watches_of_two_controllers_and_a_cache(kube, &tc, "kube").await;
+    let clusters = Clusters::new();
+    clusters
+        .add(Cluster::from_config(name("fleet"), tc.config()).unwrap())
+        .unwrap();
+    let fleet = watches_of_two_controllers_and_a_cache(Manager::new(clusters), &tc, "fleet").await;
+    assert_eq!(
+        (single, kube, fleet),
+        (1, 1, 1),
+        "watches of Secrets opened (single mode, single mode on kube-runtime's watcher, fleet)"
+    );
+}

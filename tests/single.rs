@@ -293,3 +293,67 @@ async fn reconciles_still_running_after_the_graceful_timeout_are_dropped() {
         "the three were dropped by the time run returned"
     );
 }
+
+/// Whether `seen` reconciled the Secret `name` of namespace zoo.
+fn reconciled(seen: &Seen, name: &str) -> bool {
+    let suffix = format!("/zoo/{name}");
+    seen.requests
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|r| r.ends_with(&suffix))
+}
+
+#[tokio::test]
+async fn a_controller_sharing_anothers_watch_carries_on_when_that_one_stops() {
+    let (env, client, manager) = single_cluster().await;
+    let tc = env.cluster(0).unwrap();
+    let secrets = Api::<Secret>::namespaced(client.clone(), "zoo");
+    let run = spawn_manager(&manager);
+    let (a_seen, b_seen) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
+    // `a` runs the watch of Secrets (it claims it first, and has listed), `b` schedules from it.
+    let a = tokio::spawn(
+        Builder::<_, Secret>::new(&manager, watcher::Config::default())
+            .named("a")
+            .run(record, |_, _, _| Action::await_change(), a_seen.clone()),
+    );
+    secrets
+        .create(&PostParams::default(), &secret("first", &[], None))
+        .await
+        .unwrap();
+    eventually(30, "a reconciled first", async || {
+        reconciled(&a_seen, "first")
+    })
+    .await;
+    let b = tokio::spawn(
+        Builder::<_, Secret>::new(&manager, watcher::Config::default())
+            .named("b")
+            .run(record, |_, _, _| Action::await_change(), b_seen.clone()),
+    );
+    eventually(30, "b reconciled first", async || {
+        reconciled(&b_seen, "first")
+    })
+    .await;
+    let before = tc.served_watches("secrets", true).await.unwrap();
+    // `a` stops (as a controller run by hand does); `b` goes on with a watch of its own.
+    a.abort();
+    let _ = a.await;
+    secrets
+        .create(&PostParams::default(), &secret("second", &[], None))
+        .await
+        .unwrap();
+    eventually(30, "b reconciled second after a stopped", async || {
+        reconciled(&b_seen, "second")
+    })
+    .await;
+    assert!(!reconciled(&a_seen, "second"), "a had stopped");
+    // One watch of Secrets again, `b`'s where `a`'s was (the API server notices a closed
+    // watch soon, not at once).
+    eventually(30, "one watch of Secrets", async || {
+        tc.served_watches("secrets", true).await.unwrap() == before
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+    b.await.unwrap();
+}

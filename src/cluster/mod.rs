@@ -56,6 +56,7 @@ pub(crate) use index::Indexer;
 pub use redact::CredentialError;
 pub(crate) use redact::{Shown, describe_client};
 use session::Attachment;
+pub(crate) use session::Primary;
 pub(crate) use session::{Engagement, Session};
 pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
 pub(crate) use store::ObjectKey;
@@ -450,6 +451,30 @@ impl<C: ClusterId> Cluster<C> {
         ))
     }
 
+    /// How a single-cluster controller watches its primary kind `K` for `config`, its own
+    /// reflector store being `reflector`: see [`Primary`]. A cluster fed by a shared source
+    /// (a namespace of a host) is watched apart.
+    pub(crate) fn claim_primary<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+        reflector: &kube_runtime::reflector::Store<K>,
+    ) -> Primary<K> {
+        let Some(session) = self.session() else {
+            return Primary::Apart;
+        };
+        if self.inner.source.is_some() {
+            return Primary::Apart;
+        }
+        session.claim_primary(
+            Arc::from(ClusterField(&self.inner.id).to_string()),
+            dt,
+            config,
+            reflector,
+            &self.inner.indexers,
+        )
+    }
+
     /// The current engagement, with the cluster.
     pub(crate) fn engagement(&self) -> Option<Engagement<C>> {
         self.session().map(|session| Engagement {
@@ -685,7 +710,7 @@ impl<C: ClusterId> Cluster<C> {
         match tokio::time::timeout(within, watch.synced()).await {
             Ok(synced) => synced.map(|()| Cache::new(watch)),
             Err(_) => Err(CacheError::NotSynced {
-                cluster: self.inner.id.to_string(),
+                cluster: ClusterField(&self.inner.id).to_string(),
                 kind: watch.kind().to_string(),
                 waited: within,
                 reason: match watch.state() {
@@ -718,7 +743,7 @@ impl<C: ClusterId> Cluster<C> {
         config: &watcher::Config,
     ) -> Result<Arc<SharedWatch<K>>, CacheError> {
         let session = self.session().ok_or_else(|| CacheError::NotEngaged {
-            cluster: self.inner.id.to_string(),
+            cluster: ClusterField(&self.inner.id).to_string(),
         })?;
         self.watch_in(&session, dt, config)
     }
@@ -740,15 +765,16 @@ impl<C: ClusterId> Cluster<C> {
         }
         if !session.is_active() {
             return Err(CacheError::NotEngaged {
-                cluster: self.inner.id.to_string(),
+                cluster: ClusterField(&self.inner.id).to_string(),
             });
         }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| CacheError::NoRuntime {
-            cluster: self.inner.id.to_string(),
+            cluster: ClusterField(&self.inner.id).to_string(),
         })?;
         let stop = session.token.child_token();
         let transform = session.settings.transforms.of::<K>();
-        let cluster: Arc<str> = Arc::from(self.inner.id.to_string());
+        // Logs and errors name the single cluster `single`, as its spans do.
+        let cluster: Arc<str> = Arc::from(ClusterField(&self.inner.id).to_string());
         let namespaces = session.settings.namespaces.of::<K>(dt);
         let events = match &self.inner.source {
             None => {

@@ -134,6 +134,52 @@ impl Session {
         existing.as_any().downcast::<SharedWatch<K>>().ok()
     }
 
+    /// A single-cluster controller's primary watch of `K` for `config`, whose reflector store
+    /// is `reflector`: shown to the rest of the crate as this engagement's shared watch of
+    /// that kind and configuration, so caches and other controllers of the kind use it rather
+    /// than open their own. See [`Primary`].
+    pub(crate) fn claim_primary<K: Watchable>(
+        self: &Arc<Self>,
+        cluster: Arc<str>,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+        reflector: &kube_runtime::reflector::Store<K>,
+        indexers: &Mutex<Vec<Indexer>>,
+    ) -> Primary<K> {
+        let key = WatchKey::of::<K>(dt, config);
+        let mut watches = lock(&self.watches);
+        if !self.is_active() {
+            return Primary::Apart;
+        }
+        if let Some(existing) = watches.get(&key).cloned() {
+            return match existing.as_any().downcast::<SharedWatch<K>>() {
+                Ok(watch) => match watch.reflector().cloned() {
+                    Some(reflector) => Primary::Subscribe(watch, reflector),
+                    None => Primary::Apart,
+                },
+                Err(_) => Primary::Apart,
+            };
+        }
+        // Under the watches' lock, as `Cluster::add_indexer` reads them: an index added now
+        // is either in this list or finds the watch in the map.
+        let indexers = lock(indexers).clone();
+        let feed = SharedWatch::adopt(
+            reflector.clone(),
+            dt,
+            cluster,
+            self.token.child_token(),
+            &indexers,
+            self.settings.faults.clone(),
+        );
+        watches.insert(key.clone(), feed.watch().clone());
+        Primary::Own(Adopted {
+            feed,
+            timeout: self.settings.sync_timeout,
+            session: self.clone(),
+            key,
+        })
+    }
+
     /// Whether a watch task of this engagement may still be running.
     pub(crate) fn is_winding_down(&self) -> bool {
         lock(&self.tasks).iter().any(|t| !t.is_finished())
@@ -145,6 +191,41 @@ impl Session {
         let tasks = std::mem::take(&mut *lock(&self.tasks));
         for task in tasks {
             let _ = task.await;
+        }
+    }
+}
+
+/// How a single-cluster controller watches its primary kind.
+pub(crate) enum Primary<K: Watchable> {
+    /// It runs the engagement's watch of the kind itself, handing its events on through the
+    /// feed.
+    Own(Adopted<K>),
+    /// Another controller runs it: this one schedules from that watch's reflector store and
+    /// its subscription.
+    Subscribe(Arc<SharedWatch<K>>, kube_runtime::reflector::Store<K>),
+    /// It runs a watch of its own (the engagement ended, or a cache of the kind started its
+    /// own watch first).
+    Apart,
+}
+
+/// A controller's watch shown among the engagement's watches until dropped.
+pub(crate) struct Adopted<K: Watchable> {
+    pub(crate) feed: super::watch::Feed<K>,
+    /// The engagement's cache sync timeout.
+    pub(crate) timeout: Option<std::time::Duration>,
+    session: Arc<Session>,
+    key: WatchKey,
+}
+
+impl<K: Watchable> Drop for Adopted<K> {
+    fn drop(&mut self) {
+        let mut watches = lock(&self.session.watches);
+        let ours = Arc::as_ptr(self.feed.watch()).cast::<()>();
+        if watches
+            .get(&self.key)
+            .is_some_and(|w| Arc::as_ptr(w).cast::<()>() == ours)
+        {
+            watches.remove(&self.key);
         }
     }
 }

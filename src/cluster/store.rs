@@ -26,13 +26,67 @@ use crate::sync::{read, write};
 /// Like any cache it may lag the API server: a reconciler that must act on the newest version
 /// reads through the cluster's client.
 pub struct Store<K> {
-    objects: Arc<RwLock<Objects<K>>>,
+    backing: Backing<K>,
+}
+
+/// Where a store's objects are: in a table of the crate's own, or in the reflector store of a
+/// single-cluster controller (kube-runtime's, which that controller's scheduler reads), so a
+/// context cache of the controller's own kind reads the objects the controller's watch holds.
+enum Backing<K> {
+    Own(Arc<RwLock<Objects<K>>>),
+    Reflector(Arc<dyn Reflected<K>>),
+}
+
+/// A read-only view of kube-runtime's reflector store (object-safe: kube-runtime's store has
+/// bounds on its type this crate's store does not carry).
+pub(crate) trait Reflected<K>: Send + Sync {
+    fn get(&self, namespace: Option<&str>, name: &str) -> Option<Arc<K>>;
+    fn state(&self) -> Vec<Arc<K>>;
+    fn find(&self, predicate: &dyn Fn(&K) -> bool) -> Option<Arc<K>>;
+    fn state_filter(&self, predicate: &dyn Fn(&K) -> bool) -> Vec<Arc<K>>;
+    fn len(&self) -> usize;
+}
+
+/// kube-runtime's reflector store with the dynamic type its keys need.
+struct Reflector<K: Resource + 'static>
+where
+    K::DynamicType: std::hash::Hash + Eq,
+{
+    store: kube_runtime::reflector::Store<K>,
+    dt: K::DynamicType,
+}
+
+impl<K> Reflected<K> for Reflector<K>
+where
+    K: Resource + Clone + Send + Sync + 'static,
+    K::DynamicType: std::hash::Hash + Eq + Clone + Send + Sync,
+{
+    fn get(&self, namespace: Option<&str>, name: &str) -> Option<Arc<K>> {
+        let mut key = ObjectRef::new_with(name, self.dt.clone());
+        key.namespace = namespace.map(str::to_string);
+        self.store.get(&key)
+    }
+    fn state(&self) -> Vec<Arc<K>> {
+        self.store.state()
+    }
+    fn find(&self, predicate: &dyn Fn(&K) -> bool) -> Option<Arc<K>> {
+        self.store.find(|o| predicate(o))
+    }
+    fn state_filter(&self, predicate: &dyn Fn(&K) -> bool) -> Vec<Arc<K>> {
+        self.store.state_filter(|o| predicate(o))
+    }
+    fn len(&self) -> usize {
+        self.store.len()
+    }
 }
 
 impl<K> Clone for Store<K> {
     fn clone(&self) -> Self {
         Self {
-            objects: self.objects.clone(),
+            backing: match &self.backing {
+                Backing::Own(objects) => Backing::Own(objects.clone()),
+                Backing::Reflector(store) => Backing::Reflector(store.clone()),
+            },
         }
     }
 }
@@ -40,7 +94,7 @@ impl<K> Clone for Store<K> {
 impl<K: Resource> fmt::Debug for Store<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Store")
-            .field("objects", &read(&self.objects).table.len())
+            .field("objects", &self.len())
             .finish()
     }
 }
@@ -126,9 +180,15 @@ impl<K: Resource> Objects<K> {
 }
 
 impl<K: Resource> Store<K> {
-    pub(crate) fn new() -> Self {
+    /// A store that reads kube-runtime's reflector store `store` (written by a single-cluster
+    /// controller's reflector), `dt` being the kind's dynamic type.
+    pub(crate) fn of_reflector(store: kube_runtime::reflector::Store<K>, dt: K::DynamicType) -> Self
+    where
+        K: Clone + Send + Sync + 'static,
+        K::DynamicType: std::hash::Hash + Eq + Clone + Send + Sync,
+    {
         Self {
-            objects: Arc::new(RwLock::new(Objects::new())),
+            backing: Backing::Reflector(Arc::new(Reflector { store, dt })),
         }
     }
 
@@ -151,7 +211,10 @@ impl<K: Resource> Store<K> {
 
     /// The object of `namespace` and `name`, as [`get`](Self::get) finds it.
     pub(crate) fn get_named(&self, namespace: Option<&str>, name: &str) -> Option<Arc<K>> {
-        let objects = read(&self.objects);
+        let objects = match &self.backing {
+            Backing::Own(objects) => read(objects),
+            Backing::Reflector(store) => return store.get(namespace, name),
+        };
         objects
             .get(namespace, name)
             .or_else(|| namespace.and_then(|_| objects.get(None, name)))
@@ -166,7 +229,10 @@ impl<K: Resource> Store<K> {
     /// Every object in the store, in no particular order.
     #[must_use]
     pub fn state(&self) -> Vec<Arc<K>> {
-        read(&self.objects).table.iter().cloned().collect()
+        match &self.backing {
+            Backing::Own(objects) => read(objects).table.iter().cloned().collect(),
+            Backing::Reflector(store) => store.state(),
+        }
     }
 
     /// An object `predicate` accepts, if there is one.
@@ -174,11 +240,10 @@ impl<K: Resource> Store<K> {
     /// The store stays locked for reading while `predicate` runs: keep it quick.
     #[must_use]
     pub fn find(&self, predicate: impl Fn(&K) -> bool) -> Option<Arc<K>> {
-        read(&self.objects)
-            .table
-            .iter()
-            .find(|o| predicate(o))
-            .cloned()
+        match &self.backing {
+            Backing::Own(objects) => read(objects).table.iter().find(|o| predicate(o)).cloned(),
+            Backing::Reflector(store) => store.find(&predicate),
+        }
     }
 
     /// The objects `predicate` accepts.
@@ -186,12 +251,15 @@ impl<K: Resource> Store<K> {
     /// The store stays locked for reading while `predicate` runs: keep it quick.
     #[must_use]
     pub fn state_filter(&self, predicate: impl Fn(&K) -> bool) -> Vec<Arc<K>> {
-        read(&self.objects)
-            .table
-            .iter()
-            .filter(|o| predicate(o))
-            .cloned()
-            .collect()
+        match &self.backing {
+            Backing::Own(objects) => read(objects)
+                .table
+                .iter()
+                .filter(|o| predicate(o))
+                .cloned()
+                .collect(),
+            Backing::Reflector(store) => store.state_filter(&predicate),
+        }
     }
 
     /// The objects whose labels `selector` matches.
@@ -203,7 +271,10 @@ impl<K: Resource> Store<K> {
     /// How many objects the store holds.
     #[must_use]
     pub fn len(&self) -> usize {
-        read(&self.objects).table.len()
+        match &self.backing {
+            Backing::Own(objects) => read(objects).table.len(),
+            Backing::Reflector(store) => store.len(),
+        }
     }
 
     /// Whether the store holds no object.
@@ -216,32 +287,34 @@ impl<K: Resource> Store<K> {
 /// What a watch applies its events to. A listing is gathered aside and swapped in whole at
 /// its end, so the store keeps serving the previous content while a relist runs.
 pub(crate) struct Writer<K> {
-    store: Store<K>,
+    objects: Arc<RwLock<Objects<K>>>,
     listing: Option<Objects<K>>,
 }
 
 impl<K: Resource> Writer<K> {
     pub(crate) fn new() -> Self {
         Self {
-            store: Store::new(),
+            objects: Arc::new(RwLock::new(Objects::new())),
             listing: None,
         }
     }
 
     /// A read handle to the store.
     pub(crate) fn as_reader(&self) -> Store<K> {
-        self.store.clone()
+        Store {
+            backing: Backing::Own(self.objects.clone()),
+        }
     }
 
     /// Stores `object` (replacing the one of the same namespace and name).
     pub(crate) fn apply(&mut self, object: Arc<K>) {
-        write(&self.store.objects).insert(object);
+        write(&self.objects).insert(object);
     }
 
     /// Removes the object of `object`'s namespace and name.
     pub(crate) fn delete(&mut self, object: &K) {
         let (namespace, name) = Objects::key(object);
-        write(&self.store.objects).remove(namespace, name);
+        write(&self.objects).remove(namespace, name);
     }
 
     /// A listing begins.
@@ -257,7 +330,7 @@ impl<K: Resource> Writer<K> {
     /// The listing is complete: it becomes the store's content.
     pub(crate) fn init_done(&mut self) {
         let listing = self.listing.take().unwrap_or_else(Objects::new);
-        *write(&self.store.objects) = listing;
+        *write(&self.objects) = listing;
     }
 }
 

@@ -135,6 +135,13 @@ struct Subscribers<K> {
     senders: Vec<mpsc::UnboundedSender<Change<K>>>,
 }
 
+impl<K> Subscribers<K> {
+    /// Sends `change` to every subscriber, forgetting those that are gone.
+    fn send(&mut self, change: Change<K>) {
+        self.senders.retain(|tx| tx.send(change.clone()).is_ok());
+    }
+}
+
 /// One watch of one resource type and configuration in one engagement of a cluster, feeding a
 /// reflector store, field indexes and any number of subscribers (one per controller relation).
 pub(crate) struct SharedWatch<K: Watchable> {
@@ -153,6 +160,10 @@ pub(crate) struct SharedWatch<K: Watchable> {
     faults: Option<mpsc::UnboundedSender<Fault>>,
     /// When it started (its first listing's time counts from here).
     started: std::time::Instant,
+    /// For a watch a single-cluster controller runs (see [`SharedWatch::adopt`]): the
+    /// kube-runtime store its reflector writes, which `store` reads too and another controller
+    /// of the kind schedules from.
+    reflector: Option<kube_runtime::reflector::Store<K>>,
 }
 
 impl<K> SharedWatch<K>
@@ -173,8 +184,53 @@ where
         runtime: &tokio::runtime::Handle,
     ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
         let writer = Writer::<K>::new();
+        let watch = Self::new(
+            writer.as_reader(),
+            None,
+            dt,
+            cluster,
+            stop,
+            indexers,
+            faults,
+        );
+        let task = runtime.spawn(run(events, writer, Arc::downgrade(&watch), sync_timeout));
+        (watch, task)
+    }
+
+    /// A shared watch whose events come from elsewhere: a single-cluster controller's own
+    /// watch, reflected by kube-runtime into `reflector` and handed on by the returned
+    /// [`Feed`]. Caches of the kind read that store; other controllers subscribe as usual.
+    pub(crate) fn adopt(
+        reflector: kube_runtime::reflector::Store<K>,
+        dt: &K::DynamicType,
+        cluster: Arc<str>,
+        stop: CancellationToken,
+        indexers: &[Indexer],
+        faults: Option<mpsc::UnboundedSender<Fault>>,
+    ) -> Feed<K> {
+        let store = Store::of_reflector(reflector.clone(), dt.clone());
+        let watch = Self::new(store, Some(reflector), dt, cluster, stop, indexers, faults);
+        Feed {
+            watch,
+            first: true,
+            failing: false,
+            before: None,
+            stopped: false,
+        }
+    }
+
+    /// A watch listing, over `store`, with the field indexes `indexers` give it.
+    fn new(
+        store: Store<K>,
+        reflector: Option<kube_runtime::reflector::Store<K>>,
+        dt: &K::DynamicType,
+        cluster: Arc<str>,
+        stop: CancellationToken,
+        indexers: &[Indexer],
+        faults: Option<mpsc::UnboundedSender<Fault>>,
+    ) -> Arc<Self> {
         let watch = Arc::new(Self {
-            store: writer.as_reader(),
+            store,
             subscribers: Mutex::new(Subscribers {
                 open: true,
                 senders: Vec::new(),
@@ -186,12 +242,25 @@ where
             kind: Arc::from(K::kind(dt).as_ref()),
             faults,
             started: std::time::Instant::now(),
+            reflector,
         });
         for indexer in indexers {
             watch.add_indexer(indexer);
         }
-        let task = runtime.spawn(run(events, writer, Arc::downgrade(&watch), sync_timeout));
-        (watch, task)
+        watch
+    }
+
+    /// The kube-runtime store of an adopted watch (see [`SharedWatch::adopt`]).
+    pub(crate) fn reflector(&self) -> Option<&kube_runtime::reflector::Store<K>> {
+        self.reflector.as_ref()
+    }
+
+    /// Completes after `timeout` from its start, having warned if it had not listed by then.
+    pub(crate) async fn report_if_overdue(self: Arc<Self>, timeout: std::time::Duration) {
+        tokio::time::sleep_until((self.started + timeout).into()).await;
+        if let WatchState::Listing { error } = self.state() {
+            warn_overdue(&self.cluster, &self.kind, timeout, error.as_deref());
+        }
     }
 
     /// A stream of changes from now on, starting with every object already in the store
@@ -301,9 +370,7 @@ where
     }
 
     fn notify(&self, change: Change<K>) {
-        lock(&self.subscribers)
-            .senders
-            .retain(|tx| tx.send(change.clone()).is_ok());
+        lock(&self.subscribers).send(change);
     }
 
     /// Stops the watch for good because of `reason`, and reports it to the manager.
@@ -334,6 +401,156 @@ where
             }
         });
         self.stop.cancel();
+    }
+}
+
+/// Hands the events of a single-cluster controller's watch, after kube-runtime's reflector
+/// applied them, to the [`SharedWatch`] that shows that watch to the rest of the crate: its
+/// state (caches wait for its first listing, `cache_status` and `/readyz` show it), its field
+/// indexes, and its subscribers. Dropping it (the controller ended) stops the shared watch.
+pub(crate) struct Feed<K: Watchable> {
+    watch: Arc<SharedWatch<K>>,
+    first: bool,
+    /// Whether the last event was an error (the state holds it).
+    failing: bool,
+    /// The objects held when a relist began: what the relist lacks was deleted during the
+    /// gap, what it has at the same version is no news.
+    before: Option<Vec<Arc<K>>>,
+    /// Set once the watch failed (a field index panicked): nothing more is handed on.
+    stopped: bool,
+}
+
+impl<K: Watchable> Feed<K> {
+    /// The shared watch fed.
+    pub(crate) fn watch(&self) -> &Arc<SharedWatch<K>> {
+        &self.watch
+    }
+
+    /// Follows one event the reflector has applied.
+    pub(crate) fn observe(&mut self, event: &Result<Event<K>, watcher::Error>) {
+        if self.stopped {
+            return;
+        }
+        let event = match event {
+            Ok(event) => event,
+            Err(error) => {
+                let error = super::redact::safe_text(error);
+                self.failing = true;
+                self.watch.state.send_if_modified(|s| match s {
+                    WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
+                        *e = Some(error);
+                        true
+                    }
+                    WatchState::Stopped { .. } => false,
+                });
+                return;
+            }
+        };
+        if self.failing && matches!(event, Event::InitDone | Event::Apply(_) | Event::Delete(_)) {
+            self.failing = false;
+            self.watch.state.send_if_modified(|s| match s {
+                WatchState::Synced { error } if error.is_some() => {
+                    *error = None;
+                    true
+                }
+                _ => false,
+            });
+        }
+        let applied = catch_unwind(AssertUnwindSafe(|| self.apply(event)));
+        if let Err(panic) = applied {
+            self.stopped = true;
+            self.watch
+                .fail(format!("panicked: {}", panic_message(&*panic)));
+        }
+    }
+
+    /// Indexes and subscribers. The subscribers' lock is taken for every event (uncontended
+    /// but for a new subscription): a subscription replays the store under it, so an event
+    /// the reflector applied before is in the replay and one applied after is sent.
+    fn apply(&mut self, event: &Event<K>) {
+        let watch = &*self.watch;
+        match event {
+            Event::Apply(obj) => {
+                index(watch, |ix| ix.apply(obj));
+                let mut subscribers = lock(&watch.subscribers);
+                if !subscribers.senders.is_empty()
+                    && let Some(object) = watch.store.get_key(&ObjectKey::of(obj))
+                {
+                    subscribers.send(Change {
+                        object,
+                        deleted: false,
+                        initial: false,
+                        listed: false,
+                    });
+                }
+            }
+            Event::Delete(obj) => {
+                index(watch, |ix| ix.delete(obj));
+                let mut subscribers = lock(&watch.subscribers);
+                if !subscribers.senders.is_empty() {
+                    subscribers.send(Change {
+                        object: Arc::new(obj.clone()),
+                        deleted: true,
+                        initial: false,
+                        listed: false,
+                    });
+                }
+            }
+            Event::Init => {
+                // The reflector serves the old content until the listing is done: what it
+                // held before, for a subscriber that comes during the relist too.
+                self.before = (!self.first).then(|| watch.store.state());
+            }
+            Event::InitApply(_) => {}
+            Event::InitDone => {
+                index(watch, |ix| {
+                    ix.rebuild(watch.store.state().iter().map(|o| &**o))
+                });
+                watch.state.send_if_modified(|s| match s {
+                    WatchState::Stopped { .. } => false,
+                    _ => {
+                        *s = WatchState::Synced { error: None };
+                        true
+                    }
+                });
+                let before = self.before.take().unwrap_or_default();
+                let mut subscribers = lock(&watch.subscribers);
+                if !subscribers.senders.is_empty() {
+                    let before: std::collections::HashMap<ObjectKey, Arc<K>> = before
+                        .into_iter()
+                        .map(|o| (ObjectKey::of(&*o), o))
+                        .collect();
+                    for object in watch.store.state() {
+                        let held = before.get(&ObjectKey::of(&*object));
+                        let unchanged =
+                            self.first || held.is_some_and(|held| same_version(&**held, &*object));
+                        subscribers.send(Change {
+                            object,
+                            deleted: false,
+                            initial: self.first,
+                            listed: unchanged,
+                        });
+                    }
+                    for (key, object) in before {
+                        if watch.store.get_key(&key).is_none() {
+                            subscribers.send(Change {
+                                object,
+                                deleted: true,
+                                initial: false,
+                                listed: false,
+                            });
+                        }
+                    }
+                }
+                self.first = false;
+            }
+        }
+    }
+}
+
+impl<K: Watchable> Drop for Feed<K> {
+    fn drop(&mut self) {
+        self.watch.close(None);
     }
 }
 
@@ -621,9 +838,114 @@ mod tests {
     ) -> Vec<String> {
         let mut seen = Vec::new();
         while seen.len() < n {
-            seen.push(describe(&stream.next().await.expect("a change")));
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), stream.next());
+            seen.push(describe(
+                &next.await.expect("a change in time").expect("a change"),
+            ));
         }
         seen
+    }
+
+    /// An adopted watch (a single-cluster controller's, reflected by kube-runtime): what its
+    /// subscribers and caches see of the events the reflector applies.
+    #[tokio::test]
+    async fn an_adopted_watch_announces_what_its_reflector_applied() {
+        let at = |name: &str, uid: &str, version: &str| {
+            let mut object = cm(name, uid);
+            object.metadata.resource_version = Some(version.into());
+            object
+        };
+        let mut writer = kube_runtime::reflector::store::Writer::<ConfigMap>::new(());
+        let feed = SharedWatch::adopt(
+            writer.as_reader(),
+            &(),
+            Arc::from("single"),
+            CancellationToken::new(),
+            &[],
+            None,
+        );
+        let shared = feed.watch().clone();
+        let mut feed = Some(feed);
+        // The reflector applies an event, then the feed hands it on.
+        let mut step = |event: Option<Result<Event<ConfigMap>, watcher::Error>>| match event {
+            Some(event) => {
+                if let Ok(event) = &event {
+                    writer.apply_watcher_event(event);
+                }
+                if let Some(feed) = &mut feed {
+                    feed.observe(&event);
+                }
+            }
+            // The controller ended.
+            None => drop(feed.take()),
+        };
+        step(Some(Ok(Event::Init)));
+        step(Some(Ok(Event::InitApply(at("same", "1", "10")))));
+        // Subscribed during the first listing: the store was empty, the listing comes at
+        // its end.
+        let mut changes = Box::pin(shared.subscribe());
+        step(Some(Ok(Event::InitApply(at("edited", "2", "11")))));
+        step(Some(Ok(Event::InitApply(at("gone", "3", "12")))));
+        assert!(!shared.is_synced(), "synced only at the listing's end");
+        step(Some(Ok(Event::InitDone)));
+        assert!(shared.is_synced());
+        let mut first = drain(&mut changes, 3).await;
+        first.sort();
+        assert_eq!(first, ["=edited/2", "=gone/3", "=same/1"]);
+        // The crate's store reads the reflector's.
+        assert_eq!(shared.store.len(), 3);
+        assert!(shared.store.get_named(Some("ns"), "same").is_some());
+        step(Some(Ok(Event::Apply(at("live", "4", "13")))));
+        assert_eq!(drain(&mut changes, 1).await, ["+live/4"]);
+        // A relist: `same` and `live` unchanged, `edited` changed, `gone` deleted in the gap.
+        step(Some(Ok(Event::Init)));
+        step(Some(Ok(Event::InitApply(at("same", "1", "10")))));
+        // Subscribed during the relist: it hears of it as the first subscriber does.
+        let mut late = Box::pin(shared.subscribe());
+        let mut replay = drain(&mut late, 4).await;
+        replay.sort();
+        assert_eq!(replay, ["=edited/2", "=gone/3", "=live/4", "=same/1"]);
+        step(Some(Ok(Event::InitApply(at("edited", "2", "14")))));
+        step(Some(Ok(Event::InitApply(at("live", "4", "13")))));
+        step(Some(Ok(Event::InitDone)));
+        let mut relist = Vec::new();
+        for _ in 0..4 {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), changes.next());
+            let change = next.await.expect("a change in time").expect("a change");
+            relist.push(format!("{} listed={}", describe(&change), change.listed));
+        }
+        relist.sort();
+        let expected = [
+            "+edited/2 listed=false",
+            "+live/4 listed=true",
+            "+same/1 listed=true",
+            "-gone/3 listed=false",
+        ];
+        assert_eq!(relist, expected);
+        let mut heard_late = Vec::new();
+        for _ in 0..4 {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), late.next());
+            let change = next.await.expect("a change in time").expect("a change");
+            heard_late.push(format!("{} listed={}", describe(&change), change.listed));
+        }
+        heard_late.sort();
+        assert_eq!(heard_late, expected);
+        // A failure shows in the state; the next change clears it.
+        step(Some(Err(watcher::Error::NoResourceVersion)));
+        assert!(matches!(
+            shared.state(),
+            WatchState::Synced { error: Some(_) }
+        ));
+        step(Some(Ok(Event::Delete(at("live", "4", "15")))));
+        assert_eq!(drain(&mut changes, 1).await, ["-live/4"]);
+        assert_eq!(shared.state(), WatchState::Synced { error: None });
+        // The controller ended: the watch stops, and its subscription ends.
+        step(None);
+        assert!(matches!(
+            shared.state(),
+            WatchState::Stopped { failure: None }
+        ));
+        assert!(changes.next().await.is_none());
     }
 
     #[tokio::test]

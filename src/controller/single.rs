@@ -15,7 +15,7 @@ use super::context::Shared;
 use super::gate::Gate;
 use super::{Env, ObjectField, Spec};
 use crate::cluster::ClusterField;
-use crate::cluster::{listing, panic_message};
+use crate::cluster::{Change, Primary, listing, panic_message};
 use crate::metrics::{Outcome, Series};
 use crate::{Action, Cluster, ClusterId, Context, Watchable};
 use prometheus_client::metrics::gauge::Gauge;
@@ -195,6 +195,53 @@ fn lanes<K: Watchable>(
     })
 }
 
+/// The objects a subscription to another controller's watch of the kind triggers: as
+/// [`lanes`] and kube-runtime's own path do (deletions trigger nothing; with a gate, listed
+/// objects without news wait in it), then through the predicate.
+fn subscription<K: Watchable>(
+    changes: impl futures::Stream<Item = Change<K>> + Send + 'static,
+    gate: Option<Arc<Gate>>,
+    predicate: Option<super::PredicateFn<K>>,
+) -> impl futures::Stream<Item = Arc<K>> + Send + 'static {
+    let filtered = predicate.is_some();
+    let live = gate.clone();
+    let changes = changes.filter_map(move |change| {
+        let pass = match &gate {
+            _ if change.deleted => false,
+            None => true,
+            Some(gate) if change.listed => {
+                // A relist's unchanged objects: dropped where the predicate would drop them.
+                if change.initial || !filtered {
+                    gate.hold(&*change.object);
+                }
+                false
+            }
+            Some(gate) => {
+                gate.pass(&*change.object);
+                true
+            }
+        };
+        std::future::ready(pass.then_some(Ok::<_, watcher::Error>(change)))
+    });
+    let changes = match predicate {
+        Some(predicate) => changes
+            .predicate_filter(
+                move |change: &Change<K>| predicate(&change.object),
+                Default::default(),
+            )
+            .left_stream(),
+        None => changes.right_stream(),
+    };
+    // What passed the filters goes to the scheduler: a live change holds the gate.
+    changes.filter_map(move |change| {
+        let object = change.ok().map(|change| change.object);
+        if let (Some(gate), Some(object)) = (&live, &object) {
+            gate.live(&**object);
+        }
+        std::future::ready(object)
+    })
+}
+
 /// Runs `cluster`'s controller until shutdown; reconciles still running the graceful timeout
 /// after it are dropped.
 pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
@@ -213,8 +260,6 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     E: std::error::Error + Send + 'static,
     EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
 {
-    use kube_runtime::controller::{Action as KubeAction, Error as KubeError};
-
     if let Some(filter) = &spec.cluster_filter
         && !filter(&cluster)
     {
@@ -222,6 +267,44 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         env.shutdown.cancelled().await;
         return;
     }
+    // A controller scheduling from another's watch of its kind starts over when that watch
+    // stops under it (the other controller ended first): it then runs the watch itself, or
+    // schedules from the one that does.
+    while run_once(
+        spec.clone(),
+        env.clone(),
+        cluster.clone(),
+        reconcile.clone(),
+        error_policy.clone(),
+        state.clone(),
+    )
+    .await
+    {
+        tracing::info!(controller = %spec.name, "the watch this controller scheduled from stopped; starting over");
+    }
+}
+
+/// One run of the controller until shutdown; `true` if it ended early because the watch it
+/// scheduled from (another controller's) stopped, after its reconciles in flight finished.
+async fn run_once<K, C, S, F, Fut, E, EP>(
+    spec: Arc<Spec<K, C>>,
+    env: Env<C>,
+    cluster: Cluster<C>,
+    reconcile: Arc<F>,
+    error_policy: Arc<EP>,
+    state: Arc<S>,
+) -> bool
+where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    use kube_runtime::controller::{Action as KubeAction, Error as KubeError};
+
     let transform = env.transforms.of::<K>();
     let streaming = !env.paged_lists;
     // Managed fields are not decoded where the caches would drop them.
@@ -231,34 +314,82 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     // Lanes need a limit to matter: without one every request starts when it is due.
     let gate =
         (spec.changes_first && spec.concurrency > 0).then(|| Arc::new(Gate::new(spec.concurrency)));
-    // The primary watch's state, beside the cluster's caches (cache_status, readiness).
-    let report = cluster.report_watch(K::kind(&dt).to_string(), &spec.name, &spec.watcher_config);
+    // One watch per kind and configuration in the engagement: the first controller of the
+    // kind runs it and shows it to the rest of the crate (context caches read its store);
+    // another controller of the kind schedules from that store and a subscription to it.
+    let writer = kube_runtime::reflector::store::Writer::new(dt.clone());
+    let reader = writer.as_reader();
+    let (adopted, subscribed) = match cluster.claim_primary::<K>(&dt, &spec.watcher_config, &reader)
+    {
+        Primary::Own(adopted) => (Some(adopted), None),
+        // Started once the other controller's watch has listed: kube-runtime's store wakes
+        // only the last of the tasks waiting for it to be ready, and that controller waits.
+        Primary::Subscribe(watch, reflector) => tokio::select! {
+            synced = watch.synced() => match synced {
+                Ok(()) => (None, Some((watch, reflector))),
+                // It failed: this controller watches apart.
+                Err(_) => (None, None),
+            },
+            () = env.shutdown.cancelled() => return false,
+        },
+        Primary::Apart => (None, None),
+    };
+    // Cancelled when the subscription ends before shutdown: the watch it follows stopped.
+    let orphaned = tokio_util::sync::CancellationToken::new();
+    // The primary watch's state, beside the cluster's caches (cache_status, readiness), for
+    // a watch not shown as the engagement's own.
+    let report = (adopted.is_none() && subscribed.is_none())
+        .then(|| cluster.report_watch(K::kind(&dt).to_string(), &spec.name, &spec.watcher_config))
+        .flatten();
+    let overdue_watch = adopted
+        .as_ref()
+        .map(|a| (a.feed.watch().clone(), a.timeout));
     let observed = report.as_ref().map(|r| r.watch.clone());
     let observe = move |event: &Result<watcher::Event<K>, watcher::Error>| {
         if let Some(observed) = &observed {
             observed.observe(event);
         }
     };
-    let mut controller = match (&spec.predicate, transform) {
+    // After the reflector: the shared watch's readers find in its store what it announces.
+    let mut adopted = adopted;
+    let feed = move |event: &Result<watcher::Event<K>, watcher::Error>| {
+        if let Some(adopted) = &mut adopted {
+            adopted.feed.observe(event);
+        }
+    };
+    let mut controller = match (&spec.predicate, transform, subscribed) {
+        (predicate, _, Some((watch, reflector))) => {
+            drop(writer);
+            let (orphaned, shutdown) = (orphaned.clone(), env.shutdown.clone());
+            let ended = futures::stream::once(async move {
+                if !shutdown.is_cancelled() {
+                    orphaned.cancel();
+                }
+            })
+            .filter_map(|()| std::future::ready(None));
+            Controller::for_shared_stream_with(
+                subscription(watch.subscribe(), gate.clone(), predicate.clone()).chain(ended),
+                reflector,
+                dt,
+            )
+        }
         // kube-runtime's own path (what `Controller::new_with` builds), when objects are kept
         // as they come, listed in pages, in every namespace, in one lane.
-        (None, None) if !streaming && namespaces.is_none() && gate.is_none() => {
-            let writer = kube_runtime::reflector::store::Writer::new(dt.clone());
-            let reader = writer.as_reader();
+        (None, None, None) if !streaming && namespaces.is_none() && gate.is_none() => {
             let events = kube_runtime::watcher(
                 Api::all_with(cluster.client(), &dt),
                 spec.watcher_config.clone(),
             )
             .inspect(observe);
             Controller::for_stream_with(
-                kube_runtime::reflector(writer, events).applied_objects(),
+                kube_runtime::reflector(writer, events)
+                    .inspect(feed)
+                    .applied_objects(),
                 reader,
                 dt,
             )
         }
-        (predicate, transform) => {
-            let writer = kube_runtime::reflector::store::Writer::new(dt.clone());
-            let reader = writer.as_reader();
+        (predicate, transform, None) => {
             // The controller's trigger backoff covers this stream too (errors pass through).
             let id = ClusterField(cluster.id()).to_string().into();
             let target = listing::Target::all(cluster.requester(), &dt);
@@ -277,7 +408,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
                 Some(transform) => event.modify(|o| transform.apply(o)),
                 None => event,
             })
-            .reflect(writer);
+            .reflect(writer)
+            .inspect(feed);
             let stream = match &gate {
                 // kube-runtime's own: every object listed or changed triggers.
                 None => stream.applied_objects().left_stream(),
@@ -367,7 +499,15 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     let running = controller
         .with_config(config)
         .trigger_backoff(env.backoff.delays())
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .graceful_shutdown_on({
+            let (shutdown, orphaned) = (shutdown.clone(), orphaned.clone());
+            async move {
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = orphaned.cancelled() => {}
+                }
+            }
+        })
         .run(
             |obj, single| {
                 // The same span as fleet mode's. kube-runtime keeps the trigger's reason to
@@ -572,6 +712,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
         {
             report.watch.clone().report_if_overdue(timeout).await;
         }
+        if let Some((watch, Some(timeout))) = overdue_watch {
+            watch.report_if_overdue(timeout).await;
+        }
         // The report stays listed while the controller runs.
         std::future::pending::<()>().await;
         drop(report);
@@ -597,4 +740,5 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
     // gone, so nothing of this controller runs once it has returned.
     tracker.close();
     tracker.wait().await;
+    orphaned.is_cancelled() && !env.shutdown.is_cancelled()
 }
