@@ -41,20 +41,13 @@ use std::sync::{Arc, OnceLock};
 #[allow(dead_code)]
 mod common;
 
-use common::{arg_after, create_config_maps, create_namespace};
+use common::{arg_after, args_after, create_config_maps, create_namespace};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams};
 use multicluster_runtime_testenv::TestEnv;
 
 const NAMESPACE: &str = "bench";
-
-fn args_after(args: &[String], flag: &str) -> Vec<String> {
-    args.windows(2)
-        .filter(|w| w[0] == flag)
-        .map(|w| w[1].clone())
-        .collect()
-}
 
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(|a, b| a.total_cmp(b));

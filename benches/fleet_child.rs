@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 #[allow(dead_code)]
 mod common;
 
-use common::{arg_after, cpu_time};
+use common::{arg_after, args_after, cpu_time};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
@@ -23,13 +23,6 @@ use multicluster_runtime::{Action, Builder, Cluster, ClusterName, Context, Manag
 
 const NAMESPACE: &str = "bench";
 const LABEL: &str = "bench=mcr";
-
-fn args_after(args: &[String], flag: &str) -> Vec<String> {
-    args.windows(2)
-        .filter(|w| w[0] == flag)
-        .map(|w| w[1].clone())
-        .collect()
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

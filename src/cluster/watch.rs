@@ -369,6 +369,28 @@ where
         Ok(refs.iter().filter_map(|r| self.store.get_key(r)).collect())
     }
 
+    /// The watch fails (it retries): `error` is shown until it works again.
+    fn failing(&self, error: String) {
+        self.state.send_if_modified(|s| match s {
+            WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
+                *e = Some(error);
+                true
+            }
+            WatchState::Stopped { .. } => false,
+        });
+    }
+
+    /// A listing completed or a change came after a failure: the error is cleared.
+    fn recovered(&self) {
+        self.state.send_if_modified(|s| match s {
+            WatchState::Synced { error } if error.is_some() => {
+                *error = None;
+                true
+            }
+            _ => false,
+        });
+    }
+
     fn notify(&self, change: Change<K>) {
         lock(&self.subscribers).send(change);
     }
@@ -434,27 +456,14 @@ impl<K: Watchable> Feed<K> {
         let event = match event {
             Ok(event) => event,
             Err(error) => {
-                let error = super::redact::safe_text(error);
                 self.failing = true;
-                self.watch.state.send_if_modified(|s| match s {
-                    WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
-                        *e = Some(error);
-                        true
-                    }
-                    WatchState::Stopped { .. } => false,
-                });
+                self.watch.failing(super::redact::safe_text(error));
                 return;
             }
         };
         if self.failing && matches!(event, Event::InitDone | Event::Apply(_) | Event::Delete(_)) {
             self.failing = false;
-            self.watch.state.send_if_modified(|s| match s {
-                WatchState::Synced { error } if error.is_some() => {
-                    *error = None;
-                    true
-                }
-                _ => false,
-            });
+            self.watch.recovered();
         }
         let applied = catch_unwind(AssertUnwindSafe(|| self.apply(event)));
         if let Err(panic) = applied {
@@ -473,8 +482,12 @@ impl<K: Watchable> Feed<K> {
             Event::Apply(obj) => {
                 index(watch, |ix| ix.apply(obj));
                 let mut subscribers = lock(&watch.subscribers);
+                let meta = obj.meta();
                 if !subscribers.senders.is_empty()
-                    && let Some(object) = watch.store.get_key(&ObjectKey::of(obj))
+                    && let Some(object) = watch.store.get_named(
+                        meta.namespace.as_deref(),
+                        meta.name.as_deref().unwrap_or_default(),
+                    )
                 {
                     subscribers.send(Change {
                         object,
@@ -615,13 +628,7 @@ async fn run<K: Watchable>(
                 } else {
                     tracing::debug!(cluster = %shared.cluster, %kind, %error, failures, "watch failed again; retrying");
                 }
-                shared.state.send_if_modified(|s| match s {
-                    WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
-                        *e = Some(error);
-                        true
-                    }
-                    WatchState::Stopped { .. } => false,
-                });
+                shared.failing(error);
             }
             Some(Ok(event)) => {
                 // A watcher starts each listing attempt with Init: only a completed listing or
@@ -631,13 +638,7 @@ async fn run<K: Watchable>(
                 if failures > 0 && progress {
                     tracing::info!(cluster = %shared.cluster, %kind, failures, "watch recovered");
                     failures = 0;
-                    shared.state.send_if_modified(|s| match s {
-                        WatchState::Synced { error } if error.is_some() => {
-                            *error = None;
-                            true
-                        }
-                        _ => false,
-                    });
+                    shared.recovered();
                 }
                 let applied = catch_unwind(AssertUnwindSafe(|| {
                     step(&shared, &mut writer, event, &mut listing)

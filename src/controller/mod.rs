@@ -177,6 +177,29 @@ pub(crate) type Trigger<C> = (Request<C>, ReconcileReason);
 
 /// A predicate's hash of an object (see `kube_runtime::Predicate`).
 pub(crate) type PredicateFn<K> = Arc<dyn Fn(&K) -> Option<u64> + Send + Sync>;
+
+/// `items` through `predicate`, if any (kube-runtime's filter: keyed by uid, entries
+/// expire), `object` being the controller's object in an item.
+pub(crate) fn through_predicate<T, K>(
+    items: impl futures::Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    predicate: Option<PredicateFn<K>>,
+    object: fn(&T) -> &K,
+) -> impl futures::Stream<Item = Result<T, watcher::Error>> + Send + 'static
+where
+    T: kube::Resource + Send + 'static,
+    T::DynamicType: Eq + std::hash::Hash + Clone + Send,
+    K: 'static,
+{
+    use futures::StreamExt;
+    use kube_runtime::WatchStreamExt;
+    match predicate {
+        Some(predicate) => items
+            .predicate_filter(move |item: &T| predicate(object(item)), Default::default())
+            .left_stream(),
+        None => items.right_stream(),
+    }
+}
+
 /// Which clusters a controller engages.
 pub(crate) type ClusterFilter<C> = Arc<dyn Fn(&Cluster<C>) -> bool + Send + Sync>;
 

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use crate::cluster::Store;
 use futures::stream::{self, BoxStream, FuturesUnordered, SelectAll};
 use futures::{FutureExt, StreamExt};
-use kube_runtime::{PredicateConfig, WatchStreamExt, watcher};
+use kube_runtime::watcher;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -447,15 +447,10 @@ fn primary<K: Watchable, C: ClusterId>(
         .subscribe()
         .filter(|change| std::future::ready(!change.deleted))
         .map(Ok::<_, watcher::Error>);
-    let filtered = match spec.predicate.clone() {
-        Some(predicate) => changes
-            .predicate_filter(
-                move |change: &Change<K>| predicate(&change.object),
-                PredicateConfig::default(),
-            )
-            .boxed(),
-        None => changes.boxed(),
-    };
+    let filtered =
+        super::through_predicate(changes, spec.predicate.clone(), |change: &Change<K>| {
+            &*change.object
+        });
     let mut baseline = Baseline::of(reference);
     let id = id.clone();
     filtered

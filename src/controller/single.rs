@@ -203,7 +203,7 @@ fn subscription<K: Watchable>(
     gate: Option<Arc<Gate>>,
     predicate: Option<super::PredicateFn<K>>,
 ) -> impl futures::Stream<Item = Arc<K>> + Send + 'static {
-    let filtered = predicate.is_some();
+    let with_predicate = predicate.is_some();
     let live = gate.clone();
     let changes = changes.filter_map(move |change| {
         let pass = match &gate {
@@ -211,7 +211,7 @@ fn subscription<K: Watchable>(
             None => true,
             Some(gate) if change.listed => {
                 // A relist's unchanged objects: dropped where the predicate would drop them.
-                if change.initial || !filtered {
+                if change.initial || !with_predicate {
                     gate.hold(&*change.object);
                 }
                 false
@@ -223,23 +223,30 @@ fn subscription<K: Watchable>(
         };
         std::future::ready(pass.then_some(Ok::<_, watcher::Error>(change)))
     });
-    let changes = match predicate {
-        Some(predicate) => changes
-            .predicate_filter(
-                move |change: &Change<K>| predicate(&change.object),
-                Default::default(),
-            )
-            .left_stream(),
-        None => changes.right_stream(),
-    };
-    // What passed the filters goes to the scheduler: a live change holds the gate.
-    changes.filter_map(move |change| {
-        let object = change.ok().map(|change| change.object);
-        if let (Some(gate), Some(object)) = (&live, &object) {
-            gate.live(&**object);
-        }
-        std::future::ready(object)
+    filtered(changes, predicate, live, |change: &Change<K>| {
+        &*change.object
     })
+    .filter_map(|change| std::future::ready(change.ok().map(|change| change.object)))
+}
+
+/// Through the predicate, then to the scheduler: what passed holds the gate as a live
+/// change. `object` is the controller's object in an item.
+fn filtered<T, K>(
+    items: impl futures::Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    predicate: Option<super::PredicateFn<K>>,
+    gate: Option<Arc<Gate>>,
+    object: fn(&T) -> &K,
+) -> impl futures::Stream<Item = Result<T, watcher::Error>> + Send + 'static
+where
+    T: Resource + Send + 'static,
+    T::DynamicType: Eq + std::hash::Hash + Clone + Send,
+    K: 'static,
+{
+    let items = super::through_predicate(items, predicate, object);
+    match gate {
+        Some(gate) => items.inspect_ok(move |item| gate.live(item)).left_stream(),
+        None => items.right_stream(),
+    }
 }
 
 /// Runs `cluster`'s controller until shutdown; reconciles still running the graceful timeout
@@ -422,17 +429,7 @@ where
                 )
                 .right_stream(),
             };
-            let stream = match predicate.clone() {
-                Some(predicate) => stream
-                    .predicate_filter(move |obj: &K| predicate(obj), Default::default())
-                    .left_stream(),
-                None => stream.right_stream(),
-            };
-            // What passed the filters goes to the scheduler: a live change holds the gate.
-            let stream = match gate.clone() {
-                Some(gate) => stream.inspect_ok(move |obj| gate.live(obj)).left_stream(),
-                None => stream.right_stream(),
-            };
+            let stream = filtered(stream, predicate.clone(), gate.clone(), |obj: &K| obj);
             Controller::for_stream_with(stream, reader, dt)
         }
     };
