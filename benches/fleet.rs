@@ -383,7 +383,7 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
         ("base_rss_kib", "RSS before the names are added (KiB)"),
     ] {
         println!(
-            "{what}: median {:.3} (runs {:?})",
+            "{what}: median {:.5} (runs {:?})",
             median(&mut pick(&results, key)),
             pick(&results, key)
         );
@@ -399,7 +399,7 @@ async fn w2(runs: usize, variants: &[Vec<String>]) {
             "base_rss_kib",
         ] {
             println!(
-                "  {variant}: {key} median {:.4} (runs {:?})",
+                "  {variant}: {key} median {:.5} (runs {:?})",
                 median(&mut pick(set, key)),
                 pick(set, key)
             );

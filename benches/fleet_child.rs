@@ -243,7 +243,7 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
         }
         done.notified().await;
         println!(
-            "RESULT all_s={:.4} cpu_per_1000_s={:.4}",
+            "RESULT all_s={:.4} cpu_per_1000_s={:.5}",
             start.elapsed().as_secs_f64(),
             cpu_time().as_secs_f64() / 10.0
         );
@@ -402,7 +402,7 @@ async fn child(mode: &str, args: &[String], kubeconfigs: &[String]) {
             let patched = patched.elapsed();
             let cpu_patch = cpu_time() - cpu_all;
             println!(
-                "RESULT first_s={:.4} all_s={:.4} cpu_per_1000_s={:.4} patched_s={:.4} cpu_patch_per_1000_s={:.4} peak_rss_kib={} listed_peak_rss_kib={} base_rss_kib={} synced_s={:.4} sockets={}",
+                "RESULT first_s={:.4} all_s={:.4} cpu_per_1000_s={:.5} patched_s={:.4} cpu_patch_per_1000_s={:.5} peak_rss_kib={} listed_peak_rss_kib={} base_rss_kib={} synced_s={:.4} sockets={}",
                 first.as_secs_f64(),
                 all.as_secs_f64(),
                 cpu_all.as_secs_f64() / 10.0,
