@@ -573,9 +573,13 @@ where
             let reconciled = reconcile(object.clone(), ctx.clone());
             let result = match limit {
                 None => Ok(reconciled.await),
-                Some(limit) => tokio::time::timeout(limit + super::TIMEOUT_GRACE, reconciled)
-                    .await
-                    .map_err(|_| limit),
+                // Boxed, as the grace sleep below is: a timer's state inline would make every
+                // reconcile's future larger, timed or not (see `start`).
+                Some(limit) => {
+                    Box::pin(tokio::time::timeout(limit + super::TIMEOUT_GRACE, reconciled))
+                        .await
+                        .map_err(|_| limit)
+                }
             };
             let result = match result {
                 Ok(result) => result,
@@ -653,7 +657,7 @@ where
             tokio::select! {
                 () = async {
                     token.cancelled().await;
-                    tokio::time::sleep(grace).await;
+                    Box::pin(tokio::time::sleep(grace)).await;
                 } => {}
                 // A sharded replica about to lose the cluster's fence: no grace.
                 () = aborted.cancelled() => {}
