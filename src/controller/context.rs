@@ -117,22 +117,28 @@ impl<C: ClusterId, S> fmt::Debug for Context<C, S> {
 }
 
 impl<C: ClusterId, S> Context<C, S> {
-    /// A context for a request already known, in one engagement of its cluster (fleet mode).
-    pub(crate) fn new(
-        request: Request<C>,
+    /// A context for `object`, reconciled for `request` in one engagement of its cluster
+    /// (fleet mode). Where the request is the object's own key, as it is but for a mapped
+    /// request that gave a cluster-scoped object a namespace, it is made from the object when
+    /// asked for, as in single-cluster mode: most reconcilers never ask, and keeping it would
+    /// cost two string copies per reconcile and two more per clone of the context.
+    pub(crate) fn new<K: Resource + Send + Sync + 'static>(
+        request: &Request<C>,
+        object: Arc<K>,
         cluster: Cluster<C>,
         engagement: CancellationToken,
         shared: Arc<Shared<C, S>>,
     ) -> Self {
-        Self {
-            shared,
-            cluster,
-            engagement: Some(engagement),
-            request: OnceLock::from(request),
-            object: None,
-            failures: 0,
-            deadline: None,
+        let meta = object.meta();
+        let own_key = request.cluster == *cluster.id()
+            && request.namespace == meta.namespace
+            && request.name == meta.name.as_deref().unwrap_or_default();
+        let mut ctx = Self::for_object(object, cluster, shared);
+        ctx.engagement = Some(engagement);
+        if !own_key {
+            ctx.request = OnceLock::from(request.clone());
         }
+        ctx
     }
 
     /// A context whose request is made from `object` when asked for (single-cluster mode).

@@ -171,9 +171,9 @@ impl<C: ClusterId, R> FairQueue<C, R> {
         } else {
             [Lane::Normal, Lane::Low]
         };
-        let (req, payload, lane) = order
+        let (req, key, payload, lane) = order
             .into_iter()
-            .find_map(|lane| self.pop_lane(lane).map(|(r, p)| (r, p, lane)))?;
+            .find_map(|lane| self.pop_lane(lane).map(|(r, k, p)| (r, k, p, lane)))?;
         if lane == Lane::Normal && !self.rotation[Lane::Low as usize].is_empty() {
             self.streak += 1;
         } else {
@@ -188,7 +188,7 @@ impl<C: ClusterId, R> FairQueue<C, R> {
                 rotation.shrink_to_fit();
             }
         }
-        self.in_flight.insert(req.clone(), (now, lane));
+        self.in_flight.insert(key, (now, lane));
         *self
             .in_flight_per_cluster
             .entry(req.cluster.clone())
@@ -197,8 +197,9 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     }
 
     /// The oldest request of `lane` of the first cluster in that lane's turn that is under
-    /// its cap, taken out of the queue.
-    fn pop_lane(&mut self, lane: Lane) -> Option<(Request<C>, R)> {
+    /// its cap, taken out of the queue: the deque's copy, then the one that keyed it in
+    /// `queued` (which keys it in `in_flight` next, so a pop copies no request).
+    fn pop_lane(&mut self, lane: Lane) -> Option<(Request<C>, Request<C>, R)> {
         let l = lane as usize;
         loop {
             let turn = self.rotation[l].iter().position(|c| self.under_cap(c))?;
@@ -223,9 +224,9 @@ impl<C: ClusterId, R> FairQueue<C, R> {
                 entry.remove();
             }
             if let Some(req) = found
-                && let Some((payload, _)) = self.queued.remove(&req)
+                && let Some((key, (payload, _))) = self.queued.remove_entry(&req)
             {
-                return Some((req, payload));
+                return Some((req, key, payload));
             }
         }
     }

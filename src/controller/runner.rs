@@ -530,7 +530,8 @@ where
         .reconcile_timeout
         .map(|limit| tokio::time::Instant::now() + limit);
     let ctx = Context::new(
-        req.clone(),
+        &req,
+        object.clone(),
         engagement.cluster,
         token.clone(),
         shared.clone(),
@@ -767,6 +768,60 @@ mod tests {
             warm: false,
             leader_only: false,
         }
+    }
+
+    #[tokio::test]
+    async fn a_fleet_context_names_the_request_it_was_started_for() {
+        use crate::Cluster;
+        use k8s_openapi::api::core::v1::Node;
+        let manager = crate::Manager::new(crate::providers::Clusters::new());
+        let shared = Arc::new(Shared::new(&spec(None), &manager.env(), Arc::new(())));
+        let cluster = Cluster::from_config(
+            ClusterName::from("a"),
+            kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
+        )
+        .unwrap();
+        let start = |req: &Request<ClusterName>, object: Arc<Deployment>| {
+            Context::new(
+                req,
+                object,
+                cluster.clone(),
+                CancellationToken::new(),
+                shared.clone(),
+            )
+        };
+        let start_node = |req: &Request<ClusterName>, object: Arc<Node>| {
+            Context::new(
+                req,
+                object,
+                cluster.clone(),
+                CancellationToken::new(),
+                shared.clone(),
+            )
+        };
+        // An object under its own key: the request made from the object is the same, in the
+        // context and in each clone of it.
+        let own = Request::new(ClusterName::from("a"), Some("ns"), "app");
+        let ctx = start(&own, Arc::new(deployment("app", "1", 1)));
+        assert_eq!(ctx.clone().request(), &own);
+        assert_eq!(ctx.request(), &own);
+        // A cluster-scoped object that a mapped request gave a namespace (the cache finds it
+        // all the same): the context names the request as it came.
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some("n1".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let mapped = Request::new(ClusterName::from("a"), Some("ns"), "n1");
+        assert_eq!(
+            start_node(&mapped, Arc::new(node.clone())).request(),
+            &mapped
+        );
+        // And a request of another cluster id than the engagement's, likewise.
+        let other = Request::new(ClusterName::from("b"), None::<String>, "n1");
+        assert_eq!(start_node(&other, Arc::new(node)).request(), &other);
     }
 
     /// The names of the triggered requests up to the one for the `sync` object.
