@@ -133,16 +133,23 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             }
             return false;
         }
-        if let Some(queued) = self.queued.get_mut(&req) {
-            if lane == Lane::Normal && queued.1 == Lane::Low {
-                *queued = (payload, lane);
-                self.append(req, lane);
+        // One lookup for both cases: the request is hashed once.
+        match self.queued.entry(req) {
+            Entry::Occupied(mut queued) => {
+                if lane == Lane::Normal && queued.get().1 == Lane::Low {
+                    *queued.get_mut() = (payload, lane);
+                    let req = queued.key().clone();
+                    self.append(req, lane);
+                }
+                false
             }
-            return false;
+            Entry::Vacant(slot) => {
+                let req = slot.key().clone();
+                slot.insert((payload, lane));
+                self.append(req, lane);
+                true
+            }
         }
-        self.queued.insert(req.clone(), (payload, lane));
-        self.append(req, lane);
-        true
     }
 
     /// Puts `req` at the end of its cluster's deque of `lane`.
@@ -541,9 +548,13 @@ impl<C: ClusterId> FleetQueue<C> {
         cx: &mut Context<'_>,
     ) -> Poll<(Request<C>, ReconcileReason)> {
         // Move everything due into the fair queue first, so clusters take turns among all
-        // that is due rather than in the order their delays ran out.
-        while let Poll::Ready(Some(Queued(req, reason, lane))) =
-            self.scheduler.as_mut().poll_next(cx)
+        // that is due rather than in the order their delays ran out. With nothing scheduled
+        // (the rule without a debounce) the scheduler has nothing to give, and is not polled
+        // (its timer costs about 500 instructions a poll): only this queue's owner schedules,
+        // and it polls the queue again before it waits.
+        while !self.scheduled.is_empty()
+            && let Poll::Ready(Some(Queued(req, reason, lane))) =
+                self.scheduler.as_mut().poll_next(cx)
         {
             self.scheduled.remove(&req);
             self.due(req, reason, lane);
