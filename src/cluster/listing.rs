@@ -20,7 +20,10 @@ use kube::Resource;
 use kube_runtime::watcher::{self, Event, InitialListStrategy};
 use pin_project::pin_project;
 
-use super::trim::{Trimmed, Whole, untrimmed, unwrapped};
+use super::trim::{
+    Trimmed, TrimmedShared, Whole, WholeShared, untrimmed, untrimmed_shared, unwrapped,
+    unwrapped_shared,
+};
 use super::wire::{self, Requester, Watched};
 use crate::Watchable;
 
@@ -83,6 +86,30 @@ pub(crate) fn watch<K: Watchable>(
     trim: bool,
     cluster: Arc<str>,
 ) -> Listing<K, impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K>> {
+    listing(target, config, streaming, trim, cluster, open::<K>)
+}
+
+/// [`watch`], each object in an [`Arc`] from the moment it is decoded
+/// ([`TrimmedShared`]), for the fleet's caches, which share them.
+pub(crate) fn watch_shared<K: Watchable>(
+    target: Target<K>,
+    config: watcher::Config,
+    streaming: bool,
+    trim: bool,
+    cluster: Arc<str>,
+) -> Listing<K, impl Stream<Item = watcher::Result<Event<Arc<K>>>> + Send + use<K>> {
+    listing(target, config, streaming, trim, cluster, open_shared::<K>)
+}
+
+/// [`watch`] over the watchers `open` makes.
+fn listing<K: Watchable, S>(
+    target: Target<K>,
+    config: watcher::Config,
+    streaming: bool,
+    trim: bool,
+    cluster: Arc<str>,
+    open: fn(&Target<K>, watcher::Config, bool) -> S,
+) -> Listing<K, S> {
     let asked = config.initial_list_strategy == InitialListStrategy::StreamingList;
     let state = if asked || !streaming || !config.bookmarks {
         State::AsConfigured
@@ -95,7 +122,7 @@ pub(crate) fn watch<K: Watchable>(
     };
     Listing {
         inner: open(&target, first, trim),
-        open: open::<K>,
+        open,
         cluster,
         target,
         trim,
@@ -159,6 +186,21 @@ fn open<K: Watchable>(
     }
 }
 
+/// [`open`], each object in an [`Arc`] from the moment it is decoded.
+fn open_shared<K: Watchable>(
+    target: &Target<K>,
+    config: watcher::Config,
+    trim: bool,
+) -> impl Stream<Item = watcher::Result<Event<Arc<K>>>> + Send + use<K> {
+    if trim {
+        let watched = target.watched::<TrimmedShared<K>>();
+        Either::Left(wire::watcher(watched, config).map_ok(untrimmed_shared as fn(_) -> _))
+    } else {
+        let watched = target.watched::<WholeShared<K>>();
+        Either::Right(wire::watcher(watched, config).map_ok(unwrapped_shared as fn(_) -> _))
+    }
+}
+
 /// See [`watch`].
 #[pin_project]
 pub(crate) struct Listing<K: Watchable, S> {
@@ -188,10 +230,9 @@ enum State {
 impl<K, S> Listing<K, S>
 where
     K: Watchable,
-    S: Stream<Item = watcher::Result<Event<K>>>,
 {
     /// Whether `event` shows that the server does not serve streaming lists.
-    fn unsupported(state: State, event: &watcher::Result<Event<K>>) -> bool {
+    fn unsupported<O>(state: State, event: &watcher::Result<Event<O>>) -> bool {
         let State::Trying { listing } = state else {
             return false;
         };
@@ -208,12 +249,12 @@ where
     }
 }
 
-impl<K, S> Stream for Listing<K, S>
+impl<K, O, S> Stream for Listing<K, S>
 where
     K: Watchable,
-    S: Stream<Item = watcher::Result<Event<K>>>,
+    S: Stream<Item = watcher::Result<Event<O>>>,
 {
-    type Item = watcher::Result<Event<K>>;
+    type Item = watcher::Result<Event<O>>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let mut this = self.project();

@@ -782,7 +782,7 @@ impl<C: ClusterId> Cluster<C> {
                 let one = |namespace: Option<&str>| {
                     let transform = transform.clone();
                     backoff::Retrying::new(
-                        listing::watch(
+                        listing::watch_shared(
                             target.clone().within(namespace),
                             config.clone(),
                             !session.settings.paged_lists,

@@ -124,7 +124,7 @@ pub(crate) fn events_from<K: Watchable>(
             let transform = transform.clone();
             // Each namespace waits out its own failures (the host watch has no other backoff).
             super::backoff::Retrying::new(
-                super::listing::watch(
+                super::listing::watch_shared(
                     Target::<K>::all(client.clone(), &target_dt).within(namespace),
                     watch_config.clone(),
                     streaming,
@@ -135,7 +135,7 @@ pub(crate) fn events_from<K: Watchable>(
             )
             .map(move |event| {
                 event.map(|event| {
-                    map_event(event, |o: K| {
+                    map_event(event, |o: Arc<K>| {
                         super::transform::shared(o, transform.as_ref()) as SharedObject
                     })
                 })

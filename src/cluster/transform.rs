@@ -107,12 +107,13 @@ impl<K: Watchable> Transform<K> {
     }
 }
 
-/// `object`, transformed, to share.
-pub(crate) fn shared<K: Watchable>(mut object: K, transform: Option<&Transform<K>>) -> Arc<K> {
+/// `object`, decoded into its own [`Arc`], transformed in place to share (`make_mut` copies
+/// nothing: the decoder's is the only reference).
+pub(crate) fn shared<K: Watchable>(mut object: Arc<K>, transform: Option<&Transform<K>>) -> Arc<K> {
     if let Some(transform) = transform {
-        transform.apply(&mut object);
+        transform.apply(Arc::make_mut(&mut object));
     }
-    Arc::new(object)
+    object
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
@@ -30,10 +31,23 @@ pub(crate) struct Trimmed<K>(pub(crate) K);
 #[derive(Clone, Debug)]
 pub(crate) struct Whole<K>(pub(crate) K);
 
+/// [`Trimmed`], held in an [`Arc`] from the moment it is decoded: the watcher's layers and
+/// the cache move a pointer, not the object (a `ConfigMap` is about 400 bytes, moved some ten
+/// times between the decoder and the cache).
+#[derive(Clone, Debug)]
+pub(crate) struct TrimmedShared<K>(pub(crate) Arc<K>);
+
+/// [`Whole`], held in an [`Arc`] from the moment it is decoded (see [`TrimmedShared`]).
+#[derive(Clone, Debug)]
+pub(crate) struct WholeShared<K>(pub(crate) Arc<K>);
+
 /// `Resource` for a wrapper of `K`: the same kind and paths, a scope that allows a namespace.
 macro_rules! wire_resource {
     ($wrapper:ident) => {
-        impl<K: Resource> Resource for $wrapper<K> {
+        wire_resource!($wrapper, this => this.0.meta_mut());
+    };
+    ($wrapper:ident, $this:ident => $meta_mut:expr) => {
+        impl<K: Resource + Clone> Resource for $wrapper<K> {
             type DynamicType = K::DynamicType;
             type Scope = kube::core::DynamicResourceScope;
 
@@ -70,7 +84,8 @@ macro_rules! wire_resource {
             }
 
             fn meta_mut(&mut self) -> &mut ObjectMeta {
-                self.0.meta_mut()
+                let $this = self;
+                $meta_mut
             }
         }
     };
@@ -78,6 +93,9 @@ macro_rules! wire_resource {
 
 wire_resource!(Trimmed);
 wire_resource!(Whole);
+// A decoded object's Arc is its only one: `make_mut` clones nothing.
+wire_resource!(TrimmedShared, this => Arc::make_mut(&mut this.0).meta_mut());
+wire_resource!(WholeShared, this => Arc::make_mut(&mut this.0).meta_mut());
 
 impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Trimmed<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -89,6 +107,28 @@ impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Whole<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         K::deserialize(deserializer).map(Whole)
     }
+}
+
+impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for TrimmedShared<K> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        K::deserialize(Object(deserializer)).map(|k| TrimmedShared(Arc::new(k)))
+    }
+}
+
+impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for WholeShared<K> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        K::deserialize(deserializer).map(|k| WholeShared(Arc::new(k)))
+    }
+}
+
+/// The event of `Arc<K>` an event of `TrimmedShared<K>` is.
+pub(crate) fn untrimmed_shared<K>(event: Event<TrimmedShared<K>>) -> Event<Arc<K>> {
+    map_event(event, |o| o.0)
+}
+
+/// The event of `Arc<K>` an event of `WholeShared<K>` is.
+pub(crate) fn unwrapped_shared<K>(event: Event<WholeShared<K>>) -> Event<Arc<K>> {
+    map_event(event, |o| o.0)
 }
 
 /// The event of `K` an event of `Trimmed<K>` is.
