@@ -218,10 +218,17 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             let deque = &mut entry.get_mut()[l];
             let mut found = None;
             while let Some(req) = deque.pop_front() {
-                // Skipped: a request that moved to the normal lane (or was served there).
-                if self.queued.get(&req).is_some_and(|(_, at)| *at == lane) {
-                    found = Some(req);
-                    break;
+                // Taken out with one lookup; skipped (and put back) if it moved to the normal
+                // lane, skipped if it was served there.
+                match self.queued.remove_entry(&req) {
+                    Some((key, (payload, at))) if at == lane => {
+                        found = Some((req, key, payload));
+                        break;
+                    }
+                    Some((key, value)) => {
+                        self.queued.insert(key, value);
+                    }
+                    None => {}
                 }
             }
             if !deque.is_empty() {
@@ -230,10 +237,8 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             if entry.get().iter().all(VecDeque::is_empty) {
                 entry.remove();
             }
-            if let Some(req) = found
-                && let Some((key, (payload, _))) = self.queued.remove_entry(&req)
-            {
-                return Some((req, key, payload));
+            if found.is_some() {
+                return found;
             }
         }
     }
@@ -257,7 +262,13 @@ impl<C: ClusterId, R> FairQueue<C, R> {
                 count.remove();
             }
         }
-        let requeued = match self.dirty.remove_entry(req) {
+        // Checked first: a lookup in an empty table still hashes the request.
+        let again = if self.dirty.is_empty() {
+            None
+        } else {
+            self.dirty.remove_entry(req)
+        };
+        let requeued = match again {
             Some((req, (payload, lane))) => self.push(req, payload, lane),
             None => false,
         };
