@@ -8,6 +8,8 @@
 //!
 //! Child flags for `--variant`: `--paged-lists`, `--keep-managed-fields`, `--kube-client`.
 //! `MCR_BENCH_WRAP="valgrind --tool=massif"` runs each child under that command.
+//! `MCR_BENCH_CHILD_EXE=PATH` runs that child binary instead (a copy of another commit's, to
+//! compare two builds the same hour).
 //! The children are `benches/fleet_child.rs`, a binary of the controller alone (the parent
 //! builds it with `cargo bench --bench fleet_child --no-run`), so their memory figures hold
 //! no code of the parent's (testenv, the writer).
@@ -119,6 +121,11 @@ async fn populate(client: kube::Client, objects: usize) {
 fn child_exe() -> std::path::PathBuf {
     static EXE: OnceLock<std::path::PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
+        // `MCR_BENCH_CHILD_EXE=PATH`: a child built before (another commit's, to compare
+        // builds the same hour with one parent).
+        if let Some(exe) = std::env::var_os("MCR_BENCH_CHILD_EXE") {
+            return exe.into();
+        }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut command = Command::new(cargo);
         // Without the variables cargo sets for the bench it runs: build scripts that watch
