@@ -562,7 +562,8 @@ impl<C: ClusterId> FleetQueue<C> {
         // that is due rather than in the order their delays ran out. With nothing scheduled
         // (the rule without a debounce) the scheduler has nothing to give, and is not polled
         // (its timer costs about 500 instructions a poll): only this queue's owner schedules,
-        // and it polls the queue again before it waits.
+        // and it polls the queue again before it waits whenever it may start work (while it
+        // may not, it polls nothing here, as before).
         while !self.scheduled.is_empty()
             && let Poll::Ready(Some(Queued(req, reason, lane))) =
                 self.scheduler.as_mut().poll_next(cx)
