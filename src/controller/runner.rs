@@ -781,28 +781,25 @@ mod tests {
             kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
         )
         .unwrap();
-        let start = |req: &Request<ClusterName>, object: Arc<Deployment>| {
+        fn start<K: kube::Resource + Send + Sync + 'static>(
+            req: &Request<ClusterName>,
+            object: K,
+            (cluster, shared): (&Cluster<ClusterName>, &Arc<Shared<ClusterName, ()>>),
+        ) -> Context<ClusterName, ()> {
+            let token = CancellationToken::new();
             Context::new(
                 req,
-                object,
+                Arc::new(object),
                 cluster.clone(),
-                CancellationToken::new(),
+                token,
                 shared.clone(),
             )
-        };
-        let start_node = |req: &Request<ClusterName>, object: Arc<Node>| {
-            Context::new(
-                req,
-                object,
-                cluster.clone(),
-                CancellationToken::new(),
-                shared.clone(),
-            )
-        };
+        }
+        let at = (&cluster, &shared);
         // An object under its own key: the request made from the object is the same, in the
         // context and in each clone of it.
         let own = Request::new(ClusterName::from("a"), Some("ns"), "app");
-        let ctx = start(&own, Arc::new(deployment("app", "1", 1)));
+        let ctx = start(&own, deployment("app", "1", 1), at);
         assert_eq!(ctx.clone().request(), &own);
         assert_eq!(ctx.request(), &own);
         // A cluster-scoped object that a mapped request gave a namespace (the cache finds it
@@ -815,13 +812,10 @@ mod tests {
             ..Default::default()
         };
         let mapped = Request::new(ClusterName::from("a"), Some("ns"), "n1");
-        assert_eq!(
-            start_node(&mapped, Arc::new(node.clone())).request(),
-            &mapped
-        );
+        assert_eq!(start(&mapped, node.clone(), at).request(), &mapped);
         // And a request of another cluster id than the engagement's, likewise.
         let other = Request::new(ClusterName::from("b"), None::<String>, "n1");
-        assert_eq!(start_node(&other, Arc::new(node)).request(), &other);
+        assert_eq!(start(&other, node, at).request(), &other);
     }
 
     /// The names of the triggered requests up to the one for the `sync` object.
