@@ -58,6 +58,7 @@ pub mod providers;
 mod request;
 mod serve;
 pub mod shard;
+mod slots;
 mod sync;
 mod tenure;
 pub mod webhook;

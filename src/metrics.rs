@@ -412,6 +412,7 @@ struct Inner {
     webhook_in_flight: Family<WebhookLabels, Gauge>,
     webhook_panics: Counter,
     webhook_refused: Family<ReasonLabels, Counter>,
+    webhook_throttled: Family<With<ReasonLabels>, Counter>,
     webhook_install_failures: Family<ClusterLabel, Counter>,
 }
 
@@ -480,6 +481,7 @@ impl Metrics {
             webhook_in_flight: Family::default(),
             webhook_panics: Counter::default(),
             webhook_refused: Family::default(),
+            webhook_throttled: Family::default(),
             webhook_install_failures: Family::default(),
         };
         registry.register_collector(Box::new(inner.watches.clone()));
@@ -616,6 +618,11 @@ impl Metrics {
             inner.webhook_refused.clone(),
         );
         registry.register(
+            "multicluster_runtime_webhook_throttled",
+            "Reviews on a valid route refused with 429 or cut off, per cluster and reason (in_flight: the cluster's reviews in flight at their cap; memory: no room in the budget for buffered bodies; slow_body: the body came slower than the minimum rate or past the hook's timeout)",
+            inner.webhook_throttled.clone(),
+        );
+        registry.register(
             "multicluster_runtime_webhook_install_failures",
             "Failed attempts to install (or remove) the webhook configurations, per cluster",
             inner.webhook_install_failures.clone(),
@@ -668,6 +675,14 @@ impl Metrics {
         self.inner
             .webhook_refused
             .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    /// A review on a valid route refused or cut off for `reason` (see the metric's help).
+    pub(crate) fn webhook_throttled(&self, cluster: &str, reason: &'static str) {
+        self.inner
+            .webhook_throttled
+            .get_or_create(&(ReasonLabels { reason }, self.cluster(cluster)))
             .inc();
     }
 

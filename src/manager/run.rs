@@ -287,6 +287,12 @@ impl<P: Provider> Manager<P> {
             keeper: keeper.clone(),
             metrics: self.metrics.clone(),
             listening: std::sync::atomic::AtomicBool::new(false),
+            slots: crate::slots::Slots::new(crate::webhook::server::limits(
+                webhooks
+                    .connections
+                    .unwrap_or_else(crate::webhook::server::default_connections),
+            )),
+            flights: crate::webhook::server::Flights::new(webhooks.budget),
         });
         let stop = CancellationToken::new();
         let keeping = AbortOnDropHandle::new(tokio::spawn(keeper.run(stop.clone())));

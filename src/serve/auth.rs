@@ -25,6 +25,9 @@ const KEPT: usize = 1024;
 /// Reviews asked of the host at once: a flood of made-up tokens waits here instead of
 /// flooding the host (or the client's rate limit, which the controllers share).
 const REVIEWS_AT_ONCE: usize = 4;
+/// How long a request waits for its token's review (its turn and the host's answers): a
+/// host that does not answer costs a client `503` after this, not a connection held open.
+pub(crate) const REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The outcome of a request's check.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,8 +62,15 @@ impl Authorizer {
         })
     }
 
-    /// Whether the bearer of `token` may `verb` the non-resource URL `path`.
+    /// Whether the bearer of `token` may `verb` the non-resource URL `path`; unavailable if
+    /// the host has not said within [`REVIEW_TIMEOUT`].
     pub(crate) async fn check(&self, token: Option<&str>, path: &str, verb: &str) -> Verdict {
+        tokio::time::timeout(REVIEW_TIMEOUT, self.check_now(token, path, verb))
+            .await
+            .unwrap_or(Verdict::Unavailable)
+    }
+
+    async fn check_now(&self, token: Option<&str>, path: &str, verb: &str) -> Verdict {
         let Some(token) = token.filter(|t| !t.is_empty()) else {
             return Verdict::Unauthenticated;
         };

@@ -18,12 +18,12 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::slots::{self, Lease, Slots};
 use crate::{Cluster, ClusterId, Fleet};
 
 pub(crate) use auth::{Authorizer, Verdict};
@@ -44,11 +44,30 @@ pub type Handler = Arc<
 /// `/livez` and `/readyz`.
 const DETAIL: &str = "/metrics";
 
-/// How long a client may take to send a request's headers, and how many connections are
-/// served at once (more are closed at once): a slow or numerous client cannot hold every
-/// file descriptor or the probes' answers.
-const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-const MAX_CONNECTIONS: usize = 256;
+/// The endpoints' connections ([`crate::slots`]): a sixteenth of the open-file limit, 128 to
+/// 1,024. Connections that have not yet been answered `200` for what they asked (a probe's
+/// connection never is: it is closed after its answer) are closed oldest first to make room
+/// for newcomers, so that no client, however many connections it opens, keeps the kubelet's
+/// probes out; 64 connections of authorized clients (scrapers) stay open between requests.
+fn limits() -> crate::slots::Limits {
+    let total = crate::slots::file_limit()
+        .map(|limit| usize::try_from(limit / 16).unwrap_or(usize::MAX))
+        .unwrap_or(256)
+        .clamp(128, 1024);
+    let verified = 64;
+    let unverified = total - verified;
+    crate::slots::Limits {
+        unverified,
+        per_peer: unverified / 4,
+        verified,
+        per_group: verified,
+        handshake: std::time::Duration::from_secs(3),
+        // A request's headers, and its token's review (at most `auth::REVIEW_TIMEOUT`).
+        first_request: std::time::Duration::from_secs(10),
+        idle: std::time::Duration::from_secs(120),
+        header: std::time::Duration::from_secs(10),
+    }
+}
 
 /// How much of a request's body a handler gets.
 const MAX_BODY: usize = 1 << 20;
@@ -234,14 +253,14 @@ pub(crate) async fn serve<C: ClusterId>(
 ) {
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let connections = TaskTracker::new();
-    let room = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let slots = Slots::new(limits());
     loop {
         let accepted = tokio::select! {
             () = stop.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(error) => {
                 // Out of file descriptors, most likely: let some close before trying again.
                 tracing::debug!(%error, "endpoints: accept failed");
@@ -249,36 +268,27 @@ pub(crate) async fn serve<C: ClusterId>(
                 continue;
             }
         };
-        let Ok(permit) = room.clone().try_acquire_owned() else {
-            drop(stream);
-            continue;
-        };
+        // Always a slot: the oldest connection that has not been served yet makes room.
+        let slot = slots.admit(peer.ip());
         let served = served.clone();
         let stop = stop.clone();
         let acceptor = acceptor.clone();
         connections.spawn(async move {
-            let _permit = permit;
+            let lease = slot.lease().clone();
             let service = hyper::service::service_fn(move |req| {
                 let served = served.clone();
-                async move { Ok::<_, Infallible>(answer(&served, req).await) }
+                let lease = lease.clone();
+                async move { Ok::<_, Infallible>(answer_on(&served, &lease, req).await) }
             });
+            let drain = std::time::Duration::from_secs(1);
             match acceptor {
                 Some(acceptor) => {
-                    // A handshake that does not finish soon is given up.
-                    let handshake = tokio::time::timeout(
-                        std::time::Duration::from_secs(10),
-                        acceptor.accept(stream),
-                    );
-                    let stream = tokio::select! {
-                        () = stop.cancelled() => return,
-                        stream = handshake => match stream {
-                            Ok(Ok(stream)) => stream,
-                            _ => return,
-                        },
+                    let Some(stream) = slot.handshake(&acceptor, stream).await else {
+                        return;
                     };
-                    drive(TokioIo::new(stream), service, &stop).await;
+                    slots::serve_connection(&slot, stream, service, &stop, drain).await;
                 }
-                None => drive(TokioIo::new(stream), service, &stop).await,
+                None => slots::serve_connection(&slot, stream, service, &stop, drain).await,
             }
         });
     }
@@ -286,25 +296,22 @@ pub(crate) async fn serve<C: ClusterId>(
     connections.wait().await;
 }
 
-/// Serves one connection until it ends, or `stop` (then it is given a second to finish).
-async fn drive<I, S>(io: I, service: S, stop: &CancellationToken)
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: hyper::service::HttpService<Incoming, ResBody = Full<Bytes>> + Send,
-    S::Future: Send,
-{
-    let connection = hyper::server::conn::http1::Builder::new()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT)
-        .serve_connection(io, service);
-    tokio::pin!(connection);
-    tokio::select! {
-        _ = connection.as_mut() => {}
-        () = stop.cancelled() => {
-            connection.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connection).await;
-        }
+/// The answer to `req`, on a connection that stays open only for clients it served: the
+/// probes' connections and every refusal are closed.
+async fn answer_on<C: ClusterId>(
+    served: &Served<C>,
+    lease: &Lease,
+    req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    let _busy = lease.busy();
+    let probe = matches!(req.uri().path(), "/healthz" | "/livez" | "/readyz");
+    let mut response = answer(served, req).await;
+    if !(response.status().is_success() && !probe && lease.verify("")) {
+        response
+            .headers_mut()
+            .insert(hyper::header::CONNECTION, slots::CLOSE);
     }
+    response
 }
 
 const PLAIN: &str = "text/plain; charset=utf-8";

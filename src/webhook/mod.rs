@@ -33,7 +33,7 @@ mod certs;
 pub(crate) mod install;
 pub(crate) mod review;
 pub(crate) mod route;
-mod server;
+pub(crate) mod server;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -387,6 +387,9 @@ pub struct Webhooks<C: ClusterId> {
     pub(crate) names: Vec<String>,
     pub(crate) install: Install,
     pub(crate) check_every: Duration,
+    /// `None`: sized from the open-file limit.
+    pub(crate) connections: Option<usize>,
+    pub(crate) budget: server::Budget,
 }
 
 impl<C: ClusterId> std::fmt::Debug for Webhooks<C> {
@@ -423,6 +426,11 @@ impl<C: ClusterId> Webhooks<C> {
             names: Vec::new(),
             install: Install::Fleet,
             check_every: Duration::from_secs(60),
+            connections: None,
+            budget: server::Budget {
+                per_cluster: 32,
+                bytes: 64 << 20,
+            },
         }
     }
 
@@ -501,6 +509,36 @@ impl<C: ClusterId> Webhooks<C> {
     #[must_use]
     pub fn check_every(mut self, every: Duration) -> Self {
         self.check_every = every;
+        self
+    }
+
+    /// How many connections the server holds at once (default: half the process's
+    /// open-file limit). An eighth of them (at most 4,096) is for connections that have not
+    /// shown a valid route yet, which are closed oldest first to make room for newcomers;
+    /// the rest stay open for members' API servers, 64 at most for one cluster. See
+    /// `docs/webhooks.md` for what a peer can hold.
+    #[must_use]
+    pub fn max_connections(mut self, connections: usize) -> Self {
+        self.connections = Some(connections);
+        self
+    }
+
+    /// How many reviews of one cluster are handled at once (default 32): more are answered
+    /// `429 Too Many Requests` (the member's failure policy decides), and counted in
+    /// `multicluster_runtime_webhook_throttled_total{reason="in_flight"}`.
+    #[must_use]
+    pub fn reviews_per_cluster(mut self, reviews: usize) -> Self {
+        self.budget.per_cluster = reviews.max(1);
+        self
+    }
+
+    /// How many bytes of review bodies are held in memory at once (default 64 MiB; a
+    /// quarter of it for one cluster, but always room for one review of the largest size,
+    /// 7 MiB): a review is given room for its declared length before its body is read, and
+    /// answered `429` when there is none (`reason="memory"`).
+    #[must_use]
+    pub fn body_budget(mut self, bytes: usize) -> Self {
+        self.budget.bytes = bytes;
         self
     }
 
