@@ -35,7 +35,8 @@ const BODY_GRACE: Duration = Duration::from_secs(1);
 /// How many connections the webhook server holds, and for how long ([`crate::slots`]):
 /// `total` in all (by default half the process's open-file limit, the rest left to the
 /// clients of the fleet and everything else); an eighth of them (at most 4,096) for
-/// connections that have shown nothing yet, 64 of those from one address; 64 kept open for
+/// connections that have shown nothing yet, a quarter of those from one address (an API
+/// server's burst of new connections fits; one address cannot take them all); 64 kept open for
 /// one cluster (a member's API servers keep a few dozen idle connections at most), idle up
 /// to 2 minutes (beyond the API server's 90 s, so that it is the one to close them).
 pub(crate) fn limits(total: usize) -> Limits {
@@ -43,7 +44,7 @@ pub(crate) fn limits(total: usize) -> Limits {
     let unverified = (total / 8).clamp(16, 4096);
     Limits {
         unverified,
-        per_peer: 64.min(unverified / 2),
+        per_peer: (unverified / 4).max(8),
         verified: total - unverified,
         per_group: 64,
         handshake: Duration::from_secs(3),
