@@ -69,8 +69,9 @@ fn limits() -> crate::slots::Limits {
     }
 }
 
-/// How much of a request's body a handler gets.
+/// How much of a request's body a handler gets, and how long it may take to come.
 const MAX_BODY: usize = 1 << 20;
+const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What a manager serves while it runs ([`Manager::serve`](crate::Manager::serve)):
 ///
@@ -397,9 +398,13 @@ async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Res
             return refused;
         }
         let (parts, body) = req.into_parts();
-        let body = match Limited::new(body, MAX_BODY).collect().await {
-            Ok(body) => body.to_bytes(),
-            Err(_) => return text(StatusCode::PAYLOAD_TOO_LARGE, "body too large\n", PLAIN),
+        // Authorized, but still bounded: the body comes within `BODY_TIMEOUT` or not at all.
+        let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_BODY).collect())
+            .await
+        {
+            Ok(Ok(body)) => body.to_bytes(),
+            Ok(Err(_)) => return text(StatusCode::PAYLOAD_TOO_LARGE, "body too large\n", PLAIN),
+            Err(_) => return text(StatusCode::REQUEST_TIMEOUT, "body too slow\n", PLAIN),
         };
         let (parts, body) = handler(Request::from_parts(parts, body)).await.into_parts();
         return Response::from_parts(parts, Full::new(body));

@@ -18,11 +18,17 @@
 //!
 //! # Trust
 //!
-//! - Anyone on the network who can reach the server can send reviews; without a cluster's
-//!   token they are refused before their body is read. The token is as secret as the
-//!   member's webhook configurations (readable by whoever may `get` them in that member)
-//!   and the host Secret (which also holds the CA key: whoever reads it can impersonate the
-//!   server to every member).
+//! - Anyone on the network who can reach the server can send requests; without a cluster's
+//!   token they are refused before their body is read, and their connection is closed. No
+//!   peer can hold the connections members' API servers need: connections that have not
+//!   shown a valid route have short deadlines and the oldest is closed to make room
+//!   (`docs/webhooks.md`, "What a peer can hold").
+//! - The token is a low-value bearer credential: it is in the member's webhook
+//!   configurations, and the member's API server prints the URL in its `failed calling
+//!   webhook` errors, to the user whose write failed among others. It lets its holder send
+//!   reviews as that cluster and nothing more, within that cluster's limits (reviews in
+//!   flight, buffered bytes, kept connections). The host Secret holds the route key and the
+//!   CA key: whoever reads it can impersonate the server to every member.
 //! - A member's administrator can send reviews as their own cluster (they can anyway: they
 //!   own its API server), and can remove or change the configuration in their cluster
 //!   (the manager applies it again on the next engagement or CA rotation, not at once).

@@ -297,10 +297,6 @@ where
                 Err(answer) => return answer,
             };
             let response = AdmissionResponse::from(&request);
-            let before = request.object.as_ref().map(serde_json::to_value);
-            // The object as the API server sent it: the patch must apply to it, not to its
-            // typed form (which may have fields the raw one lacks, or lack some it has).
-            let raw = raw_object(&body);
             let review = review_of(cluster, request);
             let outcome = std::panic::AssertUnwindSafe(async move { handler(review).await })
                 .catch_unwind()
@@ -318,8 +314,17 @@ where
             if let Some(reason) = mutation.denied {
                 return answer(denied(response, 403, "Forbidden", reason), false);
             }
-            let (Some(object), Some(Ok(before))) = (mutation.object, before) else {
-                // Unchanged, or nothing to change (a delete has no object).
+            let Some(object) = mutation.object else {
+                return answer(response, false);
+            };
+            // Changed: only now is the object read again from the body, as the API server sent
+            // it (the patch must apply to it, not to its typed form, which may have fields the
+            // raw one lacks or lack some it has) and in its typed form as the handler got it.
+            // An unchanged review is parsed once, as a validating one is.
+            let raw = raw_object(&body);
+            let before = K::deserialize(&raw).and_then(|before| serde_json::to_value(&before));
+            let Ok(before) = before else {
+                // Nothing to change (a delete has no object).
                 return answer(response, false);
             };
             let patch = serde_json::to_value(&object)
