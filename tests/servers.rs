@@ -65,6 +65,13 @@ async fn connect_from(from: IpAddr, to: SocketAddr) -> std::io::Result<tokio::ne
 
 type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
+/// Writes `bytes` and flushes them: TLS keeps what the socket did not take in its buffer
+/// until the next write or flush, and a reader waiting for the answer would wait for good.
+async fn send(tls: &mut Tls, bytes: &[u8]) -> std::io::Result<()> {
+    tls.write_all(bytes).await?;
+    tls.flush().await
+}
+
 /// A TLS connection from `from` to `to`, trusting any certificate (a flood does not care).
 async fn tls_from(from: IpAddr, to: SocketAddr) -> std::io::Result<Tls> {
     let config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -186,7 +193,7 @@ fn repeated_gets(
             let mut buffer = vec![0; 4096];
             loop {
                 let request = format!("GET {path} HTTP/1.1\r\nHost: flood\r\n{}\r\n", headers());
-                if tls.write_all(request.as_bytes()).await.is_err() {
+                if send(&mut tls, request.as_bytes()).await.is_err() {
                     return;
                 }
                 // The answer (small: one read), or the end.
@@ -443,7 +450,7 @@ async fn slow_bodies_on_one_members_route_are_cut_off_and_the_others_are_answere
                 let head = format!(
                     "POST {route}?timeout=5s HTTP/1.1\r\nHost: flood\r\nContent-Type: application/json\r\nContent-Length: 7000000\r\n\r\n{{"
                 );
-                tls.write_all(head.as_bytes()).await.unwrap();
+                send(&mut tls, head.as_bytes()).await.unwrap();
                 let sent = Instant::now();
                 let mut buffer = vec![0; 4096];
                 // At most 30 s: a server that holds on longer fails the assertion below.
@@ -455,7 +462,7 @@ async fn slow_bodies_on_one_members_route_are_cut_off_and_the_others_are_answere
                             Ok(_) => {}
                         },
                         () = tokio::time::sleep(Duration::from_secs(2)) => {
-                            if tls.write_all(b" ").await.is_err() {
+                            if send(&mut tls, b" ").await.is_err() {
                                 return sent.elapsed();
                             }
                         }
@@ -517,10 +524,10 @@ async fn full_size_reviews_on_one_route_stay_within_the_body_budget_or_get_429()
                     "POST {route}?timeout=5s HTTP/1.1\r\nHost: flood\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                     body.len()
                 );
-                tls.write_all(head.as_bytes()).await.unwrap();
+                send(&mut tls, head.as_bytes()).await.unwrap();
                 // A refused review may be answered before its body is sent: a write error
                 // then is the server's refusal, read below.
-                let _ = tls.write_all(&body).await;
+                let _ = send(&mut tls, &body).await;
                 let mut answer = Vec::new();
                 let _ = tokio::time::timeout(Duration::from_secs(30), tls.read_to_end(&mut answer)).await;
                 let answer = String::from_utf8_lossy(&answer);
@@ -591,9 +598,12 @@ async fn probe(addr: SocketAddr) -> Result<(), String> {
         let mut tls = tls_from(member_side(), addr)
             .await
             .map_err(|e| e.to_string())?;
-        tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: kubelet\r\nConnection: close\r\n\r\n")
-            .await
-            .map_err(|e| e.to_string())?;
+        send(
+            &mut tls,
+            b"GET /healthz HTTP/1.1\r\nHost: kubelet\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         let mut answer = Vec::new();
         let _ = tls.read_to_end(&mut answer).await;
         let answer = String::from_utf8_lossy(&answer).to_string();
