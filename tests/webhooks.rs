@@ -812,6 +812,142 @@ async fn host_only_webhooks_turn_over_their_ca_without_a_failed_admission() {
         .unwrap();
 }
 
+/// POSTs an `AdmissionReview` of a ConfigMap to `url` as a member's API server would (any
+/// certificate trusted): the HTTP status.
+async fn post_review(url: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let path = url.trim_start_matches("https://127.0.0.1:");
+    let path = &path[path.find('/').unwrap()..];
+    let body = serde_json::to_vec(&serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "7",
+            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+            "operation": "CREATE",
+            "name": "by-hand",
+            "namespace": NS,
+            "userInfo": {"username": "by-hand"},
+            "object": {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "by-hand", "namespace": NS, "annotations": {OWNER: "x"}}},
+        },
+    }))
+    .unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .dangerous()
+    .with_custom_certificate_verifier(Arc::new(AnyCertificate))
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port_of(url)))
+        .await
+        .unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    tls.write_all(head.as_bytes()).await.unwrap();
+    tls.write_all(&body).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tls.read_to_end(&mut answer).await;
+    String::from_utf8_lossy(&answer)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_route_key_turns_over_without_a_failed_admission_and_old_urls_stop_working() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let [c0, c1] = [0, 1].map(|i| env.cluster(i).unwrap());
+    let member = c1.client().unwrap();
+    create_namespace(&member, NS).await;
+    let provider = Clusters::new();
+    provider
+        .add(Cluster::from_config(name("a"), c1.config()).unwrap())
+        .unwrap();
+    let port = free_port();
+    let seen = Arc::new(Seen::default());
+    // A turn of 6 s: the next key is made at 3 s, makes the URLs from 6 s on; the one before
+    // it is accepted until 12 s.
+    let manager = Arc::new(
+        Manager::new(provider)
+            .with_local(Cluster::from_config(name("host"), c0.config()).unwrap())
+            .webhooks(webhooks(port, seen.clone()).route_rotation(Some(Duration::from_secs(6)))),
+    );
+    let run = spawn_manager(&manager);
+    let url_now = async || {
+        configs(&member)
+            .get("multicluster-runtime")
+            .await
+            .unwrap()
+            .webhooks
+            .unwrap()[0]
+            .client_config
+            .url
+            .clone()
+            .unwrap()
+    };
+    installed(&member, "a").await;
+    let mut urls = vec![url_now().await];
+    assert_eq!(post_review(&urls[0]).await, 200);
+    // Admissions go on while the key turns over twice: each one mutated and allowed, and
+    // the member given each new URL.
+    let mut admitted = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while urls.len() < 3 {
+        let object = cm(&format!("turn-{admitted}"), &[MANAGED], None);
+        let created = create(&member, &object)
+            .await
+            .unwrap_or_else(|e| panic!("admission {admitted} failed during the turnover: {e:?}"));
+        assert!(created.annotations().contains_key(OWNER));
+        admitted += 1;
+        let url = url_now().await;
+        if urls.last() != Some(&url) {
+            urls.push(url);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the route key did not turn over twice: {} URLs seen",
+            urls.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(admitted > 10, "{admitted} admissions");
+    // The second turn has begun: its URL and the one before are accepted, the first is not
+    // (once every replica has read the Secret again: within a check).
+    assert_eq!(post_review(&urls[2]).await, 200);
+    assert_eq!(post_review(&urls[1]).await, 200);
+    eventually(5, "the first URL refused", async || {
+        post_review(&urls[0]).await == 403
+    })
+    .await;
+    // The keys live in the host Secret, for every replica.
+    let secret = Api::<Secret>::namespaced(c0.client().unwrap(), "default")
+        .get("multicluster-runtime-webhook")
+        .await
+        .unwrap();
+    let data = secret.data.unwrap();
+    assert!(data.contains_key("route.key") && data.contains_key("route-previous.key"));
+    manager.shutdown();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
 /// The port of a webhook URL (`https://127.0.0.1:<port>/...`).
 fn port_of(url: &str) -> u16 {
     url.trim_start_matches("https://127.0.0.1:")

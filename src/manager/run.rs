@@ -231,6 +231,7 @@ impl<P: Provider> Manager<P> {
                     secret,
                     names,
                     webhooks.check_every,
+                    webhooks.route_rotation_period(),
                 );
                 let _ = runtime.keeper.set(keeper.clone());
                 keeper

@@ -7,6 +7,12 @@
 //! is made (and added to the bundle installed everywhere) long before it signs anything,
 //! and a CA that signed a certificate some replica may still serve stays in the bundle
 //! until it expires.
+//!
+//! The route key turns over the same way, on its own schedule (`route_every`): a next key
+//! is made half-way through the current one's turn and accepted by every replica from
+//! then on, without making any URL; at the end of the turn it becomes the current key (the
+//! installers give every member its new URLs), and the key it replaces is still accepted
+//! until the next turn ends, for members that could not be given them yet.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,9 +77,9 @@ pub(crate) struct Keeper {
     /// The names (DNS names, IP addresses) the serving certificate is for.
     names: Vec<String>,
     check_every: Duration,
+    /// How long a route key makes the URLs (`None`: it never turns over).
+    route_every: Option<Duration>,
     served: Mutex<Option<Served>>,
-    /// The route key of [`Source::Files`], once read.
-    route_cache: Mutex<Option<Vec<u8>>>,
     /// Without a host: what is served, made and rotated here.
     in_process: Mutex<Material>,
     bundle: watch::Sender<Option<Published>>,
@@ -104,6 +110,14 @@ struct Record {
     /// Until when the previous CA stays in the bundle.
     previous_until: Option<i64>,
     serving: Option<ServingRecord>,
+    /// When the current route key began making URLs, and the next one was made.
+    route: Option<RouteRecord>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+struct RouteRecord {
+    issued: i64,
+    next: Option<i64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -126,6 +140,9 @@ struct ServingRecord {
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Material {
     route: Option<Vec<u8>>,
+    /// Route keys accepted beside the current one: the next, the previous.
+    route_next: Option<Vec<u8>>,
+    route_previous: Option<Vec<u8>>,
     record: Record,
     ca: Option<(String, String)>,
     next: Option<(String, String)>,
@@ -134,6 +151,8 @@ struct Material {
 }
 
 const ROUTE: &str = "route.key";
+const ROUTE_NEXT: &str = "route-next.key";
+const ROUTE_PREVIOUS: &str = "route-previous.key";
 const RECORD: &str = "state.json";
 const CA: (&str, &str) = ("ca.crt", "ca.key");
 const NEXT: (&str, &str) = ("next-ca.crt", "next-ca.key");
@@ -148,11 +167,15 @@ impl Material {
                 .and_then(|b| String::from_utf8(b.0.clone()).ok())
         };
         let pair = |(cert, key): (&str, &str)| Some((text(cert)?, text(key)?));
-        Self {
-            route: data
-                .get(ROUTE)
+        let key = |name: &str| {
+            data.get(name)
                 .map(|b| b.0.clone())
-                .filter(|r| r.len() == KEY_LEN),
+                .filter(|r| r.len() == KEY_LEN)
+        };
+        Self {
+            route: key(ROUTE),
+            route_next: key(ROUTE_NEXT),
+            route_previous: key(ROUTE_PREVIOUS),
             record: text(RECORD)
                 .and_then(|r| serde_json::from_str(&r).ok())
                 .unwrap_or_default(),
@@ -168,8 +191,14 @@ impl Material {
         let mut put = |key: &str, value: &[u8]| {
             data.insert(key.to_string(), ByteString(value.to_vec()));
         };
-        if let Some(route) = &self.route {
-            put(ROUTE, route);
+        for (name, route) in [
+            (ROUTE, &self.route),
+            (ROUTE_NEXT, &self.route_next),
+            (ROUTE_PREVIOUS, &self.route_previous),
+        ] {
+            if let Some(route) = route {
+                put(name, route);
+            }
         }
         put(
             RECORD,
@@ -309,11 +338,10 @@ fn plan(
     now: i64,
     names: &[String],
     settings: &Generated,
+    route_every: Option<Duration>,
 ) -> Result<Option<Material>, String> {
     let mut next = material.clone();
-    if next.route.is_none() {
-        next.route = Some(random_key()?);
-    }
+    plan_route(&mut next, now, route_every)?;
     let usable_ca = |pair: &Option<(String, String)>, period: &Option<Period>| {
         pair.is_some() && period.as_ref().is_some_and(|p| p.expires > now)
     };
@@ -377,6 +405,50 @@ fn plan(
     Ok((next != *material).then_some(next))
 }
 
+/// The route keys `material` should hold at `now`: one made if there is none; with
+/// `every`, a next one made half-way through the current key's turn, and promoted at its
+/// end once it has been accepted for half a turn at least (the previous one accepted until
+/// the next promotion).
+fn plan_route(material: &mut Material, now: i64, every: Option<Duration>) -> Result<(), String> {
+    if material.route.is_none() {
+        material.route = Some(random_key()?);
+        material.route_next = None;
+        material.route_previous = None;
+        material.record.route = None;
+    }
+    // A key without a record (kept by an earlier version) begins its turn now.
+    let record = material.record.route.get_or_insert(RouteRecord {
+        issued: now,
+        next: None,
+    });
+    let Some(every) = every else {
+        return Ok(());
+    };
+    let turn = i64::try_from(every.as_secs())
+        .unwrap_or(i64::MAX / 2)
+        .max(1);
+    match (&material.route_next, record.next) {
+        (Some(_), Some(made)) if now - record.issued >= turn && now - made >= turn / 2 => {
+            material.route_previous = material.route.take();
+            material.route = material.route_next.take();
+            *record = RouteRecord {
+                issued: now,
+                next: None,
+            };
+        }
+        (Some(_), Some(_)) => {}
+        _ => {
+            material.route_next = None;
+            record.next = None;
+            if now - record.issued >= turn / 2 {
+                material.route_next = Some(random_key()?);
+                record.next = Some(now);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn random_key() -> Result<Vec<u8>, String> {
     use ring::rand::SecureRandom;
     let mut key = vec![0; KEY_LEN];
@@ -404,14 +476,15 @@ impl Keeper {
         secret: Option<(kube::Client, String, String)>,
         names: Vec<String>,
         check_every: Duration,
+        route_every: Option<Duration>,
     ) -> Arc<Self> {
         Arc::new(Self {
             source,
             secret,
             names,
             check_every,
+            route_every,
             served: Mutex::new(None),
-            route_cache: Mutex::new(None),
             in_process: Mutex::new(Material::default()),
             bundle: watch::Sender::new(None),
             loaded: AtomicBool::new(false),
@@ -469,7 +542,9 @@ impl Keeper {
                     // No host: kept (and rotated) in this process only.
                     let mut kept = lock(&self.in_process);
                     let now = unix(SystemTime::now());
-                    if let Some(planned) = plan(&kept, now, &self.names, settings)? {
+                    if let Some(planned) =
+                        plan(&kept, now, &self.names, settings, self.route_every)?
+                    {
                         *kept = planned;
                     }
                     return self.install(&kept);
@@ -482,7 +557,9 @@ impl Keeper {
                     })?;
                     let material = existing.as_ref().map(Material::of).unwrap_or_default();
                     let now = unix(SystemTime::now());
-                    let Some(planned) = plan(&material, now, &self.names, settings)? else {
+                    let Some(planned) =
+                        plan(&material, now, &self.names, settings, self.route_every)?
+                    else {
                         return self.install(&material);
                     };
                     match self.write(&api, name, existing, &planned).await {
@@ -503,17 +580,16 @@ impl Keeper {
                 Err(format!("{what}: written by others meanwhile, three times"))
             }
             Source::Files { cert, key, ca } => {
-                let route = self.route_key().await?;
+                let routes = self.route_keys().await?;
                 let read = |path: &std::path::Path| {
                     std::fs::read_to_string(path)
                         .map_err(|e| format!("{}: cannot be read ({})", path.display(), e.kind()))
                 };
                 let (cert_pem, key_pem, ca_pem) = (read(cert)?, read(key)?, read(ca)?);
                 let material = Material {
-                    route: Some(route),
                     ca: Some((ca_pem, String::new())),
                     serving: Some((cert_pem, key_pem)),
-                    ..Material::default()
+                    ..routes
                 };
                 self.install(&material)
                     .map_err(|e| format!("{} and {}: {e}", cert.display(), key.display()))
@@ -550,47 +626,42 @@ impl Keeper {
         Ok(())
     }
 
-    /// The route key kept in the host Secret (made if missing), or one of this process's.
-    async fn route_key(&self) -> Result<Vec<u8>, String> {
-        // Read once: it never changes while the process runs.
-        if let Some(route) = lock(&self.route_cache).clone() {
-            return Ok(route);
-        }
-        let route = match &self.secret {
-            None => random_key()?,
-            Some((client, namespace, name)) => {
-                let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
-                let what = format!("Secret {namespace}/{name} on the host");
-                let mut found = None;
-                for _ in 0..3 {
-                    let existing = api.get_opt(name).await.map_err(|e| {
-                        format!("{what}: {}", crate::cluster::redact::safe_text(&e))
-                    })?;
-                    let mut material = existing.as_ref().map(Material::of).unwrap_or_default();
-                    if let Some(route) = material.route.clone() {
-                        found = Some(route);
-                        break;
-                    }
-                    material.route = Some(random_key()?);
-                    match self.write(&api, name, existing, &material).await {
-                        Ok(()) => {
-                            found = material.route;
-                            break;
-                        }
-                        Err(kube::Error::Api(status)) if status.code == 409 => continue,
-                        Err(e) => {
-                            return Err(format!(
-                                "{what}: {}",
-                                crate::cluster::redact::safe_text(&e)
-                            ));
-                        }
-                    }
-                }
-                found.ok_or_else(|| format!("{what}: written by others meanwhile, three times"))?
-            }
+    /// The route keys kept in the host Secret (made, and turned over, as `plan_route` says),
+    /// or this process's: a [`Material`] holding them and nothing else.
+    async fn route_keys(&self) -> Result<Material, String> {
+        let keys_of = |material: &Material| Material {
+            route: material.route.clone(),
+            route_next: material.route_next.clone(),
+            route_previous: material.route_previous.clone(),
+            ..Material::default()
         };
-        *lock(&self.route_cache) = Some(route.clone());
-        Ok(route)
+        let Some((client, namespace, name)) = &self.secret else {
+            let mut kept = lock(&self.in_process);
+            plan_route(&mut kept, unix(SystemTime::now()), self.route_every)?;
+            return Ok(keys_of(&kept));
+        };
+        let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        let what = format!("Secret {namespace}/{name} on the host");
+        for _ in 0..3 {
+            let existing = api
+                .get_opt(name)
+                .await
+                .map_err(|e| format!("{what}: {}", crate::cluster::redact::safe_text(&e)))?;
+            let material = existing.as_ref().map(Material::of).unwrap_or_default();
+            let mut planned = material.clone();
+            plan_route(&mut planned, unix(SystemTime::now()), self.route_every)?;
+            if planned == material {
+                return Ok(keys_of(&material));
+            }
+            match self.write(&api, name, existing, &planned).await {
+                Ok(()) => return Ok(keys_of(&planned)),
+                Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                Err(e) => {
+                    return Err(format!("{what}: {}", crate::cluster::redact::safe_text(&e)));
+                }
+            }
+        }
+        Err(format!("{what}: written by others meanwhile, three times"))
     }
 
     /// Serves `material`: its serving certificate, its route key, its bundle (members told
@@ -600,7 +671,9 @@ impl Keeper {
         let key = certified(cert, key)?;
         let route = material.route.as_ref().ok_or("no route key")?;
         let bundle: Arc<str> = Arc::from(material.bundle());
-        let route = RouteKey::new(route);
+        let accepted = [&material.route_next, &material.route_previous];
+        let route =
+            RouteKey::with_accepted(route, accepted.into_iter().flatten().map(Vec::as_slice));
         let published = Published {
             bundle: bundle.clone(),
             route: route.token("\0fingerprint"),
@@ -622,6 +695,75 @@ impl Keeper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_route_key_turns_over_with_an_overlap_on_both_sides() {
+        let day = Some(Duration::from_secs(600));
+        let mut m = Material::default();
+        plan_route(&mut m, 1000, day).unwrap();
+        let first = m.route.clone().unwrap();
+        assert_eq!(
+            (m.route_next.as_ref(), m.route_previous.as_ref()),
+            (None, None)
+        );
+        // Before half a turn: nothing changes.
+        let before = m.clone();
+        plan_route(&mut m, 1299, day).unwrap();
+        assert_eq!(m, before);
+        // Half a turn: a next key, accepted, not yet making URLs.
+        plan_route(&mut m, 1300, day).unwrap();
+        let next = m.route_next.clone().unwrap();
+        assert_eq!(m.route.as_ref(), Some(&first));
+        // The turn's end: the next key makes URLs, the first is still accepted.
+        plan_route(&mut m, 1600, day).unwrap();
+        assert_eq!(m.route.as_ref(), Some(&next));
+        assert_eq!(m.route_previous.as_ref(), Some(&first));
+        assert_eq!(m.route_next, None);
+        // Half of the next turn: a third key; at its end the first is accepted no more.
+        plan_route(&mut m, 1900, day).unwrap();
+        let third = m.route_next.clone().unwrap();
+        plan_route(&mut m, 2200, day).unwrap();
+        assert_eq!(m.route.as_ref(), Some(&third));
+        assert_eq!(m.route_previous.as_ref(), Some(&next));
+        assert!(![&m.route, &m.route_next, &m.route_previous].contains(&&Some(first)));
+    }
+
+    #[test]
+    fn a_next_route_key_seen_late_is_accepted_for_half_a_turn_before_it_makes_urls() {
+        let day = Some(Duration::from_secs(600));
+        let mut m = Material::default();
+        plan_route(&mut m, 0, day).unwrap();
+        // Nobody looked at the Secret for a whole turn: the next key is made now, and
+        // promoted only half a turn later.
+        plan_route(&mut m, 900, day).unwrap();
+        let next = m.route_next.clone().unwrap();
+        plan_route(&mut m, 1199, day).unwrap();
+        assert_eq!(m.route_next.as_ref(), Some(&next));
+        plan_route(&mut m, 1200, day).unwrap();
+        assert_eq!(m.route.as_ref(), Some(&next));
+    }
+
+    #[test]
+    fn without_a_turn_or_with_a_key_of_an_earlier_version_the_key_stays() {
+        let mut m = Material {
+            route: Some(vec![5; KEY_LEN]),
+            ..Material::default()
+        };
+        plan_route(&mut m, 50, None).unwrap();
+        plan_route(&mut m, 5_000_000, None).unwrap();
+        assert_eq!(m.route, Some(vec![5; KEY_LEN]));
+        assert_eq!(m.route_next, None);
+        // With a turn, the key kept by an earlier version (no record) begins its turn when
+        // first seen.
+        let mut m = Material {
+            route: Some(vec![5; KEY_LEN]),
+            ..Material::default()
+        };
+        plan_route(&mut m, 100, Some(Duration::from_secs(600))).unwrap();
+        assert_eq!(m.record.route.as_ref().map(|r| r.issued), Some(100));
+        plan_route(&mut m, 399, Some(Duration::from_secs(600))).unwrap();
+        assert_eq!(m.route_next, None);
+    }
 
     fn settings() -> Generated {
         Generated {
@@ -651,7 +793,7 @@ mod tests {
     #[test]
     fn rotation_adds_a_ca_to_the_bundle_before_it_signs_and_keeps_the_old_one_until_it_expires() {
         let t0 = 1_000_000;
-        let first = plan(&Material::default(), t0, &names(), &settings())
+        let first = plan(&Material::default(), t0, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert!(first.route.is_some() && first.serving.is_some());
@@ -662,17 +804,20 @@ mod tests {
         )
         .unwrap();
         // Nothing to do soon after.
-        assert_eq!(plan(&first, t0 + 10, &names(), &settings()).unwrap(), None);
+        assert_eq!(
+            plan(&first, t0 + 10, &names(), &settings(), None).unwrap(),
+            None
+        );
         // Two thirds of the CA's life: a next CA in the bundle, the serving certificate still
         // the first CA's (renewed at two thirds of its own life, by the same CA).
-        let second = plan(&first, t0 + 400, &names(), &settings())
+        let second = plan(&first, t0 + 400, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&second), vec![1, 2]);
         assert_eq!(second.record.serving.as_ref().unwrap().ca, 1);
         assert_eq!(second.route, first.route);
         // Five sixths: the next CA signs; the first stays in the bundle until it expires.
-        let third = plan(&second, t0 + 500, &names(), &settings())
+        let third = plan(&second, t0 + 500, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&third), vec![2, 0]);
@@ -684,28 +829,37 @@ mod tests {
         assert!(third.bundle().contains(&first.ca.as_ref().unwrap().0));
         // Nobody looked between two thirds and five sixths: the next CA made at five sixths
         // does not sign before it has been in the bundle a sixth of a CA's life.
-        let late = plan(&first, t0 + 500, &names(), &settings())
+        let late = plan(&first, t0 + 500, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&late), vec![1, 2]);
-        assert_eq!(plan(&late, t0 + 560, &names(), &settings()).unwrap(), None);
-        let waiting = plan(&late, t0 + 590, &names(), &settings())
+        assert_eq!(
+            plan(&late, t0 + 560, &names(), &settings(), None).unwrap(),
+            None
+        );
+        let waiting = plan(&late, t0 + 590, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert_eq!(waiting.record.serving.as_ref().unwrap().ca, 1);
-        let promoted = plan(&waiting, t0 + 600, &names(), &settings())
+        let promoted = plan(&waiting, t0 + 600, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert_eq!(promoted.record.serving.as_ref().unwrap().ca, 2);
         // Expired: gone from the bundle.
-        let fourth = plan(&third, t0 + 601, &names(), &settings())
+        let fourth = plan(&third, t0 + 601, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&fourth), vec![2]);
         // Other names: a new serving certificate, same CA.
-        let renamed = plan(&fourth, t0 + 602, &["example.com".to_string()], &settings())
-            .unwrap()
-            .unwrap();
+        let renamed = plan(
+            &fourth,
+            t0 + 602,
+            &["example.com".to_string()],
+            &settings(),
+            None,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(
             renamed.record.serving.as_ref().unwrap().names,
             ["example.com"]
@@ -724,7 +878,7 @@ mod tests {
             std::fs::write(&key, k).unwrap();
             std::fs::write(&ca, material.bundle()).unwrap();
         };
-        let first = plan(&Material::default(), 10, &names(), &settings())
+        let first = plan(&Material::default(), 10, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         write(&first);
@@ -737,6 +891,7 @@ mod tests {
             None,
             names(),
             Duration::from_secs(1),
+            None,
         );
         let mut published = keeper.bundle();
         keeper.refresh().await.unwrap();
@@ -746,7 +901,7 @@ mod tests {
         published.borrow_and_update();
         // Rotated on disk (as a mounted Secret is): the new pair served, the new bundle
         // published, the route key kept.
-        let second = plan(&Material::default(), 20, &names(), &settings())
+        let second = plan(&Material::default(), 20, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         write(&second);
@@ -765,7 +920,7 @@ mod tests {
 
     #[test]
     fn a_secret_read_back_is_the_material_written() {
-        let material = plan(&Material::default(), 5, &names(), &settings())
+        let material = plan(&Material::default(), 5, &names(), &settings(), None)
             .unwrap()
             .unwrap();
         let secret = Secret {
@@ -780,7 +935,9 @@ mod tests {
             data: Some(broken),
             ..Secret::default()
         });
-        let fixed = plan(&broken, 6, &names(), &settings()).unwrap().unwrap();
+        let fixed = plan(&broken, 6, &names(), &settings(), None)
+            .unwrap()
+            .unwrap();
         assert!(fixed.record.ca.is_some());
         assert_eq!(fixed.route, material.route);
     }

@@ -27,8 +27,9 @@
 //!   configurations, and the member's API server prints the URL in its `failed calling
 //!   webhook` errors, to the user whose write failed among others. It lets its holder send
 //!   reviews as that cluster and nothing more, within that cluster's limits (reviews in
-//!   flight, buffered bytes, kept connections). The host Secret holds the route key and the
-//!   CA key: whoever reads it can impersonate the server to every member.
+//!   flight, buffered bytes, kept connections), until the route key has turned over twice
+//!   ([`Webhooks::route_rotation`], a day by default). The host Secret holds the route keys
+//!   and the CA key: whoever reads it can impersonate the server to every member.
 //! - A member's administrator can send reviews as their own cluster (they can anyway: they
 //!   own its API server), and can remove or change the configuration in their cluster
 //!   (the manager applies it again on the next engagement or CA rotation, not at once).
@@ -395,6 +396,8 @@ pub struct Webhooks<C: ClusterId> {
     pub(crate) check_every: Duration,
     /// `None`: sized from the open-file limit.
     pub(crate) connections: Option<usize>,
+    /// `None`: the default for the install (a day, or never with [`Install::Nothing`]).
+    pub(crate) route_every: Option<Option<Duration>>,
     pub(crate) budget: server::Budget,
 }
 
@@ -433,6 +436,7 @@ impl<C: ClusterId> Webhooks<C> {
             install: Install::Fleet,
             check_every: Duration::from_secs(60),
             connections: None,
+            route_every: None,
             budget: server::Budget {
                 per_cluster: 32,
                 bytes: 64 << 20,
@@ -516,6 +520,27 @@ impl<C: ClusterId> Webhooks<C> {
     pub fn check_every(mut self, every: Duration) -> Self {
         self.check_every = every;
         self
+    }
+
+    /// How long a route key makes the members' URLs before the next one takes over (default
+    /// one day; never with [`Install::Nothing`], whose configurations are yours to write;
+    /// `None`: never). The next key is made half-way through a turn and accepted by every
+    /// replica from then on; at the turn's end it makes the URLs (the configurations are
+    /// applied again in every member), and the key before it is still accepted until the
+    /// next turn ends. A token a member's error message revealed is worthless after two
+    /// turns at most. At least six times [`Webhooks::check_every`].
+    #[must_use]
+    pub fn route_rotation(mut self, every: Option<Duration>) -> Self {
+        self.route_every = Some(every);
+        self
+    }
+
+    /// The route key's turn: as set, or the install's default.
+    pub(crate) fn route_rotation_period(&self) -> Option<Duration> {
+        self.route_every.unwrap_or(match self.install {
+            Install::Nothing => None,
+            _ => Some(Duration::from_secs(24 * 3600)),
+        })
     }
 
     /// How many connections the server holds at once (default: half the process's
@@ -613,6 +638,15 @@ impl<C: ClusterId> Webhooks<C> {
         }
         if self.hooks.is_empty() {
             return Err("no hook: add one with Webhooks::hook".into());
+        }
+        if let Some(every) = self.route_rotation_period()
+            && self.check_every.saturating_mul(6) > every
+        {
+            // Each replica reads the next key twice at least before it makes URLs.
+            return Err(format!(
+                "check_every ({:?}) must be at most a sixth of the route rotation ({every:?})",
+                self.check_every
+            ));
         }
         if let certs::Source::Generated(generated) = &self.certificates
             && self.check_every.saturating_mul(6) > generated.ca_validity

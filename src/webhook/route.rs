@@ -21,9 +21,15 @@ const CONTEXT: &[u8] = b"multicluster-runtime webhook route\0";
 /// pass through unchanged.
 const ENCODED: char = '~';
 
-/// The keyed hash routes are made and checked with.
+/// The keyed hashes routes are made and checked with: the current key, which makes tokens,
+/// and the keys also accepted while the route key turns over (the previous one, whose
+/// tokens members not yet given the new URLs still send; the next one, which a replica
+/// that has already promoted it gives out).
 #[derive(Clone)]
-pub(crate) struct RouteKey(hmac::Key);
+pub(crate) struct RouteKey {
+    current: hmac::Key,
+    also: Vec<hmac::Key>,
+}
 
 impl std::fmt::Debug for RouteKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -33,34 +39,58 @@ impl std::fmt::Debug for RouteKey {
 
 impl RouteKey {
     pub(crate) fn new(secret: &[u8]) -> Self {
-        Self(hmac::Key::new(hmac::HMAC_SHA256, secret))
+        Self::with_accepted(secret, [])
+    }
+
+    /// `secret` makes tokens; its tokens and those of `accepted` are valid.
+    pub(crate) fn with_accepted<'a>(
+        secret: &[u8],
+        accepted: impl IntoIterator<Item = &'a [u8]>,
+    ) -> Self {
+        Self {
+            current: hmac::Key::new(hmac::HMAC_SHA256, secret),
+            also: accepted
+                .into_iter()
+                .map(|key| hmac::Key::new(hmac::HMAC_SHA256, key))
+                .collect(),
+        }
     }
 
     /// The token of `cluster` (its id's text form): 32 hexadecimal digits (128 bits).
     pub(crate) fn token(&self, cluster: &str) -> String {
-        let mut context = hmac::Context::with_key(&self.0);
-        context.update(CONTEXT);
-        context.update(cluster.as_bytes());
-        let tag = context.sign();
-        let mut out = String::with_capacity(32);
-        for byte in &tag.as_ref()[..16] {
-            use std::fmt::Write as _;
-            let _ = write!(out, "{byte:02x}");
-        }
-        out
+        token(&self.current, cluster)
     }
 
-    /// Whether `token` is `cluster`'s, compared in constant time.
+    /// Whether `token` is `cluster`'s under any accepted key, compared in constant time.
     pub(crate) fn verify(&self, cluster: &str, token: &str) -> bool {
-        let expected = self.token(cluster);
-        // Every byte compared, whatever the first difference.
-        expected.len() == token.len()
-            && expected
-                .bytes()
-                .zip(token.bytes())
-                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-                == 0
+        std::iter::once(&self.current)
+            .chain(&self.also)
+            .fold(false, |found, key| {
+                found | same(&self::token(key, cluster), token)
+            })
     }
+}
+
+fn token(key: &hmac::Key, cluster: &str) -> String {
+    let mut context = hmac::Context::with_key(key);
+    context.update(CONTEXT);
+    context.update(cluster.as_bytes());
+    let tag = context.sign();
+    let mut out = String::with_capacity(32);
+    for byte in &tag.as_ref()[..16] {
+        use std::fmt::Write as _;
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
+}
+
+/// Whether `a` and `b` are equal, every byte compared whatever the first difference.
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |diff, (x, y)| diff | (x ^ y))
+            == 0
 }
 
 /// A route of a request, split but not yet checked.
@@ -194,6 +224,18 @@ mod tests {
         assert_eq!(key.token("east").len(), 32);
         assert!(!key.verify("east", ""));
         assert!(!key.verify("east", &key.token("east")[..31]));
+    }
+
+    #[test]
+    fn a_turning_key_accepts_the_tokens_of_its_other_keys_and_makes_its_own() {
+        let (old, current, next) = ([1; KEY_LEN], [2; KEY_LEN], [3; KEY_LEN]);
+        let ring = RouteKey::with_accepted(&current, [&old[..], &next[..]]);
+        assert_eq!(ring.token("east"), RouteKey::new(&current).token("east"));
+        for key in [old, current, next] {
+            assert!(ring.verify("east", &RouteKey::new(&key).token("east")));
+        }
+        assert!(!ring.verify("east", &RouteKey::new(&[4; KEY_LEN]).token("east")));
+        assert!(!ring.verify("west", &RouteKey::new(&old).token("east")));
     }
 
     #[test]
