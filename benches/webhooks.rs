@@ -10,10 +10,11 @@
 //! 2. `load`: reviews (100,000 by default) over those connections, `--concurrency` at a time
 //!    (each takes an idle connection, sends, reads the answer, gives it back): latency
 //!    percentiles, reviews a second, and the server's CPU per 1,000 reviews.
-//! 3. `floods` (with `--floods`): from 127.0.0.2, 1,500 idle TCP connections (reopened once a
-//!    second after each close) while 64 connections trickle a body declaring 7,000,000 bytes
-//!    and 64 full-size (7 MiB) reviews are sent at once on one route: the server's peak RSS,
-//!    and whether the connected members' reviews were still answered.
+//! 3. `floods` (with `--floods`): from 127.0.0.2-9, 3,200 idle TCP connections (reopened once
+//!    a second after each close) while 64 connections trickle a body declaring 7,000,000 bytes
+//!    on one member's route and 64 full-size (7 MiB) reviews are sent at once on another's:
+//!    the server's RSS during the floods, and whether 64 connected members' reviews (one
+//!    every 200 ms each) were still answered.
 //!
 //! Each member of the crate's fleet is a cluster of its own (one connection each, its own
 //! route); controller-runtime's server has one path. Every load is on loopback, bounded in
@@ -401,11 +402,9 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-/// A review of a ConfigMap (about 1.5 KiB), as a member's API server sends one.
-fn review_body(name: &str) -> Vec<u8> {
-    let data: BTreeMap<String, String> = (0..8)
-        .map(|i| (format!("key-{i}"), "v".repeat(96)))
-        .collect();
+/// A review of the creation of ConfigMap `name` holding `data`, as a member's API server
+/// sends one.
+fn review(name: &str, data: BTreeMap<String, String>) -> Vec<u8> {
     let review = serde_json::json!({
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
@@ -431,6 +430,16 @@ fn review_body(name: &str) -> Vec<u8> {
         },
     });
     serde_json::to_vec(&review).unwrap()
+}
+
+/// A review of a ConfigMap of about 1.5 KiB.
+fn review_body(name: &str) -> Vec<u8> {
+    review(
+        name,
+        (0..8)
+            .map(|i| (format!("key-{i}"), "v".repeat(96)))
+            .collect(),
+    )
 }
 
 /// Source address of connection `i`: 127.1.0.1 to 127.1.0.100.
@@ -607,11 +616,17 @@ async fn flood(
     let attacker = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
     let stop = tokio_util::sync::CancellationToken::new();
     let until = Instant::now() + Duration::from_secs(60);
+    // The slow bodies on one member's route, the full-size reviews on another's (on the
+    // crate's server each member has a share of the body budget of its own).
     let route = server.paths[0].clone();
-    // 1,500 idle TCP connections, each reopened a second after the server closes it.
+    let big_route = server.paths[1 % server.paths.len()].clone();
+    // 3,200 idle TCP connections from 127.0.0.2-9 (more than the crate's server keeps
+    // unverified here, from more addresses than one peer's share), each reopened a second
+    // after the server closes it.
     let mut idle = tokio::task::JoinSet::new();
-    for _ in 0..1500 {
+    for i in 0..3200 {
         let (stop, addr) = (stop.clone(), server.addr);
+        let attacker = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2 + (i % 8) as u8));
         idle.spawn(async move {
             for _ in 0..100 {
                 if stop.is_cancelled() || Instant::now() > until {
@@ -666,7 +681,8 @@ async fn flood(
     let big = Arc::new(big_review());
     let bigs: Vec<_> = (0..64)
         .map(|_| {
-            let (tls, addr, route, big) = (tls.clone(), server.addr, route.clone(), big.clone());
+            let (tls, addr, route, big) =
+                (tls.clone(), server.addr, big_route.clone(), big.clone());
             tokio::spawn(async move {
                 let Ok(mut conn) = connect(&tls, attacker, addr, route).await else {
                     return 0;
@@ -734,24 +750,13 @@ async fn flood(
 
 /// A review of 7 MiB, the largest either server reads.
 fn big_review() -> Vec<u8> {
-    let filler = 7 * 1024 * 1024 - 1024;
-    let mut data = BTreeMap::new();
-    data.insert("filler".to_string(), "x".repeat(filler));
-    let review = serde_json::json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "4f1c2a9e-0000-4000-8000-000000000002",
-            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
-            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
-            "operation": "CREATE",
-            "name": "big",
-            "namespace": "bench",
-            "userInfo": {"username": "flood"},
-            "object": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big", "namespace": "bench"}, "data": data},
-        },
-    });
-    serde_json::to_vec(&review).unwrap()
+    let filler = 7 * 1024 * 1024 - 2048;
+    let body = review(
+        "big",
+        BTreeMap::from([("filler".to_string(), "x".repeat(filler))]),
+    );
+    assert!(body.len() <= 7 << 20, "{}", body.len());
+    body
 }
 
 fn report(server: &str, f: &Figures, connections: usize) {

@@ -74,20 +74,14 @@ async fn send(tls: &mut Tls, bytes: &[u8]) -> std::io::Result<()> {
 
 /// A TLS connection from `from` to `to`, trusting any certificate (a flood does not care).
 async fn tls_from(from: IpAddr, to: SocketAddr) -> std::io::Result<Tls> {
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .dangerous()
-    .with_custom_certificate_verifier(Arc::new(AnyCertificate))
-    .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let tcp = connect_from(from, to).await?;
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp))
-        .await
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        any_certificate_tls().connect(name, tcp),
+    )
+    .await
+    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
 }
 
 /// Connections held by one flood: each task opens a connection, holds it as its kind says
@@ -434,6 +428,71 @@ async fn members_are_answered_while_another_address_repeats_gets_on_kept_connect
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_connection_is_closed_by_an_answer_that_is_not_a_review() {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::start().await;
+    let route = fleet.route_of_a();
+    let review = serde_json::to_vec(&config_map_review("kept", NS, serde_json::json!({}))).unwrap();
+    let mut tls = tls_from(attacker(), fleet.server()).await.unwrap();
+    let post = format!(
+        "POST {route}?timeout=5s HTTP/1.1\r\nHost: member\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        review.len()
+    );
+    // A review on a's valid route: answered, and the connection kept.
+    let mut request = post.into_bytes();
+    request.extend_from_slice(&review);
+    send(&mut tls, &request).await.unwrap();
+    let answer = read_answer(&mut tls).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        !answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
+    // Then a GET on the same connection: 405, and the connection closes.
+    send(&mut tls, b"GET / HTTP/1.1\r\nHost: member\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = read_answer(&mut tls).await;
+    assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(_)) | Ok(Err(_))),
+        "the connection stayed open after the 405"
+    );
+    fleet.stop().await;
+}
+
+/// One answer's head and body (its `Content-Length`), read off `tls`.
+async fn read_answer(tls: &mut Tls) -> String {
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&answer).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length: usize = head
+                .to_ascii_lowercase()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .unwrap_or(0);
+            if body.len() >= length {
+                return text;
+            }
+        }
+        let n = tls.read(&mut chunk).await.unwrap();
+        assert!(
+            n > 0,
+            "closed before the answer: {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_bodies_on_one_members_route_are_cut_off_and_the_others_are_answered() {
     let _serial = SERIAL.lock().await;
     enough_files(4096);
@@ -494,25 +553,11 @@ async fn full_size_reviews_on_one_route_stay_within_the_body_budget_or_get_429()
     let server = fleet.server();
     // A review as large as the server reads (7 MiB): a ConfigMap with one large value.
     let filler = 7 * 1024 * 1024 - 1024;
-    let review = serde_json::json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "00000000-0000-0000-0000-000000000001",
-            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
-            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
-            "operation": "CREATE",
-            "name": "big-one",
-            "namespace": NS,
-            "userInfo": {"username": "flood"},
-            "object": {
-                "apiVersion": "v1",
-                "kind": "ConfigMap",
-                "metadata": {"name": "big-one", "namespace": NS},
-                "data": {"filler": "x".repeat(filler)},
-            },
-        },
-    });
+    let review = config_map_review(
+        "big-one",
+        NS,
+        serde_json::json!({"filler": "x".repeat(filler)}),
+    );
     let body = bytes::Bytes::from(serde_json::to_vec(&review).unwrap());
     assert!(body.len() <= 7 << 20, "{}", body.len());
     let reviews: Vec<_> = (0..64)

@@ -818,34 +818,13 @@ async fn post_review(url: &str) -> u16 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let path = url.trim_start_matches("https://127.0.0.1:");
     let path = &path[path.find('/').unwrap()..];
-    let body = serde_json::to_vec(&serde_json::json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "7",
-            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
-            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
-            "operation": "CREATE",
-            "name": "by-hand",
-            "namespace": NS,
-            "userInfo": {"username": "by-hand"},
-            "object": {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": "by-hand", "namespace": NS, "annotations": {OWNER: "x"}}},
-        },
-    }))
-    .unwrap();
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .dangerous()
-    .with_custom_certificate_verifier(Arc::new(AnyCertificate))
-    .with_no_client_auth();
+    let mut review = config_map_review("by-hand", NS, serde_json::json!({}));
+    review["request"]["object"]["metadata"]["annotations"] = serde_json::json!({OWNER: "x"});
+    let body = serde_json::to_vec(&review).unwrap();
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port_of(url)))
         .await
         .unwrap();
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+    let mut tls = any_certificate_tls()
         .connect(
             rustls::pki_types::ServerName::try_from("localhost").unwrap(),
             tcp,

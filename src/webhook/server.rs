@@ -369,10 +369,10 @@ async fn answer<C: ClusterId>(
 ) -> Response<Full<Bytes>> {
     let _busy = lease.busy();
     let response = review(shared, lease, req).await;
-    // Only a connection that has shown a valid route (and found room) stays open: every
-    // other answer (403, 404, 405, 429, 503, ...) closes it, so nobody holds a slot by asking
-    // for what is not there.
-    if lease.is_verified() {
+    // Only a review answered, on a connection that has shown a valid route (and found room),
+    // keeps its connection: every other answer (403, 404, 405, 429, 503, ...) closes it, so
+    // nobody holds a slot by asking for what is not there.
+    if response.status() == StatusCode::OK && lease.is_verified() {
         response
     } else {
         closing(response)

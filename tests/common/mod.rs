@@ -761,14 +761,8 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
     }
 }
 
-/// An HTTPS GET of `path` from `addr`, with `token` as bearer: the status, the body and the
-/// certificate the server presented.
-pub async fn https_get(
-    addr: std::net::SocketAddr,
-    path: &str,
-    token: Option<&str>,
-) -> (u16, String, Vec<u8>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// A TLS client that accepts any server certificate.
+pub fn any_certificate_tls() -> tokio_rustls::TlsConnector {
     let config = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -777,7 +771,46 @@ pub async fn https_get(
     .dangerous()
     .with_custom_certificate_verifier(Arc::new(AnyCertificate))
     .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// An `AdmissionReview` of the creation of ConfigMap `name` in `namespace`, as a member's API
+/// server sends one, its object's `data` being `data`.
+pub fn config_map_review(
+    name: &str,
+    namespace: &str,
+    data: serde_json::Value,
+) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "00000000-0000-0000-0000-000000000001",
+            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+            "operation": "CREATE",
+            "name": name,
+            "namespace": namespace,
+            "userInfo": {"username": "by-hand"},
+            "object": {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": namespace},
+                "data": data,
+            },
+        },
+    })
+}
+
+/// An HTTPS GET of `path` from `addr`, with `token` as bearer: the status, the body and the
+/// certificate the server presented.
+pub async fn https_get(
+    addr: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connector = any_certificate_tls();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut tls = connector
         .connect(
