@@ -14,13 +14,15 @@
 //! open, idle up to [`Limits::idle`] between requests (a member's API server keeps its
 //! webhook connections for up to 90 s), as long as there is room: at most
 //! [`Limits::verified`] in all and [`Limits::per_group`] of one group (a cluster). A
-//! request that finds no room is still answered, on a connection that then closes.
+//! request that finds no room is *closing*: no longer evictable, it is answered, and its
+//! connection then closes.
 //!
 //! | state | closed when |
 //! | --- | --- |
 //! | unverified | the handshake or the first request is late; a newer connection needs its place (oldest first, its peer's first); it is answered without being verified |
 //! | verified, idle | idle longer than [`Limits::idle`]; a request's headers take longer than [`Limits::header`] |
-//! | verified, in a request | the server's handler bounds it (the webhook's timeout, the body's rate) |
+//! | verified or closing, in a request | the server's handler bounds it (the webhook's timeout, the body's rate) |
+//! | closing, answered | at once (`Connection: close`), or [`Limits::header`] later if the peer does not take the answer |
 //!
 //! The server's own deadlines are the only ones: hyper's (whose header-read timer is also its
 //! idle timer, so it would either close verified connections early or let unverified ones
@@ -118,8 +120,8 @@ pub(crate) struct Conn {
     peer: IpAddr,
     /// Milliseconds after the epoch, as the deadlines are.
     accepted: u64,
-    /// Set (with its group) once verified.
-    verified: OnceLock<Arc<str>>,
+    /// Set once it showed a valid request: kept (with its group), or closing.
+    settled: OnceLock<Settled>,
     /// Closed to make room: its task ends it.
     evicted: AtomicBool,
     /// Told when `evicted` is set.
@@ -175,7 +177,7 @@ impl Slots {
             number,
             peer,
             accepted: now,
-            verified: OnceLock::new(),
+            settled: OnceLock::new(),
             evicted: AtomicBool::new(false),
             wake: Notify::new(),
             busy: AtomicBool::new(false),
@@ -220,6 +222,14 @@ impl Table {
     }
 }
 
+/// What a connection that showed a valid request became.
+enum Settled {
+    /// Verified: it may stay open; counted in its group.
+    Kept(Arc<str>),
+    /// No room to keep it: answered, then closed; counted nowhere, evictable no more.
+    Closing,
+}
+
 /// A connection's handle on its slot, for its requests (clone it into the service).
 #[derive(Clone)]
 pub(crate) struct Lease {
@@ -228,35 +238,37 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
-    /// Verifies the connection for `group` (a cluster), if there is room for one more
-    /// verified connection (and one more of the group): it may then stay open. Whether it
-    /// may (a connection verified before stays verified, whatever group it asks for now).
+    /// The connection showed a valid request for `group` (a cluster): it is evictable no
+    /// more, and verified if there is room for one more verified connection (and one more of
+    /// the group), else closing. Whether it is verified (may stay open after its answer); a
+    /// connection settled before stays as it is, whatever group it asks for now.
     pub(crate) fn verify(&self, group: &str) -> bool {
-        if self.conn.verified.get().is_some() {
-            return true;
+        if let Some(settled) = self.conn.settled.get() {
+            return matches!(settled, Settled::Kept(_));
         }
         let limits = &self.slots.limits;
         let mut table = lock(&self.slots.table);
-        if table.verified >= limits.verified
-            || table.groups.get(group).copied().unwrap_or(0) >= limits.per_group
-        {
-            return false;
-        }
         // Closed to make room since the request came: it ends with this answer.
         let Some(conn) = table.unverified.remove(&self.conn.number) else {
             return false;
         };
         table.forget_peer(&conn);
+        if table.verified >= limits.verified
+            || table.groups.get(group).copied().unwrap_or(0) >= limits.per_group
+        {
+            let _ = self.conn.settled.set(Settled::Closing);
+            return false;
+        }
         let group: Arc<str> = Arc::from(group);
         table.verified += 1;
         *table.groups.entry(group.clone()).or_default() += 1;
-        let _ = self.conn.verified.set(group);
+        let _ = self.conn.settled.set(Settled::Kept(group));
         true
     }
 
     /// Whether the connection is verified (may stay open after this answer).
     pub(crate) fn is_verified(&self) -> bool {
-        self.conn.verified.get().is_some()
+        matches!(self.conn.settled.get(), Some(Settled::Kept(_)))
     }
 
     /// Marks a request in progress until the guard is dropped (no idle or header deadline
@@ -274,11 +286,15 @@ impl Lease {
         if conn.evicted.load(Ordering::Acquire) {
             return Some(Instant::now());
         }
-        if conn.verified.get().is_none() {
+        let Some(settled) = conn.settled.get() else {
             return Some(self.slots.at(conn.accepted) + limits.first_request);
-        }
+        };
         if conn.busy.load(Ordering::Acquire) {
             return None;
+        }
+        if let Settled::Closing = settled {
+            // Answered: hyper closes it once the answer is written.
+            return Some(self.slots.at(conn.idle_since.load(Ordering::Acquire)) + limits.header);
         }
         match conn.reading_since.load(Ordering::Acquire) {
             0 => Some(self.slots.at(conn.idle_since.load(Ordering::Acquire)) + limits.idle),
@@ -291,9 +307,13 @@ impl Lease {
         let conn = &self.conn;
         if !conn.busy.load(Ordering::Acquire) && conn.reading_since.load(Ordering::Acquire) == 0 {
             let now = self.slots.now() + 1;
-            let _ =
+            let started =
                 conn.reading_since
                     .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+            if started.is_ok() {
+                // The deadline moved nearer: the connection's task looks again.
+                conn.wake.notify_one();
+            }
         }
     }
 }
@@ -306,6 +326,8 @@ impl Drop for Busy {
         let conn = &self.0.conn;
         conn.idle_since.store(self.0.slots.now(), Ordering::Release);
         conn.busy.store(false, Ordering::Release);
+        // A deadline applies again: the connection's task looks at it.
+        conn.wake.notify_one();
     }
 }
 
@@ -373,8 +395,9 @@ impl Drop for Slot {
     fn drop(&mut self) {
         let conn = &self.0.conn;
         let mut table = lock(&self.0.slots.table);
-        match conn.verified.get() {
-            Some(group) => {
+        match conn.settled.get() {
+            Some(Settled::Closing) => {}
+            Some(Settled::Kept(group)) => {
                 table.verified = table.verified.saturating_sub(1);
                 if let Some(count) = table.groups.get_mut(group) {
                     *count -= 1;
@@ -548,17 +571,23 @@ mod tests {
     #[tokio::test]
     async fn a_group_keeps_no_more_than_its_share_of_verified_connections() {
         let slots = Slots::new(limits());
-        let conns: Vec<Slot> = (0..4)
+        let mut conns: Vec<Slot> = (0..4)
             .map(|i| slots.admit(ip(&format!("10.0.0.{i}"))))
             .collect();
         assert!(conns[0].lease().verify("east"));
         assert!(conns[1].lease().verify("east"));
         assert!(!conns[2].lease().verify("east"), "east has its share");
-        assert!(conns[2].lease().verify("west"));
         assert!(
-            !conns[3].lease().verify("north"),
+            !conns[2].lease().verify("west"),
+            "a connection answered without room closes, whatever it asks next"
+        );
+        assert!(conns[3].lease().verify("west"));
+        conns.push(slots.admit(ip("10.0.0.4")));
+        assert!(
+            !conns[4].lease().verify("north"),
             "every verified slot is taken"
         );
+        assert_eq!(slots.counts(), (0, 3, 0));
         drop(conns);
         assert_eq!(slots.counts(), (0, 0, 0), "every slot is given back");
         let again = slots.admit(ip("10.0.0.9"));
@@ -607,15 +636,45 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_verified_connection_trickling_headers_expires_at_the_header_deadline() {
         let slots = Slots::new(limits());
-        let slot = slots.admit(ip("127.0.0.1"));
+        let slot = Arc::new(slots.admit(ip("127.0.0.1")));
         assert!(slot.lease().verify("east"));
         drop(slot.lease().busy());
+        // The connection's task waits on its idle deadline when the first byte comes.
+        let waiting = slot.clone();
+        let expired = tokio::spawn(async move { waiting.expired().await });
         tokio::time::advance(Duration::from_secs(30)).await;
         let first_byte = Instant::now();
         slot.lease().read();
         tokio::time::advance(Duration::from_secs(3)).await;
         slot.lease().read();
-        slot.expired().await;
+        expired.await.unwrap();
         assert_eq!(first_byte.elapsed(), Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_valid_request_without_room_is_answered_then_closed_and_never_evicted() {
+        let slots = Slots::new(limits());
+        let kept: Vec<Slot> = (0..2)
+            .map(|i| slots.admit(ip(&format!("10.0.1.{i}"))))
+            .collect();
+        assert!(kept.iter().all(|s| s.lease().verify("east")));
+        let slot = slots.admit(ip("127.0.0.1"));
+        let busy = slot.lease().busy();
+        assert!(!slot.lease().verify("east"), "east has no room");
+        // Busy past the first-request deadline, with a flood of newcomers: still there.
+        let flood: Vec<Slot> = (0..20).map(|_| slots.admit(ip("127.0.0.2"))).collect();
+        assert!(!evicted(&slot));
+        let waited = tokio::time::timeout(Duration::from_secs(30), slot.expired()).await;
+        assert!(
+            waited.is_err(),
+            "a request in progress has no deadline of the slot's"
+        );
+        // Answered: closed by hyper, or by the slot if the peer does not take the answer.
+        drop(busy);
+        let answered = Instant::now();
+        slot.expired().await;
+        assert_eq!(answered.elapsed(), Duration::from_secs(10));
+        drop((flood, kept, slot));
+        assert_eq!(slots.counts(), (0, 0, 18), "every slot is given back");
     }
 }

@@ -306,8 +306,8 @@ async fn answer_on<C: ClusterId>(
 ) -> Response<Full<Bytes>> {
     let _busy = lease.busy();
     let probe = matches!(req.uri().path(), "/healthz" | "/livez" | "/readyz");
-    let mut response = answer(served, req).await;
-    if !(response.status().is_success() && !probe && lease.verify("")) {
+    let mut response = answer(served, lease, req).await;
+    if !(response.status().is_success() && !probe && lease.is_verified()) {
         response
             .headers_mut()
             .insert(hyper::header::CONNECTION, slots::CLOSE);
@@ -344,17 +344,23 @@ fn bearer(req: &Request<Incoming>) -> Option<&str> {
 }
 
 /// Whether the request may have what it asks (`path`, `verb`), or the answer refusing it.
+/// An allowed request's connection is evictable no more (and kept, if there is room).
 async fn allowed<C: ClusterId>(
     served: &Served<C>,
+    lease: &Lease,
     req: &Request<Incoming>,
     path: &str,
     verb: &str,
 ) -> Result<(), Response<Full<Bytes>>> {
     let Some(authorizer) = &served.authorizer else {
+        lease.verify("");
         return Ok(());
     };
     match authorizer.check(bearer(req), path, verb).await {
-        Verdict::Allowed => Ok(()),
+        Verdict::Allowed => {
+            lease.verify("");
+            Ok(())
+        }
         Verdict::Unauthenticated => {
             let mut response = text(StatusCode::UNAUTHORIZED, "unauthorized\n", PLAIN);
             response.headers_mut().insert(
@@ -372,7 +378,11 @@ async fn allowed<C: ClusterId>(
     }
 }
 
-async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn answer<C: ClusterId>(
+    served: &Served<C>,
+    lease: &Lease,
+    req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
     // The verb a handler's request is authorized as is its method lower-cased: only the
     // methods whose names say what they do.
@@ -394,7 +404,7 @@ async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Res
         )
     {
         let verb = req.method().as_str().to_ascii_lowercase();
-        if let Err(refused) = allowed(served, &req, &path, &verb).await {
+        if let Err(refused) = allowed(served, lease, &req, &path, &verb).await {
             return refused;
         }
         let (parts, body) = req.into_parts();
@@ -418,7 +428,7 @@ async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Res
     });
     match path.as_str() {
         "/metrics" => {
-            if let Err(refused) = allowed(served, &req, "/metrics", "get").await {
+            if let Err(refused) = allowed(served, lease, &req, "/metrics", "get").await {
                 return refused;
             }
             let Some(registry) = served.endpoints.registry.clone() else {
@@ -445,7 +455,7 @@ async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Res
             }
         }
         "/healthz" | "/livez" => {
-            if verbose && let Err(refused) = allowed(served, &req, DETAIL, "get").await {
+            if verbose && let Err(refused) = allowed(served, lease, &req, DETAIL, "get").await {
                 return refused;
             }
             let (healthy, detail) = checks(&served.endpoints.healthz);
@@ -461,7 +471,7 @@ async fn answer<C: ClusterId>(served: &Served<C>, req: Request<Incoming>) -> Res
             text(status, body, PLAIN)
         }
         "/readyz" => {
-            if verbose && let Err(refused) = allowed(served, &req, DETAIL, "get").await {
+            if verbose && let Err(refused) = allowed(served, lease, &req, DETAIL, "get").await {
                 return refused;
             }
             let (ready, detail) = readiness(served, verbose);

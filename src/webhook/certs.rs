@@ -79,6 +79,8 @@ pub(crate) struct Keeper {
     check_every: Duration,
     /// How long a route key makes the URLs (`None`: it never turns over).
     route_every: Option<Duration>,
+    /// The route keys of [`Source::Files`] last read (served while the host is out of reach).
+    route_cache: Mutex<Option<Material>>,
     served: Mutex<Option<Served>>,
     /// Without a host: what is served, made and rotated here.
     in_process: Mutex<Material>,
@@ -416,14 +418,18 @@ fn plan_route(material: &mut Material, now: i64, every: Option<Duration>) -> Res
         material.route_previous = None;
         material.record.route = None;
     }
+    let Some(every) = every else {
+        // No turns: the current key alone (the others of an earlier turn accepted no more),
+        // and nothing written for a key that has no record.
+        material.route_next = None;
+        material.route_previous = None;
+        return Ok(());
+    };
     // A key without a record (kept by an earlier version) begins its turn now.
     let record = material.record.route.get_or_insert(RouteRecord {
         issued: now,
         next: None,
     });
-    let Some(every) = every else {
-        return Ok(());
-    };
     let turn = i64::try_from(every.as_secs())
         .unwrap_or(i64::MAX / 2)
         .max(1);
@@ -484,6 +490,7 @@ impl Keeper {
             names,
             check_every,
             route_every,
+            route_cache: Mutex::new(None),
             served: Mutex::new(None),
             in_process: Mutex::new(Material::default()),
             bundle: watch::Sender::new(None),
@@ -626,9 +633,30 @@ impl Keeper {
         Ok(())
     }
 
+    /// The route keys kept in the host Secret, or the last ones read while the host is out
+    /// of reach (so that certificates changed on disk are served all the same).
+    async fn route_keys(&self) -> Result<Material, String> {
+        match self.read_route_keys().await {
+            Ok(keys) => {
+                *lock(&self.route_cache) = Some(keys.clone());
+                Ok(keys)
+            }
+            Err(problem) => {
+                let last = lock(&self.route_cache).clone();
+                match last {
+                    Some(keys) => {
+                        tracing::debug!(%problem, "webhooks: the route keys last read are served");
+                        Ok(keys)
+                    }
+                    None => Err(problem),
+                }
+            }
+        }
+    }
+
     /// The route keys kept in the host Secret (made, and turned over, as `plan_route` says),
     /// or this process's: a [`Material`] holding them and nothing else.
-    async fn route_keys(&self) -> Result<Material, String> {
+    async fn read_route_keys(&self) -> Result<Material, String> {
         let keys_of = |material: &Material| Material {
             route: material.route.clone(),
             route_next: material.route_next.clone(),
@@ -749,10 +777,18 @@ mod tests {
             route: Some(vec![5; KEY_LEN]),
             ..Material::default()
         };
+        let kept = m.clone();
         plan_route(&mut m, 50, None).unwrap();
         plan_route(&mut m, 5_000_000, None).unwrap();
-        assert_eq!(m.route, Some(vec![5; KEY_LEN]));
-        assert_eq!(m.route_next, None);
+        assert_eq!(
+            m, kept,
+            "nothing to write: a Secret readable only stays as it is"
+        );
+        // Turns switched off: the keys of the last turn are accepted no more.
+        m.route_previous = Some(vec![6; KEY_LEN]);
+        m.route_next = Some(vec![7; KEY_LEN]);
+        plan_route(&mut m, 5_000_001, None).unwrap();
+        assert_eq!(m, kept);
         // With a turn, the key kept by an earlier version (no record) begins its turn when
         // first seen.
         let mut m = Material {

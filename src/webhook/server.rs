@@ -491,10 +491,10 @@ async fn review<C: ClusterId>(
             )));
         }
     };
-    // A handler still running a second after the API server gave up is dropped rather than
-    // left holding the connection.
+    // A handler still running a second after the API server gave up (the hook's timeout
+    // from the request's start) is dropped rather than left holding the connection.
     let answer =
-        tokio::time::timeout(*timeout + Duration::from_secs(1), handle(cluster, body)).await;
+        tokio::time::timeout_at(deadline + Duration::from_secs(1), handle(cluster, body)).await;
     drop(flight);
     let Ok(answer) = answer else {
         return answered(text(
