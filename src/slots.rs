@@ -500,8 +500,14 @@ pub(crate) async fn serve_connection<S, Svc>(
     }
 }
 
-/// The `Connection: close` header value.
-pub(crate) const CLOSE: http::HeaderValue = http::HeaderValue::from_static("close");
+/// `response`, closing its connection once written (`Connection: close`).
+pub(crate) fn closing<B>(mut response: http::Response<B>) -> http::Response<B> {
+    response.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    response
+}
 
 #[cfg(test)]
 mod tests {

@@ -306,13 +306,12 @@ async fn answer_on<C: ClusterId>(
 ) -> Response<Full<Bytes>> {
     let _busy = lease.busy();
     let probe = matches!(req.uri().path(), "/healthz" | "/livez" | "/readyz");
-    let mut response = answer(served, lease, req).await;
-    if !(response.status().is_success() && !probe && lease.is_verified()) {
+    let response = answer(served, lease, req).await;
+    if response.status().is_success() && !probe && lease.is_verified() {
         response
-            .headers_mut()
-            .insert(hyper::header::CONNECTION, slots::CLOSE);
+    } else {
+        slots::closing(response)
     }
-    response
 }
 
 const PLAIN: &str = "text/plain; charset=utf-8";

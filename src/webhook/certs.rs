@@ -545,46 +545,12 @@ impl Keeper {
     async fn refresh(&self) -> Result<(), String> {
         match &self.source {
             Source::Generated(settings) => {
-                let Some((client, namespace, name)) = &self.secret else {
-                    // No host: kept (and rotated) in this process only.
-                    let mut kept = lock(&self.in_process);
-                    let now = unix(SystemTime::now());
-                    if let Some(planned) =
-                        plan(&kept, now, &self.names, settings, self.route_every)?
-                    {
-                        *kept = planned;
-                    }
-                    return self.install(&kept);
-                };
-                let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
-                let what = format!("Secret {namespace}/{name} on the host");
-                for _ in 0..3 {
-                    let existing = api.get_opt(name).await.map_err(|e| {
-                        format!("{what}: {}", crate::cluster::redact::safe_text(&e))
-                    })?;
-                    let material = existing.as_ref().map(Material::of).unwrap_or_default();
-                    let now = unix(SystemTime::now());
-                    let Some(planned) =
-                        plan(&material, now, &self.names, settings, self.route_every)?
-                    else {
-                        return self.install(&material);
-                    };
-                    match self.write(&api, name, existing, &planned).await {
-                        Ok(()) => {
-                            tracing::info!(secret = %format!("{namespace}/{name}"), "webhooks: certificates written");
-                            return self.install(&planned);
-                        }
-                        // Another replica wrote first: read again.
-                        Err(kube::Error::Api(status)) if status.code == 409 => continue,
-                        Err(e) => {
-                            return Err(format!(
-                                "{what}: {}",
-                                crate::cluster::redact::safe_text(&e)
-                            ));
-                        }
-                    }
-                }
-                Err(format!("{what}: written by others meanwhile, three times"))
+                let material = self
+                    .planned(|material, now| {
+                        plan(material, now, &self.names, settings, self.route_every)
+                    })
+                    .await?;
+                self.install(&material)
             }
             Source::Files { cert, key, ca } => {
                 let routes = self.route_keys().await?;
@@ -657,16 +623,34 @@ impl Keeper {
     /// The route keys kept in the host Secret (made, and turned over, as `plan_route` says),
     /// or this process's: a [`Material`] holding them and nothing else.
     async fn read_route_keys(&self) -> Result<Material, String> {
-        let keys_of = |material: &Material| Material {
-            route: material.route.clone(),
-            route_next: material.route_next.clone(),
-            route_previous: material.route_previous.clone(),
+        let material = self
+            .planned(|material, now| {
+                let mut planned = material.clone();
+                plan_route(&mut planned, now, self.route_every)?;
+                Ok((planned != *material).then_some(planned))
+            })
+            .await?;
+        Ok(Material {
+            route: material.route,
+            route_next: material.route_next,
+            route_previous: material.route_previous,
             ..Material::default()
-        };
+        })
+    }
+
+    /// What the host Secret holds once `plan` (what it should hold at a time, if not what it
+    /// holds) has been applied: read, planned, written if changed, read again when another
+    /// replica wrote first. Without a host, this process's material, planned the same way.
+    async fn planned(
+        &self,
+        plan: impl Fn(&Material, i64) -> Result<Option<Material>, String>,
+    ) -> Result<Material, String> {
         let Some((client, namespace, name)) = &self.secret else {
             let mut kept = lock(&self.in_process);
-            plan_route(&mut kept, unix(SystemTime::now()), self.route_every)?;
-            return Ok(keys_of(&kept));
+            if let Some(planned) = plan(&kept, unix(SystemTime::now()))? {
+                *kept = planned;
+            }
+            return Ok(kept.clone());
         };
         let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
         let what = format!("Secret {namespace}/{name} on the host");
@@ -676,13 +660,15 @@ impl Keeper {
                 .await
                 .map_err(|e| format!("{what}: {}", crate::cluster::redact::safe_text(&e)))?;
             let material = existing.as_ref().map(Material::of).unwrap_or_default();
-            let mut planned = material.clone();
-            plan_route(&mut planned, unix(SystemTime::now()), self.route_every)?;
-            if planned == material {
-                return Ok(keys_of(&material));
-            }
+            let Some(planned) = plan(&material, unix(SystemTime::now()))? else {
+                return Ok(material);
+            };
             match self.write(&api, name, existing, &planned).await {
-                Ok(()) => return Ok(keys_of(&planned)),
+                Ok(()) => {
+                    tracing::info!(secret = %format!("{namespace}/{name}"), "webhooks: certificates or route keys written");
+                    return Ok(planned);
+                }
+                // Another replica wrote first: read again.
                 Err(kube::Error::Api(status)) if status.code == 409 => continue,
                 Err(e) => {
                     return Err(format!("{what}: {}", crate::cluster::redact::safe_text(&e)));

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::Keeper;
 use super::review::Handle;
 use super::route::{self, NotARoute};
-use crate::slots::{self, Lease, Limits, Slots};
+use crate::slots::{self, Lease, Limits, Slots, closing};
 use crate::sync::lock;
 use crate::{ClusterId, Fleet};
 
@@ -352,14 +352,6 @@ pub(crate) fn route<'s, C: ClusterId, H>(
         return Err(Refusal::UnknownCluster);
     }
     Ok((id, hook))
-}
-
-/// `response`, closing its connection.
-fn closing(mut response: Response<Full<Bytes>>) -> Response<Full<Bytes>> {
-    response
-        .headers_mut()
-        .insert(hyper::header::CONNECTION, slots::CLOSE);
-    response
 }
 
 async fn answer<C: ClusterId>(
