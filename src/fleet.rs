@@ -27,6 +27,9 @@ struct State<C: ClusterId> {
     /// Refusing engagements: its manager's run has ended.
     closed: bool,
     members: BTreeMap<C, Member<C>>,
+    /// Clusters paused ([`Fleet::pause`]): not members, but still of the fleet, until they
+    /// are engaged again or leave for good.
+    paused: BTreeMap<C, Cluster<C>>,
     subscribers: Vec<mpsc::UnboundedSender<FleetEvent<C>>>,
     /// Field indexes every cluster gets, including clusters engaged later.
     indexers: Vec<Indexer>,
@@ -75,6 +78,17 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Why a membership ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Leaving {
+    /// The provider's source of the cluster is gone.
+    ForGood,
+    /// Unhealthy, not ready, contested: still of the fleet ([`Fleet::pause`]).
+    Paused,
+    /// Handed to another replica, or the run ends.
+    Away,
+}
+
 /// A change of the fleet, as a controller sees it.
 #[derive(Debug)]
 pub(crate) enum FleetEvent<C: ClusterId> {
@@ -86,8 +100,13 @@ pub(crate) enum FleetEvent<C: ClusterId> {
         old: Engagement<C>,
         new: Engagement<C>,
     },
-    /// A cluster left.
+    /// A cluster left: its work stops. Whether for good shows in a [`FleetEvent::Departed`]
+    /// that follows (a cluster paused, handed to another replica or stopped with the run
+    /// has none).
     Disengaged(Engagement<C>),
+    /// A cluster left the fleet for good: its provider's source of it is gone (after its
+    /// `Disengaged`, or alone for a cluster that was paused).
+    Departed(Cluster<C>),
 }
 
 impl<C: ClusterId> Clone for FleetEvent<C> {
@@ -99,6 +118,7 @@ impl<C: ClusterId> Clone for FleetEvent<C> {
                 new: new.clone(),
             },
             Self::Disengaged(c) => Self::Disengaged(c.clone()),
+            Self::Departed(c) => Self::Departed(c.clone()),
         }
     }
 }
@@ -126,9 +146,18 @@ pub enum ClusterEvent<C: ClusterId> {
         /// Cancelled when `new`'s engagement ends.
         until: CancellationToken,
     },
-    /// `cluster` left the fleet (its engagement's token is cancelled).
+    /// `cluster` left the fleet (its engagement's token is cancelled): for good, paused
+    /// ([`Fleet::pause`]), or with the run's end. A [`ClusterEvent::Departed`] follows when
+    /// it was for good.
     Disengaged {
         /// The cluster that left.
+        cluster: Cluster<C>,
+    },
+    /// `cluster` left the fleet for good ([`Fleet::disengage`]: its provider's source of it
+    /// is gone), after its `Disengaged`, or alone for a cluster that was paused: what work
+    /// left in that cluster may now be cleaned up.
+    Departed {
+        /// The cluster that left for good.
         cluster: Cluster<C>,
     },
 }
@@ -146,13 +175,16 @@ impl<C: ClusterId> ClusterEvent<C> {
                 new: new.cluster,
             },
             FleetEvent::Disengaged(e) => Self::Disengaged { cluster: e.cluster },
+            FleetEvent::Departed(cluster) => Self::Departed { cluster },
         }
     }
 
     /// The id of the cluster the event is about.
     pub fn id(&self) -> &C {
         match self {
-            Self::Engaged { cluster, .. } | Self::Disengaged { cluster } => cluster.id(),
+            Self::Engaged { cluster, .. }
+            | Self::Disengaged { cluster }
+            | Self::Departed { cluster } => cluster.id(),
             Self::Replaced { new, .. } => new.id(),
         }
     }
@@ -229,6 +261,7 @@ impl<C: ClusterId> Default for Fleet<C> {
             inner: Arc::new(Mutex::new(State {
                 closed: false,
                 members: BTreeMap::new(),
+                paused: BTreeMap::new(),
                 subscribers: Vec::new(),
                 indexers: Vec::new(),
                 settings: WatchSettings::default(),
@@ -318,7 +351,9 @@ impl<C: ClusterId> Fleet<C> {
             None => Engaged::New,
         };
         shard.changed.notify_one();
-        if shard.owned.contains(&id) {
+        let owned = shard.owned.contains(&id);
+        state.paused.remove(&id);
+        if owned {
             state.admit(&Weak::new(), cluster, None);
         } else {
             tracing::debug!(cluster = %id, ?outcome, "cluster discovered (not owned by this replica)");
@@ -326,9 +361,14 @@ impl<C: ClusterId> Fleet<C> {
         Ok(outcome)
     }
 
-    /// Disengages the cluster with this id: its watches stop, controllers drop its queued
-    /// requests, and reconciles in flight see [`Cluster::disengaged`] complete. Returns
-    /// whether it was engaged.
+    /// Disengages the cluster with this id for good: its provider's source of it is gone
+    /// (its Secret, file, profile or object deleted). Its watches stop, controllers drop its
+    /// queued requests, reconciles in flight see [`Cluster::disengaged`] complete, and what
+    /// the fleet keeps in it is removed (the webhook configurations). A paused cluster
+    /// leaves for good the same way. Returns whether it was engaged.
+    ///
+    /// A cluster that is only unhealthy, not ready, unreachable or contested is
+    /// [paused](Fleet::pause) instead.
     pub fn disengage(&self, id: &C) -> bool {
         let mut state = self.state();
         if let Some(shard) = &mut state.shard {
@@ -336,24 +376,97 @@ impl<C: ClusterId> Fleet<C> {
             if known {
                 shard.changed.notify_one();
             }
-            state.remove(id);
+            state.remove(id, Leaving::ForGood);
             return known;
         }
-        state.remove(id)
+        state.remove(id, Leaving::ForGood)
     }
 
-    /// Disengages `cluster` if it is the one engaged under its id (not a cluster engaged
-    /// under the same id since). Returns whether it was.
+    /// Disengages the cluster with this id for now, not for good: it is unhealthy, not
+    /// ready, its credentials were taken away, or its id is contested. Its work stops as
+    /// with [`Fleet::disengage`], but it stays of the fleet: the webhook server keeps
+    /// answering its reviews by the hooks, and its webhook configurations stay, so that
+    /// nobody turns a member's admission off by making it look unwell. Engaging the id again
+    /// resumes it; [`Fleet::disengage`] ends it for good. Returns whether it was engaged.
+    pub fn pause(&self, id: &C) -> bool {
+        let mut state = self.state();
+        let discovered = match &mut state.shard {
+            Some(shard) => {
+                let Some(known) = shard.discovered.remove(id) else {
+                    return false;
+                };
+                shard.changed.notify_one();
+                Some(known.cluster)
+            }
+            None => None,
+        };
+        let engaged = state.remove(id, Leaving::Paused);
+        match discovered {
+            Some(cluster) => {
+                state.paused.insert(id.clone(), cluster);
+                true
+            }
+            None => engaged,
+        }
+    }
+
+    /// The paused cluster with this id ([`Fleet::pause`]).
+    pub fn paused(&self, id: &C) -> Option<Cluster<C>> {
+        self.state().paused.get(id).cloned()
+    }
+
+    /// The ids of the paused clusters, in order.
+    pub(crate) fn paused_ids(&self) -> Vec<C> {
+        self.state().paused.keys().cloned().collect()
+    }
+
+    /// Whether `id` is of the fleet: engaged (here or, with sharding, on another replica)
+    /// or paused.
+    pub(crate) fn holds(&self, id: &C) -> bool {
+        let state = self.state();
+        state.paused.contains_key(id)
+            || match &state.shard {
+                Some(shard) => shard.discovered.contains_key(id),
+                None => state.members.contains_key(id),
+            }
+    }
+
+    /// Disengages `cluster` for good if it is the one engaged (or paused) under its id (not
+    /// a cluster engaged under the same id since). Returns whether it was.
     pub(crate) fn disengage_instance(&self, cluster: &Cluster<C>) -> bool {
         let mut state = self.state();
         if state.shard.is_some() {
-            return state.forget(cluster);
+            return state.forget(cluster) || state.depart_paused(cluster);
         }
         let ours = state
             .members
             .get(cluster.id())
             .is_some_and(|m| m.engagement.cluster.same_instance(cluster));
-        ours && state.remove(cluster.id())
+        if ours {
+            return state.remove(cluster.id(), Leaving::ForGood);
+        }
+        state.depart_paused(cluster)
+    }
+
+    /// Pauses `cluster` ([`Fleet::pause`]) if it is the one engaged under its id. Returns
+    /// whether it was.
+    pub(crate) fn pause_instance(&self, cluster: &Cluster<C>) -> bool {
+        let ours = {
+            let state = self.state();
+            match &state.shard {
+                Some(shard) => shard
+                    .discovered
+                    .get(cluster.id())
+                    .is_some_and(|d| d.cluster.same_instance(cluster)),
+                None => state
+                    .members
+                    .get(cluster.id())
+                    .is_some_and(|m| m.engagement.cluster.same_instance(cluster)),
+            }
+        };
+        // Nothing else engages under the id between the check and the pause: a provider's
+        // changes come from its one task.
+        ours && self.pause(cluster.id())
     }
 
     /// Any cluster the provider engaged, whether this replica owns it or not: with
@@ -409,7 +522,7 @@ impl<C: ClusterId> Fleet<C> {
         };
         shard.owned.remove(id);
         let sessions = shard.sessions.remove(id).unwrap_or_default();
-        state.remove(id);
+        state.remove(id, Leaving::Away);
         sessions.iter().filter_map(Weak::upgrade).collect()
     }
 
@@ -486,9 +599,10 @@ impl<C: ClusterId> Fleet<C> {
             shard.discovered.clear();
             shard.changed.notify_one();
         }
-        let ids: Vec<C> = state.members.keys().cloned().collect();
+        let mut ids: Vec<C> = state.members.keys().cloned().collect();
+        ids.extend(state.paused.keys().cloned());
         for id in ids {
-            state.remove(&id);
+            state.remove(&id, Leaving::ForGood);
         }
     }
 
@@ -543,7 +657,7 @@ impl<C: ClusterId> Fleet<C> {
         futures::stream::poll_fn(move |cx| events.poll_recv(cx)).filter_map(|event| {
             std::future::ready(match event {
                 FleetEvent::Engaged(e) | FleetEvent::Replaced { new: e, .. } => Some(e),
-                FleetEvent::Disengaged(_) => None,
+                FleetEvent::Disengaged(_) | FleetEvent::Departed(_) => None,
             })
         })
     }
@@ -586,9 +700,10 @@ impl<C: ClusterId> Fleet<C> {
         state.closed = true;
         state.settings.faults = None;
         state.shard = None;
+        state.paused.clear();
         let ids: Vec<C> = state.members.keys().cloned().collect();
         for id in ids {
-            state.remove(&id);
+            state.remove(&id, Leaving::Away);
         }
         // Their disengagements told, the subscribers' streams end with the run
         // (`FleetApi::watch`, `Fleet::events`).
@@ -608,7 +723,7 @@ fn disengage_instance<C: ClusterId>(fleet: &Weak<Mutex<State<C>>>, engagement: &
         .get(engagement.id())
         .is_some_and(|m| m.engagement.same(engagement))
     {
-        state.remove(engagement.id());
+        state.remove(engagement.id(), Leaving::ForGood);
     }
 }
 
@@ -633,6 +748,7 @@ impl<C: ClusterId> State<C> {
         {
             return Engaged::Unchanged;
         }
+        self.paused.remove(cluster.id());
         // Indexes first, so no controller sees the cluster without them.
         for indexer in &self.indexers {
             cluster.add_indexer(indexer);
@@ -688,7 +804,19 @@ impl<C: ClusterId> State<C> {
         if ours {
             shard.discovered.remove(cluster.id());
             shard.changed.notify_one();
-            self.remove(cluster.id());
+            self.remove(cluster.id(), Leaving::ForGood);
+        }
+        ours
+    }
+
+    /// Ends `cluster` for good if it is the one paused under its id. Returns whether it was.
+    fn depart_paused(&mut self, cluster: &Cluster<C>) -> bool {
+        let ours = self
+            .paused
+            .get(cluster.id())
+            .is_some_and(|p| p.same_instance(cluster));
+        if ours {
+            self.remove(cluster.id(), Leaving::ForGood);
         }
         ours
     }
@@ -700,13 +828,33 @@ impl<C: ClusterId> State<C> {
             .collect()
     }
 
-    fn remove(&mut self, id: &C) -> bool {
+    /// Ends the membership of `id` (returns whether it was a member), and `leaving` says
+    /// what that is: for good (a paused cluster of that id leaves too), a pause, or neither.
+    fn remove(&mut self, id: &C, leaving: Leaving) -> bool {
         let Some(member) = self.members.remove(id) else {
+            if leaving == Leaving::ForGood
+                && let Some(cluster) = self.paused.remove(id)
+            {
+                self.broadcast(FleetEvent::Departed(cluster));
+                tracing::info!(cluster = %id, "paused cluster left for good");
+            }
             return false;
         };
         let engagement = self.end(member);
+        let cluster = engagement.cluster.clone();
         self.broadcast(FleetEvent::Disengaged(engagement));
-        tracing::info!(cluster = %id, "cluster disengaged");
+        match leaving {
+            Leaving::ForGood => {
+                self.paused.remove(id);
+                self.broadcast(FleetEvent::Departed(cluster));
+                tracing::info!(cluster = %id, "cluster disengaged for good");
+            }
+            Leaving::Paused => {
+                self.paused.insert(id.clone(), cluster);
+                tracing::info!(cluster = %id, "cluster paused");
+            }
+            Leaving::Away => tracing::info!(cluster = %id, "cluster disengaged"),
+        }
         true
     }
 
@@ -828,6 +976,7 @@ mod tests {
                 FleetEvent::Engaged(c) => format!("+{}", c.id()),
                 FleetEvent::Replaced { new, .. } => format!("~{}", new.id()),
                 FleetEvent::Disengaged(c) => format!("-{}", c.id()),
+                FleetEvent::Departed(c) => format!("x{}", c.id()),
             })
             .collect()
     }
@@ -881,7 +1030,44 @@ mod tests {
         fleet.engage(cluster("b", "https://127.0.0.1:3")).unwrap();
         assert!(fleet.disengage(&ClusterName::from("a")));
         assert!(!fleet.disengage(&ClusterName::from("a")));
-        assert_eq!(kinds(&mut rx), ["+a", "+b", "~b", "-a"]);
+        assert_eq!(kinds(&mut rx), ["+a", "+b", "~b", "-a", "xa"]);
+    }
+
+    #[tokio::test]
+    async fn a_paused_cluster_stays_of_the_fleet_until_it_is_engaged_again_or_leaves_for_good() {
+        let fleet = Fleet::new();
+        let a = cluster("a", "https://127.0.0.1:1");
+        fleet.engage(a.clone()).unwrap();
+        let mut rx = fleet.subscribe();
+        let id = ClusterName::from("a");
+        // Paused: its work stops, but it is held, and nothing says it left for good.
+        assert!(fleet.pause(&id));
+        assert!(fleet.get(&id).is_none() && fleet.paused(&id).is_some() && fleet.holds(&id));
+        assert!(!fleet.pause(&id), "paused once");
+        assert_eq!(kinds(&mut rx), ["+a", "-a"]);
+        // Engaged again: no longer paused.
+        let again = cluster("a", "https://127.0.0.1:2");
+        fleet.engage(again.clone()).unwrap();
+        assert!(fleet.paused(&id).is_none() && fleet.holds(&id));
+        // Paused again, then its source is gone: it leaves for good, with no second
+        // `Disengaged`.
+        assert!(fleet.pause_instance(&again));
+        assert!(!fleet.disengage_instance(&a), "another instance");
+        assert!(fleet.paused(&id).is_some());
+        assert!(fleet.disengage_instance(&again));
+        assert!(!fleet.holds(&id));
+        assert_eq!(kinds(&mut rx), ["+a", "-a", "xa"]);
+        // An engaged cluster disengaged: both events, in order.
+        fleet.engage(cluster("b", "https://127.0.0.1:3")).unwrap();
+        fleet.disengage(&ClusterName::from("b"));
+        assert_eq!(kinds(&mut rx), ["+b", "-b", "xb"]);
+        // The end of a run is neither.
+        fleet.engage(cluster("c", "https://127.0.0.1:4")).unwrap();
+        fleet.pause(&ClusterName::from("c"));
+        fleet.engage(cluster("d", "https://127.0.0.1:5")).unwrap();
+        fleet.close_now();
+        assert!(!fleet.holds(&ClusterName::from("c")));
+        assert_eq!(kinds(&mut rx), ["+c", "-c", "+d", "-d"]);
     }
 
     #[tokio::test]
@@ -1016,7 +1202,8 @@ mod tests {
         assert!(fleet.disengage(&id("c")));
         assert!(fleet.is_empty());
         assert_eq!(fleet.discovered_ids(), [id("a"), id("b")]);
-        assert_eq!(kinds(&mut rx), ["+a", "~a", "+c", "-a", "-c"]);
+        // Handed off: no departure; forgotten: one.
+        assert_eq!(kinds(&mut rx), ["+a", "~a", "+c", "-a", "-c", "xc"]);
     }
 
     #[tokio::test]

@@ -67,7 +67,7 @@ pub(crate) async fn run<C: ClusterId>(env: Env<C>, name: Arc<str>, task: PerClus
             event = events.recv() => match event {
                 Some(FleetEvent::Engaged(engagement)) => start(&mut tasks, engagement),
                 Some(FleetEvent::Replaced { new, .. }) => start(&mut tasks, new),
-                Some(FleetEvent::Disengaged(_)) => {}
+                Some(FleetEvent::Disengaged(_) | FleetEvent::Departed(_)) => {}
                 None => break,
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}

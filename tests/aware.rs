@@ -154,6 +154,11 @@ async fn fleet_events_say_what_joined_and_left_with_a_token_per_engagement() {
         panic!("a Disengaged event for c0");
     };
     assert_eq!(cluster.id(), "c0");
+    // Removed from its provider: it left for good, and the next event says so.
+    let Some(ClusterEvent::Departed { cluster }) = events.next().await else {
+        panic!("a Departed event for c0");
+    };
+    assert_eq!(cluster.id(), "c0");
     c0_until.cancelled().await;
 
     // The manager's run ends: the last engagement's token too.

@@ -62,24 +62,6 @@ fn token_secret(name: &str, token: Option<&str>) -> Secret {
     }
 }
 
-/// Sets the `Ready` condition as KubeFed's health check does.
-async fn set_ready(members: &Api<DynamicObject>, name: &str, ready: bool) {
-    let status = if ready { "True" } else { "False" };
-    members
-        .patch_status(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"conditions": [{
-                "type": "Ready", "status": status,
-                "reason": if ready { "ClusterReady" } else { "ClusterNotReachable" },
-                "lastProbeTime": "2026-11-24T00:00:00Z",
-                "lastTransitionTime": "2026-11-24T00:00:00Z",
-            }]}})),
-        )
-        .await
-        .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubefed_clusters_engage_when_ready_follow_their_token_and_leave_when_deleted() {
     let env = TestEnv::builder().clusters(3).start().await.unwrap();
@@ -128,7 +110,7 @@ async fn kubefed_clusters_engage_when_ready_follow_their_token_and_leave_when_de
         .create(&pp, &member("west", &west, "west-secret"))
         .await
         .unwrap();
-    set_ready(&objects, "west", true).await;
+    set_kubefed_ready(&objects, "west", true).await;
     eventually(30, "west fed", async || {
         is_fed(&west_client, "zoo", "elephant").await
     })
@@ -141,7 +123,7 @@ async fn kubefed_clusters_engage_when_ready_follow_their_token_and_leave_when_de
     assert_eq!(manager.fleet().ids(), [name(&format!("{NS}/west"))]);
     assert!(!is_fed(&east_client, "zoo", "elephant").await);
 
-    set_ready(&objects, "east", true).await;
+    set_kubefed_ready(&objects, "east", true).await;
     eventually(30, "east fed once ready", async || {
         is_fed(&east_client, "zoo", "elephant").await
     })
@@ -164,12 +146,12 @@ async fn kubefed_clusters_engage_when_ready_follow_their_token_and_leave_when_de
     .await;
 
     // Not ready: disengaged; ready again: engaged again.
-    set_ready(&objects, "east", false).await;
+    set_kubefed_ready(&objects, "east", false).await;
     eventually(30, "east disengaged when not ready", async || {
         manager.fleet().ids() == [name(&format!("{NS}/west"))]
     })
     .await;
-    set_ready(&objects, "east", true).await;
+    set_kubefed_ready(&objects, "east", true).await;
     eventually(30, "east engaged again", async || {
         manager.fleet().ids().contains(&name(&format!("{NS}/east")))
     })
@@ -193,7 +175,7 @@ async fn kubefed_clusters_engage_when_ready_follow_their_token_and_leave_when_de
     picky.data["spec"]["disabledTLSValidations"] = json!(["SubjectName"]);
     objects.create(&pp, &picky).await.unwrap();
     for bad in ["lost", "empty", "picky"] {
-        set_ready(&objects, bad, true).await;
+        set_kubefed_ready(&objects, bad, true).await;
     }
     for (object, note) in [
         ("lost", "lost-secret"),

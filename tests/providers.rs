@@ -359,32 +359,6 @@ async fn kubeconfig_files_are_hot_reloaded_and_a_malformed_one_stops_nobody() {
     run.await.unwrap();
 }
 
-fn kubeconfig_secret(
-    name: &str,
-    kubeconfig: &str,
-    labelled: bool,
-) -> k8s_openapi::api::core::v1::Secret {
-    use k8s_openapi::ByteString;
-    use std::collections::BTreeMap;
-    k8s_openapi::api::core::v1::Secret {
-        metadata: kube::api::ObjectMeta {
-            name: Some(name.into()),
-            labels: labelled.then(|| {
-                BTreeMap::from([(
-                    "sigs.k8s.io/multicluster-runtime-kubeconfig".to_string(),
-                    "true".to_string(),
-                )])
-            }),
-            ..Default::default()
-        },
-        data: Some(BTreeMap::from([(
-            "kubeconfig".to_string(),
-            ByteString(kubeconfig.as_bytes().to_vec()),
-        )])),
-        ..Default::default()
-    }
-}
-
 #[tokio::test]
 async fn kubeconfig_secrets_engage_update_and_disengage_and_never_run_exec_plugins() {
     use k8s_openapi::api::core::v1::{Namespace, Secret};

@@ -194,6 +194,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 }
                 FleetEvent::Replaced { old, new } => slots.replace(old, new),
                 FleetEvent::Disengaged(engagement) => slots.disengage(&engagement),
+                FleetEvent::Departed(_) => {}
             },
             Some((id, epoch, outcome)) = slots.syncs.next(), if !slots.syncs.is_empty() => {
                 if outcome.is_ok() {

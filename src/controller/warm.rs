@@ -30,7 +30,7 @@ pub(crate) async fn run<K: Watchable, C: ClusterId>(spec: Arc<Spec<K, C>>, env: 
                 Some(FleetEvent::Engaged(engagement) | FleetEvent::Replaced { new: engagement, .. }) => {
                     warm(&spec, &engagement);
                 }
-                Some(FleetEvent::Disengaged(_)) => {}
+                Some(FleetEvent::Disengaged(_) | FleetEvent::Departed(_)) => {}
                 None => return,
             },
         }

@@ -29,9 +29,9 @@ const KUBECONFIG_SUFFIX: &str = "-kubeconfig";
 /// `cluster.x-k8s.io/v1beta2` is watched where it is served, `v1beta1` otherwise. A Cluster
 /// is engaged once it is ready: by default when `status.initialization.controlPlaneInitialized`
 /// is true (v1beta2), or `status.controlPlaneReady` is true or `status.phase` is
-/// `Provisioned` (v1beta1); [`ClusterApi::ready`] replaces the rule. It is disengaged when
-/// deleted, when its deletion begins and when it stops being ready, and engaged again when
-/// it is ready again. The kubeconfig Secrets are watched too: a rotated kubeconfig replaces
+/// `Provisioned` (v1beta1); [`ClusterApi::ready`] replaces the rule. It is disengaged for
+/// good when deleted and when its deletion begins, paused ([`Fleet::pause`](crate::Fleet::pause))
+/// when it stops being ready, and engaged again when it is ready again. The kubeconfig Secrets are watched too: a rotated kubeconfig replaces
 /// the cluster (when its content changed), without waiting for the Cluster to change.
 ///
 /// Of the Secrets of that type (Cluster API also writes CA, etcd and service-account keys
@@ -42,7 +42,7 @@ const KUBECONFIG_SUFFIX: &str = "-kubeconfig";
 /// exec plugins, auth-providers and local files are refused unless allowed. A ready Cluster
 /// whose kubeconfig is missing or unusable gets a Warning Event (`KubeconfigRefused`) and a
 /// log line, once per problem, holding nothing of the Secret; a cluster engaged from an
-/// earlier kubeconfig stays engaged meanwhile (but is disengaged when its Secret is removed,
+/// earlier kubeconfig stays engaged meanwhile (but is paused when its Secret is removed,
 /// see [`ClusterApi::keep_when_credentials_removed`]), and no other cluster is affected. Until the
 /// `Cluster` kind is served (Cluster API installed later), the provider looks again every
 /// 10 s.

@@ -37,8 +37,9 @@ pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/add
 /// reaches, named `<namespace>/<name>`.
 ///
 /// A profile is engaged once its condition `ControlPlaneHealthy` is `True`
-/// ([`ClusterInventory::ready`] replaces the rule), and disengaged when it is deleted, when
-/// its deletion begins and when it stops being healthy. How a client is built:
+/// ([`ClusterInventory::ready`] replaces the rule), disengaged for good when it is deleted
+/// and when its deletion begins, and paused ([`Fleet::pause`](crate::Fleet::pause)) when it
+/// stops being healthy. How a client is built:
 ///
 /// - [`ClusterInventory::with_access_providers`] (KEP-5339): the profile's
 ///   `status.accessProviders` (and the deprecated `status.credentialProviders`; on a name

@@ -284,10 +284,13 @@ struct State {
 /// What to do about one object after a change.
 enum Step<R> {
     Nothing,
-    Disengage,
+    /// Disengage for good (the object is gone or being deleted).
+    Depart,
+    /// Pause (not ready): still of the fleet.
+    Pause,
     Build(u64, R),
     Report(String),
-    /// Disengage, the credentials having been revoked, and report why.
+    /// Pause, the credentials having been revoked, and report why.
     Revoke(String),
 }
 
@@ -360,18 +363,21 @@ impl<K: HubKind> Engine<K> {
         let Some(known) = state.objects.get_mut(key) else {
             return Step::Nothing;
         };
-        let live = known
+        let present = known
             .object
             .as_ref()
-            .filter(|o| o.meta().deletion_timestamp.is_none())
-            .filter(|o| self.is_ready(o));
-        let Some(object) = live else {
+            .filter(|o| o.meta().deletion_timestamp.is_none());
+        let Some(object) = present.filter(|o| self.is_ready(o)) else {
             known.wanted = None;
             known.reported = None;
             known.failed = None;
-            return match known.engaged.take() {
-                Some(_) => Step::Disengage,
-                None => Step::Nothing,
+            let engaged = known.engaged.take().is_some();
+            // Gone or being deleted: for good (a cluster paused before leaves too). Not
+            // ready: paused, still of the fleet.
+            return match (present, engaged) {
+                (None, _) => Step::Depart,
+                (Some(_), true) => Step::Pause,
+                (Some(_), false) => Step::Nothing,
             };
         };
         match self.kind.recipe(object, &state.secrets) {
@@ -606,9 +612,16 @@ impl<K: HubKind> Engine<K> {
             for key in changed {
                 match self.step(&mut state, &key) {
                     Step::Nothing => {}
-                    Step::Disengage => {
-                        tracing::info!(cluster = %key, "{} gone, being deleted or not ready; disengaged", K::WHAT);
-                        fleet.disengage(&ClusterName::from(key.clone()));
+                    Step::Depart => {
+                        let id = ClusterName::from(key.clone());
+                        if fleet.holds(&id) {
+                            tracing::info!(cluster = %key, "{} gone or being deleted; disengaged for good", K::WHAT);
+                            fleet.disengage(&id);
+                        }
+                    }
+                    Step::Pause => {
+                        tracing::info!(cluster = %key, "{} not ready; paused (its webhook configurations stay)", K::WHAT);
+                        fleet.pause(&ClusterName::from(key.clone()));
                     }
                     Step::Build(version, recipe) => {
                         waiting.push_back((key.clone(), version, recipe))
@@ -620,9 +633,8 @@ impl<K: HubKind> Engine<K> {
                         }
                     }
                     Step::Revoke(problem) => {
-                        fleet.disengage(&ClusterName::from(key.clone()));
-                        let problem =
-                            format!("{problem}; disengaged (its credentials were removed)");
+                        fleet.pause(&ClusterName::from(key.clone()));
+                        let problem = format!("{problem}; paused (its credentials were removed)");
                         if let Some(object) = state.objects.get(&key).and_then(|k| k.object.clone())
                         {
                             self.report(&recorder, &object, &resource, &problem).await;
@@ -683,10 +695,10 @@ macro_rules! hub_provider {
 
             /// Whether a cluster stays engaged, with the credentials it was built from, when
             /// the Secret holding them is deleted or no longer selected (unlabelled,
-            /// retyped). By default it is disengaged (with a Warning Event saying why), as
-            /// removing the Secret is how credentials are revoked; engaged again when a
-            /// Secret is back. A Secret that is there but unusable never disengages a
-            /// cluster. Nothing to revoke for clusters reached through exec plugins.
+            /// retyped). By default it is paused ([`Fleet::pause`](crate::Fleet::pause),
+            /// with a Warning Event saying why), as removing the Secret is how credentials
+            /// are revoked; engaged again when a Secret is back. A Secret that is there but
+            /// unusable never disengages a cluster. Nothing to revoke for clusters reached through exec plugins.
             #[must_use]
             pub fn keep_when_credentials_removed(mut self, keep: bool) -> Self {
                 self.scope.keep_revoked = keep;

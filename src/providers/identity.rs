@@ -233,6 +233,8 @@ struct Member<I: ClusterId, D: ClusterId> {
     /// The warning last logged about it (why it is not engaged, with the identity read),
     /// so that each is logged once.
     warned: Option<(String, Option<ClusterIdentity>)>,
+    /// The inner provider paused it: its claim stands, its engagement under it is paused.
+    paused: bool,
 }
 
 /// A member's engagement in the outer fleet.
@@ -252,6 +254,12 @@ impl<I: ClusterId, D: ClusterId> Outer<I, D> {
     fn leave(&self, fleet: &Fleet<D>) {
         fleet.disengage_instance(&self.cluster);
         self.token.cancel();
+    }
+
+    /// Pauses the cluster ([`Fleet::pause`]): its id is contested, or the inner provider
+    /// paused it. The token is left alone (the outer fleet no longer watches it).
+    fn pause(self, fleet: &Fleet<D>) {
+        fleet.pause_instance(&self.cluster);
     }
 }
 
@@ -313,12 +321,21 @@ async fn run<P: Provider, D: ClusterId>(
                         claim: previous.as_ref().and_then(|m| m.claim.clone()),
                         engaged: previous.and_then(|m| m.engaged),
                         warned: None,
+                        paused: false,
                     });
                     name
                 }
+                // Paused: a `Departed` follows when it left for good.
                 FleetEvent::Disengaged(engaged) => {
                     let id = engaged.cluster.id();
                     if members.by_name.get(id).is_some_and(|m| m.cluster.same_instance(&engaged.cluster)) {
+                        members.pause(&fleet, id);
+                    }
+                    continue;
+                }
+                FleetEvent::Departed(cluster) => {
+                    let id = cluster.id();
+                    if members.by_name.get(id).is_some_and(|m| m.cluster.same_instance(&cluster)) {
                         members.remove(&fleet, id);
                     }
                     continue;
@@ -389,6 +406,18 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
         }
     }
 
+    /// The inner provider paused member `name`: its claim stands (a contest still counts
+    /// it), and its engagement is paused until the inner provider engages it again.
+    fn pause(&mut self, fleet: &Fleet<D>, name: &I) {
+        let Some(member) = self.by_name.get_mut(name) else {
+            return;
+        };
+        member.paused = true;
+        if let Some(outer) = member.engaged.take() {
+            outer.pause(fleet);
+        }
+    }
+
     fn unclaim(&mut self, id: &D, name: &I) {
         if let Some(claimants) = self.claims.get_mut(id) {
             claimants.remove(name);
@@ -447,12 +476,22 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
             && claimants != [holder.clone()]
         {
             if let Some(outer) = self.by_name.get_mut(&holder).and_then(|m| m.engaged.take()) {
-                outer.leave(fleet);
+                if claimants.contains(&holder) {
+                    // Contested: the holder's claim stands, so it is paused, not gone. Its
+                    // webhook configurations stay and its reviews are answered: another
+                    // member claiming its id cannot turn its admission off.
+                    outer.pause(fleet);
+                } else {
+                    outer.leave(fleet);
+                }
             }
             self.holders.remove(id);
         }
         match claimants.as_slice() {
-            [] => {}
+            // Nobody claims the id any more: a cluster paused under it leaves for good.
+            [] => {
+                fleet.disengage(id);
+            }
             [only] => self.engage(fleet, only, id),
             all => {
                 let names: Vec<String> = all.iter().map(ToString::to_string).collect();
@@ -476,6 +515,9 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
         let Some(member) = self.by_name.get_mut(name) else {
             return;
         };
+        if member.paused {
+            return;
+        }
         let identity = member.identity.clone();
         if let Some(outer) = &member.engaged
             && outer.source.same_instance(&member.cluster)

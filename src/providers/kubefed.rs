@@ -27,8 +27,9 @@ pub const TOKEN_KEY: &str = "token";
 /// `spec.caBundle`, through `spec.proxyURL` if set, with the bearer token of the Secret
 /// `spec.secretRef.name` of the same namespace (data key `token`). It is engaged once its
 /// `Ready` condition is `True` ([`KubeFed::ready`] replaces the rule), replaced when the
-/// endpoint, CA, proxy or token change, and disengaged when deleted, when its deletion
-/// begins and when it stops being ready. `spec.disabledTLSValidations: ["*"]` turns off the
+/// endpoint, CA, proxy or token change, disengaged for good when deleted and when its
+/// deletion begins, and paused ([`Fleet::pause`](crate::Fleet::pause)) when it stops being
+/// ready. `spec.disabledTLSValidations: ["*"]` turns off the
 /// server certificate's verification; the partial values (`SubjectName`,
 /// `ValidityPeriod`) are refused, as the TLS stack cannot skip one check alone. KubeFed's
 /// controller sets `Ready` from its health checks: where it does not run, nothing does, and

@@ -17,7 +17,7 @@ pub const DEFAULT_SEPARATOR: &str = "#";
 /// Composes providers: each child is added under a name, and its cluster `c` joins the fleet
 /// as `<name><separator><c>` (separator `#` by default). Children can be added and removed
 /// while the manager runs; removing one disengages all of its clusters. A child whose run
-/// returns an error is reported (naming it), its clusters are disengaged, and it runs
+/// returns an error is reported (naming it), its clusters are paused, and it runs
 /// again after a wait (1 s, doubling with each failure in a row up to 60 s); the others
 /// carry on.
 ///
@@ -256,9 +256,9 @@ impl Provider for Multi {
     }
 }
 
-/// Disengages every cluster whose name starts with `prefix`.
+/// Disengages for good every cluster (engaged or paused) whose name starts with `prefix`.
 fn disengage_prefixed(fleet: &Fleet<ClusterName>, prefix: &str) {
-    for id in fleet.ids() {
+    for id in fleet.ids().into_iter().chain(fleet.paused_ids()) {
         if id.as_str().starts_with(prefix) {
             fleet.disengage(&id);
         }
@@ -333,9 +333,10 @@ impl<P: Provider> ErasedProvider for Wrapped<P> {
                 };
                 own.clear();
                 let Some(error) = failure else { return };
-                // Its clusters leave with the failed run; the next run engages them again.
+                // Its clusters are paused with the failed run (a provider failing is not its
+                // clusters leaving); the next run engages them again.
                 for cluster in mirrored.values() {
-                    parent.disengage_instance(cluster);
+                    parent.pause_instance(cluster);
                 }
                 failures = if started.elapsed() >= HEALTHY_RUN {
                     1
@@ -386,8 +387,16 @@ fn forward<C: ClusterId>(
                 Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
             }
         }
+        // Paused in the parent, as the child's cluster may be only paused: a `Departed`
+        // follows when it left for good.
         FleetEvent::Disengaged(engaged) => {
             let name = ClusterName::from(format!("{prefix}{}", engaged.id()));
+            if let Some(cluster) = mirrored.get(&name) {
+                parent.pause_instance(cluster);
+            }
+        }
+        FleetEvent::Departed(cluster) => {
+            let name = ClusterName::from(format!("{prefix}{}", cluster.id()));
             if let Some(cluster) = mirrored.remove(&name) {
                 parent.disengage_instance(&cluster);
             }

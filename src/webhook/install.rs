@@ -200,9 +200,24 @@ impl<C: ClusterId> Runtime<C> {
         Ok(())
     }
 
-    /// Whether `cluster` has neither configuration (an apply sent before the cluster left
-    /// may land after a delete).
-    async fn absent(&self, cluster: &Cluster<C>) -> Result<bool, String> {
+    /// The id of the fleet a configuration's webhooks are routed to, when each of them
+    /// is routed under this manager's URL to the same id (whatever token it carries).
+    fn routed_to<'u>(&self, urls: impl IntoIterator<Item = Option<&'u str>>) -> Option<String> {
+        let mut id = None;
+        for url in urls {
+            let route = super::route::parse(&self.webhooks.url, url?).ok()?;
+            match &id {
+                None => id = Some(route.cluster),
+                Some(seen) if *seen == route.cluster => {}
+                Some(_) => return None,
+            }
+        }
+        id
+    }
+
+    /// Reads `cluster`'s configurations: what each holds and where its webhooks are
+    /// routed.
+    async fn read(&self, cluster: &Cluster<C>) -> Result<Live, String> {
         let name = &self.webhooks.configuration;
         let read = |e: kube::Error| format!("{name}: {}", crate::cluster::redact::safe_text(&e));
         let validating = Api::<ValidatingWebhookConfiguration>::all(cluster.client())
@@ -213,36 +228,91 @@ impl<C: ClusterId> Runtime<C> {
             .get_opt(name)
             .await
             .map_err(read)?;
-        Ok(validating.is_none() && mutating.is_none())
+        Ok(Live {
+            validating: validating.map(|c| self.found(&c.metadata, &c.webhooks)),
+            mutating: mutating.map(|c| self.found(&c.metadata, &c.webhooks)),
+        })
     }
 
-    /// Deletes `cluster`'s configurations (those already gone are fine).
-    async fn remove(&self, cluster: &Cluster<C>) -> Result<(), String> {
-        let name = &self.webhooks.configuration;
-        fn gone<T>(r: Result<T, kube::Error>, kind: &str, name: &str) -> Result<(), String> {
-            match r {
-                Ok(_) => Ok(()),
-                Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
-                Err(e) => Err(format!(
-                    "{kind} {name}: {}",
-                    crate::cluster::redact::safe_text(&e)
-                )),
+    /// A configuration as read: its identity, the id its webhooks route to, and its
+    /// webhooks as JSON.
+    fn found(
+        &self,
+        meta: &ObjectMeta,
+        webhooks: &impl serde::Serialize,
+    ) -> (Found, serde_json::Value) {
+        let webhooks = serde_json::to_value(webhooks).unwrap_or_default();
+        let urls = webhooks
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|w| w.pointer("/clientConfig/url").and_then(|u| u.as_str()));
+        let routed_to = self.routed_to(urls);
+        (Found::of(meta, routed_to), webhooks)
+    }
+
+    /// Keeps `cluster`'s configurations as they should be: applied where one is missing
+    /// or differs (a member admin's edit or delete, a new bundle or route), left alone
+    /// where they are in place. After the `first` keep of an engagement, also left alone
+    /// where they are routed to another id the fleet holds: the member is engaged under
+    /// two ids (renamed), the newer engagement applied them at its start, and the old id's
+    /// removal will leave them alone too.
+    async fn keep(
+        &self,
+        env: &Env<C>,
+        cluster: &Cluster<C>,
+        key: &RouteKey,
+        bundle: &str,
+        first: bool,
+    ) -> Result<Kept, String> {
+        let id = cluster.id().to_string();
+        let live = self.read(cluster).await?;
+        let (validating, mutating) = self.configurations(key, &id, bundle);
+        let another = |found: &Found| {
+            !first
+                && found.routed_to.as_ref().is_some_and(|other| {
+                    *other != id && C::parse(other).is_ok_and(|other| env.fleet.holds(&other))
+                })
+        };
+        let mut in_place = true;
+        for (wanted, live) in [
+            (
+                validating.map(|c| serde_json::to_value(&c.webhooks).unwrap_or_default()),
+                &live.validating,
+            ),
+            (
+                mutating.map(|c| serde_json::to_value(&c.webhooks).unwrap_or_default()),
+                &live.mutating,
+            ),
+        ] {
+            match (wanted, live) {
+                (None, _) => {}
+                (Some(_), Some((found, _))) if another(found) => return Ok(Kept::Yielded),
+                (Some(wanted), Some((_, live))) if contains(live, &wanted) => {}
+                (Some(_), _) => in_place = false,
             }
         }
-        gone(
-            Api::<ValidatingWebhookConfiguration>::all(cluster.client())
-                .delete(name, &DeleteParams::default())
-                .await,
-            "ValidatingWebhookConfiguration",
-            name,
-        )?;
-        gone(
-            Api::<MutatingWebhookConfiguration>::all(cluster.client())
-                .delete(name, &DeleteParams::default())
-                .await,
-            "MutatingWebhookConfiguration",
-            name,
-        )
+        if in_place {
+            return Ok(Kept::InPlace);
+        }
+        self.apply(cluster, key, bundle).await?;
+        Ok(Kept::Applied)
+    }
+
+    /// Deletes the configurations of `cluster` routed to `id` (which left for good), each
+    /// only as read (a `resourceVersion` precondition): one routed to another id (the
+    /// cluster renamed, the newer id's) or changed since is left alone. Returns whether
+    /// none routed to `id` is left.
+    async fn remove(&self, cluster: &Cluster<C>, id: &str) -> Result<bool, String> {
+        let name = &self.webhooks.configuration;
+        let live = self.read(cluster).await?;
+        let validating = live.validating.as_ref().map(|(found, _)| found);
+        let mutating = live.mutating.as_ref().map(|(found, _)| found);
+        let none_validating =
+            delete_routed::<ValidatingWebhookConfiguration>(cluster, name, validating, id).await?;
+        let none_mutating =
+            delete_routed::<MutatingWebhookConfiguration>(cluster, name, mutating, id).await?;
+        Ok(none_validating && none_mutating)
     }
 
     async fn failed(&self, env: &Env<C>, cluster: &str, what: &str, problem: &str, first: bool) {
@@ -280,7 +350,102 @@ fn backoff(n: u32) -> Duration {
     Duration::from_secs(1 << n.saturating_sub(1).min(6)).min(Duration::from_secs(60))
 }
 
-/// Keeps `cluster`'s configurations applied with the current bundle until `until`.
+/// Deletes `found`, the configuration `name` of kind `K` as read, if it is routed to `id`
+/// (exactly as read). Returns whether there was none routed to `id`.
+async fn delete_routed<K>(
+    cluster: &Cluster<impl ClusterId>,
+    name: &str,
+    found: Option<&Found>,
+    id: &str,
+) -> Result<bool, String>
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::ClusterResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let Some(found) = found.filter(|f| f.routed_to.as_deref() == Some(id)) else {
+        return Ok(true);
+    };
+    match Api::<K>::all(cluster.client())
+        .delete(name, &found.precondition())
+        .await
+    {
+        // Gone, or changed since it was read: read again.
+        Ok(_) => Ok(false),
+        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(false),
+        Err(e) => Err(format!(
+            "{} {name}: {}",
+            K::kind(&()),
+            crate::cluster::redact::safe_text(&e)
+        )),
+    }
+}
+
+/// A configuration as read from a member.
+struct Found {
+    uid: Option<String>,
+    resource_version: Option<String>,
+    /// The id its webhooks are routed to (all the same one).
+    routed_to: Option<String>,
+}
+
+impl Found {
+    fn of(meta: &ObjectMeta, routed_to: Option<String>) -> Self {
+        Self {
+            uid: meta.uid.clone(),
+            resource_version: meta.resource_version.clone(),
+            routed_to,
+        }
+    }
+
+    /// A delete of exactly this version.
+    fn precondition(&self) -> DeleteParams {
+        DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: self.uid.clone(),
+                resource_version: self.resource_version.clone(),
+            }),
+            ..DeleteParams::default()
+        }
+    }
+}
+
+/// A member's configurations, and their webhooks as JSON.
+struct Live {
+    validating: Option<(Found, serde_json::Value)>,
+    mutating: Option<(Found, serde_json::Value)>,
+}
+
+/// What [`Runtime::keep`] did.
+#[derive(Debug, PartialEq, Eq)]
+enum Kept {
+    InPlace,
+    Applied,
+    /// Routed to another id the fleet holds.
+    Yielded,
+}
+
+/// Whether `live` holds everything `wanted` sets: each field `wanted` gives (not null) is
+/// in `live` with the same value, lists item by item; what the API server fills in by
+/// default is not a difference.
+fn contains(live: &serde_json::Value, wanted: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match (live, wanted) {
+        (_, Value::Null) => true,
+        (Value::Object(live), Value::Object(wanted)) => wanted
+            .iter()
+            .all(|(k, w)| w.is_null() || live.get(k).is_some_and(|l| contains(l, w))),
+        (Value::Array(live), Value::Array(wanted)) => {
+            live.len() == wanted.len() && live.iter().zip(wanted).all(|(l, w)| contains(l, w))
+        }
+        (live, wanted) => live == wanted,
+    }
+}
+
+/// Keeps `cluster`'s configurations applied with the current bundle until `until`: at
+/// once, at each new bundle, and every `check_every` (a member admin's edit or delete is
+/// repaired); with backoff while they fail.
 async fn keep_applied<C: ClusterId>(
     env: Env<C>,
     rt: Arc<Runtime<C>>,
@@ -292,7 +457,9 @@ async fn keep_applied<C: ClusterId>(
     };
     let mut bundles = keeper.bundle();
     let id = cluster.id().to_string();
-    'bundle: loop {
+    let mut failures = 0u32;
+    let mut first = true;
+    loop {
         // The bundle now (waiting for the first).
         let bundle = loop {
             if let Some(published) = bundles.borrow_and_update().clone() {
@@ -306,60 +473,55 @@ async fn keep_applied<C: ClusterId>(
         let Some(served) = keeper.served() else {
             return;
         };
-        let mut failures = 0u32;
-        loop {
-            // Given up as soon as the engagement ends: a cluster leaving for good is
-            // cleaned up by `remove`, which an apply must not follow.
-            let applied = tokio::select! {
-                () = until.cancelled() => return,
-                applied = rt.apply(&cluster, &served.route, &bundle) => applied,
-            };
-            match applied {
-                Ok(()) => {
-                    tracing::debug!(cluster = %id, "webhooks: configurations applied");
-                    break;
+        // Given up as soon as the engagement ends: a cluster leaving for good is cleaned
+        // up by `remove`, which an apply must not follow.
+        let kept = tokio::select! {
+            () = until.cancelled() => return,
+            kept = rt.keep(&env, &cluster, &served.route, &bundle, first) => kept,
+        };
+        let wait = match kept {
+            Ok(kept) => {
+                first = false;
+                if kept != Kept::InPlace || failures > 0 {
+                    tracing::debug!(cluster = %id, ?kept, "webhooks: configurations in place");
                 }
-                Err(problem) => {
-                    rt.failed(&env, &id, "install", &problem, failures == 0)
-                        .await;
-                    failures = failures.saturating_add(1);
-                    tokio::select! {
-                        () = until.cancelled() => return,
-                        // A new bundle is applied at once, with the next try.
-                        changed = bundles.changed() => if changed.is_err() { return } else { continue 'bundle },
-                        () = tokio::time::sleep(backoff(failures)) => {}
-                    }
-                }
+                failures = 0;
+                rt.webhooks.check_every
             }
-        }
+            Err(problem) => {
+                rt.failed(&env, &id, "install", &problem, failures == 0)
+                    .await;
+                failures = failures.saturating_add(1);
+                backoff(failures)
+            }
+        };
+        // A new bundle is applied at once.
         tokio::select! {
             () = until.cancelled() => return,
             changed = bundles.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(wait) => {}
         }
     }
 }
 
-/// Removes the configurations of `cluster`, which left the fleet for good: retried with
-/// backoff until both are gone (checked after the delete: an apply sent before the cluster
-/// left may land after it), the cluster is engaged again, or the installer stops.
+/// Removes the configurations routed to `cluster`'s id, which left the fleet for good:
+/// retried with backoff until none is left (read again after each delete: an apply sent
+/// before the cluster left may land after it), the id is of the fleet again, or the
+/// installer stops.
 async fn remove<C: ClusterId>(env: Env<C>, rt: Arc<Runtime<C>>, cluster: Cluster<C>) {
     let id = cluster.id().to_string();
     let mut failures = 0u32;
     loop {
-        if env.fleet.get(cluster.id()).is_some() || env.fleet.discovered(cluster.id()).is_some() {
+        if env.fleet.holds(cluster.id()) {
             return;
         }
-        let outcome = match rt.remove(&cluster).await {
-            Ok(()) => rt.absent(&cluster).await,
-            Err(problem) => Err(problem),
-        };
-        match outcome {
+        match rt.remove(&cluster, &id).await {
             Ok(true) => {
-                tracing::debug!(cluster = %id, "webhooks: configurations removed");
+                tracing::debug!(cluster = %id, "webhooks: the cluster left for good; no configuration routed to it is left");
                 return;
             }
-            // Applied again behind the delete: delete again.
-            Ok(false) => {}
+            // Deleted (or changed since read): read again at once.
+            Ok(false) => continue,
             Err(problem) => {
                 failures = failures.saturating_add(1);
                 rt.failed(&env, &id, "remove", &problem, failures == 1)
@@ -401,14 +563,14 @@ pub(crate) async fn install_task<C: ClusterId>(env: Env<C>, rt: Arc<Runtime<C>>)
                     );
                     tasks.spawn(keep_applied(env.clone(), rt.clone(), engagement.cluster, until));
                 }
+                // Paused, handed to another replica or stopped: the configurations stay.
                 Some(FleetEvent::Disengaged(engagement)) => {
-                    let id = engagement.cluster.id();
-                    // For good: not stopping, not engaged again, not handed to another replica.
-                    if !env.shutdown.is_cancelled()
-                        && env.fleet.get(id).is_none()
-                        && env.fleet.discovered(id).is_none()
-                    {
-                        tasks.spawn(remove(env.clone(), rt.clone(), engagement.cluster));
+                    tracing::debug!(cluster = %engagement.cluster.id(), "webhooks: the cluster is disengaged; its configurations stay unless it leaves for good");
+                }
+                // For good (its source is gone), and not of the fleet again since.
+                Some(FleetEvent::Departed(cluster)) => {
+                    if !env.shutdown.is_cancelled() && !env.fleet.holds(cluster.id()) {
+                        tasks.spawn(remove(env.clone(), rt.clone(), cluster));
                     }
                 }
                 None => break,

@@ -191,11 +191,11 @@ pub(crate) struct Shared<C: ClusterId> {
 }
 
 impl<C: ClusterId> Shared<C> {
-    /// Whether reviews of `id` are served now: an engaged cluster of the fleet (or one the
-    /// provider engaged that another replica owns: every replica serves every cluster), or
-    /// the host.
+    /// Whether reviews of `id` are served now: a cluster of the fleet (engaged, here or on
+    /// another replica: every replica serves every cluster; or paused: its policy holds
+    /// while it is unwell or contested), or the host.
     fn serves(&self, id: &C) -> bool {
-        self.host.as_ref() == Some(id) || (self.serve_fleet && self.fleet.discovered(id).is_some())
+        self.host.as_ref() == Some(id) || (self.serve_fleet && self.fleet.holds(id))
     }
 
     /// Whether the server can take reviews: listening, with a certificate.

@@ -964,3 +964,49 @@ pub async fn allow_config_maps(admin: &kube::Client, user: &str, role: &str, ver
         .await
         .unwrap();
 }
+
+/// A Secret of `KubeconfigSecrets` holding `kubeconfig` (key `kubeconfig`), with its label
+/// when `labelled`.
+pub fn kubeconfig_secret(
+    name: &str,
+    kubeconfig: &str,
+    labelled: bool,
+) -> k8s_openapi::api::core::v1::Secret {
+    use k8s_openapi::ByteString;
+    use std::collections::BTreeMap;
+    k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            labels: labelled.then(|| {
+                BTreeMap::from([(
+                    "sigs.k8s.io/multicluster-runtime-kubeconfig".to_string(),
+                    "true".to_string(),
+                )])
+            }),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            "kubeconfig".to_string(),
+            ByteString(kubeconfig.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    }
+}
+
+/// Sets the `Ready` condition as KubeFed's health check does.
+pub async fn set_kubefed_ready(members: &Api<kube::api::DynamicObject>, name: &str, ready: bool) {
+    let status = if ready { "True" } else { "False" };
+    members
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"conditions": [{
+                "type": "Ready", "status": status,
+                "reason": if ready { "ClusterReady" } else { "ClusterNotReachable" },
+                "lastProbeTime": "2026-11-24T00:00:00Z",
+                "lastTransitionTime": "2026-11-24T00:00:00Z",
+            }]}})),
+        )
+        .await
+        .unwrap();
+}
