@@ -602,7 +602,21 @@ impl<C: ClusterId> Webhooks<C> {
             .trim_start_matches('[')
             .trim_end_matches(']')
             .to_string();
-        Ok((host, uri.path().trim_end_matches('/').to_string()))
+        let path = uri.path().trim_end_matches('/');
+        // The API server sends the path decoded and cleaned (`path.Join`): a base written
+        // otherwise would match no review.
+        let rewritten = path.contains('%')
+            || path
+                .split('/')
+                .skip(1)
+                .any(|segment| segment.is_empty() || segment == "." || segment == "..");
+        if rewritten {
+            return Err(format!(
+                "the webhook URL {:?} has a path the API server would rewrite (an empty, `.` or `..` segment, or a `%` escape): write it as it would be sent",
+                self.url
+            ));
+        }
+        Ok((host, path.to_string()))
     }
 
     /// The settings checked: names fully qualified and unique, timeouts in range, the URL
@@ -658,5 +672,44 @@ impl<C: ClusterId> Webhooks<C> {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ClusterName;
+    use k8s_openapi::api::core::v1::ConfigMap;
+
+    fn at(url: &str) -> Webhooks<ClusterName> {
+        Webhooks::new("127.0.0.1:0".parse().unwrap(), url).hook(Hook::validating(
+            "owners.fleet.example.com",
+            |_: Review<ClusterName, ConfigMap>| async { Ok::<_, String>(Verdict::allow()) },
+        ))
+    }
+
+    #[test]
+    fn a_base_path_the_api_server_would_rewrite_is_refused() {
+        for good in [
+            "https://hooks.example.com",
+            "https://hooks.example.com/",
+            "https://hooks.example.com/admission",
+            "https://hooks.example.com/a/b-c_d.e~f/",
+        ] {
+            assert_eq!(at(good).validate(), Ok(()), "{good}");
+        }
+        // The API server sends the cleaned, decoded path: routes under these would never
+        // match, and every review would be a 404.
+        for bad in [
+            "https://hooks.example.com/a//b",
+            "https://hooks.example.com/a/./b",
+            "https://hooks.example.com/a/../b",
+            "https://hooks.example.com/.",
+            "https://hooks.example.com/x%41",
+            "https://hooks.example.com/a%2Fb",
+        ] {
+            let error = at(bad).validate().unwrap_err();
+            assert!(error.contains("path"), "{bad}: {error}");
+        }
     }
 }
