@@ -26,6 +26,8 @@ pub struct Fleet<C: ClusterId> {
 struct State<C: ClusterId> {
     /// Refusing engagements: its manager's run has ended.
     closed: bool,
+    /// The id of the running manager's local cluster, which no fleet cluster may have.
+    local: Option<C>,
     members: BTreeMap<C, Member<C>>,
     /// Clusters paused ([`Fleet::pause`]): not members, but still of the fleet, until they
     /// are engaged again or leave for good.
@@ -238,6 +240,13 @@ pub enum EngageError {
         /// The cluster refused.
         cluster: String,
     },
+    /// The id is the manager's local cluster's ([`Manager::with_local`](crate::Manager::with_local)):
+    /// a fleet cluster under it would be taken for the host (its webhook reviews, `cluster_by_id`).
+    #[error("cannot engage cluster {cluster}: the manager's local cluster has that id")]
+    LocalId {
+        /// The cluster refused.
+        cluster: String,
+    },
     /// [`Fleet::engage_until`] watches its token from a task, and was called outside a Tokio
     /// runtime.
     #[error("cannot engage cluster {cluster} until a token: not within a Tokio runtime")]
@@ -260,6 +269,7 @@ impl<C: ClusterId> Default for Fleet<C> {
         Self {
             inner: Arc::new(Mutex::new(State {
                 closed: false,
+                local: None,
                 members: BTreeMap::new(),
                 paused: BTreeMap::new(),
                 subscribers: Vec::new(),
@@ -291,7 +301,8 @@ impl<C: ClusterId> Fleet<C> {
     /// Engages `cluster` under its id. An id engaged with the same instance, or with a
     /// configuration of the same endpoint, default namespace and credentials, is left as it
     /// is; an id engaged with a different cluster is replaced (the old one is disengaged: its
-    /// watches stop and new ones start, with queued requests kept).
+    /// watches stop and new ones start, with queued requests kept). The id of the running
+    /// manager's local cluster is refused ([`EngageError::LocalId`]).
     pub fn engage(&self, cluster: Cluster<C>) -> Result<Engaged, EngageError> {
         self.engage_with(cluster, None)
     }
@@ -321,6 +332,11 @@ impl<C: ClusterId> Fleet<C> {
         let mut state = self.state();
         if state.closed {
             return Err(EngageError::Stopped {
+                cluster: cluster.id().to_string(),
+            });
+        }
+        if state.local.as_ref() == Some(cluster.id()) {
+            return Err(EngageError::LocalId {
                 cluster: cluster.id().to_string(),
             });
         }
@@ -672,10 +688,12 @@ impl<C: ClusterId> Fleet<C> {
         Arc::as_ptr(&self.inner) as usize
     }
 
-    /// Opens the fleet for a manager's run, with the settings its clusters' watches get.
-    pub(crate) fn open(&self, settings: WatchSettings, sharded: bool) {
+    /// Opens the fleet for a manager's run, with the settings its clusters' watches get and
+    /// the id of its local cluster (which no fleet cluster may have).
+    pub(crate) fn open(&self, settings: WatchSettings, sharded: bool, local: Option<C>) {
         let mut state = self.state();
         state.closed = false;
+        state.local = local;
         state.settings = settings;
         state.shard = sharded.then(|| Shard {
             discovered: BTreeMap::new(),
@@ -1033,6 +1051,37 @@ mod tests {
         assert_eq!(kinds(&mut rx), ["+a", "+b", "~b", "-a", "xa"]);
     }
 
+    #[test]
+    fn no_cluster_is_engaged_under_the_local_clusters_id() {
+        let fleet = Fleet::new();
+        fleet.open(
+            WatchSettings::default(),
+            false,
+            Some(ClusterName::from("host")),
+        );
+        let error = fleet
+            .engage(cluster("host", "https://127.0.0.1:1"))
+            .unwrap_err();
+        assert!(matches!(error, EngageError::LocalId { .. }), "{error}");
+        assert!(fleet.is_empty());
+        fleet
+            .engage(cluster("east", "https://127.0.0.1:1"))
+            .unwrap();
+        // Sharded too.
+        let sharded = Fleet::new();
+        sharded.open(
+            WatchSettings::default(),
+            true,
+            Some(ClusterName::from("host")),
+        );
+        assert!(
+            sharded
+                .engage(cluster("host", "https://127.0.0.1:1"))
+                .is_err()
+        );
+        assert!(sharded.discovered_ids().is_empty());
+    }
+
     #[tokio::test]
     async fn a_paused_cluster_stays_of_the_fleet_until_it_is_engaged_again_or_leaves_for_good() {
         let fleet = Fleet::new();
@@ -1158,7 +1207,7 @@ mod tests {
     #[tokio::test]
     async fn a_sharded_fleet_makes_members_of_the_discovered_clusters_it_owns_only() {
         let fleet = Fleet::new();
-        fleet.open(WatchSettings::default(), true);
+        fleet.open(WatchSettings::default(), true, None);
         let mut rx = fleet.subscribe();
         let id = ClusterName::from;
         let a = cluster("a", "https://127.0.0.1:1");
@@ -1209,7 +1258,7 @@ mod tests {
     #[tokio::test]
     async fn a_hand_off_waits_until_the_work_on_an_engagement_has_ended() {
         let fleet = Fleet::new();
-        fleet.open(WatchSettings::default(), true);
+        fleet.open(WatchSettings::default(), true, None);
         let a = ClusterName::from("a");
         fleet.engage(cluster("a", "https://127.0.0.1:1")).unwrap();
         fleet.own(&a);
@@ -1241,7 +1290,7 @@ mod tests {
             fleet.engage(a.clone()),
             Err(EngageError::Stopped { .. })
         ));
-        fleet.open(WatchSettings::default(), false);
+        fleet.open(WatchSettings::default(), false, None);
         assert_eq!(fleet.engage(a.clone()).unwrap(), Engaged::New);
         assert!(a.is_engaged());
     }

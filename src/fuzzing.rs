@@ -673,15 +673,25 @@ pub fn webhook_review(data: &[u8]) {
     let serves = |c: &ClusterName| served.contains(&c.as_str());
     let hooks: HashMap<String, u8> = HashMap::from([("v.example.com".to_string(), 0)]);
     // Arbitrary paths: routed only with the right token to a served cluster.
-    if let Ok((cluster, _)) = route_request::<ClusterName, _>("/base", &hooks, &key, serves, &path)
-    {
+    let host = ClusterName::from("east");
+    for host in [None, Some(&host)] {
+        let Ok((cluster, _)) =
+            route_request::<ClusterName, _>("/base", &hooks, &key, host, serves, &path)
+        else {
+            continue;
+        };
         assert!(serves(&cluster), "{path:?} routed to {cluster}");
         let token = path.rsplit('/').nth(1).expect("a route has a token");
-        assert!(key.verify(cluster.as_str(), token), "{path:?}");
+        let side = if host == Some(&cluster) {
+            route::Side::Host
+        } else {
+            route::Side::Fleet
+        };
+        assert!(key.verify(side, cluster.as_str(), token), "{path:?}");
     }
     // Made paths: back to their cluster; another's token or an unserved cluster refused.
-    let made = route::path("/base", &key, &id, "v.example.com");
-    let routed = route_request::<ClusterName, _>("/base", &hooks, &key, serves, &made);
+    let made = route::path("/base", &key, route::Side::Fleet, &id, "v.example.com");
+    let routed = route_request::<ClusterName, _>("/base", &hooks, &key, None, serves, &made);
     let expected = if served.contains(&id.as_str()) {
         Ok(id.clone())
     } else {
@@ -693,11 +703,22 @@ pub fn webhook_review(data: &[u8]) {
         "{made:?}"
     );
     let other = if id == "east" { "" } else { "east" };
-    let forged = made.replacen(&key.token(&id), &key.token(other), 1);
+    let forged = made.replacen(
+        &key.token(route::Side::Fleet, &id),
+        &key.token(route::Side::Fleet, other),
+        1,
+    );
     assert_eq!(
-        route_request::<ClusterName, _>("/base", &hooks, &key, serves, &forged).map(|_| ()),
+        route_request::<ClusterName, _>("/base", &hooks, &key, None, serves, &forged).map(|_| ()),
         Err(Refusal::BadToken),
         "{forged:?}"
+    );
+    // The fleet's token of the host's id is not the host's.
+    let as_host = ClusterName::from(id.as_str());
+    assert!(
+        route_request::<ClusterName, _>("/base", &hooks, &key, Some(&as_host), serves, &made)
+            .is_err(),
+        "{made:?}"
     );
     // Reviews.
     let policy = if flag.is_empty() {

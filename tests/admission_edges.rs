@@ -152,6 +152,17 @@ async fn enforced(client: &kube::Client, id: &str, object: &str) {
         },
         ..Default::default()
     };
+    // Sync point: the API server calls a configuration only once its informer has it.
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    eventually(
+        30,
+        &format!("the API server of {id} calling the hooks"),
+        async || cms.create(&dry, &cm).await.is_err(),
+    )
+    .await;
     let error = cms
         .create(&PostParams::default(), &cm)
         .await
@@ -355,6 +366,17 @@ async fn a_member_whose_id_is_changed_or_contested_keeps_its_admission() {
     let after = configurations(&ac).await.expect("both configurations stay");
     assert_eq!(after, before, "a's configurations untouched");
     enforced(&ac, "alpha-2", "third").await;
+
+    // b's admin claims the host's id: never engaged under it (its reviews would pass as
+    // the host's).
+    set_id(&b, "byid-host").await;
+    eventually(30, "the host's id refused", async || {
+        !logs
+            .lines(&["cannot engage cluster byid-host: the manager's local cluster has that id"])
+            .is_empty()
+    })
+    .await;
+    assert!(manager.fleet().get(&name("byid-host")).is_none());
 
     // The claim withdrawn: a is engaged again, with the same configurations.
     set_id(&b, "beta").await;

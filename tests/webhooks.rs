@@ -248,7 +248,33 @@ async fn installed(client: &kube::Client, what: &str) -> ValidatingWebhookConfig
         )
     })
     .await;
+    in_effect(client, MANAGED, what).await;
     configs(client).get("multicluster-runtime").await.unwrap()
+}
+
+/// Waits until `client`'s API server calls the webhooks selecting `label`, which deny an
+/// object so labelled with an empty owner (or refuse it): the API server calls a
+/// configuration only once its informer has it, so a write just after the configuration
+/// is stored may pass unchecked. A dry run that fails is the sync point.
+async fn in_effect(client: &kube::Client, label: &str, what: &str) {
+    let probe = cm("sync-probe", &[label], Some(""));
+    eventually(
+        30,
+        &format!("the API server calling the webhooks of {what}"),
+        async || {
+            Api::<ConfigMap>::namespaced(client.clone(), NS)
+                .create(
+                    &PostParams {
+                        dry_run: true,
+                        ..Default::default()
+                    },
+                    &probe,
+                )
+                .await
+                .is_err()
+        },
+    )
+    .await;
 }
 
 /// The error of creating `object`, if any: (HTTP code, reason, message).
@@ -301,6 +327,9 @@ async fn hand_written(
         .create(&PostParams::default(), &config)
         .await
         .unwrap();
+    // Each of these configurations makes a write it selects fail (refused, or denied for
+    // want of an owner).
+    in_effect(client, label.unwrap_or(MANAGED), name).await;
     carried
 }
 

@@ -409,7 +409,12 @@ impl<P: Provider> Manager<P> {
     pub fn webhook_url(&self, cluster: &P::Id, webhook: &str) -> Option<String> {
         let runtime = self.webhooks.as_ref()?;
         let served = runtime.keeper.get()?.served()?;
-        Some(runtime.url(&served.route, &cluster.to_string(), webhook))
+        let side = if self.local.as_ref().is_some_and(|l| l.id() == cluster) {
+            crate::webhook::route::Side::Host
+        } else {
+            crate::webhook::route::Side::Fleet
+        };
+        Some(runtime.url(&served.route, side, &cluster.to_string(), webhook))
     }
 
     /// The CA bundle the webhooks' configurations carry (PEM), once loaded.

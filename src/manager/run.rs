@@ -408,7 +408,11 @@ impl<'a, P: Provider> Run<'a, P> {
             namespaces: manager.namespaces.clone(),
             sync_timeout: Some(manager.cache_sync_timeout),
         };
-        manager.fleet.open(settings.clone(), sharding.is_some());
+        manager.fleet.open(
+            settings.clone(),
+            sharding.is_some(),
+            manager.local.as_ref().map(|l| l.id().clone()),
+        );
         manager.gauge_watches();
         // A single-cluster provider's cluster is engaged before any controller starts, so a
         // reconciler's `cache()` of it never finds it unengaged (the provider engages it too;

@@ -837,7 +837,7 @@ mod tests {
                 ),
             );
             let fleet = Fleet::<ClusterName>::new();
-            fleet.open(crate::cluster::WatchSettings::default(), true);
+            fleet.open(crate::cluster::WatchSettings::default(), true, None);
             for name in clusters {
                 let cluster = Cluster::from_config(
                     ClusterName::new(name),

@@ -690,7 +690,7 @@ impl Keeper {
             RouteKey::with_accepted(route, accepted.into_iter().flatten().map(Vec::as_slice));
         let published = Published {
             bundle: bundle.clone(),
-            route: route.token("\0fingerprint"),
+            route: route.token(super::route::Side::Fleet, "\0fingerprint"),
         };
         *lock(&self.served) = Some(Served { key, route, bundle });
         self.loaded.store(true, Ordering::Relaxed);
@@ -932,7 +932,10 @@ mod tests {
         assert_eq!(&*again.bundle, second.bundle().as_str());
         assert!(!Arc::ptr_eq(&again.key, &served.key));
         assert!(published.has_changed().unwrap());
-        assert_eq!(again.route.token("x"), served.route.token("x"));
+        assert_eq!(
+            again.route.token(crate::webhook::route::Side::Fleet, "x"),
+            served.route.token(crate::webhook::route::Side::Fleet, "x")
+        );
         // Half written: the previous pair is kept, and the error names the file.
         std::fs::write(&key, "not a key").unwrap();
         let problem = keeper.refresh().await.unwrap_err();

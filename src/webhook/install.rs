@@ -18,7 +18,7 @@ use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::route::RouteKey;
+use super::route::{RouteKey, Side};
 use super::{Install, Keeper, Webhooks};
 use crate::controller::Env;
 use crate::fleet::FleetEvent;
@@ -40,9 +40,9 @@ pub(crate) struct Runtime<C: ClusterId> {
 }
 
 impl<C: ClusterId> Runtime<C> {
-    /// The URL of `cluster`'s `webhook`.
-    pub(crate) fn url(&self, key: &RouteKey, cluster: &str, webhook: &str) -> String {
-        super::route::path(&self.webhooks.url, key, cluster, webhook)
+    /// The URL of `cluster`'s `webhook` (the host's, on [`Side::Host`]).
+    pub(crate) fn url(&self, key: &RouteKey, side: Side, cluster: &str, webhook: &str) -> String {
+        super::route::path(&self.webhooks.url, key, side, cluster, webhook)
     }
 
     fn recorder(&self, env: &Env<C>) -> Option<&kube_runtime::events::Recorder> {
@@ -84,12 +84,13 @@ impl<C: ClusterId> Runtime<C> {
     fn client_config(
         &self,
         key: &RouteKey,
+        side: Side,
         cluster: &str,
         hook: &str,
         bundle: &str,
     ) -> WebhookClientConfig {
         WebhookClientConfig {
-            url: Some(self.url(key, cluster, hook)),
+            url: Some(self.url(key, side, cluster, hook)),
             ca_bundle: Some(ByteString(bundle.as_bytes().to_vec())),
             service: None,
         }
@@ -110,6 +111,7 @@ impl<C: ClusterId> Runtime<C> {
     pub(crate) fn configurations(
         &self,
         key: &RouteKey,
+        side: Side,
         cluster: &str,
         bundle: &str,
     ) -> (
@@ -123,7 +125,7 @@ impl<C: ClusterId> Runtime<C> {
             .map(|hook| ValidatingWebhook {
                 name: hook.name.clone(),
                 admission_review_versions: vec!["v1".into()],
-                client_config: self.client_config(key, cluster, &hook.name, bundle),
+                client_config: self.client_config(key, side, cluster, &hook.name, bundle),
                 failure_policy: Some(hook.failure_policy.as_str().into()),
                 match_policy: Some("Equivalent".into()),
                 namespace_selector: hook.namespace_selector.clone(),
@@ -140,7 +142,7 @@ impl<C: ClusterId> Runtime<C> {
             .map(|hook| MutatingWebhook {
                 name: hook.name.clone(),
                 admission_review_versions: vec!["v1".into()],
-                client_config: self.client_config(key, cluster, &hook.name, bundle),
+                client_config: self.client_config(key, side, cluster, &hook.name, bundle),
                 failure_policy: Some(hook.failure_policy.as_str().into()),
                 match_policy: Some("Equivalent".into()),
                 namespace_selector: hook.namespace_selector.clone(),
@@ -168,17 +170,18 @@ impl<C: ClusterId> Runtime<C> {
     async fn apply(
         &self,
         cluster: &Cluster<C>,
+        side: Side,
         key: &RouteKey,
         bundle: &str,
     ) -> Result<(), String> {
         let id = cluster.id().to_string();
-        let (validating, mutating) = self.configurations(key, &id, bundle);
+        let (validating, mutating) = self.configurations(key, side, &id, bundle);
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let name = &self.webhooks.configuration;
         // An API error may quote the configuration (a refused URL, a policy engine's
         // message): the route token is taken out of the text before it reaches a log line
         // or an Event.
-        let token = key.token(&id);
+        let token = key.token(side, &id);
         let describe = |kind: &str, e: kube::Error| {
             let text = crate::cluster::redact::safe_text(&e).replace(&token, "<route token>");
             format!("{kind} {name}: {text}")
@@ -267,7 +270,13 @@ impl<C: ClusterId> Runtime<C> {
     ) -> Result<Kept, String> {
         let id = cluster.id().to_string();
         let live = self.read(cluster).await?;
-        let (validating, mutating) = self.configurations(key, &id, bundle);
+        // The fleet engages no cluster under the local cluster's id.
+        let side = if env.local.as_ref().is_some_and(|l| l.id() == cluster.id()) {
+            Side::Host
+        } else {
+            Side::Fleet
+        };
+        let (validating, mutating) = self.configurations(key, side, &id, bundle);
         let another = |found: &Found| {
             !first
                 && found.routed_to.as_ref().is_some_and(|other| {
@@ -295,7 +304,7 @@ impl<C: ClusterId> Runtime<C> {
         if in_place {
             return Ok(Kept::InPlace);
         }
-        self.apply(cluster, key, bundle).await?;
+        self.apply(cluster, side, key, bundle).await?;
         Ok(Kept::Applied)
     }
 

@@ -13,6 +13,25 @@ pub(crate) const KEY_LEN: usize = 32;
 
 /// Domain separation: these tokens are for nothing else the key might ever sign.
 const CONTEXT: &[u8] = b"multicluster-runtime webhook route\0";
+/// The host's routes are made under their own context: a fleet cluster can never share
+/// the host's token, whatever its id.
+const HOST_CONTEXT: &[u8] = b"multicluster-runtime webhook host route\0";
+
+/// Whose route a token is: a cluster of the fleet's, or the host's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    Fleet,
+    Host,
+}
+
+impl Side {
+    fn context(self) -> &'static [u8] {
+        match self {
+            Self::Fleet => CONTEXT,
+            Self::Host => HOST_CONTEXT,
+        }
+    }
+}
 
 /// The mark of a cluster segment written in base64url: ids that are not plain names (empty,
 /// `.` or `..`, or with any character outside `[A-Za-z0-9._-]`). The API server decodes a
@@ -58,24 +77,26 @@ impl RouteKey {
         }
     }
 
-    /// The token of `cluster` (its id's text form): 32 hexadecimal digits (128 bits).
-    pub(crate) fn token(&self, cluster: &str) -> String {
-        token(&self.current, cluster)
+    /// The token of `cluster` (its id's text form) on `side`: 32 hexadecimal digits (128
+    /// bits).
+    pub(crate) fn token(&self, side: Side, cluster: &str) -> String {
+        token(&self.current, side, cluster)
     }
 
-    /// Whether `token` is `cluster`'s under any accepted key, compared in constant time.
-    pub(crate) fn verify(&self, cluster: &str, token: &str) -> bool {
+    /// Whether `token` is `cluster`'s on `side` under any accepted key, compared in
+    /// constant time.
+    pub(crate) fn verify(&self, side: Side, cluster: &str, token: &str) -> bool {
         std::iter::once(&self.current)
             .chain(&self.also)
             .fold(false, |found, key| {
-                found | same(&self::token(key, cluster), token)
+                found | same(&self::token(key, side, cluster), token)
             })
     }
 }
 
-fn token(key: &hmac::Key, cluster: &str) -> String {
+fn token(key: &hmac::Key, side: Side, cluster: &str) -> String {
     let mut context = hmac::Context::with_key(key);
-    context.update(CONTEXT);
+    context.update(side.context());
     context.update(cluster.as_bytes());
     let tag = context.sign();
     let mut out = String::with_capacity(32);
@@ -157,12 +178,13 @@ fn decode_cluster(segment: &str) -> Result<String, NotARoute> {
     Ok(id)
 }
 
-/// The path (no query) of `cluster`'s `webhook` under `base` (no trailing slash).
-pub(crate) fn path(base: &str, key: &RouteKey, cluster: &str, webhook: &str) -> String {
+/// The path (no query) of `cluster`'s `webhook` on `side` under `base` (no trailing
+/// slash).
+pub(crate) fn path(base: &str, key: &RouteKey, side: Side, cluster: &str, webhook: &str) -> String {
     format!(
         "{base}/{}/{}/{webhook}",
         encode_cluster(cluster),
-        key.token(cluster)
+        key.token(side, cluster)
     )
 }
 
@@ -206,7 +228,7 @@ mod tests {
             "a.b-c_d",
             "~x",
         ] {
-            let path = path("/webhooks", &key, id, "owners.example.com");
+            let path = path("/webhooks", &key, Side::Fleet, id, "owners.example.com");
             let route = parse("/webhooks", &path).unwrap();
             assert_eq!(route.cluster, id, "{path}");
             // What the API server's client would change: no `/` or `%` inside a segment, no
@@ -217,27 +239,59 @@ mod tests {
                 "{path}"
             );
             assert_eq!(route.webhook, "owners.example.com");
-            assert!(key.verify(id, route.token));
+            assert!(key.verify(Side::Fleet, id, route.token));
             // Another cluster's id with this token, or another key: refused.
-            assert!(!key.verify(&format!("{id}x"), route.token));
-            assert!(!RouteKey::new(&[8; KEY_LEN]).verify(id, route.token));
+            assert!(!key.verify(Side::Fleet, &format!("{id}x"), route.token));
+            assert!(!RouteKey::new(&[8; KEY_LEN]).verify(Side::Fleet, id, route.token));
         }
-        assert_ne!(key.token("east"), key.token("west"));
-        assert_eq!(key.token("east").len(), 32);
-        assert!(!key.verify("east", ""));
-        assert!(!key.verify("east", &key.token("east")[..31]));
+        assert_ne!(
+            key.token(Side::Fleet, "east"),
+            key.token(Side::Fleet, "west")
+        );
+        assert_eq!(key.token(Side::Fleet, "east").len(), 32);
+        assert!(!key.verify(Side::Fleet, "east", ""));
+        assert!(!key.verify(Side::Fleet, "east", &key.token(Side::Fleet, "east")[..31]));
+    }
+
+    #[test]
+    fn the_hosts_tokens_are_made_under_their_own_context() {
+        let key = RouteKey::new(&[7; KEY_LEN]);
+        for id in ["host", "east", ""] {
+            let (host, fleet) = (key.token(Side::Host, id), key.token(Side::Fleet, id));
+            assert_ne!(
+                host, fleet,
+                "a fleet cluster under the host's id gets another token"
+            );
+            assert!(key.verify(Side::Host, id, &host) && !key.verify(Side::Host, id, &fleet));
+            assert!(key.verify(Side::Fleet, id, &fleet) && !key.verify(Side::Fleet, id, &host));
+        }
     }
 
     #[test]
     fn a_turning_key_accepts_the_tokens_of_its_other_keys_and_makes_its_own() {
         let (old, current, next) = ([1; KEY_LEN], [2; KEY_LEN], [3; KEY_LEN]);
         let ring = RouteKey::with_accepted(&current, [&old[..], &next[..]]);
-        assert_eq!(ring.token("east"), RouteKey::new(&current).token("east"));
+        assert_eq!(
+            ring.token(Side::Fleet, "east"),
+            RouteKey::new(&current).token(Side::Fleet, "east")
+        );
         for key in [old, current, next] {
-            assert!(ring.verify("east", &RouteKey::new(&key).token("east")));
+            assert!(ring.verify(
+                Side::Fleet,
+                "east",
+                &RouteKey::new(&key).token(Side::Fleet, "east")
+            ));
         }
-        assert!(!ring.verify("east", &RouteKey::new(&[4; KEY_LEN]).token("east")));
-        assert!(!ring.verify("west", &RouteKey::new(&old).token("east")));
+        assert!(!ring.verify(
+            Side::Fleet,
+            "east",
+            &RouteKey::new(&[4; KEY_LEN]).token(Side::Fleet, "east")
+        ));
+        assert!(!ring.verify(
+            Side::Fleet,
+            "west",
+            &RouteKey::new(&old).token(Side::Fleet, "east")
+        ));
     }
 
     #[test]

@@ -332,6 +332,7 @@ pub(crate) fn route<'s, C: ClusterId, H>(
     base: &str,
     hooks: &'s HashMap<String, H>,
     key: &route::RouteKey,
+    host: Option<&C>,
     serves: impl Fn(&C) -> bool,
     path: &str,
 ) -> Result<(C, &'s H), Refusal> {
@@ -342,12 +343,16 @@ pub(crate) fn route<'s, C: ClusterId, H>(
     let Some(hook) = hooks.get(route.webhook) else {
         return Err(Refusal::UnknownWebhook);
     };
-    if !key.verify(&route.cluster, route.token) {
+    // An id that does not parse has no valid token: refused as such.
+    let id = C::parse(&route.cluster).map_err(|_| Refusal::BadToken)?;
+    let side = if host == Some(&id) {
+        route::Side::Host
+    } else {
+        route::Side::Fleet
+    };
+    if !key.verify(side, &route.cluster, route.token) {
         return Err(Refusal::BadToken);
     }
-    // A valid token for an id that does not parse cannot be made without the key; refused
-    // the same way all the same.
-    let id = C::parse(&route.cluster).map_err(|_| Refusal::BadToken)?;
     if !serves(&id) {
         return Err(Refusal::UnknownCluster);
     }
@@ -386,6 +391,7 @@ async fn review<C: ClusterId>(
         &shared.base,
         &shared.hooks,
         &served.route,
+        shared.host.as_ref(),
         |id: &C| shared.serves(id),
         req.uri().path(),
     );
