@@ -121,10 +121,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .local_addr()?
         .port();
     // ANCHOR: manager
+    let hooks = webhooks(port);
+    // Made from the URL: every replica computes the same, another manager another one.
+    let name = hooks.configuration().to_string();
     let manager = Arc::new(
         Manager::new(clusters.clone())
             .with_local(host)
-            .webhooks(webhooks(port)),
+            .webhooks(hooks),
     );
     // ANCHOR_END: manager
     let run = {
@@ -134,7 +137,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     for c in &all[..2] {
         wait_for(&format!("{}: configuration installed", c.name()), || {
-            installed(c)
+            installed(c, &name)
         })
         .await?;
         check_policy(c).await?;
@@ -146,14 +149,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ClusterName::from(late.name()),
         late.config(),
     )?)?;
-    wait_for("the late cluster's configuration", || installed(late)).await?;
+    wait_for("the late cluster's configuration", || {
+        installed(late, &name)
+    })
+    .await?;
     check_policy(late).await?;
     println!("step 2: {} joined and is covered", late.name());
 
     let leaving = &all[1];
     clusters.remove(&ClusterName::from(leaving.name()));
     wait_for("the configuration removed", || async {
-        !installed(leaving).await
+        !installed(leaving, &name).await
     })
     .await?;
     create(leaving, "unchecked", Some("Anyone At All")).await?;
@@ -170,6 +176,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Defaults, refusals and the untouched, in cluster `c`.
 async fn check_policy(c: &TestCluster) -> Result<(), Box<dyn std::error::Error>> {
+    // An API server calls a configuration once its own informer has it, a moment after
+    // it is stored: until a dry run with a bad owner is refused, a write may pass unchecked.
+    wait_for(&format!("{}: the hooks called", c.name()), || async {
+        dry_run_refused(c).await
+    })
+    .await?;
     let cm = create(c, "ledger", None).await?;
     let owner = cm.annotations().get(OWNER).cloned();
     if owner.as_deref() != Some("payments-team") {
@@ -192,6 +204,33 @@ async fn check_policy(c: &TestCluster) -> Result<(), Box<dyn std::error::Error>>
         }
     }
     Ok(())
+}
+
+/// Whether a dry run of a managed ConfigMap with a bad owner is refused.
+async fn dry_run_refused(c: &TestCluster) -> bool {
+    let Ok(client) = c.client() else {
+        return false;
+    };
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("probe".into()),
+            labels: Some(BTreeMap::from([(MANAGED.to_string(), "true".to_string())])),
+            annotations: Some(BTreeMap::from([(
+                OWNER.to_string(),
+                "Bad Owner".to_string(),
+            )])),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    Api::<ConfigMap>::namespaced(client, "payments")
+        .create(&dry, &cm)
+        .await
+        .is_err()
 }
 
 /// A write refused, with the API server's message.
@@ -222,11 +261,10 @@ async fn create(c: &TestCluster, name: &str, owner: Option<&str>) -> Result<Conf
 }
 
 /// Whether `c` has both of the manager's configurations.
-async fn installed(c: &TestCluster) -> bool {
+async fn installed(c: &TestCluster, name: &str) -> bool {
     let Ok(client) = c.client() else {
         return false;
     };
-    let name = multicluster_runtime::webhook::DEFAULT_CONFIGURATION_NAME;
     matches!(
         Api::<MutatingWebhookConfiguration>::all(client.clone())
             .get_opt(name)

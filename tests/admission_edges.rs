@@ -31,7 +31,6 @@ use serde_json::json;
 const NS: &str = "hooks";
 const MANAGED: &str = "fleet.example.com/managed";
 const OWNER: &str = "fleet.example.com/owner";
-const CONFIGURATION: &str = "multicluster-runtime";
 const SEEN_BY: &str = "fleet.example.com/seen-by";
 
 /// The policy: a managed ConfigMap is annotated `seen-by: <cluster>` (mutating), and one
@@ -87,13 +86,16 @@ fn policy(port: u16) -> Webhooks<ClusterName> {
 
 /// Both configurations of `client`'s cluster: (validating uid, mutating uid, the ids their
 /// URLs route to).
-async fn configurations(client: &kube::Client) -> Option<(String, String, Vec<String>)> {
+async fn configurations(
+    client: &kube::Client,
+    name: &str,
+) -> Option<(String, String, Vec<String>)> {
     let validating = Api::<ValidatingWebhookConfiguration>::all(client.clone())
-        .get_opt(CONFIGURATION)
+        .get_opt(name)
         .await
         .ok()??;
     let mutating = Api::<MutatingWebhookConfiguration>::all(client.clone())
-        .get_opt(CONFIGURATION)
+        .get_opt(name)
         .await
         .ok()??;
     let mut routes: Vec<String> = validating
@@ -123,12 +125,12 @@ async fn configurations(client: &kube::Client) -> Option<(String, String, Vec<St
 
 /// Waits until both configurations are in `client`'s cluster, routed to `id`; returns
 /// their uids.
-async fn routed_to(client: &kube::Client, id: &str) -> (String, String) {
+async fn routed_to(client: &kube::Client, name: &str, id: &str) -> (String, String) {
     let mut uids = None;
     eventually(
         30,
         &format!("both configurations routed to {id}"),
-        async || match configurations(client).await {
+        async || match configurations(client, name).await {
             Some((v, m, routes)) if routes == [id] => {
                 uids = Some((v, m));
                 true
@@ -228,13 +230,16 @@ async fn a_renamed_member_keeps_its_admission_routed_to_its_new_id_in_either_ord
         .await
         .unwrap();
     let port = free_port();
+    let hooks = policy(port);
+    // Made from the URL (`multicluster-runtime-<hash>`).
+    let configuration = hooks.configuration().to_string();
     let manager = Arc::new(
         Manager::new(KubeconfigSecrets::new(hc.clone(), "fleet"))
             .with_local(Cluster::from_config(name("rename-host"), host.config()).unwrap())
-            .webhooks(policy(port)),
+            .webhooks(hooks),
     );
     let run = spawn_manager(&manager);
-    routed_to(&mc, "east").await;
+    routed_to(&mc, &configuration, "east").await;
     enforced(&mc, "east", "first").await;
 
     // The new id engaged before the old one leaves (`mcr join --name east-2`, then
@@ -244,14 +249,16 @@ async fn a_renamed_member_keeps_its_admission_routed_to_its_new_id_in_either_ord
         .create(&pp, &kubeconfig_secret("east-2", member.kubeconfig(), true))
         .await
         .unwrap();
-    let uids = routed_to(&mc, "east-2").await;
+    let uids = routed_to(&mc, &configuration, "east-2").await;
     secrets
         .delete("east", &DeleteParams::default())
         .await
         .unwrap();
     removal_done(&logs, "east").await;
     // A check period of the installer later (its drift repair would have made new ones).
-    let (v, m, routes) = configurations(&mc).await.expect("both configurations stay");
+    let (v, m, routes) = configurations(&mc, &configuration)
+        .await
+        .expect("both configurations stay");
     assert_eq!((v, m), uids, "the same configurations, never deleted");
     assert_eq!(routes, ["east-2"]);
     enforced(&mc, "east-2", "second").await;
@@ -264,7 +271,7 @@ async fn a_renamed_member_keeps_its_admission_routed_to_its_new_id_in_either_ord
     removal_done(&logs, "east-2").await;
     eventually(30, "the configurations removed", async || {
         Api::<ValidatingWebhookConfiguration>::all(mc.clone())
-            .get_opt(CONFIGURATION)
+            .get_opt(&configuration)
             .await
             .is_ok_and(|c| c.is_none())
     })
@@ -273,16 +280,16 @@ async fn a_renamed_member_keeps_its_admission_routed_to_its_new_id_in_either_ord
         .create(&pp, &kubeconfig_secret("east-3", member.kubeconfig(), true))
         .await
         .unwrap();
-    routed_to(&mc, "east-3").await;
+    routed_to(&mc, &configuration, "east-3").await;
     enforced(&mc, "east-3", "third").await;
 
     // A member admin deletes a configuration: it is back within a check period.
-    let before = configurations(&mc).await.unwrap();
+    let before = configurations(&mc, &configuration).await.unwrap();
     Api::<ValidatingWebhookConfiguration>::all(mc.clone())
-        .delete(CONFIGURATION, &DeleteParams::default())
+        .delete(&configuration, &DeleteParams::default())
         .await
         .unwrap();
-    let (v, _) = routed_to(&mc, "east-3").await;
+    let (v, _) = routed_to(&mc, &configuration, "east-3").await;
     assert_ne!(v, before.0, "made again");
     enforced(&mc, "east-3", "fourth").await;
 
@@ -329,10 +336,13 @@ async fn a_member_whose_id_is_changed_or_contested_keeps_its_admission() {
     }
     let clusters = Clusters::new();
     let port = free_port();
+    let hooks = policy(port);
+    // Made from the URL (`multicluster-runtime-<hash>`).
+    let configuration = hooks.configuration().to_string();
     let manager = Arc::new(
         Manager::new(ById::new(clusters.clone()))
             .with_local(Cluster::from_config(name("byid-host"), host.config()).unwrap())
-            .webhooks(policy(port)),
+            .webhooks(hooks),
     );
     let run = spawn_manager(&manager);
     for (n, m) in [("first", &a), ("second", &b)] {
@@ -340,22 +350,24 @@ async fn a_member_whose_id_is_changed_or_contested_keeps_its_admission() {
             .add(Cluster::from_config(name(n), m.config()).unwrap())
             .unwrap();
     }
-    routed_to(&ac, "alpha").await;
-    routed_to(&bc, "beta").await;
+    routed_to(&ac, &configuration, "alpha").await;
+    routed_to(&bc, &configuration, "beta").await;
     enforced(&ac, "alpha", "first").await;
 
     // a's id changes: its configurations follow, and the removal for the old id leaves
     // them alone.
     set_id(&a, "alpha-2").await;
-    routed_to(&ac, "alpha-2").await;
+    routed_to(&ac, &configuration, "alpha-2").await;
     removal_done(&logs, "alpha").await;
-    let (_, _, routes) = configurations(&ac).await.expect("both configurations stay");
+    let (_, _, routes) = configurations(&ac, &configuration)
+        .await
+        .expect("both configurations stay");
     assert_eq!(routes, ["alpha-2"]);
     enforced(&ac, "alpha-2", "second").await;
 
     // b's admin claims a's id: a is engaged for neither, but paused, not gone. Its
     // configurations stay, and its reviews are still answered by the hooks.
-    let before = configurations(&ac).await.unwrap();
+    let before = configurations(&ac, &configuration).await.unwrap();
     set_id(&b, "alpha-2").await;
     eventually(30, "alpha-2 paused", async || {
         manager.fleet().get(&name("alpha-2")).is_none()
@@ -363,7 +375,9 @@ async fn a_member_whose_id_is_changed_or_contested_keeps_its_admission() {
     })
     .await;
     kept_through_disengagement(&logs, "alpha-2").await;
-    let after = configurations(&ac).await.expect("both configurations stay");
+    let after = configurations(&ac, &configuration)
+        .await
+        .expect("both configurations stay");
     assert_eq!(after, before, "a's configurations untouched");
     enforced(&ac, "alpha-2", "third").await;
 
@@ -384,7 +398,7 @@ async fn a_member_whose_id_is_changed_or_contested_keeps_its_admission() {
         manager.fleet().get(&name("alpha-2")).is_some()
     })
     .await;
-    assert_eq!(configurations(&ac).await.unwrap(), before);
+    assert_eq!(configurations(&ac, &configuration).await.unwrap(), before);
     run.abort();
 }
 
@@ -527,10 +541,13 @@ async fn an_unhealthy_profile_or_a_kubefed_ready_flap_keeps_the_members_admissio
         .unwrap();
     multi.add("kubefed", KubeFed::new(hc.clone())).unwrap();
     let port = free_port();
+    let hooks = policy(port);
+    // Made from the URL (`multicluster-runtime-<hash>`).
+    let configuration = hooks.configuration().to_string();
     let manager = Arc::new(
         Manager::new(multi)
             .with_local(Cluster::from_config(name("hub"), hub.config()).unwrap())
-            .webhooks(policy(port)),
+            .webhooks(hooks),
     );
     let run = spawn_manager(&manager);
     let (east_id, west_id) = (
@@ -539,8 +556,8 @@ async fn an_unhealthy_profile_or_a_kubefed_ready_flap_keeps_the_members_admissio
     );
     let east_route = format!("~{}", route_segment(&east_id));
     let west_route = format!("~{}", route_segment(&west_id));
-    let east_uids = routed_to(&ec, &east_route).await;
-    let west_uids = routed_to(&wc, &west_route).await;
+    let east_uids = routed_to(&ec, &configuration, &east_route).await;
+    let west_uids = routed_to(&wc, &configuration, &west_route).await;
     enforced(&ec, &east_id, "first").await;
     enforced(&wc, &west_id, "first").await;
 
@@ -555,11 +572,11 @@ async fn an_unhealthy_profile_or_a_kubefed_ready_flap_keeps_the_members_admissio
         .await;
         kept_through_disengagement(&logs, id).await;
     }
-    let (v, m, _) = configurations(&ec)
+    let (v, m, _) = configurations(&ec, &configuration)
         .await
         .expect("east's configurations stay");
     assert_eq!((v, m), east_uids);
-    let (v, m, _) = configurations(&wc)
+    let (v, m, _) = configurations(&wc, &configuration)
         .await
         .expect("west's configurations stay");
     assert_eq!((v, m), west_uids);
@@ -575,8 +592,8 @@ async fn an_unhealthy_profile_or_a_kubefed_ready_flap_keeps_the_members_admissio
         })
         .await;
     }
-    assert_eq!(routed_to(&ec, &east_route).await, east_uids);
-    assert_eq!(routed_to(&wc, &west_route).await, west_uids);
+    assert_eq!(routed_to(&ec, &configuration, &east_route).await, east_uids);
+    assert_eq!(routed_to(&wc, &configuration, &west_route).await, west_uids);
 
     // Paused, then deleted: it leaves for good, and its configurations go.
     set_health(&profiles, "east", false).await;
@@ -589,7 +606,7 @@ async fn an_unhealthy_profile_or_a_kubefed_ready_flap_keeps_the_members_admissio
         .await
         .unwrap();
     removal_done(&logs, &east_id).await;
-    assert!(configurations(&ec).await.is_none());
+    assert!(configurations(&ec, &configuration).await.is_none());
     let created = Api::<ConfigMap>::namespaced(ec.clone(), NS)
         .create(
             &pp,
@@ -615,4 +632,104 @@ async fn an_unhealthy_profile_or_a_kubefed_ready_flap_keeps_the_members_admissio
 fn route_segment(id: &str) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id)
+}
+
+/// A validating configuration `name` of one webhook sent to `url`, for objects labelled
+/// `nothing` (so no write depends on it), failing open.
+fn hand_made(name: &str, url: &str) -> ValidatingWebhookConfiguration {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "other.example.com",
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": {"url": url},
+            "failurePolicy": "Ignore",
+            "sideEffects": "None",
+            "objectSelector": {"matchLabels": {"nothing": "true"}},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["configmaps"], "operations": ["CREATE"]}],
+        }],
+    }))
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_the_manager_did_not_make_is_neither_forced_nor_deleted() {
+    use multicluster_runtime::providers::Clusters;
+    let logs = Logs::capture();
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let (host, m1, m2) = (
+        env.cluster(0).unwrap(),
+        env.cluster(1).unwrap(),
+        env.cluster(2).unwrap(),
+    );
+    let (c1, c2) = (m1.client().unwrap(), m2.client().unwrap());
+    create_namespace(&c2, NS).await;
+    let port = free_port();
+    let hooks = policy(port);
+    let configuration = hooks.configuration().to_string();
+    let pp = PostParams::default();
+    // m1: another product's configuration under this manager's name (a typo'd or shared
+    // `configuration_name`).
+    let foreign = Api::<ValidatingWebhookConfiguration>::all(c1.clone())
+        .create(
+            &pp,
+            &hand_made(&configuration, "https://127.0.0.1:1/another-product"),
+        )
+        .await
+        .unwrap();
+    // m2: this manager's configuration of the name every manager had before (routed under
+    // its URL to m2): replaced by the new name, then removed.
+    let legacy_url =
+        format!("https://127.0.0.1:{port}/admission/m2/0123456789abcdef/owners.fleet.example.com");
+    Api::<ValidatingWebhookConfiguration>::all(c2.clone())
+        .create(&pp, &hand_made("multicluster-runtime", &legacy_url))
+        .await
+        .unwrap();
+    let clusters = Clusters::new();
+    for (id, m) in [("m1", &m1), ("m2", &m2)] {
+        clusters
+            .add(Cluster::from_config(name(id), m.config()).unwrap())
+            .unwrap();
+    }
+    let manager = Arc::new(
+        Manager::new(clusters.clone())
+            .with_local(Cluster::from_config(name("owner-host"), host.config()).unwrap())
+            .webhooks(hooks),
+    );
+    let run = spawn_manager(&manager);
+
+    routed_to(&c2, &configuration, "m2").await;
+    eventually(30, "the legacy configuration removed", async || {
+        Api::<ValidatingWebhookConfiguration>::all(c2.clone())
+            .get_opt("multicluster-runtime")
+            .await
+            .is_ok_and(|c| c.is_none())
+    })
+    .await;
+    enforced(&c2, "m2", "first").await;
+
+    // m1: the install is refused, saying why; the foreign configuration is untouched.
+    eventually(30, "m1's install refused", async || {
+        !logs
+            .lines(&["cluster=m1", "was not made by this manager"])
+            .is_empty()
+    })
+    .await;
+    let unchanged = |now: &ValidatingWebhookConfiguration| {
+        now.resource_version() == foreign.resource_version() && now.uid() == foreign.uid()
+    };
+    let now = Api::<ValidatingWebhookConfiguration>::all(c1.clone())
+        .get(&configuration)
+        .await
+        .unwrap();
+    assert!(unchanged(&now), "{now:?}");
+    // m1 leaves for good: nothing of it is deleted either.
+    clusters.remove(&name("m1"));
+    removal_done(&logs, "m1").await;
+    let now = Api::<ValidatingWebhookConfiguration>::all(c1.clone())
+        .get(&configuration)
+        .await
+        .unwrap();
+    assert!(unchanged(&now), "{now:?}");
+    run.abort();
 }

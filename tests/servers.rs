@@ -280,11 +280,14 @@ impl Fleet {
         let hooked = Arc::new(Hooked::default());
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = Metrics::new(&mut registry);
+        let hooks = webhooks(port, hooked.clone());
+        // Made from the URL.
+        let name = hooks.configuration().to_string();
         let manager = Arc::new(
             Manager::new(provider)
                 .with_local(member("host", &host))
                 .metrics(metrics)
-                .webhooks(webhooks(port, hooked.clone())),
+                .webhooks(hooks),
         );
         let run = spawn_manager(&manager);
         let (a, b) = (a.client().unwrap(), b.client().unwrap());
@@ -295,7 +298,7 @@ impl Fleet {
                     Api::<
                         k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration,
                     >::all(client.clone())
-                    .get_opt("multicluster-runtime")
+                    .get_opt(&name)
                     .await,
                     Ok(Some(_))
                 )

@@ -30,6 +30,9 @@ use multicluster_runtime_testenv::TestEnv;
 const NS: &str = "hooks";
 const MANAGED: &str = "fleet.example.com/managed";
 const OWNER: &str = "fleet.example.com/owner";
+/// The configurations' name, given (the default, made from the URL, is tested in
+/// `tests/admission_edges.rs`).
+const CONFIGURATION: &str = "fleet-policy";
 
 /// Every review a handler got: (webhook, cluster, object name).
 #[derive(Default)]
@@ -117,6 +120,7 @@ fn webhooks(port: u16, seen: Arc<Seen>) -> Webhooks<ClusterName> {
         format!("https://127.0.0.1:{port}/admission"),
     )
     .check_every(Duration::from_millis(500))
+    .configuration_name(CONFIGURATION)
     .hook(
         Hook::mutating(
             "defaults.fleet.example.com",
@@ -238,18 +242,13 @@ fn mutating_configs(client: &kube::Client) -> Api<MutatingWebhookConfiguration> 
 async fn installed(client: &kube::Client, what: &str) -> ValidatingWebhookConfiguration {
     eventually(30, &format!("the configurations in {what}"), async || {
         matches!(
-            mutating_configs(client)
-                .get_opt("multicluster-runtime")
-                .await,
+            mutating_configs(client).get_opt(CONFIGURATION).await,
             Ok(Some(_))
-        ) && matches!(
-            configs(client).get_opt("multicluster-runtime").await,
-            Ok(Some(_))
-        )
+        ) && matches!(configs(client).get_opt(CONFIGURATION).await, Ok(Some(_)))
     })
     .await;
     in_effect(client, MANAGED, what).await;
-    configs(client).get("multicluster-runtime").await.unwrap()
+    configs(client).get(CONFIGURATION).await.unwrap()
 }
 
 /// Waits until `client`'s API server calls the webhooks selecting `label`, which deny an
@@ -551,10 +550,7 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
     assert!(seen.has("defaults", "fleet/d", "late"));
 
     // `b` replaced under its id (other credentials): its configuration stays as it was.
-    let before = configs(&admins[2])
-        .get("multicluster-runtime")
-        .await
-        .unwrap();
+    let before = configs(&admins[2]).get(CONFIGURATION).await.unwrap();
     let other = c2.add_user("b-admin", &["system:masters"]).unwrap();
     let replaced = Cluster::from_config(name("b"), other.config()).unwrap();
     assert_eq!(
@@ -565,10 +561,7 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
         .await
         .unwrap();
     assert!(seen.has("defaults", "b", "after-replacement"));
-    let after = configs(&admins[2])
-        .get("multicluster-runtime")
-        .await
-        .unwrap();
+    let after = configs(&admins[2]).get(CONFIGURATION).await.unwrap();
     assert_eq!(
         after.uid(),
         before.uid(),
@@ -581,10 +574,7 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
         .webhook_url(&name("b"), "owners.fleet.example.com")
         .unwrap();
     let forged = b_url.replace("/admission/b/", "/admission/a/");
-    let b_config = configs(&admins[2])
-        .get("multicluster-runtime")
-        .await
-        .unwrap();
+    let b_config = configs(&admins[2]).get(CONFIGURATION).await.unwrap();
     hand_written(
         &admins[2],
         &b_config,
@@ -626,21 +616,14 @@ async fn a_fleet_is_served_and_its_configurations_follow_engagement() {
     let c_url = manager
         .webhook_url(&name("c"), "owners.fleet.example.com")
         .unwrap();
-    let stale = configs(&admins[3])
-        .get("multicluster-runtime")
-        .await
-        .unwrap();
+    let stale = configs(&admins[3]).get(CONFIGURATION).await.unwrap();
     assert!(provider.remove(&name("c")));
     eventually(30, "c's configurations removed", async || {
-        matches!(
-            configs(&admins[3]).get_opt("multicluster-runtime").await,
-            Ok(None)
-        ) && matches!(
-            mutating_configs(&admins[3])
-                .get_opt("multicluster-runtime")
-                .await,
-            Ok(None)
-        )
+        matches!(configs(&admins[3]).get_opt(CONFIGURATION).await, Ok(None))
+            && matches!(
+                mutating_configs(&admins[3]).get_opt(CONFIGURATION).await,
+                Ok(None)
+            )
     })
     .await;
     let carried = hand_written(&admins[3], &stale, "stale", None, None).await;
@@ -803,7 +786,7 @@ async fn host_only_webhooks_turn_over_their_ca_without_a_failed_admission() {
         assert!(created.annotations().contains_key(OWNER));
         admitted += 1;
         let bundle = configs(&admin)
-            .get("multicluster-runtime")
+            .get(CONFIGURATION)
             .await
             .unwrap()
             .webhooks
@@ -898,7 +881,7 @@ async fn the_route_key_turns_over_without_a_failed_admission_and_old_urls_stop_w
     let run = spawn_manager(&manager);
     let url_now = async || {
         configs(&member)
-            .get("multicluster-runtime")
+            .get(CONFIGURATION)
             .await
             .unwrap()
             .webhooks
@@ -1020,7 +1003,7 @@ async fn sharded_replicas_install_what_they_own_and_serve_every_cluster() {
         let mut right = both_peers;
         for (id, admin) in &members {
             let installed = configs(admin)
-                .get_opt("multicluster-runtime")
+                .get_opt(CONFIGURATION)
                 .await
                 .ok()
                 .flatten()
@@ -1049,7 +1032,7 @@ async fn sharded_replicas_install_what_they_own_and_serve_every_cluster() {
         .map(|(m, _, seen)| (m, seen))
         .unwrap();
     let admin = &members[0].1;
-    let x_config = configs(admin).get("multicluster-runtime").await.unwrap();
+    let x_config = configs(admin).get(CONFIGURATION).await.unwrap();
     let url = other.webhook_url(&name("x"), "owners.fleet.example.com");
     hand_written(admin, &x_config, "via-other", url, Some("via-other")).await;
     let (code, _, message) = create(admin, &cm("served-elsewhere", &["via-other"], Some("")))

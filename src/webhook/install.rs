@@ -24,8 +24,8 @@ use crate::controller::Env;
 use crate::fleet::FleetEvent;
 use crate::{Cluster, ClusterId};
 
-/// The field manager of the configurations.
-pub(crate) const FIELD_MANAGER: &str = "multicluster-runtime-webhooks";
+/// The reporting controller of the installer's Events.
+pub(crate) const REPORTER: &str = "multicluster-runtime-webhooks";
 
 /// A manager's webhooks across its runs.
 pub(crate) struct Runtime<C: ClusterId> {
@@ -51,7 +51,7 @@ impl<C: ClusterId> Runtime<C> {
             kube_runtime::events::Recorder::new(
                 local.client(),
                 kube_runtime::events::Reporter {
-                    controller: FIELD_MANAGER.into(),
+                    controller: REPORTER.into(),
                     instance: Some(env.instance.to_string()),
                 },
             )
@@ -102,6 +102,10 @@ impl<C: ClusterId> Runtime<C> {
             labels: Some(BTreeMap::from([(
                 "app.kubernetes.io/managed-by".to_string(),
                 "multicluster-runtime".to_string(),
+            )])),
+            annotations: Some(BTreeMap::from([(
+                super::OWNER_ANNOTATION.to_string(),
+                self.webhooks.url.clone(),
             )])),
             ..ObjectMeta::default()
         }
@@ -176,7 +180,8 @@ impl<C: ClusterId> Runtime<C> {
     ) -> Result<(), String> {
         let id = cluster.id().to_string();
         let (validating, mutating) = self.configurations(key, side, &id, bundle);
-        let params = PatchParams::apply(FIELD_MANAGER).force();
+        // Forced only over what `keep` found to be this manager's (or nothing).
+        let params = PatchParams::apply(&self.webhooks.field_manager).force();
         let name = &self.webhooks.configuration;
         // An API error may quote the configuration (a refused URL, a policy engine's
         // message): the route token is taken out of the text before it reaches a log line
@@ -220,8 +225,7 @@ impl<C: ClusterId> Runtime<C> {
 
     /// Reads `cluster`'s configurations: what each holds and where its webhooks are
     /// routed.
-    async fn read(&self, cluster: &Cluster<C>) -> Result<Live, String> {
-        let name = &self.webhooks.configuration;
+    async fn read(&self, cluster: &Cluster<C>, name: &str) -> Result<Live, String> {
         let read = |e: kube::Error| format!("{name}: {}", crate::cluster::redact::safe_text(&e));
         let validating = Api::<ValidatingWebhookConfiguration>::all(cluster.client())
             .get_opt(name)
@@ -237,8 +241,8 @@ impl<C: ClusterId> Runtime<C> {
         })
     }
 
-    /// A configuration as read: its identity, the id its webhooks route to, and its
-    /// webhooks as JSON.
+    /// A configuration as read: its identity, the id its webhooks route to, whether it is
+    /// this manager's, and its webhooks as JSON.
     fn found(
         &self,
         meta: &ObjectMeta,
@@ -251,7 +255,15 @@ impl<C: ClusterId> Runtime<C> {
             .flatten()
             .map(|w| w.pointer("/clientConfig/url").and_then(|u| u.as_str()));
         let routed_to = self.routed_to(urls);
-        (Found::of(meta, routed_to), webhooks)
+        // Marked by this manager, or each of its webhooks routed under its URL (made by a
+        // version before the mark).
+        let marked = meta
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(super::OWNER_ANNOTATION))
+            .is_some_and(|url| *url == self.webhooks.url);
+        let ours = marked || routed_to.is_some();
+        (Found::of(meta, routed_to, ours), webhooks)
     }
 
     /// Keeps `cluster`'s configurations as they should be: applied where one is missing
@@ -269,7 +281,19 @@ impl<C: ClusterId> Runtime<C> {
         first: bool,
     ) -> Result<Kept, String> {
         let id = cluster.id().to_string();
-        let live = self.read(cluster).await?;
+        let name = &self.webhooks.configuration;
+        let live = self.read(cluster, name).await?;
+        for (kind, found) in [
+            ("ValidatingWebhookConfiguration", &live.validating),
+            ("MutatingWebhookConfiguration", &live.mutating),
+        ] {
+            if found.as_ref().is_some_and(|(found, _)| !found.ours) {
+                return Err(format!(
+                    "{kind} {name} was not made by this manager (no mark, and its webhooks do not route under {}): left alone; give this manager another Webhooks::configuration_name",
+                    self.webhooks.url
+                ));
+            }
+        }
         // The fleet engages no cluster under the local cluster's id.
         let side = if env.local.as_ref().is_some_and(|l| l.id() == cluster.id()) {
             Side::Host
@@ -305,7 +329,23 @@ impl<C: ClusterId> Runtime<C> {
             return Ok(Kept::InPlace);
         }
         self.apply(cluster, side, key, bundle).await?;
+        if first && *name != super::LEGACY_CONFIGURATION_NAME {
+            self.remove_legacy(cluster, &id).await?;
+        }
         Ok(Kept::Applied)
+    }
+
+    /// Deletes the configurations of the name every manager had before names were made
+    /// from the URL, where each of their webhooks routes to `id` under this manager's URL
+    /// (this manager made them): the configurations of the new name replace them.
+    async fn remove_legacy(&self, cluster: &Cluster<C>, id: &str) -> Result<(), String> {
+        let name = super::LEGACY_CONFIGURATION_NAME;
+        let live = self.read(cluster, name).await?;
+        let validating = live.validating.as_ref().map(|(found, _)| found);
+        let mutating = live.mutating.as_ref().map(|(found, _)| found);
+        delete_routed::<ValidatingWebhookConfiguration>(cluster, name, validating, id).await?;
+        delete_routed::<MutatingWebhookConfiguration>(cluster, name, mutating, id).await?;
+        Ok(())
     }
 
     /// Deletes the configurations of `cluster` routed to `id` (which left for good), each
@@ -314,7 +354,7 @@ impl<C: ClusterId> Runtime<C> {
     /// none routed to `id` is left.
     async fn remove(&self, cluster: &Cluster<C>, id: &str) -> Result<bool, String> {
         let name = &self.webhooks.configuration;
-        let live = self.read(cluster).await?;
+        let live = self.read(cluster, name).await?;
         let validating = live.validating.as_ref().map(|(found, _)| found);
         let mutating = live.mutating.as_ref().map(|(found, _)| found);
         let none_validating =
@@ -395,16 +435,19 @@ where
 struct Found {
     uid: Option<String>,
     resource_version: Option<String>,
-    /// The id its webhooks are routed to (all the same one).
+    /// The id its webhooks are routed to (all the same one, under the manager's URL).
     routed_to: Option<String>,
+    /// This manager's: marked, or routed under its URL.
+    ours: bool,
 }
 
 impl Found {
-    fn of(meta: &ObjectMeta, routed_to: Option<String>) -> Self {
+    fn of(meta: &ObjectMeta, routed_to: Option<String>, ours: bool) -> Self {
         Self {
             uid: meta.uid.clone(),
             resource_version: meta.resource_version.clone(),
             routed_to,
+            ours,
         }
     }
 

@@ -61,8 +61,27 @@ pub(crate) use install::install_task;
 pub(crate) use server::{Refusal, route as route_request};
 pub(crate) use server::{Shared, serve};
 
-/// The default name of the webhook configuration objects.
-pub const DEFAULT_CONFIGURATION_NAME: &str = "multicluster-runtime";
+/// The name every manager's configuration objects had before the name was made from the
+/// URL: one of this name whose webhooks all route under a manager's URL is that manager's,
+/// and is removed once the configurations of the new name are applied.
+pub(crate) const LEGACY_CONFIGURATION_NAME: &str = "multicluster-runtime";
+
+/// The annotation that marks a configuration as a manager's: its webhooks' base URL. A
+/// configuration of the manager's name without it (and whose webhooks do not route under
+/// that URL) is someone else's: never forced, never deleted.
+pub(crate) const OWNER_ANNOTATION: &str = "webhooks.multicluster-runtime.io/url";
+
+/// `<prefix>-<10 hexadecimal digits of the URL's SHA-256>`: the same for every replica
+/// of one product (they share the URL), different for two products (they cannot).
+fn derived(prefix: &str, url: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, url.as_bytes());
+    let mut out = format!("{prefix}-");
+    for byte in &digest.as_ref()[..5] {
+        use std::fmt::Write as _;
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
+}
 /// The default name of the host Secret holding the certificates and route key.
 pub const DEFAULT_SECRET_NAME: &str = "multicluster-runtime-webhook";
 
@@ -388,6 +407,8 @@ pub struct Webhooks<C: ClusterId> {
     pub(crate) addr: SocketAddr,
     pub(crate) url: String,
     pub(crate) configuration: String,
+    /// The field manager of the configurations (made from the URL).
+    pub(crate) field_manager: String,
     pub(crate) hooks: Vec<Hook<C>>,
     pub(crate) certificates: certs::Source,
     pub(crate) secret: Option<(Option<String>, String)>,
@@ -419,13 +440,15 @@ impl<C: ClusterId> Webhooks<C> {
     /// in production, `https://127.0.0.1:<port>` on one machine). Certificates are made by the
     /// crate and kept in the host Secret [`DEFAULT_SECRET_NAME`] of the host client's
     /// default namespace (a CA valid a year, serving certificates 90 days, both rotated
-    /// ahead of time); configurations are named [`DEFAULT_CONFIGURATION_NAME`] and installed
-    /// in every engaged cluster.
+    /// ahead of time); configurations are named `multicluster-runtime-<hash of the URL>`
+    /// ([`Webhooks::configuration`]) and installed in every engaged cluster.
     pub fn new(addr: SocketAddr, url: impl Into<String>) -> Self {
+        let url = url.into().trim_end_matches('/').to_string();
         Self {
             addr,
-            url: url.into().trim_end_matches('/').to_string(),
-            configuration: DEFAULT_CONFIGURATION_NAME.into(),
+            configuration: derived("multicluster-runtime", &url),
+            field_manager: derived("multicluster-runtime-webhooks", &url),
+            url,
             hooks: Vec::new(),
             certificates: certs::Source::Generated(certs::Generated {
                 ca_validity: Duration::from_secs(365 * 24 * 3600),
@@ -451,12 +474,22 @@ impl<C: ClusterId> Webhooks<C> {
         self
     }
 
-    /// The name of the configuration objects (one validating, one mutating) in each cluster.
-    /// Two managers serving the same clusters need different names.
+    /// The name of the configuration objects (one validating, one mutating) in each cluster,
+    /// in place of the one made from the URL. Two managers serving the same clusters need
+    /// different names: a configuration of this name that another manager or tool made is
+    /// left alone (an install failure says so), never overwritten or deleted.
     #[must_use]
     pub fn configuration_name(mut self, name: impl Into<String>) -> Self {
         self.configuration = name.into();
         self
+    }
+
+    /// The name of the configuration objects: the one given to
+    /// [`Webhooks::configuration_name`], else `multicluster-runtime-` and ten hexadecimal
+    /// digits of the URL's SHA-256 (every replica of a manager computes the same; two
+    /// managers, at two URLs, never do). Give it to `resourceNames` in the members' RBAC.
+    pub fn configuration(&self) -> &str {
+        &self.configuration
     }
 
     /// Where the configurations are installed (default [`Install::Fleet`]).
@@ -686,6 +719,27 @@ mod tests {
             "owners.fleet.example.com",
             |_: Review<ClusterName, ConfigMap>| async { Ok::<_, String>(Verdict::allow()) },
         ))
+    }
+
+    #[test]
+    fn two_managers_get_their_own_configuration_name_and_field_manager() {
+        let (a, b) = (
+            at("https://hooks-a.example.com/admission"),
+            at("https://hooks-b.example.com/admission"),
+        );
+        assert_ne!(a.configuration(), b.configuration());
+        assert_ne!(a.field_manager, b.field_manager);
+        assert_ne!(a.configuration(), LEGACY_CONFIGURATION_NAME);
+        // Every replica of one manager computes the same (a trailing slash is no other URL).
+        let again = at("https://hooks-a.example.com/admission/");
+        assert_eq!(a.configuration(), again.configuration());
+        assert_eq!(a.field_manager, again.field_manager);
+        assert!(a.configuration().starts_with("multicluster-runtime-"));
+        assert_eq!(a.configuration().len(), "multicluster-runtime-".len() + 10);
+        assert_eq!(
+            at("https://h").configuration_name("mine").configuration(),
+            "mine"
+        );
     }
 
     #[test]
