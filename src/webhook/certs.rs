@@ -331,18 +331,72 @@ fn new_serving(
     ))
 }
 
+/// The validity (Unix seconds) of the first certificate in `pem`, and the generation its
+/// common name gives, if it is one of the crate's CAs.
+fn validity_of(pem: &str) -> Option<(i64, i64, Option<u64>)> {
+    let der = CertificateDer::pem_slice_iter(pem.as_bytes()).next()?.ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).ok()?;
+    let validity = cert.validity();
+    let generation = cert
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .and_then(|cn| cn.strip_prefix("multicluster-runtime webhook CA "))
+        .and_then(|g| g.parse().ok());
+    Some((
+        validity.not_before.timestamp(),
+        validity.not_after.timestamp(),
+        generation,
+    ))
+}
+
+/// Fills in, from the certificates themselves, the periods a record lacks (its
+/// `state.json` unreadable: edited by another tool, or of another shape): a CA in the
+/// Secret is never replaced, nor dropped from the bundle, for want of its record.
+fn restore(material: &mut Material) {
+    // `new_ca` dates a CA from five minutes before it was made.
+    let period = |pem: &str, fallback: u64| {
+        validity_of(pem).map(|(from, until, generation)| Period {
+            generation: generation.unwrap_or(fallback),
+            issued: from + 300,
+            expires: until,
+        })
+    };
+    if material.record.ca.is_none()
+        && let Some((cert, _)) = &material.ca
+    {
+        material.record.ca = period(cert, 1);
+    }
+    if material.record.next.is_none()
+        && let Some((cert, _)) = &material.next
+    {
+        let after = material.record.ca.as_ref().map_or(1, |p| p.generation) + 1;
+        material.record.next = period(cert, after);
+    }
+    if material.record.previous_until.is_none()
+        && let Some(previous) = &material.previous
+    {
+        material.record.previous_until = validity_of(previous).map(|(_, until, _)| until);
+    }
+}
+
 /// What the Secret should hold at `now`, if not what it holds: what is missing made, a next
 /// CA made at two thirds of the current one's life, promoted at five sixths (the previous
 /// staying in the bundle until it expires), the serving certificate made again at two
-/// thirds of its life, when its CA changed or when its names did.
+/// thirds of its life, when its CA changed or when its names did. Nothing is left to
+/// expire before the check after next (`margin`, twice the check period): a CA about to
+/// expire is replaced by the next one that far ahead, and a serving certificate renewed.
 fn plan(
     material: &Material,
     now: i64,
     names: &[String],
     settings: &Generated,
     route_every: Option<Duration>,
+    margin: i64,
 ) -> Result<Option<Material>, String> {
     let mut next = material.clone();
+    restore(&mut next);
     plan_route(&mut next, now, route_every)?;
     let usable_ca = |pair: &Option<(String, String)>, period: &Option<Period>| {
         pair.is_some() && period.as_ref().is_some_and(|p| p.expires > now)
@@ -370,12 +424,14 @@ fn plan(
             next.next = Some(pair);
             next.record.next = Some(period);
         }
-    } else if past(current.issued, current.expires, now, (5, 6))
+    } else if (past(current.issued, current.expires, now, (5, 6))
         && next
             .record
             .next
             .as_ref()
-            .is_some_and(|n| now - n.issued >= (current.expires - current.issued) / 6)
+            .is_some_and(|n| now - n.issued >= (current.expires - current.issued) / 6))
+        // About to expire: the certificates it signed would lapse before the next check.
+        || now + margin >= current.expires
     {
         // Promoted once the next CA has been in the bundle for a sixth of a CA's life at
         // least (installers have had that long to give it to every member), even if no
@@ -395,6 +451,7 @@ fn plan(
             serving.ca != ca_period.generation
                 || serving.names != names
                 || past(serving.issued, serving.expires, now, (2, 3))
+                || now + margin >= serving.expires
         }
         _ => true,
     };
@@ -547,7 +604,9 @@ impl Keeper {
             Source::Generated(settings) => {
                 let material = self
                     .planned(|material, now| {
-                        plan(material, now, &self.names, settings, self.route_every)
+                        let margin = i64::try_from(self.check_every.as_secs().saturating_mul(2))
+                            .unwrap_or(i64::MAX / 4);
+                        plan(material, now, &self.names, settings, self.route_every, margin)
                     })
                     .await?;
                 self.install(&material)
@@ -815,7 +874,7 @@ mod tests {
     #[test]
     fn rotation_adds_a_ca_to_the_bundle_before_it_signs_and_keeps_the_old_one_until_it_expires() {
         let t0 = 1_000_000;
-        let first = plan(&Material::default(), t0, &names(), &settings(), None)
+        let first = plan(&Material::default(), t0, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert!(first.route.is_some() && first.serving.is_some());
@@ -827,19 +886,19 @@ mod tests {
         .unwrap();
         // Nothing to do soon after.
         assert_eq!(
-            plan(&first, t0 + 10, &names(), &settings(), None).unwrap(),
+            plan(&first, t0 + 10, &names(), &settings(), None, 0).unwrap(),
             None
         );
         // Two thirds of the CA's life: a next CA in the bundle, the serving certificate still
         // the first CA's (renewed at two thirds of its own life, by the same CA).
-        let second = plan(&first, t0 + 400, &names(), &settings(), None)
+        let second = plan(&first, t0 + 400, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&second), vec![1, 2]);
         assert_eq!(second.record.serving.as_ref().unwrap().ca, 1);
         assert_eq!(second.route, first.route);
         // Five sixths: the next CA signs; the first stays in the bundle until it expires.
-        let third = plan(&second, t0 + 500, &names(), &settings(), None)
+        let third = plan(&second, t0 + 500, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&third), vec![2, 0]);
@@ -851,24 +910,24 @@ mod tests {
         assert!(third.bundle().contains(&first.ca.as_ref().unwrap().0));
         // Nobody looked between two thirds and five sixths: the next CA made at five sixths
         // does not sign before it has been in the bundle a sixth of a CA's life.
-        let late = plan(&first, t0 + 500, &names(), &settings(), None)
+        let late = plan(&first, t0 + 500, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&late), vec![1, 2]);
         assert_eq!(
-            plan(&late, t0 + 560, &names(), &settings(), None).unwrap(),
+            plan(&late, t0 + 560, &names(), &settings(), None, 0).unwrap(),
             None
         );
-        let waiting = plan(&late, t0 + 590, &names(), &settings(), None)
+        let waiting = plan(&late, t0 + 590, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert_eq!(waiting.record.serving.as_ref().unwrap().ca, 1);
-        let promoted = plan(&waiting, t0 + 600, &names(), &settings(), None)
+        let promoted = plan(&waiting, t0 + 600, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert_eq!(promoted.record.serving.as_ref().unwrap().ca, 2);
         // Expired: gone from the bundle.
-        let fourth = plan(&third, t0 + 601, &names(), &settings(), None)
+        let fourth = plan(&third, t0 + 601, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert_eq!(generations(&fourth), vec![2]);
@@ -879,6 +938,7 @@ mod tests {
             &["example.com".to_string()],
             &settings(),
             None,
+            0,
         )
         .unwrap()
         .unwrap();
@@ -887,6 +947,81 @@ mod tests {
             ["example.com"]
         );
         assert_eq!(renamed.ca, fourth.ca);
+    }
+
+    #[test]
+    fn a_record_lost_or_edited_keeps_the_cas_of_the_secret_in_the_bundle() {
+        let t0 = 1_000_000;
+        let plan_at = |m: &Material, t: i64| {
+            plan(m, t, &names(), &settings(), None, 0)
+                .unwrap()
+                .unwrap_or_else(|| m.clone())
+        };
+        let first = plan_at(&Material::default(), t0);
+        let second = plan_at(&first, t0 + 400);
+        let third = plan_at(&second, t0 + 500);
+        assert_eq!(generations(&third), vec![2, 0]);
+        // `state.json` unreadable (another tool's edit, another shape): the record is
+        // rebuilt from the certificates, and no CA is made in their place.
+        for (material, at) in [(&first, t0 + 10), (&second, t0 + 410), (&third, t0 + 510)] {
+            let mut lost = material.clone();
+            lost.record = Record {
+                route: lost.record.route.clone(),
+                ..Record::default()
+            };
+            let again = plan_at(&lost, at);
+            assert_eq!(again.ca, material.ca, "the CA kept");
+            assert_eq!(again.next, material.next, "the next CA kept");
+            assert_eq!(again.previous, material.previous, "the previous CA kept");
+            assert_eq!(generations(&again), generations(material));
+            assert_eq!(again.record.ca, material.record.ca, "its period read back");
+            for ca in [&material.ca, &material.next] {
+                if let Some((cert, _)) = ca {
+                    assert!(again.bundle().contains(cert.as_str()));
+                }
+            }
+        }
+        // The previous CA's end read back from it: dropped when it expires, not before.
+        let mut lost = third.clone();
+        lost.record.previous_until = None;
+        assert!(plan_at(&lost, t0 + 590).previous.is_some());
+        assert!(plan_at(&lost, t0 + 601).previous.is_none());
+    }
+
+    #[test]
+    fn nothing_served_lapses_before_the_check_after_next() {
+        let t0 = 1_000_000;
+        let first = plan(&Material::default(), t0, &names(), &settings(), None, 0)
+            .unwrap()
+            .unwrap();
+        // The serving certificate (300 s) within a margin of 20 s of its end: renewed now,
+        // not at the first check past its end.
+        assert_eq!(
+            plan(&first, t0 + 285, &names(), &settings(), None, 0)
+                .unwrap()
+                .map(|m| m.record.serving.unwrap().issued),
+            Some(t0 + 285),
+            "two thirds passed anyway"
+        );
+        // Nobody looked between two thirds and five sixths of the CA's life (600 s): the
+        // next CA is made at five sixths, and without a margin it signs only once the first
+        // has expired, after serving certificates capped at that instant have lapsed.
+        let late = plan(&first, t0 + 500, &names(), &settings(), None, 0)
+            .unwrap()
+            .unwrap();
+        let waiting = plan(&late, t0 + 585, &names(), &settings(), None, 0)
+            .unwrap()
+            .unwrap_or(late.clone());
+        assert_eq!(waiting.record.serving.as_ref().unwrap().ca, 1);
+        assert!(waiting.record.serving.as_ref().unwrap().expires <= t0 + 600);
+        // With a margin of two checks (20 s), the next CA signs before the first expires.
+        let promoted = plan(&late, t0 + 585, &names(), &settings(), None, 20)
+            .unwrap()
+            .unwrap();
+        let serving = promoted.record.serving.as_ref().unwrap();
+        assert_eq!(serving.ca, 2);
+        assert!(serving.expires > t0 + 600 + 20, "{serving:?}");
+        assert!(promoted.bundle().contains(&first.ca.as_ref().unwrap().0));
     }
 
     #[tokio::test]
@@ -900,7 +1035,7 @@ mod tests {
             std::fs::write(&key, k).unwrap();
             std::fs::write(&ca, material.bundle()).unwrap();
         };
-        let first = plan(&Material::default(), 10, &names(), &settings(), None)
+        let first = plan(&Material::default(), 10, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         write(&first);
@@ -923,7 +1058,7 @@ mod tests {
         published.borrow_and_update();
         // Rotated on disk (as a mounted Secret is): the new pair served, the new bundle
         // published, the route key kept.
-        let second = plan(&Material::default(), 20, &names(), &settings(), None)
+        let second = plan(&Material::default(), 20, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         write(&second);
@@ -945,7 +1080,7 @@ mod tests {
 
     #[test]
     fn a_secret_read_back_is_the_material_written() {
-        let material = plan(&Material::default(), 5, &names(), &settings(), None)
+        let material = plan(&Material::default(), 5, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         let secret = Secret {
@@ -960,7 +1095,7 @@ mod tests {
             data: Some(broken),
             ..Secret::default()
         });
-        let fixed = plan(&broken, 6, &names(), &settings(), None)
+        let fixed = plan(&broken, 6, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         assert!(fixed.record.ca.is_some());

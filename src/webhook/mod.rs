@@ -704,6 +704,16 @@ impl<C: ClusterId> Webhooks<C> {
                 self.check_every, generated.ca_validity
             ));
         }
+        if let certs::Source::Generated(generated) = &self.certificates
+            && self.check_every.saturating_mul(3) > generated.serving_validity
+        {
+            // A serving certificate is renewed two checks ahead of its end, and must
+            // outlive one more check.
+            return Err(format!(
+                "check_every ({:?}) must be at most a third of the serving certificates' validity ({:?})",
+                self.check_every, generated.serving_validity
+            ));
+        }
         Ok(())
     }
 }
@@ -740,6 +750,19 @@ mod tests {
             at("https://h").configuration_name("mine").configuration(),
             "mine"
         );
+    }
+
+    #[test]
+    fn a_serving_validity_shorter_than_three_checks_is_refused() {
+        let hooks = at("https://h")
+            .check_every(Duration::from_secs(60))
+            .validity(Duration::from_secs(3600), Duration::from_secs(179));
+        let error = hooks.validate().unwrap_err();
+        assert!(error.contains("serving"), "{error}");
+        let hooks = at("https://h")
+            .check_every(Duration::from_secs(60))
+            .validity(Duration::from_secs(3600), Duration::from_secs(180));
+        assert_eq!(hooks.validate(), Ok(()));
     }
 
     #[test]
