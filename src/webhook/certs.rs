@@ -975,10 +975,8 @@ mod tests {
             assert_eq!(again.previous, material.previous, "the previous CA kept");
             assert_eq!(generations(&again), generations(material));
             assert_eq!(again.record.ca, material.record.ca, "its period read back");
-            for ca in [&material.ca, &material.next] {
-                if let Some((cert, _)) = ca {
-                    assert!(again.bundle().contains(cert.as_str()));
-                }
+            for (cert, _) in [&material.ca, &material.next].into_iter().flatten() {
+                assert!(again.bundle().contains(cert.as_str()));
             }
         }
         // The previous CA's end read back from it: dropped when it expires, not before.
