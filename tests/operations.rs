@@ -997,6 +997,7 @@ async fn varied(cm: Arc<ConfigMap>, _: Context<ClusterName, ()>) -> Result<Actio
 
 #[tokio::test]
 async fn every_series_has_controller_runtime_s_name_type_and_labels_with_the_cluster_beside_them() {
+    let logs = Logs::capture();
     let (_env, tc, host) = control_plane().await;
     let api: Api<ConfigMap> = Api::namespaced(host.clone(), "default");
     for (name, labels) in [
@@ -1170,9 +1171,37 @@ async fn every_series_has_controller_runtime_s_name_type_and_labels_with_the_clu
             "{mode}"
         );
     }
+
+    // The objects deleted: their requests (the retried one's requeue among them) are
+    // popped and finished without a reconcile, for want of the object. After the term,
+    // nothing is in flight and no gauge says otherwise.
+    for name in ["retried", "terminal", "slow"] {
+        api.delete(name, &Default::default()).await.unwrap();
+    }
+    eventually(30, "a request of a deleted object skipped", async || {
+        !logs
+            .lines(&["object not in the cache (deleted)", "retried"])
+            .is_empty()
+    })
+    .await;
     for (manager, run) in runs {
         manager.shutdown();
         run.await.unwrap();
+    }
+    for (mode, registry) in &registries {
+        let text = scrape(registry);
+        for metric in [
+            "workqueue_longest_running_processor_seconds",
+            "workqueue_unfinished_work_seconds",
+            "controller_runtime_active_workers",
+        ] {
+            let up: Vec<&str> = text
+                .lines()
+                .filter(|l| l.starts_with(metric))
+                .filter(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() != 0.0)
+                .collect();
+            assert!(up.is_empty(), "{mode}: {up:?}");
+        }
     }
 }
 

@@ -283,18 +283,22 @@ impl<C: ClusterId, R> FairQueue<C, R> {
             .map(|(_, (at, _))| *at)
     }
 
-    /// Drops everything queued for `cluster` (it was disengaged). In-flight requests finish
-    /// on their own; their pending re-runs are dropped too.
-    pub(crate) fn remove_cluster(&mut self, cluster: &C) {
+    /// Drops everything queued for `cluster` (it was disengaged), and returns how many
+    /// requests were waiting. In-flight requests finish on their own; their pending re-runs
+    /// are dropped too.
+    pub(crate) fn remove_cluster(&mut self, cluster: &C) -> usize {
+        let mut dropped = 0;
         if let Some(deques) = self.queues.remove(cluster) {
             for req in deques.iter().flatten() {
-                self.queued.remove(req);
+                // A stale low-lane copy of a request also queued normally is one request.
+                dropped += usize::from(self.queued.remove(req).is_some());
             }
             for rotation in &mut self.rotation {
                 rotation.retain(|c| c != cluster);
             }
         }
         self.dirty.retain(|r, _| &r.cluster != cluster);
+        dropped
     }
 
     /// Requests waiting (not in flight).
@@ -374,6 +378,23 @@ struct QueueMetrics<C: ClusterId> {
     active: Gauge,
 }
 
+impl<C: ClusterId> Drop for FleetQueue<C> {
+    /// A queue dropped with reconciles in flight (a term's end, a run dropped): they no
+    /// longer run here, and the gauges the next term shares say so.
+    fn drop(&mut self) {
+        let Some(m) = &self.metrics else {
+            return;
+        };
+        m.active
+            .dec_by(i64::try_from(self.ready.in_flight()).unwrap_or(i64::MAX));
+        for (cluster, series) in &m.series {
+            for began in self.ready.started_in(cluster) {
+                series.running.stop(began);
+            }
+        }
+    }
+}
+
 impl<C: ClusterId> FleetQueue<C> {
     /// An empty queue running at most `concurrency` requests at once and `per_cluster` of one
     /// cluster (0: no limit), waiting `debounce` for further triggers of a request before it
@@ -429,15 +450,18 @@ impl<C: ClusterId> FleetQueue<C> {
     /// series are removed.
     pub(crate) fn disengage(&mut self, cluster: &C) {
         self.engaged.remove(cluster);
-        self.ready.remove_cluster(cluster);
+        let dropped = self.ready.remove_cluster(cluster);
         if let Some(m) = &mut self.metrics
             && let Some(series) = m.series.remove(cluster)
         {
-            // Its reconciles still in flight no longer count (their series may be shared
-            // with other clusters', without the cluster label).
+            // Its reconciles still in flight and its requests dropped no longer count
+            // (their series may be shared with other clusters', without the cluster label).
             for began in self.ready.started_in(cluster) {
                 series.running.stop(began);
             }
+            series
+                .depth
+                .dec_by(i64::try_from(dropped).unwrap_or(i64::MAX));
             m.metrics.forget(&series);
         }
     }
@@ -522,6 +546,13 @@ impl<C: ClusterId> FleetQueue<C> {
             Some((at, lane)) => (Some(at), lane),
             None => (None, Lane::Normal),
         };
+        // Stopped whether it reconciled or not (its object gone, its cluster no longer
+        // followed, its tenure lapsed): an entry left would read as a reconcile stuck.
+        if took.is_none()
+            && let (Some(began), Some(series)) = (began, self.series(&req.cluster))
+        {
+            series.running.stop(began);
+        }
         if let Some(took) = took
             && let Some(series) = self.series(&req.cluster)
         {
@@ -839,6 +870,87 @@ mod tests {
                 .await
                 .ok()
                 .map(|(r, _)| r)
+        }
+
+        /// The largest value of `metric` in `registry`'s text (0 when it has no sample).
+        fn largest(registry: &prometheus_client::registry::Registry, metric: &str) -> f64 {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+            text.lines()
+                .filter(|l| l.starts_with(metric) && l[metric.len()..].starts_with(['{', ' ']))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .fold(0.0, f64::max)
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn requests_that_never_reconciled_a_dropped_queue_and_a_dropped_backlog_leave_no_gauge_up()
+         {
+            for with_cluster in [true, false] {
+                let mut registry = prometheus_client::registry::Registry::default();
+                let metrics = if with_cluster {
+                    crate::Metrics::new(&mut registry)
+                } else {
+                    crate::Metrics::without_cluster_label(&mut registry)
+                };
+                let mut q = FleetQueue::new(2, 0, Duration::ZERO)
+                    .with_metrics(metrics.clone(), Arc::from("owners"));
+                q.engage(name("a"));
+                q.engage(name("b"));
+                // Popped, then finished untimed: its object was gone from the cache (an
+                // owner deleted, its children's deletions mapping to it).
+                q.trigger(req("a", "gone"), ObjectChanged);
+                let (r, why) = q.next().await;
+                q.finish(r, Action::await_change(), why, None);
+                tokio::time::advance(Duration::from_secs(10)).await;
+                for metric in [
+                    "workqueue_longest_running_processor_seconds",
+                    "workqueue_unfinished_work_seconds",
+                    "controller_runtime_active_workers",
+                ] {
+                    assert_eq!(
+                        largest(&registry, metric),
+                        0.0,
+                        "{metric}, with_cluster {with_cluster}"
+                    );
+                }
+                // A backlog dropped with its cluster: not counted in the depth any more.
+                q.trigger(req("b", "x"), ObjectChanged);
+                q.trigger(req("b", "y"), ObjectChanged);
+                q.trigger(req("a", "z"), ObjectChanged);
+                let (r, why) = q.next().await;
+                q.disengage(&r.cluster);
+                let other = if r.cluster == "a" { "b" } else { "a" };
+                q.disengage(&name(other));
+                // The reconcile in flight of the disengaged cluster ends after it.
+                q.finish(r, Action::await_change(), why, None);
+                drop(q);
+                assert_eq!(
+                    largest(&registry, "workqueue_depth"),
+                    0.0,
+                    "with_cluster {with_cluster}"
+                );
+                // A queue dropped at the end of a term with a reconcile in flight.
+                let mut q = FleetQueue::new(2, 0, Duration::ZERO)
+                    .with_metrics(metrics.clone(), Arc::from("owners"));
+                q.engage(name("c"));
+                q.trigger(req("c", "busy"), ObjectChanged);
+                let _in_flight = q.next().await;
+                tokio::time::advance(Duration::from_secs(1)).await;
+                assert_eq!(largest(&registry, "controller_runtime_active_workers"), 1.0);
+                drop(q);
+                tokio::time::advance(Duration::from_secs(10)).await;
+                for metric in [
+                    "workqueue_longest_running_processor_seconds",
+                    "workqueue_unfinished_work_seconds",
+                    "controller_runtime_active_workers",
+                ] {
+                    assert_eq!(
+                        largest(&registry, metric),
+                        0.0,
+                        "{metric} after the drop, with_cluster {with_cluster}"
+                    );
+                }
+            }
         }
 
         #[tokio::test(start_paused = true)]

@@ -334,7 +334,9 @@ fn new_serving(
 /// The validity (Unix seconds) of the first certificate in `pem`, and the generation its
 /// common name gives, if it is one of the crate's CAs.
 fn validity_of(pem: &str) -> Option<(i64, i64, Option<u64>)> {
-    let der = CertificateDer::pem_slice_iter(pem.as_bytes()).next()?.ok()?;
+    let der = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .next()?
+        .ok()?;
     let (_, cert) = x509_parser::parse_x509_certificate(&der).ok()?;
     let validity = cert.validity();
     let generation = cert
@@ -606,7 +608,14 @@ impl Keeper {
                     .planned(|material, now| {
                         let margin = i64::try_from(self.check_every.as_secs().saturating_mul(2))
                             .unwrap_or(i64::MAX / 4);
-                        plan(material, now, &self.names, settings, self.route_every, margin)
+                        plan(
+                            material,
+                            now,
+                            &self.names,
+                            settings,
+                            self.route_every,
+                            margin,
+                        )
                     })
                     .await?;
                 self.install(&material)
