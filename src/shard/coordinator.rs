@@ -411,7 +411,13 @@ impl<C: ClusterId> Coordinator<C> {
         // is judged from its peer Lease alone, which only a current view shows.
         // Nor while the manager drains at shutdown: a cluster taken now would engage (watches,
         // per-cluster tasks) only to be given up again, and hold up the others meanwhile.
-        if !std::mem::replace(&mut self.started, true) || !fresh || self.draining.is_cancelled() {
+        // Nor while blind: its view's only freshness is a watch that has not failed, which a
+        // silently stalled watch passes with a view of any age; its tenure ends soon anyway.
+        if !std::mem::replace(&mut self.started, true)
+            || !fresh
+            || blind
+            || self.draining.is_cancelled()
+        {
             self.publish();
             return;
         }
@@ -1089,6 +1095,42 @@ mod tests {
         assert_eq!(coordinator.held[&x].generation, again);
         assert_eq!(replica.fence_holder("x").as_deref(), Some("a"));
         assert!(lock(&replica.host.store).releases.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_whose_watch_stalls_silently_takes_no_live_peers_fence() {
+        // Valid timings where a blind replica's last announcement outlives a peer's silence
+        // in its frozen view: LD 6 s, RD 4.5 s, RP 1 s.
+        let (replica, coordinator) = Replica::with("a", &["x", "y", "z", "w"], |s| {
+            let timing = s.timing;
+            s.timing(timing.renew_deadline(Duration::from_millis(4500)))
+        });
+        // b is live and holds every fence.
+        replica.announce("b");
+        for cluster in ["x", "y", "z", "w"] {
+            replica.overwrite_fence(cluster, "b");
+        }
+        let stop = CancellationToken::new();
+        let run = tokio::spawn(coordinator.run(stop.clone(), CancellationToken::new()));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // a's view of the group stalls: no error, the watch "works", nothing new arrives.
+        replica.host.stall();
+        // b renews every second for the next 20 s; a must never take a fence from it.
+        for _ in 0..20 {
+            replica.announce("b");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            for cluster in ["x", "y", "z", "w"] {
+                assert_eq!(
+                    replica.fence_holder(cluster).as_deref(),
+                    Some("b"),
+                    "a took {cluster} from a live b at {:?}",
+                    tokio::time::Instant::now()
+                );
+            }
+        }
+        assert!(replica.owned().is_empty());
+        stop.cancel();
+        run.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]

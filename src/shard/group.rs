@@ -58,6 +58,8 @@ pub(crate) struct GroupWatch {
 struct Seen {
     /// The latest resource versions of this replica's peer Lease the watch delivered.
     own: VecDeque<String>,
+    /// Those of a listing in progress: in the view once it ends.
+    listing_own: Vec<String>,
     /// Since when the watch has worked: listed, or delivered a change, after its last error.
     working_since: Option<Instant>,
     /// Its last error, while it fails.
@@ -65,6 +67,76 @@ struct Seen {
     /// When each peer Lease's current renewal arrived: a peer's silence counts from there,
     /// not from the round that next reads the view (up to a retry period later).
     arrivals: Arrivals,
+}
+
+impl Seen {
+    /// Takes in one event of the watch at `now`: `own` is this replica's peer Lease's name,
+    /// `listed` the names the store holds (read at the end of a listing).
+    fn observe(
+        &mut self,
+        event: &watcher::Event<Lease>,
+        own: &str,
+        now: Instant,
+        listed: impl FnOnce() -> std::collections::HashSet<String>,
+    ) {
+        match event {
+            watcher::Event::Apply(lease) | watcher::Event::InitApply(lease) if is_peer(lease) => {
+                let name = lease.metadata.name.clone().unwrap_or_default();
+                let record = peers::record(lease);
+                if self.arrivals.get(&name).is_none_or(|(r, _)| *r != record) {
+                    self.arrivals.insert(name, (record, now));
+                }
+            }
+            watcher::Event::Delete(lease) => {
+                if let Some(name) = &lease.metadata.name {
+                    self.arrivals.remove(name);
+                }
+            }
+            // A relisting: what it no longer shows is gone.
+            watcher::Event::InitDone => {
+                let names = listed();
+                self.arrivals.retain(|name, _| names.contains(name));
+            }
+            _ => {}
+        }
+        let version = |lease: &Lease| {
+            (lease.metadata.name.as_deref() == Some(own))
+                .then(|| lease.metadata.resource_version.clone())
+                .flatten()
+        };
+        match event {
+            watcher::Event::Init => self.listing_own.clear(),
+            // The reflector serves what it had until the listing ends: a version seen in a
+            // listing is in the view only from its end.
+            watcher::Event::InitApply(lease) => self.listing_own.extend(version(lease)),
+            watcher::Event::InitDone => {
+                for version in std::mem::take(&mut self.listing_own) {
+                    self.remember_own(version);
+                }
+            }
+            watcher::Event::Apply(lease) | watcher::Event::Delete(lease) => {
+                if let Some(version) = version(lease) {
+                    self.remember_own(version);
+                }
+            }
+        }
+        // A view is its listing's end, or a change: not a listing's start or its items
+        // (the store still holds what it had before).
+        if matches!(
+            event,
+            watcher::Event::InitDone | watcher::Event::Apply(_) | watcher::Event::Delete(_)
+        ) && (self.error.take().is_some() || self.working_since.is_none())
+        {
+            self.working_since = Some(now);
+        }
+    }
+
+    fn remember_own(&mut self, version: String) {
+        if self.own.len() == OWN_VERSIONS {
+            self.own.pop_front();
+        }
+        self.own.push_back(version);
+    }
 }
 
 impl GroupWatch {
@@ -90,56 +162,13 @@ impl GroupWatch {
             while let Some(event) = events.next().await {
                 let mut seen = lock(&task_seen);
                 match event {
-                    Ok(event) => {
-                        let now = Instant::now();
-                        match &event {
-                            watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)
-                                if is_peer(lease) =>
-                            {
-                                let name = lease.metadata.name.clone().unwrap_or_default();
-                                let record = peers::record(lease);
-                                if seen.arrivals.get(&name).is_none_or(|(r, _)| *r != record) {
-                                    seen.arrivals.insert(name, (record, now));
-                                }
-                            }
-                            watcher::Event::Delete(lease) => {
-                                if let Some(name) = &lease.metadata.name {
-                                    seen.arrivals.remove(name);
-                                }
-                            }
-                            // A relisting: what it no longer shows is gone.
-                            watcher::Event::InitDone => {
-                                let names: std::collections::HashSet<String> = task_store
-                                    .state()
-                                    .iter()
-                                    .filter_map(|l| l.metadata.name.clone())
-                                    .collect();
-                                seen.arrivals.retain(|name, _| names.contains(name));
-                            }
-                            _ => {}
-                        }
-                        match &event {
-                            watcher::Event::Apply(lease)
-                            | watcher::Event::InitApply(lease)
-                            | watcher::Event::Delete(lease)
-                                if lease.metadata.name.as_deref() == Some(&own) =>
-                            {
-                                if let Some(version) = &lease.metadata.resource_version {
-                                    if seen.own.len() == OWN_VERSIONS {
-                                        seen.own.pop_front();
-                                    }
-                                    seen.own.push_back(version.clone());
-                                }
-                            }
-                            _ => {}
-                        }
-                        // The start of a listing is not yet a view: its end is.
-                        if !matches!(event, watcher::Event::Init)
-                            && (seen.error.take().is_some() || seen.working_since.is_none())
-                        {
-                            seen.working_since = Some(now);
-                        }
-                    }
+                    Ok(event) => seen.observe(&event, &own, Instant::now(), || {
+                        task_store
+                            .state()
+                            .iter()
+                            .filter_map(|l| l.metadata.name.clone())
+                            .collect()
+                    }),
                     Err(error) => {
                         seen.working_since = None;
                         seen.error = Some(crate::cluster::Shown(&error).to_string());
@@ -193,5 +222,57 @@ impl GroupWatch {
     /// Every Lease of the group as the watch has them now.
     pub(crate) fn leases(&self) -> Vec<Arc<Lease>> {
         self.store.state()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(name: &str, version: &str) -> Lease {
+        let mut lease = Lease::default();
+        lease.metadata.name = Some(name.into());
+        lease.metadata.resource_version = Some(version.into());
+        lease
+    }
+
+    #[test]
+    fn a_relisting_is_a_view_only_once_it_ends() {
+        let mut seen = Seen::default();
+        let now = Instant::now();
+        let none = std::collections::HashSet::new;
+        // A change: a view, with this replica's renewal in it.
+        seen.observe(&watcher::Event::Apply(lease("me", "5")), "me", now, none);
+        assert!(seen.working_since.is_some() && seen.own.contains(&"5".to_string()));
+        // The watch fails and lists again: the listing's items (its own renewal among them)
+        // are not in the view, nor does the watch count as working, before its end.
+        seen.working_since = None;
+        seen.error = Some("gone (410)".into());
+        seen.observe(&watcher::Event::Init, "me", now, none);
+        seen.observe(
+            &watcher::Event::InitApply(lease("me", "9")),
+            "me",
+            now,
+            none,
+        );
+        seen.observe(
+            &watcher::Event::InitApply(lease("other", "10")),
+            "me",
+            now,
+            none,
+        );
+        assert!(
+            !seen.own.contains(&"9".to_string()),
+            "caught up before InitDone"
+        );
+        assert!(seen.working_since.is_none(), "working before InitDone");
+        assert!(seen.error.is_some());
+        seen.observe(&watcher::Event::InitDone, "me", now, || {
+            ["me".to_string(), "other".to_string()].into()
+        });
+        assert!(seen.own.contains(&"9".to_string()));
+        assert!(seen.working_since.is_some() && seen.error.is_none());
+        // Only the own Lease's versions are remembered.
+        assert!(!seen.own.contains(&"10".to_string()));
     }
 }

@@ -122,6 +122,9 @@ pub(crate) mod memory {
         pub(crate) take_delay: Mutex<Duration>,
         /// How long a renewal takes before it is written.
         pub(crate) renew_delay: Mutex<Duration>,
+        /// The watch stalled silently (an API server that stops delivering, a half-open
+        /// connection): the view frozen at this snapshot, renewals never shown, no error.
+        pub(crate) stalled: Mutex<Option<(Vec<Arc<Lease>>, Arrivals)>>,
     }
 
     #[derive(Default)]
@@ -169,7 +172,14 @@ pub(crate) mod memory {
                 blind: AtomicBool::new(false),
                 take_delay: Mutex::new(Duration::ZERO),
                 renew_delay: Mutex::new(Duration::ZERO),
+                stalled: Mutex::new(None),
             }
+        }
+
+        /// The watch stalls now: the view stays as it is.
+        pub(crate) fn stall(&self) {
+            let snapshot = (self.leases(), self.arrivals());
+            *lock(&self.stalled) = Some(snapshot);
         }
     }
 
@@ -193,7 +203,8 @@ pub(crate) mod memory {
         }
 
         fn caught_up(&self, _: String, _: Duration) -> BoxFuture<'static, bool> {
-            std::future::ready(!self.blind.load(Ordering::SeqCst)).boxed()
+            let shown = !self.blind.load(Ordering::SeqCst) && lock(&self.stalled).is_none();
+            std::future::ready(shown).boxed()
         }
 
         fn working(&self) -> bool {
@@ -207,6 +218,9 @@ pub(crate) mod memory {
         }
 
         fn leases(&self) -> Vec<Arc<Lease>> {
+            if let Some((leases, _)) = &*lock(&self.stalled) {
+                return leases.clone();
+            }
             lock(&self.store)
                 .leases
                 .values()
@@ -216,6 +230,9 @@ pub(crate) mod memory {
         }
 
         fn arrivals(&self) -> Arrivals {
+            if let Some((_, arrivals)) = &*lock(&self.stalled) {
+                return arrivals.clone();
+            }
             lock(&self.store).arrivals.clone()
         }
 
