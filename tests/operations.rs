@@ -2523,34 +2523,6 @@ async fn the_example_operator_copies_into_namespaces_as_clusters() {
 // ---------------------------------------------------------------------------------------
 // `mcr join` / `mcr unjoin` (cli/): members joined with identities of their own.
 
-/// Runs `mcr ARGS`; its standard output, or a panic with both outputs.
-fn mcr(binary: &std::path::Path, args: &[&str]) -> String {
-    let output = std::process::Command::new(binary)
-        .args(args)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    );
-    assert!(
-        output.status.success(),
-        "mcr {args:?} failed:\n{stdout}\n{stderr}"
-    );
-    stdout
-}
-
-/// Runs `mcr ARGS`, which must fail; its standard error.
-fn mcr_refused(binary: &std::path::Path, args: &[&str]) -> String {
-    let output = std::process::Command::new(binary)
-        .args(args)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(!output.status.success(), "mcr {args:?} succeeded: {stderr}");
-    stderr
-}
-
 /// The kubeconfig and the token in the host Secret `mcr-system/<name>` that `mcr join` wrote.
 async fn joined_secret(
     host: &kube::Client,

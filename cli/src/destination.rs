@@ -22,6 +22,9 @@ const TOKEN_EXPIRES: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Held {
+    /// The host Secret's uid, as read (none for a file, or one being written).
+    #[serde(skip)]
+    pub uid: Option<String>,
     /// The name of the token's anchor in the member.
     pub anchor: Option<String>,
     /// The member's id (its kube-system namespace's uid).
@@ -103,6 +106,7 @@ impl Destination {
                 let annotations = secret.metadata.annotations.unwrap_or_default();
                 let get = |key: &str| annotations.get(key).cloned();
                 Ok(Some(Held {
+                    uid: secret.metadata.uid.clone(),
                     anchor: get(TOKEN_ANCHOR),
                     member_uid: get(MEMBER_UID),
                     service_account: get(SERVICE_ACCOUNT),
@@ -164,13 +168,24 @@ impl Destination {
         }
     }
 
-    /// Removes the credential.
-    pub async fn remove(&self) -> Result<()> {
+    /// Removes the credential `held` (the Secret read then: one written since, by another
+    /// member's `join --force`, stays).
+    pub async fn remove(&self, held: &Held) -> Result<()> {
         match self {
             Self::Secret { api, name, .. } => {
-                match api.delete(name, &DeleteParams::default()).await {
+                let params = DeleteParams {
+                    preconditions: held.uid.clone().map(|uid| kube::api::Preconditions {
+                        uid: Some(uid),
+                        resource_version: None,
+                    }),
+                    ..DeleteParams::default()
+                };
+                match api.delete(name, &params).await {
                     Ok(_) => Ok(()),
                     Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+                    Err(kube::Error::Api(status)) if status.code == 409 => bail!(
+                        "the Secret {name} was written again since it was read (another join?): it is left alone"
+                    ),
                     Err(e) => Err(e.into()),
                 }
             }

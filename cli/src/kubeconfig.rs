@@ -15,8 +15,20 @@ use crate::destination::Held;
 /// The context extension in which a written kubeconfig says what it holds.
 pub const NOTE: &str = "multicluster-runtime.sigs.k8s.io/joined";
 
+/// What of the admin's own transport settings may go into the unattended credential.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Carry {
+    /// `insecure-skip-tls-verify` (`--insecure-skip-tls-verify`).
+    pub insecure: bool,
+    /// `proxy-url` (`--keep-proxy`).
+    pub proxy: bool,
+}
+
 /// A kubeconfig for `token` at the cluster `member_context` names (its server replaced by
-/// `server` if given), with one context `name`, which carries `note`.
+/// `server` if given), with one context `name`, which carries `note`. A cluster entry that
+/// skips TLS verification or goes through a proxy is refused unless `carry` says so: those
+/// are often an admin's laptop settings (a tunnel, a test cluster), not what a credential
+/// the fleet uses for a year should hold.
 pub fn for_token(
     kubeconfig: &Kubeconfig,
     member_context: &str,
@@ -24,6 +36,7 @@ pub fn for_token(
     name: &str,
     token: &str,
     note: Option<&Held>,
+    carry: Carry,
 ) -> Result<String> {
     let context = kubeconfig
         .contexts
@@ -51,6 +64,16 @@ pub fn for_token(
     }
     if let Some(server) = server {
         cluster.server = Some(server.to_string());
+    }
+    if cluster.insecure_skip_tls_verify == Some(true) && !carry.insecure {
+        return Err(anyhow!(
+            "the cluster of context {member_context:?} skips TLS verification (insecure-skip-tls-verify): the credential join writes would too, for as long as it lasts; give the cluster entry its CA, or --insecure-skip-tls-verify to copy the setting"
+        ));
+    }
+    if cluster.proxy_url.is_some() && !carry.proxy {
+        return Err(anyhow!(
+            "the cluster of context {member_context:?} is reached through a proxy (proxy-url), likely one of this machine's that the fleet cannot reach: give --keep-proxy to copy it"
+        ));
     }
     let written = Kubeconfig {
         api_version: Some("v1".into()),
@@ -148,4 +171,51 @@ pub fn write_file(path: &Path, content: &str) -> Result<()> {
         let _ = dir.sync_all();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kubeconfig(extra: &str) -> Kubeconfig {
+        Kubeconfig::from_yaml(&format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: m\n  cluster:\n    server: https://127.0.0.1:6443\n{extra}contexts:\n- name: m\n  context:\n    cluster: m\n    user: m\nusers:\n- name: m\n  user:\n    token: t\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn an_admins_insecure_or_proxied_transport_is_copied_only_when_asked() {
+        let write = |k: &Kubeconfig, carry| for_token(k, "m", None, "m", "token", None, carry);
+        let insecure = kubeconfig("    insecure-skip-tls-verify: true\n");
+        let error = write(&insecure, Carry::default()).unwrap_err().to_string();
+        assert!(error.contains("insecure-skip-tls-verify"), "{error}");
+        let copied = write(
+            &insecure,
+            Carry {
+                insecure: true,
+                proxy: false,
+            },
+        )
+        .unwrap();
+        assert!(
+            copied.contains("insecure-skip-tls-verify: true"),
+            "{copied}"
+        );
+        let proxied = kubeconfig("    proxy-url: socks5://localhost:1080\n");
+        let error = write(&proxied, Carry::default()).unwrap_err().to_string();
+        assert!(error.contains("--keep-proxy"), "{error}");
+        assert!(
+            write(
+                &proxied,
+                Carry {
+                    insecure: false,
+                    proxy: true
+                }
+            )
+            .unwrap()
+            .contains("socks5://localhost:1080")
+        );
+        assert!(write(&kubeconfig(""), Carry::default()).is_ok());
+    }
 }

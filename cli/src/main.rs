@@ -10,6 +10,7 @@
 mod destination;
 mod kubeconfig;
 mod member;
+mod webhooks;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,7 +44,41 @@ enum Command {
     /// provider reads it. Again on a joined cluster: converge and issue a new token.
     Join(Join),
     /// Remove what `join` made, in the member and on the host (or the file).
-    Unjoin(Common),
+    Unjoin(Unjoin),
+}
+
+#[derive(Args)]
+struct Unjoin {
+    #[command(flatten)]
+    common: Common,
+    /// How long to wait, once the credential is removed, for the fleet to remove its webhook
+    /// configurations from the member (it needs the identity unjoin then revokes): `<n>s`,
+    /// `<n>m` or `<n>h`.
+    #[arg(long, default_value = "60s", value_parser = parse_wait)]
+    webhook_wait: Duration,
+    /// Delete, with your own rights, the fleet's webhook configurations routed to this
+    /// cluster that are still in the member after the wait (otherwise they are listed, and
+    /// the writes they cover may fail once the fleet no longer answers for the cluster).
+    #[arg(long)]
+    remove_webhooks: bool,
+}
+
+fn parse_wait(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration such as 60s"))?;
+    match unit {
+        "s" => Some(n),
+        "m" => n.checked_mul(60),
+        "h" => n.checked_mul(3600),
+        _ => None,
+    }
+    .map(Duration::from_secs)
+    .ok_or_else(|| format!("{text:?} is not a duration such as 60s"))
 }
 
 #[derive(Args)]
@@ -99,6 +134,12 @@ struct Join {
     /// The member's API server as the fleet's controllers reach it (default: the context's).
     #[arg(long)]
     server: Option<String>,
+    /// Copy the context's `insecure-skip-tls-verify` into the credential (refused without).
+    #[arg(long)]
+    insecure_skip_tls_verify: bool,
+    /// Copy the context's `proxy-url` into the credential (refused without).
+    #[arg(long)]
+    keep_proxy: bool,
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -239,7 +280,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match Cli::parse().command {
             Command::Join(join) => run_join(join).await,
-            Command::Unjoin(common) => run_unjoin(common).await,
+            Command::Unjoin(unjoin) => run_unjoin(unjoin).await,
         }
     });
     match result {
@@ -251,12 +292,21 @@ fn main() -> ExitCode {
     }
 }
 
+fn list(configurations: &[webhooks::Configuration]) -> String {
+    configurations
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The error and its causes, but a credential plugin's failure in fixed words: kube's text of
 /// it holds the plugin's command line and output, which can hold secrets.
 fn report(error: &anyhow::Error) -> String {
     let mut parts = Vec::new();
     for cause in error.chain() {
-        if let Some(kube::Error::Auth(_)) = cause.downcast_ref::<kube::Error>() {
+        // Anywhere below this cause (a `Service` error quotes the one it wraps).
+        if carries_plugin_text(cause) {
             parts.push(
                 "the kubeconfig's credentials could not be obtained (an exec plugin or auth provider failed; its output is not shown)"
                     .to_string(),
@@ -266,6 +316,26 @@ fn report(error: &anyhow::Error) -> String {
         parts.push(cause.to_string());
     }
     parts.join(": ")
+}
+
+/// Whether `error`'s own text may hold a credential plugin's command line, environment and
+/// output: an authentication error, or kube's `Service` error, which quotes what it wraps,
+/// wrapping one. (A context's text is its own.)
+fn carries_plugin_text(error: &(dyn std::error::Error + 'static)) -> bool {
+    match error.downcast_ref::<kube::Error>() {
+        Some(kube::Error::Auth(_)) => true,
+        Some(kube::Error::Service(inner)) => {
+            let mut next: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
+            while let Some(error) = next {
+                if carries_plugin_text(error) {
+                    return true;
+                }
+                next = error.source();
+            }
+            false
+        }
+        _ => error.downcast_ref::<kube::client::AuthError>().is_some(),
+    }
 }
 
 async fn run_join(join: Join) -> Result<()> {
@@ -279,6 +349,10 @@ async fn run_join(join: Join) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let kubeconfig = read_kubeconfig(common.kubeconfig.as_ref())?;
     let member_context = &common.member_context;
+    let carry = kubeconfig::Carry {
+        insecure: join.insecure_skip_tls_verify,
+        proxy: join.keep_proxy,
+    };
     let manifests = join
         .manifest
         .iter()
@@ -296,6 +370,7 @@ async fn run_join(join: Join) -> Result<()> {
         &name,
         "",
         None,
+        carry,
     )?;
     let (member, _) = client_for(&kubeconfig, member_context, "member").await?;
     let member_uid = member::Member::fingerprint(&member).await?;
@@ -314,6 +389,7 @@ async fn run_join(join: Join) -> Result<()> {
         .await
         .with_context(|| format!("joining the member context {member_context:?} as {name}"))?;
     let note = Held {
+        uid: None,
         anchor: Some(issued.anchor.clone()),
         member_uid: Some(member_uid),
         service_account: Some(common.service_account.clone()),
@@ -326,6 +402,7 @@ async fn run_join(join: Join) -> Result<()> {
         &name,
         &issued.token,
         Some(&note),
+        carry,
     );
     let stored = match written {
         Ok(written) => dest.write(&written, &note).await,
@@ -357,7 +434,8 @@ async fn run_join(join: Join) -> Result<()> {
     Ok(())
 }
 
-async fn run_unjoin(common: Common) -> Result<()> {
+async fn run_unjoin(unjoin: Unjoin) -> Result<()> {
+    let common = unjoin.common;
     let name = cluster_name(&common)?;
     let kubeconfig = read_kubeconfig(common.kubeconfig.as_ref())?;
     let member_context = &common.member_context;
@@ -371,16 +449,47 @@ async fn run_unjoin(common: Common) -> Result<()> {
         .and_then(|h| h.service_account.clone())
         .unwrap_or_else(|| common.service_account.clone());
     let (sa_namespace, sa_name) = split_pair(&account, "the service account")?;
+    let admin = member.clone();
     let joined = member::Member::new(member, &name, sa_namespace, sa_name);
     let was_joined = joined.joined().await?;
+    // The fleet's webhook configurations routed to this cluster: the fleet removes them
+    // when the cluster leaves, with the identity about to be revoked.
+    let configurations = webhooks::routed_to(&admin, &name).await?;
 
     // The credential goes first, so the fleet disengages the cluster before its identity
-    // goes away.
-    if held.is_some() {
-        dest.remove().await?;
+    // goes away; then the fleet is given time to remove its webhook configurations.
+    if let Some(held) = &held {
+        dest.remove(held).await?;
         println!("removed {}", dest.describe());
     }
+    let left = if held.is_some() && !configurations.is_empty() {
+        println!(
+            "waiting up to {:?} for the fleet to remove its webhook configurations ({})",
+            unjoin.webhook_wait,
+            list(&configurations)
+        );
+        webhooks::wait_gone(&admin, &name, &configurations, unjoin.webhook_wait).await?
+    } else {
+        configurations
+    };
+    if !left.is_empty() {
+        if unjoin.remove_webhooks {
+            for configuration in &left {
+                webhooks::delete(&admin, configuration).await?;
+                println!("removed {configuration} (with your rights; the fleet had not)");
+            }
+        } else {
+            eprintln!(
+                "warning: the fleet did not remove its webhook configurations routed to {name} ({}): once the identity is revoked it cannot, and the writes they cover may fail (failurePolicy Fail). Run unjoin again with --remove-webhooks, or delete them",
+                list(&left)
+            );
+        }
+    }
     if held.is_none() && !was_joined {
+        if unjoin.remove_webhooks && !left.is_empty() {
+            // A second run for what the fleet left behind.
+            return Ok(());
+        }
         bail!(
             "nothing of a join named {name} was found: no credential in {}, no record in the member's {sa_namespace} (give the --name, and the --service-account, join was given)",
             dest.describe()
@@ -395,4 +504,36 @@ async fn run_unjoin(common: Common) -> Result<()> {
         println!("kept {what}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plugin_failure() -> kube::client::AuthError {
+        use std::os::unix::process::ExitStatusExt as _;
+        kube::client::AuthError::AuthExecRun {
+            cmd: "get-token --client-secret=MARKER-secret".into(),
+            out: Box::new(std::process::Output {
+                status: std::process::ExitStatus::from_raw(256),
+                stdout: b"MARKER-stdout".to_vec(),
+                stderr: b"MARKER-stderr".to_vec(),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_plugins_failure_is_reported_without_its_text_however_it_is_wrapped() {
+        for error in [
+            kube::Error::Auth(plugin_failure()),
+            // At request time kube's auth layer fails the service with it.
+            kube::Error::Service(Box::new(plugin_failure())),
+        ] {
+            let error = anyhow::Error::new(error).context("joining the member context");
+            let text = report(&error);
+            assert!(!text.contains("MARKER"), "{text}");
+            assert!(text.contains("joining the member context"), "{text}");
+            assert!(text.contains("its output is not shown"), "{text}");
+        }
+    }
 }

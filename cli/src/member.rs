@@ -240,15 +240,27 @@ impl Member {
                 // A new object, or one an earlier join made, carries the label: unjoin
                 // deletes only what still has it. (Applied without it, the label this field
                 // manager set before would be taken off.)
-                let exists = api.get_opt(&name).await?.is_some();
-                if !exists || made.iter().any(|m| m.same_object(&entry)) {
+                let current = api.get_opt(&name).await?;
+                let exists = current.is_some();
+                // An object join recorded is its own only as recorded: by its uid, or, for
+                // an entry whose create was interrupted (no uid), if join's field manager
+                // created it. Anything else of that name someone else made.
+                let recorded = made.iter().position(|m| m.same_object(&entry));
+                let ours = match (recorded.map(|at| &made[at]), &current) {
+                    (Some(m), Some(current)) => match &m.uid {
+                        Some(uid) => current.metadata.uid.as_ref() == Some(uid),
+                        None => created_by_join(&current.metadata),
+                    },
+                    _ => false,
+                };
+                if !exists || ours {
                     object
                         .metadata
                         .labels
                         .get_or_insert_with(Default::default)
                         .insert(JOINED_AS.to_string(), self.name.clone());
                 }
-                if exists {
+                if let Some(current) = current {
                     api.patch(
                         &name,
                         &PatchParams::apply(FIELD_MANAGER),
@@ -256,6 +268,15 @@ impl Member {
                     )
                     .await
                     .with_context(|| format!("applying {what}"))?;
+                    match recorded {
+                        Some(at) if ours => made[at].uid = current.metadata.uid,
+                        // Unproven: not join's to remove.
+                        Some(at) => {
+                            made.remove(at);
+                        }
+                        None => {}
+                    }
+                    self.save_record(&made).await?;
                     continue;
                 }
                 self.make(&mut made, entry, async || {
@@ -585,7 +606,12 @@ impl Member {
                 .as_ref()
                 .and_then(|l| l.get(JOINED_AS))
                 == Some(&self.name);
-            let same = object.uid.is_none() || object.uid == current.metadata.uid;
+            let same = match &object.uid {
+                Some(uid) => current.metadata.uid.as_ref() == Some(uid),
+                // Recorded, then the join stopped before the create's answer: join's only
+                // if its field manager created it.
+                None => created_by_join(&current.metadata),
+            };
             if !labelled || !same {
                 kept.push(format!(
                     "{what}: not the object join made (its label or uid differs)"
@@ -615,8 +641,22 @@ impl Member {
                 }
                 let api: Api<DynamicObject> =
                     Api::namespaced_with(self.client.clone(), namespace, &resource);
-                let Ok(list) = api.list(&ListParams::default()).await else {
-                    continue;
+                // What cannot be listed (a conversion webhook down, a kind this user may
+                // not list) may hold anything: the namespace is kept, saying why.
+                let list = match api.list(&ListParams::default()).await {
+                    Ok(list) => list,
+                    Err(error) => {
+                        let why = match &error {
+                            kube::Error::Api(status) => {
+                                format!("{} ({})", status.reason, status.code)
+                            }
+                            _ => "an error".to_string(),
+                        };
+                        return Ok(Some(format!(
+                            "{} objects that could not be listed: {why}",
+                            resource.kind
+                        )));
+                    }
                 };
                 for object in list {
                     let name = object.metadata.name.clone().unwrap_or_default();
@@ -638,6 +678,18 @@ impl Member {
         }
         Ok(None)
     }
+}
+
+/// Whether `meta`'s object was created by `mcr join`: its field manager's entry is dated at
+/// the object's creation.
+fn created_by_join(meta: &ObjectMeta) -> bool {
+    let Some(created) = &meta.creation_timestamp else {
+        return false;
+    };
+    meta.managed_fields
+        .iter()
+        .flatten()
+        .any(|f| f.manager.as_deref() == Some(FIELD_MANAGER) && f.time.as_ref() == Some(created))
 }
 
 fn made_entry(api_version: &str, kind: &str, namespace: Option<&str>, name: &str) -> Made {

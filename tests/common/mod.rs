@@ -1010,3 +1010,36 @@ pub async fn set_kubefed_ready(members: &Api<kube::api::DynamicObject>, name: &s
         .await
         .unwrap();
 }
+
+/// Runs `mcr ARGS`; its standard output, or a panic with both outputs.
+pub fn mcr(binary: &std::path::Path, args: &[&str]) -> String {
+    mcr_both(binary, args).0
+}
+
+/// Runs `mcr ARGS`, which must fail; its standard error.
+pub fn mcr_refused(binary: &std::path::Path, args: &[&str]) -> String {
+    let output = std::process::Command::new(binary)
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "mcr {args:?} succeeded: {stderr}");
+    stderr
+}
+
+/// Runs `mcr ARGS`, which must succeed; its standard output and standard error.
+pub fn mcr_both(binary: &std::path::Path, args: &[&str]) -> (String, String) {
+    let output = std::process::Command::new(binary)
+        .args(args)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    );
+    assert!(
+        output.status.success(),
+        "mcr {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    (stdout, stderr)
+}
