@@ -436,8 +436,24 @@ impl AccessProviders {
     /// Parses the operator's file (the JSON above). Every provider needs a name (each
     /// once) and a command; the policies must be among those above.
     pub fn from_json(text: &str) -> Result<Self, AccessProvidersError> {
-        let parsed: Self = serde_json::from_str(text)
-            .map_err(|e| AccessProvidersError::Invalid(format!("are not valid: {e}")))?;
+        // serde_json's text quotes the value it could not take (a secret in a mistyped
+        // `args`, say): the position and the kind of mistake only.
+        let parsed: Self = serde_json::from_str(text).map_err(|e| {
+            let what = match e.classify() {
+                serde_json::error::Category::Io | serde_json::error::Category::Syntax => {
+                    "not JSON"
+                }
+                serde_json::error::Category::Eof => "cut short",
+                serde_json::error::Category::Data => {
+                    "a value of the wrong type, a missing field or an unknown one"
+                }
+            };
+            AccessProvidersError::Invalid(format!(
+                "are not valid: {what} at line {}, column {}",
+                e.line(),
+                e.column()
+            ))
+        })?;
         let mut seen = std::collections::BTreeSet::new();
         for (i, provider) in parsed.providers.iter().enumerate() {
             if provider.name.is_empty() {
@@ -801,6 +817,22 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_file_is_reported_by_position_never_by_value() {
+        for text in [
+            // A string where a list is expected.
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a", "args": "--client-secret=MARKER"}}]}"#,
+            // A number where a string is expected, after the secret.
+            r#"{"providers": [{"name": "MARKER", "execConfig": {"command": 7}}]}"#,
+            // Not JSON past a value.
+            r#"{"providers": [{"name": "a", "execConfig": {"command": "MARKER" x}}]}"#,
+        ] {
+            let error = AccessProviders::from_json(text).unwrap_err().to_string();
+            assert!(!error.contains("MARKER"), "{error}");
+            assert!(error.contains("line 1, column"), "{error}");
+        }
+    }
+
+    #[test]
     fn the_first_provider_of_the_file_that_the_profile_lists_is_used() {
         let providers = AccessProviders::from_json(
             r#"{"providers": [
@@ -924,7 +956,7 @@ mod tests {
         for (file, expected) in [
             (
                 r#"{"providers": [{"name": "a", "profileSourcedCLIArgsPolicy": "Sometimes"}]}"#,
-                "Sometimes",
+                "wrong type, a missing field or an unknown one at line 1, column 71",
             ),
             (
                 r#"{"providers": [{"name": "a"}, {"name": "a"}]}"#,
