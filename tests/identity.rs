@@ -178,12 +178,23 @@ async fn a_fleet_keyed_by_cluster_id_follows_the_properties_across_renames() {
                 "default",
                 "ClusterIdContested",
                 "cluster.clusterset.k8s.io",
-                "renamed-first, twin",
+                "claimed by another cluster",
             )
             .await
         },
     )
     .await;
+    // The member's readers learn that the id is contested, not what else the fleet holds:
+    // the claimants' names stay in the host's log.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(a.client().unwrap(), "default");
+    for event in events.list(&Default::default()).await.unwrap() {
+        let note = event.note.unwrap_or_default();
+        assert!(
+            !note.contains("renamed-first") && !note.contains("twin"),
+            "{note}"
+        );
+    }
     clusters.remove(&name("renamed-first"));
     eventually(30, "alpha taken over by twin", async || {
         manager

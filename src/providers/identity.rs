@@ -443,7 +443,8 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
                 Refusal::Unexpected(why) => (why.as_str(), Some("ClusterIdUnexpected")),
                 Refusal::Other(why) => (why.as_str(), None),
             };
-            warn_once(member, name, &format!("not engaged: {why}"), event);
+            let why = format!("not engaged: {why}");
+            warn_once(member, name, &why, event.map(|reason| (reason, why.as_str())));
         }
         if before != claim {
             if let Some(old) = &before {
@@ -500,9 +501,14 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
                     all.len(),
                     names.join(", ")
                 );
+                // In each claimant's cluster, only that the id is contested: the other
+                // claimants' names (file paths, Secret and profile names) are the host's.
+                let note = format!(
+                    "not engaged: the id {id} is claimed by another cluster too; none is engaged under it until one claim is withdrawn"
+                );
                 for name in all {
                     if let Some(member) = self.by_name.get_mut(name) {
-                        warn_once(member, name, &why, Some("ClusterIdContested"));
+                        warn_once(member, name, &why, Some(("ClusterIdContested", &note)));
                     }
                 }
             }
@@ -575,14 +581,14 @@ fn want<I: ClusterId, D: ClusterId>(
 /// The reporting controller of the identity Events.
 const REPORTER: &str = "multicluster-runtime-identity";
 
-/// Logs `why` member `name` is not engaged, once per reason and identity; with `event`, also
-/// records it as a Warning Event of that reason on the member's id property (in the member
-/// cluster, where its admins see it).
+/// Logs `why` member `name` is not engaged, once per reason and identity; with `event` (a
+/// reason and a note), also records a Warning Event on the member's id property (in the
+/// member cluster, where its admins see it: the note says what they may know).
 fn warn_once<I: ClusterId, D: ClusterId>(
     member: &mut Member<I, D>,
     name: &I,
     why: &str,
-    event: Option<&'static str>,
+    event: Option<(&'static str, &str)>,
 ) {
     let warning = (why.to_string(), member.identity.clone());
     if member.warned.as_ref() == Some(&warning) {
@@ -590,7 +596,7 @@ fn warn_once<I: ClusterId, D: ClusterId>(
     }
     tracing::warn!(cluster = %name, identity = ?member.identity, "{why}");
     member.warned = Some(warning);
-    let Some(reason) = event else {
+    let Some((reason, note)) = event else {
         return;
     };
     let recorder = Recorder::new(member.cluster.client(), Reporter::from(REPORTER));
@@ -603,7 +609,7 @@ fn warn_once<I: ClusterId, D: ClusterId>(
     let event = Event {
         type_: EventType::Warning,
         reason: reason.into(),
-        note: Some(why.chars().take(1000).collect()),
+        note: Some(note.chars().take(1000).collect()),
         action: "Engage".into(),
         secondary: None,
     };
