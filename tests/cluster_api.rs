@@ -415,7 +415,7 @@ async fn a_removed_kubeconfig_secret_revokes_the_cluster_unless_kept() {
     .await;
     for object in ["revoked", "retyped"] {
         eventually(30, &format!("{object}: the revocation said"), async || {
-            has_event(&hc, "capi", "KubeconfigRefused", object, "disengaged").await
+            has_event(&hc, "capi", "KubeconfigRefused", object, "paused").await
         })
         .await;
     }

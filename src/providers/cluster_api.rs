@@ -135,8 +135,12 @@ impl HubKind for Kind {
         Some(watcher::Config::default().fields(&format!("type={SECRET_TYPE}")))
     }
 
-    fn reads_secret(&self, name: &str) -> bool {
-        name.ends_with(KUBECONFIG_SUFFIX)
+    fn reads_secret(&self, secret: &k8s_openapi::api::core::v1::Secret) -> bool {
+        secret
+            .metadata
+            .name
+            .as_deref()
+            .is_some_and(|name| name.ends_with(KUBECONFIG_SUFFIX))
     }
 
     fn reads(&self, _name: &str, key: &str) -> bool {

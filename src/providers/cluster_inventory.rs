@@ -440,9 +440,7 @@ impl AccessProviders {
         // `args`, say): the position and the kind of mistake only.
         let parsed: Self = serde_json::from_str(text).map_err(|e| {
             let what = match e.classify() {
-                serde_json::error::Category::Io | serde_json::error::Category::Syntax => {
-                    "not JSON"
-                }
+                serde_json::error::Category::Io | serde_json::error::Category::Syntax => "not JSON",
                 serde_json::error::Category::Eof => "cut short",
                 serde_json::error::Category::Data => {
                     "a value of the wrong type, a missing field or an unknown one"

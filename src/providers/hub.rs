@@ -73,10 +73,10 @@ pub(crate) trait HubKind: Send + Sync + 'static {
     /// The Secrets the credentials are in (the watch's selectors), `None` if in none.
     fn secrets(&self) -> Option<watcher::Config>;
 
-    /// Whether this kind may read the watched Secret `name`, and of it, the data `key`.
+    /// Whether this kind may read the watched Secret, and of it (by its name), the data `key`.
     /// Nothing else is kept: Secrets the watch selects may hold more than clients need
     /// (Cluster API's hold CA, etcd and service-account keys and bootstrap data).
-    fn reads_secret(&self, _name: &str) -> bool {
+    fn reads_secret(&self, _secret: &Secret) -> bool {
         true
     }
 
@@ -158,6 +158,7 @@ impl Secrets {
     pub(crate) fn insert(&mut self, secret: Secret, kind: &impl HubKind) -> String {
         let namespace = secret.namespace().unwrap_or_default();
         let name = secret.name_any();
+        let read = kind.reads_secret(&secret);
         let data: BTreeMap<_, _> = secret
             .data
             .unwrap_or_default()
@@ -166,7 +167,7 @@ impl Secrets {
             .map(|(key, value)| (key, (version_of(&value.0), value.0)))
             .collect();
         let key = (namespace.clone(), name);
-        if !kind.reads_secret(&key.1) {
+        if !read {
             self.by_key.remove(&key);
             return namespace;
         }

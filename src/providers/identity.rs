@@ -444,7 +444,12 @@ impl<I: ClusterId, D: ClusterId> Members<I, D> {
                 Refusal::Other(why) => (why.as_str(), None),
             };
             let why = format!("not engaged: {why}");
-            warn_once(member, name, &why, event.map(|reason| (reason, why.as_str())));
+            warn_once(
+                member,
+                name,
+                &why,
+                event.map(|reason| (reason, why.as_str())),
+            );
         }
         if before != claim {
             if let Some(old) = &before {

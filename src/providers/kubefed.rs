@@ -88,8 +88,19 @@ impl HubKind for Kind {
     }
 
     fn secrets(&self) -> Option<watcher::Config> {
-        // KubeFed's Secrets carry no label or type of their own: those of the namespace.
-        Some(watcher::Config::default())
+        // KubeFed's Secrets carry no label of their own; `kubefedctl join` writes them
+        // without a type (Opaque). Nothing else of the namespace is watched: service account
+        // tokens of KubeFed's own controller, its webhook's serving key.
+        Some(watcher::Config::default().fields("type=Opaque"))
+    }
+
+    fn reads_secret(&self, secret: &k8s_openapi::api::core::v1::Secret) -> bool {
+        secret.type_.as_deref().is_none_or(|t| t == "Opaque")
+    }
+
+    /// Of a member's Secret, only its token (`ca.crt` and anything else stay out of memory).
+    fn reads(&self, _name: &str, key: &str) -> bool {
+        key == TOKEN_KEY
     }
 
     fn recipe(
@@ -162,5 +173,70 @@ impl HubKind for Kind {
         kubeconfig: Kubeconfig,
     ) -> impl Future<Output = Result<Cluster<ClusterName>, String>> + Send + 'static {
         super::cluster_from_kubeconfig(name, kubeconfig, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+
+    use super::*;
+    use crate::providers::hub::Secrets;
+
+    fn secret(name: &str, type_: Option<&str>, data: &[(&str, &str)]) -> Secret {
+        let mut secret = Secret::default();
+        secret.metadata.namespace = Some(DEFAULT_NAMESPACE.into());
+        secret.metadata.name = Some(name.into());
+        secret.type_ = type_.map(str::to_string);
+        secret.data = Some(
+            data.iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+        );
+        secret
+    }
+
+    #[test]
+    fn of_the_namespaces_secrets_only_the_tokens_of_opaque_ones_are_kept() {
+        let mut secrets = Secrets::default();
+        secrets.insert(
+            secret(
+                "kubefed-controller-token",
+                Some("kubernetes.io/service-account-token"),
+                &[("token", "CONTROLLER-TOKEN"), ("ca.crt", "CA")],
+            ),
+            &Kind,
+        );
+        secrets.insert(
+            secret(
+                "kubefed-webhook",
+                Some("kubernetes.io/tls"),
+                &[("tls.key", "KEY")],
+            ),
+            &Kind,
+        );
+        secrets.insert(
+            secret(
+                "east-x7k2p",
+                None,
+                &[("token", "EAST-TOKEN"), ("ca.crt", "CA"), ("other", "O")],
+            ),
+            &Kind,
+        );
+        secrets.insert(
+            secret("west-9q2zt", Some("Opaque"), &[("token", "WEST-TOKEN")]),
+            &Kind,
+        );
+        assert_eq!(
+            secrets
+                .in_namespace(DEFAULT_NAMESPACE)
+                .map(|(name, _)| name)
+                .collect::<Vec<_>>(),
+            ["east-x7k2p", "west-9q2zt"]
+        );
+        let east = secrets.get(DEFAULT_NAMESPACE, "east-x7k2p").unwrap();
+        assert_eq!(east.data.keys().collect::<Vec<_>>(), ["token"]);
+        assert_eq!(east.data["token"].1, b"EAST-TOKEN");
     }
 }
