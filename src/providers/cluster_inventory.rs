@@ -182,7 +182,11 @@ impl ClusterInventory {
 /// }]}
 /// ```
 ///
-/// Two fields are this crate's additions (upstream ignores them):
+/// Three fields are this crate's additions (upstream ignores them):
+///
+/// - `profileEnvAllowed`: the variables a profile may set for the plugin, where
+///   `profileSourcedEnvVarsPolicy` lets profiles set any (none if absent). A profile
+///   setting another is refused.
 ///
 /// - `allowedServers`: the servers the provider's credentials may be sent to
 ///   (`https://host[:port]`, the host perhaps `*.domain`); a profile naming another is
@@ -197,11 +201,15 @@ impl ClusterInventory {
 /// strings) only where `profileSourcedCLIArgsPolicy` is `Append`, and environment variables
 /// (`.../additional-envs`, a map) only where `profileSourcedEnvVarsPolicy` is
 /// `AppendIfNotExists` (the operator's values win) or `Replace` (the profile's win); the
-/// default of both is `Ignore`. A profile may set only plain variable names, and never one
-/// that loads code or settings, redirects or re-trusts requests, or names the plugin's own
-/// credentials (`LD_*`, `PATH`, `BASH_ENV`, `*_PROXY`, `SSL_CERT_*`, `KUBECONFIG`,
-/// `KUBERNETES_*` and the like; such a profile is refused). With `allowedServers`, a
-/// profile's `proxy-url` is refused too. Plugins run without a terminal
+/// default of both is `Ignore`. A profile may set only the variables its provider's
+/// `profileEnvAllowed` lists, and whatever that list says, never one this crate knows to run
+/// code, load settings or libraries, send requests elsewhere or re-trust them, or pick the
+/// plugin's own credentials (`LD_*`, `PATH`, `BASH_ENV`, `SHELLOPTS`, `PS4`, `*_PROXY`,
+/// `SSL_CERT_*`, `NODE_*`, `AWS_*`, `GOOGLE_*`, `KUBECONFIG`, `HOME` and more: the list
+/// is in the book's providers chapter); such a profile is refused. That list cannot be complete for every
+/// plugin: the allow-list is the boundary, the deny-list a second line. A variable the
+/// plugin inherits from the controller is not overridden under `AppendIfNotExists`. With
+/// `allowedServers`, a profile's `proxy-url` is refused too. Plugins run without a terminal
 /// (`interactiveMode: Never`).
 ///
 /// Of a profile's cluster, only `server`, `certificate-authority-data`, `proxy-url` and the
@@ -224,6 +232,7 @@ pub(crate) struct PluginView<'a> {
     pub(crate) env: Vec<(&'a String, &'a String)>,
     pub(crate) appends_args: bool,
     pub(crate) replaces_env: bool,
+    pub(crate) allowed_env: &'a [String],
 }
 
 /// One access provider of the operator's file.
@@ -244,6 +253,10 @@ struct AccessProvider {
     /// addition to the file); [`INHERITED_ENV`] if absent.
     #[serde(rename = "inheritEnv", default)]
     inherit_env: Option<Vec<String>>,
+    /// The variables a profile may set for the plugin (this crate's addition); none if
+    /// absent.
+    #[serde(rename = "profileEnvAllowed", default)]
+    profile_env_allowed: Vec<String>,
 }
 
 /// The variables of the controller's environment a plugin inherits unless its provider's
@@ -260,14 +273,19 @@ pub const INHERITED_ENV: &[&str] = &[
 /// The cluster extension whose value the plugin gets as `spec.cluster.config`.
 pub const EXEC_EXTENSION: &str = "client.authentication.k8s.io/exec";
 
-/// Whether a profile may set the variable `name` for a plugin (where the provider's
-/// policy lets profiles add variables at all): a plain name (letters, digits, `_`, not
-/// starting with a digit: no `=` that would smuggle another variable past this check), and
-/// not one that changes what code runs or which libraries and settings load (`LD_*`,
-/// `DYLD_*`, `PATH`, `BASH_ENV`, `ENV`, `NODE_OPTIONS`, `PYTHON*`, `PERL5*`, `RUBYOPT`,
-/// `RUBYLIB`, `JAVA_TOOL_OPTIONS`), where requests go or whom they trust (`*_PROXY`,
-/// `SSL_CERT_*`, `*_CA_BUNDLE`) or which credentials the plugin itself uses (`KUBECONFIG`,
-/// `KUBERNETES_*`).
+/// Whether a profile may ever set the variable `name` for a plugin, whatever its provider
+/// allows (the second line behind `profileEnvAllowed`): a plain name (letters, digits, `_`,
+/// not starting with a digit: no `=` that would smuggle another variable past this check),
+/// and not one known to change
+/// - what code runs, or which libraries and settings load: `LD_*`, `DYLD_*`, `PATH`,
+///   `BASH_ENV`, `ENV`, `SHELLOPTS`, `BASHOPTS`, `PS4`, `NODE_*`, `PYTHON*`, `PERL*`,
+///   `RUBYOPT`, `RUBYLIB`, `*JAVA_OPTIONS`, `JAVA_TOOL_OPTIONS`, `LUA_*`, `GIT_*`,
+///   `GCONV_PATH`, `OPENSSL_*`;
+/// - where requests go or whom they trust: `*_PROXY`, `SSL_CERT_*`, `*_CA_BUNDLE`,
+///   `*_CA_CERTS`;
+/// - which identity or configuration the plugin takes: `KUBECONFIG`, `KUBERNETES_*`, the
+///   cloud SDKs' (`AWS_*`, `AZURE_*`, `GOOGLE_*`, `CLOUDSDK_*`, `GCE_*`), `HOME`, `TMPDIR`,
+///   `XDG_*`.
 pub(crate) fn profile_may_set(name: &str) -> bool {
     let plain = name
         .bytes()
@@ -275,26 +293,44 @@ pub(crate) fn profile_may_set(name: &str) -> bool {
         .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
     let upper = name.to_ascii_uppercase();
+    const PREFIXES: &[&str] = &[
+        "LD_",
+        "DYLD_",
+        "PYTHON",
+        "PERL",
+        "NODE_",
+        "LUA_",
+        "GIT_",
+        "OPENSSL_",
+        "SSL_CERT_",
+        "KUBERNETES_",
+        "AWS_",
+        "AZURE_",
+        "GOOGLE_",
+        "CLOUDSDK_",
+        "GCE_",
+        "XDG_",
+    ];
+    const SUFFIXES: &[&str] = &["_PROXY", "_CA_BUNDLE", "_CA_CERTS", "JAVA_OPTIONS"];
+    const NAMES: &[&str] = &[
+        "PATH",
+        "BASH_ENV",
+        "ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "RUBYOPT",
+        "RUBYLIB",
+        "JAVA_TOOL_OPTIONS",
+        "GCONV_PATH",
+        "KUBECONFIG",
+        "HOME",
+        "TMPDIR",
+    ];
     plain
-        && !(upper.starts_with("LD_")
-            || upper.starts_with("DYLD_")
-            || upper.starts_with("PYTHON")
-            || upper.starts_with("PERL5")
-            || upper.starts_with("SSL_CERT_")
-            || upper.starts_with("KUBERNETES_")
-            || upper.ends_with("_PROXY")
-            || upper.ends_with("_CA_BUNDLE")
-            || [
-                "PATH",
-                "BASH_ENV",
-                "ENV",
-                "NODE_OPTIONS",
-                "RUBYOPT",
-                "RUBYLIB",
-                "JAVA_TOOL_OPTIONS",
-                "KUBECONFIG",
-            ]
-            .contains(&upper.as_str()))
+        && !(PREFIXES.iter().any(|p| upper.starts_with(p))
+            || SUFFIXES.iter().any(|s| upper.ends_with(s))
+            || NAMES.contains(&upper.as_str()))
 }
 
 /// The variables of the controller's environment to remove from the plugin's: all but the
@@ -491,6 +527,7 @@ impl AccessProviders {
                 .collect(),
             appends_args: provider.args_policy == ArgsPolicy::Append,
             replaces_env: provider.envs_policy == EnvsPolicy::Replace,
+            allowed_env: &provider.profile_env_allowed,
         })
     }
 
@@ -635,7 +672,23 @@ impl AccessProviders {
                     "the extension {ENVS_EXTENSION} of access provider {name:?} sets {refused}, which a profile may not set"
                 ));
             }
+            if let Some(unlisted) = extra
+                .keys()
+                .find(|key| !provider.profile_env_allowed.contains(key))
+            {
+                return Err(format!(
+                    "the extension {ENVS_EXTENSION} of access provider {name:?} sets {unlisted}, which is not in the provider's profileEnvAllowed"
+                ));
+            }
+            let inherited = |key: &str| match provider.inherit_env.as_deref() {
+                Some(list) => list.iter().any(|n| n == key),
+                None => INHERITED_ENV.contains(&key),
+            };
             for (key, value) in extra {
+                // Under AppendIfNotExists, what the plugin inherits is there already.
+                if provider.envs_policy == EnvsPolicy::AppendIfNotExists && inherited(&key) {
+                    continue;
+                }
                 match env.iter_mut().find(|(k, _)| *k == key) {
                     Some(existing) if provider.envs_policy == EnvsPolicy::Replace => {
                         existing.1 = value
@@ -815,6 +868,54 @@ mod tests {
     }
 
     #[test]
+    fn a_profile_never_sets_what_runs_code_redirects_or_picks_the_plugins_identity() {
+        for name in [
+            "LD_PRELOAD",
+            "PATH",
+            "SHELLOPTS",
+            "BASHOPTS",
+            "PS4",
+            "BASH_ENV",
+            "NODE_OPTIONS",
+            "NODE_TLS_REJECT_UNAUTHORIZED",
+            "NODE_EXTRA_CA_CERTS",
+            "_JAVA_OPTIONS",
+            "JDK_JAVA_OPTIONS",
+            "JAVA_TOOL_OPTIONS",
+            "LUA_INIT",
+            "PERLLIB",
+            "PERL5OPT",
+            "GIT_SSH_COMMAND",
+            "GCONV_PATH",
+            "OPENSSL_CONF",
+            "HTTPS_PROXY",
+            "https_proxy",
+            "SSL_CERT_FILE",
+            "AWS_CA_BUNDLE",
+            "AWS_ENDPOINT_URL_STS",
+            "AWS_PROFILE",
+            "AWS_WEB_IDENTITY_TOKEN_FILE",
+            "AZURE_CONFIG_DIR",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+            "CLOUDSDK_CONFIG",
+            "GCE_METADATA_HOST",
+            "KUBECONFIG",
+            "KUBERNETES_SERVICE_HOST",
+            "HOME",
+            "TMPDIR",
+            "XDG_CONFIG_HOME",
+            "A=B",
+            "1X",
+            "",
+        ] {
+            assert!(!profile_may_set(name), "{name}");
+        }
+        for name in ["REGION", "CLUSTER_NAME", "zone", "_X"] {
+            assert!(profile_may_set(name), "{name}");
+        }
+    }
+
+    #[test]
     fn a_malformed_file_is_reported_by_position_never_by_value() {
         for text in [
             // A string where a list is expected.
@@ -887,7 +988,8 @@ mod tests {
                     "execConfig": {{"command": "/p", "args": ["--own"],
                                     "env": [{{"name": "KEEP", "value": "operator"}}]}},
                     "profileSourcedCLIArgsPolicy": "{args}",
-                    "profileSourcedEnvVarsPolicy": "{envs}"}}]}}"#
+                    "profileSourcedEnvVarsPolicy": "{envs}",
+                    "profileEnvAllowed": ["KEEP", "NEW"]}}]}}"#
             ))
             .unwrap()
         };
@@ -1097,12 +1199,7 @@ mod tests {
 
     #[test]
     fn a_profile_may_not_set_variables_that_steer_code_requests_or_credentials() {
-        let providers = AccessProviders::from_json(
-            r#"{"providers": [{"name": "a", "execConfig": {"command": "/a"},
-                "profileSourcedEnvVarsPolicy": "Replace"}]}"#,
-        )
-        .unwrap();
-        for variable in [
+        let refused = [
             "LD_PRELOAD",
             "ld_library_path",
             "DYLD_INSERT_LIBRARIES",
@@ -1120,10 +1217,24 @@ mod tests {
             "PYTHONPATH",
             "SSL_CERT_FILE",
             "REQUESTS_CA_BUNDLE",
+            "SHELLOPTS",
+            "PS4",
+            "AWS_ENDPOINT_URL_STS",
             "1ST",
             "A-B",
             "",
-        ] {
+        ];
+        // Listed by the operator, or not: the deny-list stands behind the allow-list.
+        let mut allowed: Vec<&str> = refused.to_vec();
+        allowed.push("REGION");
+        let providers = AccessProviders::from_json(
+            &json!({"providers": [{"name": "a", "execConfig": {"command": "/a"},
+                "profileSourcedEnvVarsPolicy": "Replace",
+                "profileEnvAllowed": allowed}]})
+            .to_string(),
+        )
+        .unwrap();
+        for variable in refused {
             let status = json!({"accessProviders": [{"name": "a", "cluster": {
                 "server": "https://a",
                 "extensions": [{"name": ENVS_EXTENSION, "extension": {variable: "x"}}]}}]});
@@ -1133,6 +1244,12 @@ mod tests {
                 "{variable}: {error}"
             );
         }
+        // A plain variable the operator did not list.
+        let status = json!({"accessProviders": [{"name": "a", "cluster": {
+            "server": "https://a",
+            "extensions": [{"name": ENVS_EXTENSION, "extension": {"ZONE": "a"}}]}}]});
+        let error = providers.kubeconfig_for(&profile(status)).unwrap_err();
+        assert!(error.contains("profileEnvAllowed"), "{error}");
         let status = json!({"accessProviders": [{"name": "a", "cluster": {
             "server": "https://a",
             "extensions": [{"name": ENVS_EXTENSION, "extension": {"REGION": "east"}}]}}]});

@@ -48,11 +48,23 @@ pub type Naming = Arc<dyn Fn(&Path, &str) -> String + Send + Sync>;
 /// What failed is tried again after [`File::retry`], doubling up to five minutes, or at
 /// once when the file or a file it names changes; contexts that work are not rebuilt, so
 /// their credential plugins do not run again.
+///
+/// **Trust.** Whoever can write the sources (the files, their directories, the files they
+/// name) decides everything about those clusters, and more: by default a kubeconfig file may
+/// run an exec plugin (any command, as the controller) and name any local file the
+/// controller can read (`tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token`
+/// beside a `server` of the writer's choosing sends the controller's own token there). That
+/// suits `~/.kube/config` on an admin's machine. For directories others write (a ConfigMap
+/// mounted into the pod, whose writers are often a wider group than a Secret's), turn both
+/// off: [`File::allow_exec`] and [`File::allow_local_files`], as `KubeconfigSecrets` does by
+/// default. Files are opened without blocking and must be regular files (a FIFO or a device
+/// is refused) of at most 4 MiB.
 #[derive(Clone)]
 pub struct File {
     sources: Vec<PathBuf>,
     naming: Naming,
     retry: Duration,
+    trust: super::kubeconfig_secrets::Trust,
 }
 
 impl std::fmt::Debug for File {
@@ -71,6 +83,8 @@ const MAX_RETRY: Duration = Duration::from_secs(300);
 const BUILDS_AT_ONCE: usize = 4;
 /// The largest file a kubeconfig may name (certificates, keys and tokens are a few KiB).
 const MAX_NAMED_FILE: u64 = 1 << 20;
+/// The largest kubeconfig file (one of many contexts is some tens of KiB).
+const MAX_KUBECONFIG: u64 = 4 << 20;
 
 impl File {
     /// Clusters from these files, directories and glob patterns.
@@ -79,7 +93,30 @@ impl File {
             sources: sources.into_iter().map(Into::into).collect(),
             naming: Arc::new(File::default_name),
             retry: Duration::from_secs(5),
+            trust: super::kubeconfig_secrets::Trust {
+                exec: true,
+                local_files: true,
+            },
         }
+    }
+
+    /// Whether a file's contexts may run exec credential plugins and auth-providers (the
+    /// default, as kubectl does): off for sources others can write, whose exec plugins would
+    /// run as the controller. A context that would is then not engaged (a WARN says why).
+    #[must_use]
+    pub fn allow_exec(mut self, allow: bool) -> Self {
+        self.trust.exec = allow;
+        self
+    }
+
+    /// Whether a file's contexts may name local files (CA, client certificate and key, token
+    /// file; the default, as kubectl does): off for sources others can write, since a
+    /// `tokenFile` naming the controller's service account token beside a server of the
+    /// writer's choosing sends that token there.
+    #[must_use]
+    pub fn allow_local_files(mut self, allow: bool) -> Self {
+        self.trust.local_files = allow;
+        self
     }
 
     /// Clusters from `$KUBECONFIG` (its files, separated by `:`), else `~/.kube/config`.
@@ -169,12 +206,12 @@ enum Read {
 }
 
 /// Reads every source. Blocking.
-fn scan(sources: &[PathBuf]) -> Scan {
+fn scan(sources: &[PathBuf], trust: super::kubeconfig_secrets::Trust) -> Scan {
     let mut dirs: BTreeSet<PathBuf> = source_dirs(sources).into_iter().collect();
     let files = expand(sources)
         .into_iter()
         .map(|path| {
-            let read = read_file(&path, &mut dirs);
+            let read = read_file(&path, &mut dirs, trust);
             (path, read)
         })
         .collect();
@@ -245,11 +282,16 @@ fn source_dirs(sources: &[PathBuf]) -> Vec<PathBuf> {
 
 /// Reads one kubeconfig file, adding the directories of the files it names to `dirs`.
 /// Blocking.
-fn read_file(path: &Path, dirs: &mut BTreeSet<PathBuf>) -> Read {
-    let text = match std::fs::read_to_string(path) {
+fn read_file(
+    path: &Path,
+    dirs: &mut BTreeSet<PathBuf>,
+    trust: super::kubeconfig_secrets::Trust,
+) -> Read {
+    let text = match read_regular(path, MAX_KUBECONFIG, "the file")
+        .and_then(|data| String::from_utf8(data).map_err(|_| "the file is not UTF-8".to_string()))
+    {
         Ok(text) => text,
-        Err(error) => {
-            let problem = format!("cannot read the file ({})", error.kind());
+        Err(problem) => {
             let version = version_of(&problem);
             return Read::Unusable { problem, version };
         }
@@ -258,7 +300,11 @@ fn read_file(path: &Path, dirs: &mut BTreeSet<PathBuf>) -> Read {
         version: version_of(&(&problem, &text)),
         problem,
     };
-    let kubeconfig = match super::kubeconfig::parse(&text) {
+    let kubeconfig = match super::kubeconfig_secrets::parse_trusted(
+        text.as_bytes(),
+        trust,
+        "this File provider's kubeconfigs",
+    ) {
         Ok(kubeconfig) => kubeconfig,
         Err(problem) => return unusable(problem),
     };
@@ -368,20 +414,35 @@ fn standalone(
 /// A file a kubeconfig names: a regular file of at most [`MAX_NAMED_FILE`] bytes (a FIFO
 /// or a device would block or never end). Blocking.
 fn read_named(path: &Path) -> Result<Vec<u8>, String> {
-    let cannot = |e: std::io::Error| format!("cannot read the file it names ({})", e.kind());
-    let meta = std::fs::metadata(path).map_err(cannot)?;
+    read_regular(path, MAX_NAMED_FILE, "the file it names")
+}
+
+/// The content of the regular file at `path`, of at most `max` bytes. It is opened without
+/// blocking (a FIFO put there would block the opening itself) and checked once open (what
+/// was checked before the opening may have been swapped for something else since).
+/// Blocking.
+fn read_regular(path: &Path, max: u64, subject: &str) -> Result<Vec<u8>, String> {
+    let cannot = |e: std::io::Error| format!("cannot read {subject} ({})", e.kind());
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        options.custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits());
+    }
+    let file = options.open(path).map_err(cannot)?;
+    let meta = file.metadata().map_err(cannot)?;
     if !meta.is_file() {
-        return Err("the file it names is not a regular file".into());
+        return Err(format!("{subject} is not a regular file"));
+    }
+    let larger = || format!("{subject} is larger than {} KiB", max / 1024);
+    if meta.len() > max {
+        return Err(larger());
     }
     let mut data = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_NAMED_FILE + 1).read_to_end(&mut data))
-        .map_err(cannot)?;
-    if data.len() as u64 > MAX_NAMED_FILE {
-        return Err(format!(
-            "the file it names is larger than {} KiB",
-            MAX_NAMED_FILE / 1024
-        ));
+    file.take(max + 1).read_to_end(&mut data).map_err(cannot)?;
+    if data.len() as u64 > max {
+        return Err(larger());
     }
     Ok(data)
 }
@@ -505,8 +566,8 @@ impl Provider for File {
         let mut watched: BTreeSet<PathBuf> = BTreeSet::new();
         let mut state: BTreeMap<PathBuf, FileState> = BTreeMap::new();
         loop {
-            let sources = self.sources.clone();
-            let Ok(scan) = tokio::task::spawn_blocking(move || scan(&sources)).await else {
+            let (sources, trust) = (self.sources.clone(), self.trust);
+            let Ok(scan) = tokio::task::spawn_blocking(move || scan(&sources, trust)).await else {
                 // Only a panic ends the blocking read early; the next round reads again.
                 tracing::warn!("reading the kubeconfig files failed; will retry");
                 tokio::time::sleep(self.retry).await;
@@ -785,6 +846,90 @@ contexts:
             standalone(&kubeconfig, &kubeconfig.contexts[0], dir.path(), &mut dirs).unwrap_err(),
             "certificate-authority: the file it names is not a regular file"
         );
+    }
+
+    /// `read_file` on another thread, given five seconds (a read that blocks fails the test
+    /// instead of hanging it).
+    fn read_within(path: &Path, trust: super::super::kubeconfig_secrets::Trust) -> Read {
+        let path = path.to_path_buf();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_file(&path, &mut BTreeSet::new(), trust));
+        });
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("the read blocked")
+    }
+
+    fn problem(read: Read) -> String {
+        match read {
+            Read::Unusable { problem, .. } => problem,
+            Read::Contexts(contexts) => match &contexts[0].1 {
+                Err(problem) => problem.clone(),
+                Ok(_) => panic!("usable"),
+            },
+        }
+    }
+
+    #[test]
+    fn fifos_huge_files_and_what_the_trust_forbids_are_refused_without_blocking() {
+        let all = super::super::kubeconfig_secrets::Trust {
+            exec: true,
+            local_files: true,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        // A FIFO where a kubeconfig was (nobody writes it: opening it to read would block).
+        let fifo = dir.path().join("config");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(
+            problem(read_within(&fifo, all)),
+            "the file is not a regular file"
+        );
+        // A FIFO a kubeconfig names.
+        let named = dir.path().join("named");
+        std::fs::write(
+            &named,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\n    certificate-authority: ca-fifo\ncontexts:\n- name: x\n  context:\n    cluster: c\n",
+        )
+        .unwrap();
+        nix::unistd::mkfifo(&dir.path().join("ca-fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(
+            problem(read_within(&named, all)),
+            "certificate-authority: the file it names is not a regular file"
+        );
+        // A sparse file of 8 GiB: not read into memory.
+        let huge = dir.path().join("huge");
+        std::fs::File::create(&huge)
+            .unwrap()
+            .set_len(8 << 30)
+            .unwrap();
+        assert_eq!(
+            problem(read_within(&huge, all)),
+            "the file is larger than 4096 KiB"
+        );
+        // What the trust forbids.
+        let exec = dir.path().join("exec");
+        std::fs::write(
+            &exec,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: https://127.0.0.1:1}\nusers:\n- name: u\n  user:\n    exec: {apiVersion: client.authentication.k8s.io/v1, command: /bin/true}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n",
+        )
+        .unwrap();
+        let no_exec = super::super::kubeconfig_secrets::Trust {
+            exec: false,
+            local_files: true,
+        };
+        assert!(problem(read_within(&exec, no_exec)).contains("allow_exec"));
+        assert!(matches!(read_within(&exec, all), Read::Contexts(_)));
+        let token_file = dir.path().join("token-file");
+        std::fs::write(
+            &token_file,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: https://127.0.0.1:1}\nusers:\n- name: u\n  user: {tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token}\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\n",
+        )
+        .unwrap();
+        let no_files = super::super::kubeconfig_secrets::Trust {
+            exec: true,
+            local_files: false,
+        };
+        assert!(problem(read_within(&token_file, no_files)).contains("allow_local_files"));
     }
 
     #[test]

@@ -276,6 +276,11 @@ pub(crate) struct Trust {
 /// A kubeconfig as read from a Secret's data: UTF-8 YAML that, unless `trust` allows it,
 /// neither runs commands (exec plugins, auth-providers) nor reads local files.
 pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, String> {
+    parse_trusted(data, trust, "kubeconfigs from Secrets")
+}
+
+/// A kubeconfig as `trust` lets it be (`what` says where it comes from, in the refusals).
+pub(crate) fn parse_trusted(data: &[u8], trust: Trust, what: &str) -> Result<Kubeconfig, String> {
     let text = std::str::from_utf8(data).map_err(|_| "the kubeconfig is not UTF-8".to_string())?;
     let kubeconfig = super::kubeconfig::parse(text)?;
     // Entries are named by position: their names are the Secret's content too.
@@ -293,7 +298,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
             };
             if let Some(field) = field {
                 return Err(format!(
-                    "users[{i}].user.{field}: kubeconfigs from Secrets may not run exec credential plugins or auth-providers (see the provider's allow_exec)"
+                    "users[{i}].user.{field}: {what} may not run exec credential plugins or auth-providers (see the provider's allow_exec)"
                 ));
             }
         }
@@ -306,7 +311,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
             && let Some((field, _)) = files.iter().find(|(_, f)| f.is_some())
         {
             return Err(format!(
-                "users[{i}].user.{field}: kubeconfigs from Secrets may not read local files, it would send or use the controller's own files (see the provider's allow_local_files)"
+                "users[{i}].user.{field}: {what} may not read local files, it would send or use the controller's own files (see the provider's allow_local_files)"
             ));
         }
     }
@@ -318,7 +323,7 @@ pub(crate) fn parse_kubeconfig(data: &[u8], trust: Trust) -> Result<Kubeconfig, 
                 .is_some_and(|c| c.certificate_authority.is_some())
         {
             return Err(format!(
-                "clusters[{i}].cluster.certificate-authority: kubeconfigs from Secrets may not read local files (see the provider's allow_local_files)"
+                "clusters[{i}].cluster.certificate-authority: {what} may not read local files (see the provider's allow_local_files)"
             ));
         }
     }
