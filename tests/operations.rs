@@ -2214,6 +2214,94 @@ async fn the_example_operator_runs_with_the_deploy_rbac_copies_reports_and_fails
     assert!(holder.is_empty(), "the Lease was released: {holder:?}");
 }
 
+/// A provider that takes a while to stop after the shutdown: the run's drain lasts that long.
+struct SlowToStop(Duration);
+
+impl multicluster_runtime::Provider for SlowToStop {
+    type Id = ClusterName;
+
+    async fn run(
+        &self,
+        _: multicluster_runtime::Fleet<ClusterName>,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Result<(), multicluster_runtime::ProviderError> {
+        shutdown.cancelled().await;
+        tokio::time::sleep(self.0).await;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_standby_shutting_down_takes_no_lease_it_would_not_release() {
+    use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let host = env.cluster(0).unwrap().client().unwrap();
+    let leases: Api<Lease> = Api::namespaced(host.clone(), "default");
+    // Another replica leads.
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+        k8s_openapi::jiff::Timestamp::now(),
+    );
+    leases
+        .create(
+            &PostParams::default(),
+            &Lease {
+                metadata: ObjectMeta {
+                    name: Some("operations-leader".into()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some("the-leader".into()),
+                    lease_duration_seconds: Some(3600),
+                    acquire_time: Some(now.clone()),
+                    renew_time: Some(now),
+                    ..Default::default()
+                }),
+            },
+        )
+        .await
+        .unwrap();
+    // A standby whose shutdown takes 3 s to drain (its provider is slow to stop).
+    let manager = Arc::new(
+        Manager::new(SlowToStop(Duration::from_secs(3)))
+            .leader_election(election(host.clone(), "standby")),
+    );
+    let run = spawn_manager(&manager);
+    // Sync point: the standby has tried the lease (its campaign saw it held).
+    eventually(30, "the standby campaigning", async || {
+        !logs
+            .lines(&[
+                "another replica leads; waiting for the lease",
+                "identity=standby",
+            ])
+            .is_empty()
+    })
+    .await;
+    assert!(!manager.is_leader());
+    // The two are terminated together (a node drain): the standby starts winding down, and
+    // meanwhile the leader releases the lease.
+    manager.shutdown();
+    let mut lease = leases.get("operations-leader").await.unwrap();
+    let spec = lease.spec.as_mut().unwrap();
+    spec.holder_identity = None;
+    spec.lease_duration_seconds = Some(1);
+    leases
+        .replace("operations-leader", &PostParams::default(), &lease)
+        .await
+        .unwrap();
+    run.await.unwrap();
+    // The standby's drain lasted several retry periods: a campaign still running would have
+    // taken the lease and, not leading, never released it.
+    let holder = leases
+        .get("operations-leader")
+        .await
+        .unwrap()
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default();
+    assert!(holder.is_empty(), "held by {holder:?} after the run");
+}
+
 #[tokio::test]
 async fn the_deploy_rbac_suffices_the_operator_runs_as_deployed_and_repairs_drift_at_once() {
     let binary = operator_binary();

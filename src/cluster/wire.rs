@@ -617,10 +617,13 @@ fn seen_version<W: Resource>(object: &W) -> Option<String> {
 /// A failed request, logged as kube-runtime's watcher logs it: a refusal (403) as a warning,
 /// anything else at debug (the caller reports it).
 fn logged(error: &kube::Error, doing: &str) {
+    // Through the redaction: a host client (sharding's group watch) is the user's own, not
+    // wrapped by the crate, and its exec plugin's failure quotes its command line and output.
+    let shown = crate::cluster::Shown(error);
     if matches!(error, kube::Error::Api(status) if status.is_forbidden()) {
-        tracing::warn!(%error, "{doing}: forbidden");
+        tracing::warn!(error = %shown, "{doing}: forbidden");
     } else {
-        tracing::debug!(%error, "{doing} failed");
+        tracing::debug!(error = %shown, "{doing} failed");
     }
 }
 
@@ -635,6 +638,42 @@ fn status_logged(status: &Status) {
 #[cfg(test)]
 mod tests {
     use std::task::Poll;
+
+    #[test]
+    fn a_host_clients_plugin_failure_is_logged_without_its_text() {
+        use std::os::unix::process::ExitStatusExt as _;
+        #[derive(Clone, Default)]
+        struct Buffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(move || writer.clone())
+            .finish();
+        let failure = kube::client::AuthError::AuthExecRun {
+            cmd: "plugin --secret=MARKER-ARG".into(),
+            out: Box::new(std::process::Output {
+                status: std::process::ExitStatus::from_raw(256),
+                stdout: b"MARKER-OUT".to_vec(),
+                stderr: Vec::new(),
+            }),
+        };
+        tracing::subscriber::with_default(subscriber, || {
+            super::logged(&kube::Error::Auth(failure), "listing the group's Leases");
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("listing the group's Leases failed"), "{text}");
+        assert!(!text.contains("MARKER"), "{text}");
+    }
 
     use bytes::Bytes;
     use futures::StreamExt;

@@ -140,13 +140,10 @@ impl<R: Hash + Eq + Clone> Failures<R> {
         action: crate::Action,
         failed: bool,
     ) -> crate::Action {
+        // The reconcile is over: a terminal mark it left (one not taken by an error it
+        // returned: it timed out, or succeeded) must not make the next one's error terminal.
+        self.clear_terminal(request);
         if action.is_backoff() {
-            if !failed && !self.is_empty() {
-                // A mark of a reconcile that did not fail is stale.
-                let mut counts = lock(&self.counts);
-                counts.terminal.remove(request);
-                counts.publish(&self.len);
-            }
             return crate::Action::requeue(self.failed(request, version));
         }
         if failed {
@@ -219,6 +216,18 @@ impl<R: Hash + Eq + Clone> Failures<R> {
         counts.publish(&self.len);
     }
 
+    /// Drops a terminal mark of `request` (its reconcile ended without its error being
+    /// looked at: dropped, panicked, timed out).
+    pub(crate) fn clear_terminal(&self, request: &R) {
+        if self.is_empty() {
+            return;
+        }
+        let mut counts = lock(&self.counts);
+        if counts.terminal.remove(request) {
+            counts.publish(&self.len);
+        }
+    }
+
     /// Whether the reconcile of `request` that just failed said its error was terminal (the
     /// mark is taken).
     pub(crate) fn take_terminal(&self, request: &R) -> bool {
@@ -254,6 +263,24 @@ mod tests {
         assert_eq!(backoff.delay(17), ms(655_360));
         assert_eq!(backoff.delay(18), Duration::from_secs(1000));
         assert_eq!(backoff.delay(u32::MAX), Duration::from_secs(1000));
+    }
+
+    #[test]
+    fn a_terminal_mark_never_outlives_its_reconcile() {
+        let failures = Failures::new(FailureBackoff::default());
+        // Marked, then the reconcile timed out (settled as a failed backoff): the next
+        // reconcile's ordinary error is not terminal.
+        failures.mark_terminal("a");
+        failures.settle(&"a", Some("1"), crate::Action::backoff(), true);
+        assert!(!failures.take_terminal(&"a"), "the mark outlived a timeout");
+        // Marked, then the reconcile panicked or was dropped (nothing settled).
+        failures.mark_terminal("b");
+        failures.clear_terminal(&"b");
+        assert!(!failures.take_terminal(&"b"));
+        // Marked and returned with the error: taken once.
+        failures.mark_terminal("c");
+        assert!(failures.take_terminal(&"c"));
+        assert!(!failures.take_terminal(&"c"));
     }
 
     #[tokio::test(start_paused = true)]

@@ -666,7 +666,7 @@ where
             }
         };
         // Biased: a reconcile that is done is not made to wait on the token first.
-        tokio::select! {
+        let ended = tokio::select! {
             biased;
             (action, reason) = work => {
                 let took = began.map(|b| b.elapsed());
@@ -680,7 +680,10 @@ where
                 tracing::warn!(cluster = %req.cluster, ?grace, "reconcile dropped: its cluster was disengaged and it did not return within the grace period");
                 (req, Action::await_change(), reason, true, began.map(|b| b.elapsed()), false)
             }
-        }
+        };
+        // Whatever ended it (a panic, the grace period), a terminal mark it left is its own.
+        counts.clear_terminal(&ended.0);
+        ended
     }
     .instrument(span)
     .boxed()

@@ -658,7 +658,11 @@ where
                         (action, failure, *took)
                     }
                     Failure::Panicked(message, took) => (
-                        Action::requeue(super::PANIC_REQUEUE),
+                        {
+                            // A mark the panicked reconcile left is its own.
+                            single.take_terminal(&*obj);
+                            Action::requeue(super::PANIC_REQUEUE)
+                        },
                         Some(super::Failure::Panic(message.clone())),
                         *took,
                     ),

@@ -671,6 +671,20 @@ impl<'a, P: Provider> Run<'a, P> {
                 }
             }
         }
+        // A standby stops campaigning before the drain: a lease it won during the drain would
+        // be neither used nor given up (only a lease held when the drain ends is released
+        // below), and the others would wait a lease duration for it. One won just before the
+        // campaign stopped is released now (the release checks who holds it).
+        if manager.leading.borrow().is_none()
+            && let Some((campaign, stop)) = self.campaign.take()
+        {
+            stop.cancel();
+            if let Ok(elector) = campaign.await
+                && elector.config().release_on_shutdown
+            {
+                release(elector, &self.lease).await;
+            }
+        }
         let lost = self.drain().await;
         // The webhook server goes after the controllers (their own writes may need it, as in
         // controller-runtime): it takes no new review from now on, and those in flight are
