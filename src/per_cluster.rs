@@ -61,12 +61,31 @@ pub(crate) async fn run<C: ClusterId>(env: Env<C>, name: Arc<str>, task: PerClus
             }
         });
     };
+    // Work starts only under a tenure that holds (the leader Lease or the shard's fences
+    // renewed in time, as for reconciles): an engagement meanwhile waits for the next
+    // renewal, and is dropped if it ends first.
+    let mut tenure = env.tenure.subscribe();
+    let mut parked: Vec<Engagement<C>> = Vec::new();
     loop {
         tokio::select! {
             () = env.shutdown.cancelled() => break,
+            Ok(()) = tenure.changed(), if !parked.is_empty() => {
+                if env.tenure.holds() {
+                    for engagement in parked.drain(..) {
+                        start(&mut tasks, engagement);
+                    }
+                }
+            }
             event = events.recv() => match event {
-                Some(FleetEvent::Engaged(engagement)) => start(&mut tasks, engagement),
-                Some(FleetEvent::Replaced { new, .. }) => start(&mut tasks, new),
+                Some(FleetEvent::Engaged(engagement) | FleetEvent::Replaced { new: engagement, .. }) => {
+                    parked.retain(|p| p.session.is_active());
+                    if env.tenure.holds() {
+                        start(&mut tasks, engagement);
+                    } else {
+                        tracing::debug!(task = %name, cluster = %engagement.cluster.id(), "per-cluster task waits for the tenure to be renewed");
+                        parked.push(engagement);
+                    }
+                }
                 Some(FleetEvent::Disengaged(_) | FleetEvent::Departed(_)) => {}
                 None => break,
             },
@@ -97,4 +116,94 @@ pub(crate) fn until_either(a: CancellationToken, b: CancellationToken) -> Cancel
         }
     });
     either
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::ClusterName;
+
+    #[derive(Clone, Default)]
+    struct Log(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Log {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_task_starts_only_under_a_tenure_that_holds() {
+        // One thread: the subscriber set here sees the task loop's lines.
+        let log = Log::default();
+        let writer = log.clone();
+        let _logging = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_max_level(tracing::Level::DEBUG)
+                .with_writer(move || writer.clone())
+                .finish(),
+        );
+        let fleet = crate::Fleet::<ClusterName>::new();
+        let tenure = Arc::new(crate::tenure::Tenure::ended());
+        let shutdown = CancellationToken::new();
+        let env = Env {
+            fleet: fleet.clone(),
+            local: None,
+            shutdown: shutdown.clone(),
+            grace: crate::controller::Grace {
+                timeout: std::time::Duration::from_secs(1),
+                abort: CancellationToken::new(),
+            },
+            backoff: crate::WatchBackoff::default(),
+            metrics: None,
+            transforms: Arc::default(),
+            namespaces: Arc::default(),
+            paged_lists: false,
+            instance: Arc::from("test"),
+            tenure: tenure.clone(),
+        };
+        let started = Arc::new(AtomicUsize::new(0));
+        let counted = started.clone();
+        let task = boxed(move |_: Cluster<ClusterName>, until: CancellationToken| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                until.cancelled().await;
+            }
+        });
+        let running = tokio::spawn(run(env, Arc::from("writer"), task));
+        // Engaged while the tenure has lapsed (a renewal overdue): not started.
+        let cluster = Cluster::from_config(
+            ClusterName::from("a"),
+            kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
+        )
+        .unwrap();
+        fleet.engage(cluster).unwrap();
+        // Sync point: the loop says it parked the engagement.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !String::from_utf8_lossy(&log.0.lock().unwrap()).contains("waits for the tenure") {
+            assert!(tokio::time::Instant::now() < deadline, "never parked");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            0,
+            "started without a tenure"
+        );
+        // Renewed: the waiting engagement starts.
+        tenure.until(tokio::time::Instant::now() + std::time::Duration::from_secs(60));
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        while started.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        shutdown.cancel();
+        running.await.unwrap();
+    }
 }

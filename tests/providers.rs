@@ -773,3 +773,62 @@ async fn kubeconfig_secrets_refuse_each_content_once() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+#[tokio::test]
+async fn a_kubeconfig_secrets_token_about_to_expire_is_said_ahead_of_time() {
+    use k8s_openapi::api::core::v1::Secret;
+    use multicluster_runtime::providers::KubeconfigSecrets;
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = host.client().unwrap();
+    create_namespace(&hc, "expiring").await;
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "expiring");
+    let in_days = |days: i64| {
+        let at = k8s_openapi::jiff::Timestamp::now()
+            + k8s_openapi::jiff::SignedDuration::from_hours(24 * days);
+        serde_json::to_value(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at))
+            .unwrap()
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    // Listed in name order: a-later's expiry is looked at before b-soon's.
+    for (name, days) in [("a-later", 100), ("b-soon", 10)] {
+        let mut secret = kubeconfig_secret(name, member.kubeconfig(), true);
+        secret.metadata.annotations = Some(
+            [(
+                "multicluster-runtime.sigs.k8s.io/token-expires".to_string(),
+                in_days(days),
+            )]
+            .into(),
+        );
+        secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+    }
+    let manager = Arc::new(Manager::new(KubeconfigSecrets::new(hc.clone(), "expiring")));
+    let run = spawn_manager(&manager);
+    eventually(30, "the coming expiry said on b-soon", async || {
+        has_event(
+            &hc,
+            "expiring",
+            "TokenExpiring",
+            "b-soon",
+            "expires in 9 days",
+        )
+        .await
+            || has_event(
+                &hc,
+                "expiring",
+                "TokenExpiring",
+                "b-soon",
+                "expires in 10 days",
+            )
+            .await
+    })
+    .await;
+    assert!(!has_event(&hc, "expiring", "TokenExpiring", "a-later", "").await);
+    manager.shutdown();
+    run.await.unwrap();
+}

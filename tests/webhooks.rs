@@ -824,6 +824,111 @@ async fn host_only_webhooks_turn_over_their_ca_without_a_failed_admission() {
         .unwrap();
 }
 
+/// A CA and a serving certificate for 127.0.0.1 it signs: (CA PEM, certificate PEM, key PEM).
+fn issued(generation: u32) -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        format!("test issuer {generation}"),
+    );
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// Writes `files` (CA, certificate, key) into `dir` as a mounted Secret changes: each
+/// replaced at once (a new file renamed over the old).
+fn write_files(dir: &std::path::Path, (ca, cert, key): &(String, String, String)) {
+    for (name, content) in [("ca.crt", ca), ("tls.crt", cert), ("tls.key", key)] {
+        let tmp = dir.join(format!(".{name}.new"));
+        std::fs::write(&tmp, content).unwrap();
+        std::fs::rename(&tmp, dir.join(name)).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_files_from_a_new_ca_are_served_without_a_failed_admission() {
+    let env = TestEnv::start().await.unwrap();
+    let c0 = env.cluster(0).unwrap();
+    let admin = c0.client().unwrap();
+    create_namespace(&admin, NS).await;
+    let dir = tempfile::tempdir().unwrap();
+    let first = issued(1);
+    write_files(dir.path(), &first);
+    let port = free_port();
+    let seen = Arc::new(Seen::default());
+    // Files as cert-manager keeps them in a mounted Secret; the route key in the host Secret.
+    let manager = Arc::new(
+        Manager::new(Clusters::<ClusterName>::new())
+            .with_local(Cluster::from_config(name("host"), c0.config()).unwrap())
+            .webhooks(
+                webhooks(port, seen.clone())
+                    .install(Install::Host)
+                    .secret(Some(NS.into()), "files-route")
+                    .certificate_files(
+                        dir.path().join("tls.crt"),
+                        dir.path().join("tls.key"),
+                        dir.path().join("ca.crt"),
+                    ),
+            ),
+    );
+    let run = spawn_manager(&manager);
+    installed(&admin, "the host").await;
+    // The issuer's key rotates (cert-manager's `rotationPolicy: Always` on its CA): a new
+    // CA and a certificate it signs, at once. Admissions go on throughout.
+    let second = issued(2);
+    write_files(dir.path(), &second);
+    let mut admitted = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let mut saw_both = false;
+    loop {
+        let object = cm(&format!("files-{admitted}"), &[MANAGED], None);
+        create(&admin, &object).await.unwrap_or_else(|e| {
+            panic!("admission {admitted} failed while the CA turned over: {e:?}")
+        });
+        admitted += 1;
+        let bundle = manager.webhook_ca_bundle().unwrap();
+        let (old, new) = (
+            bundle.contains(first.0.trim()),
+            bundle.contains(second.0.trim()),
+        );
+        saw_both |= old && new;
+        // Done once the old CA has left the bundle: the new one's certificate is served.
+        if new && !old {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the CA did not turn over"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        saw_both,
+        "the new CA joined the bundle beside the old one first"
+    );
+    assert!(admitted > 10, "{admitted} admissions");
+    // And after it, still admitted.
+    create(&admin, &cm("files-after", &[MANAGED], None))
+        .await
+        .unwrap();
+    manager.shutdown();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
 /// POSTs an `AdmissionReview` of a ConfigMap to `url` as a member's API server would (any
 /// certificate trusted): the HTTP status.
 async fn post_review(url: &str) -> u16 {

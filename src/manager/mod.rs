@@ -618,7 +618,13 @@ impl<P: Provider> Manager<P> {
     /// after that. For per-cluster background work that must stop with its cluster: a
     /// health probe, a cache warmer, a per-cluster informer of your own (Go's
     /// `multicluster.Aware` components). Like controllers, it runs on the leader only when
-    /// leader election is on. A panic ends that cluster's task only. `name` is for logs.
+    /// leader election is on (with sharding, on the replica that owns the cluster), and,
+    /// like a reconcile, it starts only while this replica's tenure holds: an engagement
+    /// that comes while a renewal is overdue waits for the next one. Once started, the
+    /// task is told of a lost tenure through `until` as soon as the term ends; a task that
+    /// writes where another replica must not should also stop at its own deadline, as
+    /// [`Context::still_owned`](crate::Context::still_owned) says for reconciles. A panic
+    /// ends that cluster's task only. `name` is for logs.
     ///
     /// ```no_run
     /// # use multicluster_runtime::{providers::Clusters, ClusterName, Manager};

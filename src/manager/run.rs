@@ -671,15 +671,17 @@ impl<'a, P: Provider> Run<'a, P> {
                 }
             }
         }
-        // A standby stops campaigning before the drain: a lease it won during the drain would
-        // be neither used nor given up (only a lease held when the drain ends is released
-        // below), and the others would wait a lease duration for it. One won just before the
-        // campaign stopped is released now (the release checks who holds it).
+        // A replica that does not lead stops campaigning before the drain: a lease it won
+        // during the drain would be neither used nor given up (only a lease held when the
+        // drain ends is released below), and the others would wait a lease duration for it.
+        // One won just before the campaign stopped is released now; one lost is not asked
+        // about again.
         if manager.leading.borrow().is_none()
             && let Some((campaign, stop)) = self.campaign.take()
         {
             stop.cancel();
             if let Ok(elector) = campaign.await
+                && manager.leading.send_replace(None).is_some()
                 && elector.config().release_on_shutdown
             {
                 release(elector, &self.lease).await;

@@ -101,7 +101,14 @@ impl<C: ClusterId> Provider for Clusters<C> {
         {
             let mut inner = self.lock();
             for cluster in inner.wanted.values() {
-                fleet.engage(cluster.clone())?;
+                match fleet.engage(cluster.clone()) {
+                    Ok(_) => {}
+                    // One cluster refused (the local cluster's id) stops no other.
+                    Err(error @ EngageError::LocalId { .. }) => {
+                        tracing::warn!(cluster = %cluster.id(), %error, "could not engage");
+                    }
+                    Err(error) => return Err(error.into()),
+                }
             }
             inner.fleet = Some(fleet.clone());
         }

@@ -121,6 +121,32 @@ impl KubeconfigSecrets {
         super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
     }
 
+    /// Says (a WARN line and a Warning Event `TokenExpiring` on the Secret), once per
+    /// expiry, that the token of `entry` ends within 30 days or has ended.
+    async fn warn_expiry(&self, recorder: &Recorder, name: &str, entry: &mut Known) {
+        let Some((expires, reference, said)) = entry.expires.as_mut() else {
+            return;
+        };
+        if *said {
+            return;
+        }
+        let Some(note) = expiring(*expires, std::time::SystemTime::now()) else {
+            return;
+        };
+        *said = true;
+        tracing::warn!(cluster = %name, namespace = %self.namespace, "{note}");
+        let event = kube_runtime::events::Event {
+            type_: kube_runtime::events::EventType::Warning,
+            reason: "TokenExpiring".into(),
+            note: Some(note),
+            action: "Engage".into(),
+            secondary: None,
+        };
+        if let Err(error) = recorder.publish(&event, reference).await {
+            tracing::debug!(cluster = %name, error = %crate::cluster::Shown(&error), "could not record the token's coming expiry");
+        }
+    }
+
     async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {
         tracing::warn!(cluster = %secret.name_any(), namespace = %self.namespace, error = %reason, "kubeconfig Secret refused");
         super::record_refusal(
@@ -157,6 +183,9 @@ impl Provider for KubeconfigSecrets {
         // Builds run a few at once; the rest wait their turn in arrival order.
         let mut building = FuturesUnordered::new();
         let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
+        // Expiries come closer without any change to their Secrets: looked at again hourly.
+        let mut expiries = tokio::time::interval(std::time::Duration::from_secs(3600));
+        expiries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             while building.len() < BUILDS_AT_ONCE
                 && let Some((version, secret)) = waiting.pop_front()
@@ -170,6 +199,12 @@ impl Provider for KubeconfigSecrets {
             }
             let event = tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
+                _ = expiries.tick() => {
+                    for (name, entry) in &mut known {
+                        self.warn_expiry(&recorder, name, entry).await;
+                    }
+                    continue;
+                }
                 Some((version, secret, cluster)) = building.next(), if !building.is_empty() => {
                     let name = secret.name_any();
                     // A newer version, or a deletion, came while this one was built.
@@ -230,9 +265,16 @@ impl Provider for KubeconfigSecrets {
             let name = secret.name_any();
             let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
             let version = version_of(&data.map(|b| b.0.as_slice()));
+            let entry = known.entry(name).or_default();
+            // A token `mcr join` wrote says when it ends: said ahead of time, once per
+            // expiry, rather than found out when every member joined the same week drops out.
+            let expires = token_expiry(&secret);
+            if expires != entry.expires.as_ref().map(|(at, _, _)| *at) {
+                entry.expires = expires.map(|at| (at, secret.object_ref(&()), false));
+                self.warn_expiry(&recorder, &secret.name_any(), entry).await;
+            }
             // Unchanged (another field of the Secret changed, or a relist): nothing to do,
             // and a refusal is not repeated.
-            let entry = known.entry(name).or_default();
             if entry.settled(version) {
                 continue;
             }
@@ -251,6 +293,44 @@ struct Known {
     refused: Option<u64>,
     /// The version whose client is being built or waits to be.
     wanted: Option<u64>,
+    /// When its token ends (`mcr join`'s annotation), as last read; the Secret; whether
+    /// that was said.
+    expires: Option<(i64, k8s_openapi::api::core::v1::ObjectReference, bool)>,
+}
+
+/// The annotation `mcr join` writes: when the token in the kubeconfig ends (RFC 3339).
+pub const TOKEN_EXPIRES_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
+
+/// How long before its token ends a Secret is warned about.
+const EXPIRY_WARNING: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
+/// When `secret`'s token ends (Unix seconds), if `mcr join` said so.
+fn token_expiry(secret: &Secret) -> Option<i64> {
+    let text = secret.annotations().get(TOKEN_EXPIRES_ANNOTATION)?;
+    let time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time =
+        serde_json::from_value(serde_json::Value::String(text.clone())).ok()?;
+    Some(time.0.as_second())
+}
+
+/// What to say of a token ending at `expires` (Unix seconds), seen at `now`: nothing before
+/// [`EXPIRY_WARNING`] of its end.
+fn expiring(expires: i64, now: std::time::SystemTime) -> Option<String> {
+    let now = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let left = expires - now;
+    let warn_within = i64::try_from(EXPIRY_WARNING.as_secs()).unwrap_or(i64::MAX);
+    if left > warn_within {
+        return None;
+    }
+    Some(if left <= 0 {
+        "the token in this kubeconfig has expired: the cluster cannot be reached with it; run `mcr join` again to issue a new one".to_string()
+    } else {
+        format!(
+            "the token in this kubeconfig expires in {} days: run `mcr join` again before then to rotate it",
+            left / 86_400
+        )
+    })
 }
 
 impl Known {

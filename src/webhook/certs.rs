@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
@@ -84,6 +84,8 @@ pub(crate) struct Keeper {
     served: Mutex<Option<Served>>,
     /// Without a host: what is served, made and rotated here.
     in_process: Mutex<Material>,
+    /// With [`Source::Files`]: what is served, and the CAs on their way in or out.
+    files: Mutex<Option<FilesState>>,
     bundle: watch::Sender<Option<Published>>,
     loaded: AtomicBool,
 }
@@ -100,6 +102,75 @@ impl std::fmt::Debug for Keeper {
 impl ResolvesServerCert for Keeper {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         lock(&self.served).as_ref().map(|s| s.key.clone())
+    }
+}
+
+/// What [`Source::Files`] serves, as the files change: a certificate from a CA already in
+/// the bundle is served at once; one from a new CA (the issuer rotated its key) only once
+/// that CA has been in the bundle for a grace period (the installers give it to every
+/// member meanwhile), or when the certificate served would otherwise lapse; the CA it
+/// replaces stays in the bundle for another grace period (replicas that have not switched
+/// yet still serve its certificates).
+#[derive(Clone, Debug)]
+struct FilesState {
+    cert: String,
+    key: String,
+    /// The CA of the served certificate, as read with it.
+    ca: String,
+    /// A new CA read from the files, and since when it is in the bundle.
+    incoming: Option<(String, Instant)>,
+    /// The CA replaced, and until when it stays in the bundle.
+    retired: Option<(String, Instant)>,
+}
+
+impl FilesState {
+    fn next(
+        before: Option<Self>,
+        (cert, key, ca): (String, String, String),
+        now: Instant,
+        unix_now: i64,
+        grace: Duration,
+        margin: i64,
+    ) -> Self {
+        let Some(mut state) = before else {
+            return Self {
+                cert,
+                key,
+                ca,
+                incoming: None,
+                retired: None,
+            };
+        };
+        if state
+            .retired
+            .as_ref()
+            .is_some_and(|(_, until)| *until <= now)
+        {
+            state.retired = None;
+        }
+        if state.ca == ca {
+            // The same issuer: a renewed certificate is served at once.
+            state.cert = cert;
+            state.key = key;
+            state.incoming = None;
+            return state;
+        }
+        let since = match &state.incoming {
+            Some((incoming, since)) if *incoming == ca => *since,
+            _ => {
+                state.incoming = Some((ca.clone(), now));
+                now
+            }
+        };
+        let lapsing =
+            validity_of(&state.cert).is_none_or(|(_, until, _)| unix_now + margin >= until);
+        if now.duration_since(since) >= grace || lapsing {
+            state.retired = Some((std::mem::replace(&mut state.ca, ca), now + grace));
+            state.cert = cert;
+            state.key = key;
+            state.incoming = None;
+        }
+        state
     }
 }
 
@@ -552,6 +623,7 @@ impl Keeper {
             route_cache: Mutex::new(None),
             served: Mutex::new(None),
             in_process: Mutex::new(Material::default()),
+            files: Mutex::new(None),
             bundle: watch::Sender::new(None),
             loaded: AtomicBool::new(false),
         })
@@ -627,9 +699,33 @@ impl Keeper {
                         .map_err(|e| format!("{}: cannot be read ({})", path.display(), e.kind()))
                 };
                 let (cert_pem, key_pem, ca_pem) = (read(cert)?, read(key)?, read(ca)?);
+                // Checked before anything changes: a pair that does not load is not served.
+                certified(&cert_pem, &key_pem)
+                    .map_err(|e| format!("{} and {}: {e}", cert.display(), key.display()))?;
+                let grace = self
+                    .check_every
+                    .saturating_mul(3)
+                    .max(Duration::from_secs(10));
+                let margin = i64::try_from(self.check_every.as_secs().saturating_mul(2))
+                    .unwrap_or(i64::MAX / 4);
+                let state = {
+                    let mut files = lock(&self.files);
+                    let state = FilesState::next(
+                        files.take(),
+                        (cert_pem, key_pem, ca_pem),
+                        Instant::now(),
+                        unix(SystemTime::now()),
+                        grace,
+                        margin,
+                    );
+                    *files = Some(state.clone());
+                    state
+                };
                 let material = Material {
-                    ca: Some((ca_pem, String::new())),
-                    serving: Some((cert_pem, key_pem)),
+                    ca: Some((state.ca, String::new())),
+                    next: state.incoming.map(|(ca, _)| (ca, String::new())),
+                    previous: state.retired.map(|(ca, _)| ca),
+                    serving: Some((state.cert, state.key)),
                     ..routes
                 };
                 self.install(&material)
@@ -1042,7 +1138,8 @@ mod tests {
             std::fs::write(&key, k).unwrap();
             std::fs::write(&ca, material.bundle()).unwrap();
         };
-        let first = plan(&Material::default(), 10, &names(), &settings(), None, 0)
+        let now = unix(SystemTime::now());
+        let first = plan(&Material::default(), now, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
         write(&first);
@@ -1063,26 +1160,114 @@ mod tests {
         assert_eq!(&*served.bundle, first.bundle().as_str());
         assert!(published.has_changed().unwrap());
         published.borrow_and_update();
-        // Rotated on disk (as a mounted Secret is): the new pair served, the new bundle
-        // published, the route key kept.
-        let second = plan(&Material::default(), 20, &names(), &settings(), None, 0)
+        // Renewed by the same CA (as a mounted Secret is): served at once.
+        let renewed = plan(&first, now + 250, &names(), &settings(), None, 0)
             .unwrap()
             .unwrap();
-        write(&second);
+        assert_eq!(renewed.ca, first.ca);
+        write(&renewed);
         keeper.refresh().await.unwrap();
         let again = keeper.served().unwrap();
-        assert_eq!(&*again.bundle, second.bundle().as_str());
-        assert!(!Arc::ptr_eq(&again.key, &served.key));
-        assert!(published.has_changed().unwrap());
+        assert_ne!(
+            again.key.cert, served.key.cert,
+            "the renewed certificate served"
+        );
+        assert_eq!(&*again.bundle, first.bundle().as_str());
         assert_eq!(
             again.route.token(crate::webhook::route::Side::Fleet, "x"),
             served.route.token(crate::webhook::route::Side::Fleet, "x")
         );
+        // A new CA (the issuer's key rotated): published beside the old one at once, its
+        // certificate not served yet (members have not been given it).
+        let rotated = plan(&Material::default(), now, &names(), &settings(), None, 0)
+            .unwrap()
+            .unwrap();
+        write(&rotated);
+        keeper.refresh().await.unwrap();
+        let during = keeper.served().unwrap();
+        assert_eq!(
+            during.key.cert, again.key.cert,
+            "the new CA's certificate served at once"
+        );
+        let (old_ca, new_ca) = (
+            &first.ca.as_ref().unwrap().0,
+            &rotated.ca.as_ref().unwrap().0,
+        );
+        assert!(during.bundle.contains(old_ca.as_str()) && during.bundle.contains(new_ca.as_str()));
+        assert!(published.has_changed().unwrap());
         // Half written: the previous pair is kept, and the error names the file.
         std::fs::write(&key, "not a key").unwrap();
         let problem = keeper.refresh().await.unwrap_err();
         assert!(problem.contains("tls.key"), "{problem}");
-        assert_eq!(&*keeper.served().unwrap().bundle, second.bundle().as_str());
+        assert_eq!(keeper.served().unwrap().key.cert, again.key.cert);
+    }
+
+    #[test]
+    fn a_certificate_of_a_new_ca_is_served_after_a_grace_and_the_old_ca_kept_as_long_again() {
+        let now = unix(SystemTime::now());
+        let pair = |m: &Material| {
+            let (cert, key) = m.serving.clone().unwrap();
+            (cert, key, m.ca.clone().unwrap().0)
+        };
+        let old = plan(&Material::default(), now, &names(), &settings(), None, 0)
+            .unwrap()
+            .unwrap();
+        let new = plan(&Material::default(), now, &names(), &settings(), None, 0)
+            .unwrap()
+            .unwrap();
+        let (grace, margin) = (Duration::from_secs(30), 20);
+        let t0 = Instant::now();
+        let state = FilesState::next(None, pair(&old), t0, now, grace, margin);
+        // The new CA seen: published (incoming), the old certificate still served.
+        let state = FilesState::next(Some(state), pair(&new), t0, now, grace, margin);
+        assert_eq!(state.ca, pair(&old).2);
+        assert_eq!(
+            state.incoming.as_ref().map(|(ca, _)| ca),
+            Some(&pair(&new).2)
+        );
+        let state = FilesState::next(
+            Some(state),
+            pair(&new),
+            t0 + grace / 2,
+            now + 15,
+            grace,
+            margin,
+        );
+        assert_eq!(state.cert, pair(&old).0, "switched before the grace");
+        // After the grace: the new certificate served, the old CA kept as long again.
+        let switched = t0 + grace;
+        let state = FilesState::next(Some(state), pair(&new), switched, now + 30, grace, margin);
+        assert_eq!(
+            (state.cert.as_str(), state.ca.as_str()),
+            (pair(&new).0.as_str(), pair(&new).2.as_str())
+        );
+        assert_eq!(
+            state.retired.as_ref().map(|(ca, _)| ca),
+            Some(&pair(&old).2)
+        );
+        assert!(state.incoming.is_none());
+        let state = FilesState::next(
+            Some(state),
+            pair(&new),
+            switched + grace / 2,
+            now + 45,
+            grace,
+            margin,
+        );
+        assert!(state.retired.is_some());
+        let state = FilesState::next(
+            Some(state),
+            pair(&new),
+            switched + grace,
+            now + 60,
+            grace,
+            margin,
+        );
+        assert!(state.retired.is_none());
+        // The served certificate about to lapse (within the margin): switched at once.
+        let late = FilesState::next(None, pair(&old), t0, now, grace, margin);
+        let late = FilesState::next(Some(late), pair(&new), t0, now + 290, grace, margin);
+        assert_eq!(late.cert, pair(&new).0);
     }
 
     #[test]
