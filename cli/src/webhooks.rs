@@ -48,44 +48,53 @@ fn routes_to(url: &str, name: &str) -> bool {
 /// webhook routed to `name`.
 pub(crate) async fn routed_to(client: &kube::Client, name: &str) -> Result<Vec<Configuration>> {
     let params = ListParams::default().labels(MANAGED);
-    let mut found = Vec::new();
     let validating = Api::<ValidatingWebhookConfiguration>::all(client.clone())
         .list(&params)
         .await
         .context("listing the member's ValidatingWebhookConfigurations")?;
-    for config in validating {
-        let urls = config
-            .webhooks
-            .iter()
-            .flatten()
-            .map(|w| w.client_config.url.clone());
-        if urls.flatten().any(|url| routes_to(&url, name)) {
-            found.push(Configuration {
-                kind: "ValidatingWebhookConfiguration",
-                name: config.metadata.name.unwrap_or_default(),
-                uid: config.metadata.uid,
-            });
-        }
-    }
     let mutating = Api::<MutatingWebhookConfiguration>::all(client.clone())
         .list(&params)
         .await
         .context("listing the member's MutatingWebhookConfigurations")?;
-    for config in mutating {
-        let urls = config
-            .webhooks
-            .iter()
-            .flatten()
-            .map(|w| w.client_config.url.clone());
-        if urls.flatten().any(|url| routes_to(&url, name)) {
-            found.push(Configuration {
-                kind: "MutatingWebhookConfiguration",
-                name: config.metadata.name.unwrap_or_default(),
-                uid: config.metadata.uid,
-            });
-        }
-    }
+    let found = validating
+        .into_iter()
+        .filter_map(|c| {
+            let urls: Vec<_> = c
+                .webhooks
+                .iter()
+                .flatten()
+                .map(|w| w.client_config.url.clone())
+                .collect();
+            routed("ValidatingWebhookConfiguration", c.metadata, urls, name)
+        })
+        .chain(mutating.into_iter().filter_map(|c| {
+            let urls: Vec<_> = c
+                .webhooks
+                .iter()
+                .flatten()
+                .map(|w| w.client_config.url.clone())
+                .collect();
+            routed("MutatingWebhookConfiguration", c.metadata, urls, name)
+        }))
+        .collect();
     Ok(found)
+}
+
+/// The configuration `kind` of `meta`, if one of its webhooks' `urls` routes to `name`.
+fn routed(
+    kind: &'static str,
+    meta: kube::api::ObjectMeta,
+    urls: Vec<Option<String>>,
+    name: &str,
+) -> Option<Configuration> {
+    urls.into_iter()
+        .flatten()
+        .any(|url| routes_to(&url, name))
+        .then(|| Configuration {
+            kind,
+            name: meta.name.unwrap_or_default(),
+            uid: meta.uid,
+        })
 }
 
 /// Waits, at most `within`, until none of `before` is left in the member (the fleet
