@@ -18,9 +18,10 @@ use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
 const MARKER: &str = "mcr-marker-refresh";
 
-/// A kubeconfig user whose exec plugin answers `token`, expiring in 61 s (kube-client
-/// refreshes a token a minute before it expires, so it runs the plugin again for the requests
-/// after the first second), until the file `fail` appears in `dir`; then it fails: it prints
+/// A kubeconfig user whose exec plugin answers `token`, expiring in 3 s (kube-client asks
+/// again for a token within a minute of its expiry: on every request; the crate's clients
+/// in the background, and for the requests after it expired), until the file `fail` appears
+/// in `dir`; then it fails: it prints
 /// the marker on stdout and stderr, and has it in an argument and in an environment value,
 /// and touches `failed` in `dir`.
 fn refreshing_plugin(tc: &TestCluster, dir: &std::path::Path, token: &str) -> kube::Config {
@@ -31,7 +32,7 @@ fn refreshing_plugin(tc: &TestCluster, dir: &std::path::Path, token: &str) -> ku
         format!(
             r#"#!/bin/sh
 if [ ! -f '{dir}/fail' ]; then
-  expires=$(date -u -d '+61 seconds' +%Y-%m-%dT%H:%M:%SZ)
+  expires=$(date -u -d '+3 seconds' +%Y-%m-%dT%H:%M:%SZ)
   printf '{{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","status":{{"token":"{token}","expirationTimestamp":"%s"}}}}' "$expires"
   exit 0
 fi
@@ -553,4 +554,182 @@ async fn a_leader_whose_credential_plugin_fails_reports_the_loss_without_the_plu
         "what failed is said: {text}"
     );
     assert_eq!(logs.lines(&[MARKER]), Vec::<String>::new());
+}
+
+/// A kubeconfig user whose exec plugin answers `token`, expiring in 61 s, on its first run
+/// (kube-client asks again a minute before expiry: from the next second on), and hangs on
+/// every later run, touching `refreshing` in `dir`, for as long as `dir` exists.
+fn plugin_hanging_on_refresh(tc: &TestCluster, dir: &std::path::Path, token: &str) -> kube::Config {
+    use std::os::unix::fs::PermissionsExt;
+    let plugin = dir.join("hanging.sh");
+    std::fs::write(
+        &plugin,
+        format!(
+            r#"#!/bin/sh
+if [ ! -f '{dir}/answered' ]; then
+  touch '{dir}/answered'
+  expires=$(date -u -d '+61 seconds' +%Y-%m-%dT%H:%M:%SZ)
+  printf '{{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","status":{{"token":"{token}","expirationTimestamp":"%s"}}}}' "$expires"
+  exit 0
+fi
+touch '{dir}/refreshing'
+while [ -d '{dir}' ]; do sleep 0.1; done
+exit 1
+"#,
+            dir = dir.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut config = refreshing_plugin(tc, dir, token);
+    let exec = config.auth_info.exec.as_mut().unwrap();
+    (exec.command, exec.args, exec.env) = (Some(plugin.display().to_string()), None, None);
+    config
+}
+
+/// `GET /healthz` over plain HTTP from a thread of its own (not through the runtime under
+/// test, whose workers may be the ones stuck), answered within 1 s, as the kubelet probes.
+fn probe_from_outside(addr: std::net::SocketAddr) -> Result<(), String> {
+    use std::io::{Read, Write};
+    std::thread::spawn(move || {
+        let limit = Duration::from_secs(1);
+        let mut stream =
+            std::net::TcpStream::connect_timeout(&addr, limit).map_err(|e| e.to_string())?;
+        stream
+            .set_read_timeout(Some(limit))
+            .map_err(|e| e.to_string())?;
+        stream
+            .set_write_timeout(Some(limit))
+            .map_err(|e| e.to_string())?;
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: kubelet\r\nConnection: close\r\n\r\n")
+            .map_err(|e| e.to_string())?;
+        let started = std::time::Instant::now();
+        let mut answer = Vec::new();
+        let read = stream.read_to_end(&mut answer);
+        let answer = String::from_utf8_lossy(&answer).to_string();
+        match read {
+            Ok(_) if answer.starts_with("HTTP/1.1 200") && started.elapsed() <= limit => Ok(()),
+            Ok(_) => Err(format!("answered {answer:?}")),
+            Err(e) => Err(format!("no answer within 1 s ({e})")),
+        }
+    })
+    .join()
+    .unwrap()
+}
+
+/// Whether every path in `paths` exists, waited for up to `secs` on this thread (not through
+/// the runtime's timers, which stop with its workers).
+fn files_appear(paths: &[std::path::PathBuf], secs: u64) -> bool {
+    let until = std::time::Instant::now() + Duration::from_secs(secs);
+    while std::time::Instant::now() < until {
+        if paths.iter().all(|p| p.exists()) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_hanging_on_refresh_hold_no_async_worker_so_probes_answer_and_other_clusters_reconcile()
+ {
+    const WORKERS: usize = 2;
+    let env = TestEnv::start().await.unwrap();
+    let tc = env.cluster(0).unwrap();
+    let admin = tc.client().unwrap();
+    create_namespace(&admin, "hang").await;
+    let token = service_account_token(&tc, "hanger").await;
+
+    // (workers + 1) clusters whose plugin hangs from its second run on, and one without.
+    let dirs: Vec<_> = (0..=WORKERS)
+        .map(|_| tempfile::tempdir().unwrap())
+        .collect();
+    let clusters = Clusters::new();
+    for (i, dir) in dirs.iter().enumerate() {
+        let config = plugin_hanging_on_refresh(&tc, dir.path(), &token);
+        clusters
+            .add(Cluster::from_config(name(&format!("hangs-{i}")), config).unwrap())
+            .unwrap();
+    }
+    clusters
+        .add(Cluster::from_config(name("plain"), tc.config()).unwrap())
+        .unwrap();
+    let endpoints =
+        multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap()).plain_http();
+    let manager = Arc::new(Manager::new(clusters).serve(endpoints));
+    let reconciled: Arc<std::sync::Mutex<std::collections::BTreeSet<(String, String)>>> =
+        Arc::default();
+    // Each reconcile reads its object again through the cluster's client, twice a second.
+    async fn read(
+        cm: Arc<ConfigMap>,
+        ctx: Context<ClusterName, std::sync::Mutex<std::collections::BTreeSet<(String, String)>>>,
+    ) -> Result<Action, kube::Error> {
+        let api: Api<ConfigMap> = Api::namespaced(ctx.client(), "hang");
+        api.get(&cm.metadata.name.clone().unwrap_or_default())
+            .await?;
+        ctx.state().lock().unwrap().insert((
+            ctx.cluster_id().to_string(),
+            cm.metadata.name.clone().unwrap_or_default(),
+        ));
+        Ok(Action::requeue(Duration::from_millis(500)))
+    }
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default())
+        .named("hang")
+        .start(
+            read,
+            |_, _: &kube::Error, _: &Context<ClusterName, _>| {
+                Action::requeue(Duration::from_millis(500))
+            },
+            reconciled.clone(),
+        );
+    let cms: Api<ConfigMap> = Api::namespaced(admin.clone(), "hang");
+    cms.create(
+        &PostParams::default(),
+        &config_map("hang", "before", "thing"),
+    )
+    .await
+    .unwrap();
+    let run = spawn_manager(&manager);
+    eventually(60, "every cluster reconciled once", async || {
+        reconciled.lock().unwrap().len() == WORKERS + 2
+    })
+    .await;
+    let addr = manager.served_at().unwrap();
+
+    // Sync point: as many plugins as there are workers hang in a refresh.
+    let refreshing: Vec<_> = dirs.iter().map(|d| d.path().join("refreshing")).collect();
+    assert!(
+        files_appear(&refreshing[..WORKERS], 60),
+        "the plugins were run again for a refresh"
+    );
+    for attempt in 0..3 {
+        if let Err(why) = probe_from_outside(addr) {
+            panic!("probe {attempt} while plugins hang: {why}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(
+        files_appear(&refreshing, 30),
+        "every plugin hangs in a refresh"
+    );
+    // The cluster without a plugin reconciles a change meanwhile.
+    cms.create(
+        &PostParams::default(),
+        &config_map("hang", "after", "thing"),
+    )
+    .await
+    .unwrap();
+    eventually(30, "the plain cluster reconciled the change", async || {
+        reconciled
+            .lock()
+            .unwrap()
+            .contains(&("plain".to_string(), "after".to_string()))
+    })
+    .await;
+    probe_from_outside(addr).expect("a probe after the change");
+
+    manager.shutdown();
+    run.await.unwrap();
+    drop(dirs);
 }

@@ -464,3 +464,85 @@ contexts:
     manager.shutdown();
     run.await.unwrap();
 }
+
+#[tokio::test]
+async fn a_file_whose_plugin_never_answers_holds_up_no_other_file() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let env = TestEnv::start().await.unwrap();
+    let c0 = env.cluster(0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = tempfile::tempdir().unwrap();
+    let started = plugins.path().join("started");
+    // A plugin that never answers (it ends when the test's directory is removed).
+    let plugin = plugins.path().join("plugin.sh");
+    std::fs::write(
+        &plugin,
+        format!(
+            "#!/bin/sh\ntouch '{s}'\nwhile [ -d '{d}' ]; do sleep 0.1; done\nexit 1\n",
+            s = started.display(),
+            d = plugins.path().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let hanging = c0.kubeconfig().replace(
+        "    client-certificate-data:",
+        &format!(
+            "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: {}\n      interactiveMode: Never\n    client-certificate-data:",
+            plugin.display()
+        ),
+    );
+    assert_ne!(hanging, c0.kubeconfig(), "the plugin is in the kubeconfig");
+    std::fs::write(dir.path().join("a-hangs.yaml"), &hanging).unwrap();
+    std::fs::write(dir.path().join("b-healthy.yaml"), c0.kubeconfig()).unwrap();
+
+    let admin = c0.client().unwrap();
+    create_namespace(&admin, "beside").await;
+    kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(admin, "beside")
+        .create(&Default::default(), &config_map("beside", "probe", "thing"))
+        .await
+        .unwrap();
+    let manager = Arc::new(Manager::new(File::new([dir.path()])));
+    let seen = Arc::new(Seen::default());
+    multicluster_runtime::Builder::<_, k8s_openapi::api::core::v1::ConfigMap>::new(
+        &manager,
+        fixture_objects(),
+    )
+    .start(record, retry_soon, seen.clone());
+    let run = spawn_manager(&manager);
+    eventually(20, "the plugin started", async || started.exists()).await;
+    // The healthy file's cluster is engaged while the other's plugin hangs (the build
+    // timeout is 30 s), and a file written meanwhile is read and engaged too.
+    let healthy = id(&dir.path().join("b-healthy.yaml"), "cluster-0");
+    eventually(
+        10,
+        "the healthy cluster engaged beside the hanging one",
+        async || manager.cluster(&healthy).is_some(),
+    )
+    .await;
+    // It reconciles (the only cluster engaged holds the probe).
+    eventually(10, "the healthy cluster reconciled", async || {
+        seen.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.ends_with("/beside/probe"))
+    })
+    .await;
+    let later = dir.path().join("c-later.yaml");
+    std::fs::write(&later, c0.kubeconfig()).unwrap();
+    eventually(10, "a file written meanwhile engaged", async || {
+        manager.cluster(&id(&later, "cluster-0")).is_some()
+    })
+    .await;
+    assert!(
+        manager
+            .cluster(&id(&dir.path().join("a-hangs.yaml"), "cluster-0"))
+            .is_none()
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+    drop(plugins);
+}

@@ -750,6 +750,82 @@ async fn fleet_mode_puts_live_changes_before_listed_objects_and_resyncs_from_the
     order_and_resync_scenario(manager, client, &["one", "two"]).await;
 }
 
+/// L5 of the 2026-11-27 core review: in single mode a periodic resync waits behind live
+/// changes as a listing does. A change made just after a resync began starts before most of
+/// the resync's objects (kube-runtime's own bulk trigger makes them all due at once, and the
+/// change waits behind a random share of them).
+#[tokio::test]
+async fn single_mode_puts_a_live_change_before_the_objects_of_a_resync() {
+    const NS: &str = "resync-order";
+    let env = TestEnv::start().await.unwrap();
+    let client = env.cluster(0).unwrap().client().unwrap();
+    let manager = Arc::new(Manager::new(SingleProvider::new(client.clone())));
+    create_namespace(&client, NS).await;
+    let api = Api::<ConfigMap>::namespaced(client.clone(), NS);
+    let object = |name: &str| ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            labels: Some([("resync-order".to_string(), "yes".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    for i in 0..LISTED {
+        api.create(&PostParams::default(), &object(&format!("listed-{i:03}")))
+            .await
+            .unwrap();
+    }
+    let starts = Arc::new(Starts::default());
+    // A pass over the objects takes about 4 s (80 of 100 ms, two at a time).
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("resync-order"))
+        .named("resync-order")
+        .concurrency(ORDER_CONCURRENCY)
+        .resync_every(Some(Duration::from_secs(8)))
+        .start(slow, |_, _, _| Action::await_change(), starts.clone());
+    let run = spawn_manager(&manager);
+    let starts_of = |key: &str| starts.all().iter().filter(|(k, _)| k == key).count();
+    // Sync point: the resync began (an object started a second time).
+    eventually(60, "the resync's first reconciles", async || {
+        (0..LISTED).any(|i| starts_of(&format!("/listed-{i:03}")) >= 2)
+    })
+    .await;
+    let created = Instant::now();
+    api.create(&PostParams::default(), &object("live"))
+        .await
+        .unwrap();
+    eventually(30, "the live object's reconcile", async || {
+        starts_of("/live") >= 1
+    })
+    .await;
+    let all = starts.all();
+    let live_at = all.iter().find(|(k, _)| k == "/live").unwrap().1;
+    let ahead = all
+        .iter()
+        .filter(|(k, at)| k.starts_with("/listed-") && *at > created && *at < live_at)
+        .count();
+    assert!(
+        ahead <= 8,
+        "{ahead} objects of the resync started between the change and its reconcile"
+    );
+    // Not vacuous: most of the resync was still waiting when the change ran.
+    eventually(60, "the resync done", async || {
+        (0..LISTED).all(|i| starts_of(&format!("/listed-{i:03}")) >= 2)
+    })
+    .await;
+    let after = starts
+        .all()
+        .iter()
+        .filter(|(k, at)| k.starts_with("/listed-") && *at > live_at)
+        .count();
+    assert!(
+        after >= LISTED / 2,
+        "the change ran after all but {after} objects of the resync"
+    );
+    manager.shutdown();
+    run.await.unwrap();
+}
+
 const SYNC_NS: &str = "sync";
 
 /// A cache that cannot list (its identity may not list ConfigMaps) is reported once the cache

@@ -832,3 +832,109 @@ async fn a_kubeconfig_secrets_token_about_to_expire_is_said_ahead_of_time() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+/// Whether `pid` is a process that has not ended (a zombie has ended).
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_string();
+            Some(state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn a_secret_changed_while_its_plugin_hangs_never_has_two_plugins_running() {
+    use k8s_openapi::api::core::v1::Secret;
+    use kube::api::{Patch, PatchParams};
+    use multicluster_runtime::providers::KubeconfigSecrets;
+    use std::os::unix::fs::PermissionsExt;
+
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = host.client().unwrap();
+    create_namespace(&hc, "again").await;
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "again");
+
+    // A plugin that writes its pid and hangs (it ends when the test's directory goes).
+    let dir = tempfile::tempdir().unwrap();
+    let pids = dir.path().join("pids");
+    let plugin = dir.path().join("plugin.sh");
+    std::fs::write(
+        &plugin,
+        format!(
+            "#!/bin/sh\necho $$ >> '{p}'\nwhile [ -d '{d}' ]; do sleep 0.1; done\nexit 1\n",
+            p = pids.display(),
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let kubeconfig = |version: &str| {
+        c1.kubeconfig().replace(
+            "    client-certificate-data:",
+            &format!(
+                "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: {}\n      args: [\"{version}\"]\n      interactiveMode: Never\n    client-certificate-data:",
+                plugin.display()
+            ),
+        )
+    };
+    let started = || -> Vec<i32> {
+        std::fs::read_to_string(&pids)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    secrets
+        .create(
+            &PostParams::default(),
+            &kubeconfig_secret("hangs", &kubeconfig("v1"), true),
+        )
+        .await
+        .unwrap();
+    let manager = Arc::new(Manager::new(
+        KubeconfigSecrets::new(hc.clone(), "again").allow_exec(true),
+    ));
+    let run = spawn_manager(&manager);
+    eventually(30, "the first plugin started", async || {
+        started().len() == 1
+    })
+    .await;
+
+    // A new version of the Secret while the first plugin hangs: its build replaces the
+    // first, whose plugin is ended.
+    for (n, version) in [(2, "v2"), (3, "v3")] {
+        let data = std::collections::BTreeMap::from([(
+            "kubeconfig".to_string(),
+            k8s_openapi::ByteString(kubeconfig(version).into_bytes()),
+        )]);
+        secrets
+            .patch(
+                "hangs",
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "data": data })),
+            )
+            .await
+            .unwrap();
+        eventually(30, &format!("plugin {n} started"), async || {
+            started().len() == n
+        })
+        .await;
+        eventually(10, "the plugins before it ended", async || {
+            started().iter().filter(|pid| alive(**pid)).count() == 1
+        })
+        .await;
+        assert!(alive(*started().last().unwrap()), "the newest plugin runs");
+    }
+
+    manager.shutdown();
+    run.await.unwrap();
+    drop(dir);
+}

@@ -59,22 +59,30 @@ pub(crate) async fn routed_to(client: &kube::Client, name: &str) -> Result<Vec<C
     let found = validating
         .into_iter()
         .filter_map(|c| {
-            let urls: Vec<_> = c
+            let urls = c
                 .webhooks
                 .iter()
                 .flatten()
-                .map(|w| w.client_config.url.clone())
-                .collect();
-            routed("ValidatingWebhookConfiguration", c.metadata, urls, name)
+                .map(|w| w.client_config.url.clone());
+            routed(
+                "ValidatingWebhookConfiguration",
+                c.metadata,
+                urls.collect(),
+                name,
+            )
         })
         .chain(mutating.into_iter().filter_map(|c| {
-            let urls: Vec<_> = c
+            let urls = c
                 .webhooks
                 .iter()
                 .flatten()
-                .map(|w| w.client_config.url.clone())
-                .collect();
-            routed("MutatingWebhookConfiguration", c.metadata, urls, name)
+                .map(|w| w.client_config.url.clone());
+            routed(
+                "MutatingWebhookConfiguration",
+                c.metadata,
+                urls.collect(),
+                name,
+            )
         }))
         .collect();
     Ok(found)

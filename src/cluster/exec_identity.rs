@@ -5,64 +5,57 @@
 //! refused (401) on every request from then on. client-go asks the plugin again when the
 //! server refuses the credentials and closes the connections made with the old certificate.
 //! Here the TLS configuration's certificate comes through [`ExecIdentity`], which hands out
-//! the plugin's latest answer; after a 401 (`reauth`) the plugin is run again, and if the
-//! certificate changed, the transport's connections made with the old one take no new
+//! the plugin's latest answer (`reauth` runs the plugin, `exec_plugin`); after a 401 or
+//! before the certificate expires the plugin is run again, and if the certificate changed, the transport's connections made with the old one take no new
 //! streams (those open finish there) while new connections present the new one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use kube::client::ConfigExt;
 use rustls::SignatureScheme;
 use rustls::client::ResolvesClientCert;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
+use secrecy::{ExposeSecret, SecretString};
 
 use crate::sync::lock;
 
-/// A certificate younger than this is not asked for again (every cluster sharing the
-/// identity may see the same 401).
-const MIN_AGE: Duration = Duration::from_secs(5);
-
 /// The certificate an exec plugin answered with last.
 pub(crate) struct ExecIdentity {
-    config: kube::Config,
-    current: Mutex<Current>,
+    server: String,
+    /// `None` until the plugin answered with a certificate (a certificate given beside the
+    /// plugin in the kubeconfig until then).
+    current: Mutex<Option<Current>>,
     /// Counts the certificates that replaced the first (connections remember theirs).
     generation: AtomicU64,
-    /// One run of the plugin at a time.
-    renewing: Mutex<()>,
 }
 
 struct Current {
     resolver: Arc<dyn ResolvesClientCert>,
-    made: Instant,
 }
 
 impl std::fmt::Debug for ExecIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExecIdentity")
-            .field("server", &self.config.cluster_url)
+            .field("server", &self.server)
             .field("generation", &self.generation())
             .finish_non_exhaustive()
     }
 }
 
 impl ExecIdentity {
-    /// The identity of `tls`, built from `config`, if `config`'s user is an exec plugin and it
-    /// answered with a certificate; `tls` then resolves its certificate through it.
+    /// The identity of `tls`, built from `config`, if `config`'s user is an exec plugin;
+    /// `tls` then resolves its certificate through it. (`tls` was built without running
+    /// the plugin: the certificate comes when the plugin first answers, before the first
+    /// connection.)
     pub(crate) fn wrap(config: &kube::Config, tls: &mut rustls::ClientConfig) -> Option<Arc<Self>> {
-        if config.auth_info.exec.is_none() || !tls.client_auth_cert_resolver.has_certs() {
-            return None;
-        }
+        config.auth_info.exec.as_ref()?;
+        let given = tls.client_auth_cert_resolver.clone();
         let identity = Arc::new(Self {
-            config: config.clone(),
-            current: Mutex::new(Current {
-                resolver: tls.client_auth_cert_resolver.clone(),
-                made: Instant::now(),
-            }),
+            server: config.cluster_url.to_string(),
+            current: Mutex::new(given.has_certs().then_some(Current { resolver: given })),
             generation: AtomicU64::new(0),
-            renewing: Mutex::new(()),
         });
         tls.client_auth_cert_resolver = identity.clone();
         Some(identity)
@@ -74,28 +67,46 @@ impl ExecIdentity {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Runs the plugin again (blocking: call off the async workers) and takes its
-    /// certificate. Returns whether it differs from the one before; a certificate younger
-    /// than [`MIN_AGE`] is kept without a run.
-    pub(crate) fn renew(&self) -> Result<bool, kube::Error> {
-        let _one = lock(&self.renewing);
-        if lock(&self.current).made.elapsed() < MIN_AGE {
-            return Ok(false);
+    /// Takes the plugin's certificate chain and key (PEM). Returns whether it differs from
+    /// the one before; the error holds nothing of either.
+    pub(crate) fn set(&self, chain: &str, key: &SecretString) -> Result<bool, String> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain.as_bytes())
+            .collect::<Result<_, _>>()
+            .map_err(|_| {
+                "the exec credential plugin's client certificate is not valid PEM".to_string()
+            })?;
+        if certs.is_empty() {
+            return Err("the exec credential plugin's client certificate is not valid PEM".into());
         }
-        // secrets-lint: the caller (reauth) puts a failure in fixed words.
-        let tls = self.config.rustls_client_config()?;
-        let resolver = tls.client_auth_cert_resolver;
+        let private = PrivateKeyDer::from_pem_slice(key.expose_secret().as_bytes())
+            .map_err(|_| "the exec credential plugin's client key is not valid PEM".to_string())?;
+        let key = crate::serve::certified(certs, private)
+            .map_err(|e| format!("the exec credential plugin's client certificate: {e}"))?;
+        let resolver: Arc<dyn ResolvesClientCert> = Arc::new(Fixed(key));
         let mut current = lock(&self.current);
-        let changed = leaf(&*resolver) != leaf(&*current.resolver);
-        *current = Current {
-            resolver,
-            made: Instant::now(),
-        };
+        let changed = current
+            .as_ref()
+            .is_some_and(|c| leaf(&*resolver) != leaf(&*c.resolver));
+        *current = Some(Current { resolver });
         if changed {
             self.generation.fetch_add(1, Ordering::AcqRel);
-            tracing::info!(server = %self.config.cluster_url, "the exec credential plugin issued a new client certificate; new connections present it");
+            tracing::info!(server = %self.server, "the exec credential plugin issued a new client certificate; new connections present it");
         }
         Ok(changed)
+    }
+}
+
+/// One certificate, always.
+#[derive(Debug)]
+struct Fixed(Arc<CertifiedKey>);
+
+impl ResolvesClientCert for Fixed {
+    fn resolve(&self, _: &[&[u8]], _: &[SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
     }
 }
 
@@ -125,7 +136,7 @@ impl ResolvesClientCert for ExecIdentity {
         root_hint_subjects: &[&[u8]],
         sigschemes: &[SignatureScheme],
     ) -> Option<Arc<CertifiedKey>> {
-        let resolver = lock(&self.current).resolver.clone();
+        let resolver = lock(&self.current).as_ref()?.resolver.clone();
         resolver.resolve(root_hint_subjects, sigschemes)
     }
 

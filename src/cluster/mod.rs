@@ -11,6 +11,7 @@ mod endpoint;
 mod errors;
 mod events;
 mod exec_identity;
+mod exec_plugin;
 mod id;
 mod identity;
 mod index;
@@ -115,6 +116,8 @@ enum ClientSlot {
         /// The stack the client is made of, for the cluster's watches (which need no
         /// client, and so no buffer); `None` for kube's own stacks.
         raw: Option<wire::RawService>,
+        /// The exec plugin's credentials, when the user is one.
+        credentials: Option<reauth::Credentials>,
     },
     Given {
         given: Client,
@@ -180,38 +183,84 @@ impl<C: ClusterId> Cluster<C> {
     /// A cluster built from `config`, which is kept: re-engaging the same id with a config
     /// that differs in endpoint or credentials replaces the cluster, an equal one is a no-op.
     ///
-    /// An exec credential plugin runs here. If it fails, the error is a
-    /// [`CredentialError`] in [`kube::Error::Service`]: it says what failed, never the
-    /// plugin's command line, environment or output (kube-client's own error quotes them).
+    /// Runs nothing: an exec credential plugin runs when a request first needs its
+    /// credentials (or at [`Cluster::credentials_ready`]), as a child process the runtime
+    /// waits on without holding a thread, killed with its own children after 30 s; it runs
+    /// again from a minute before a token expires (requests go on with the old one
+    /// meanwhile) and after a 401. If it fails, the requests' error is a [`CredentialError`]
+    /// in [`kube::Error::Service`]: it says what failed, never the plugin's command line,
+    /// environment or output (kube-client's own error quotes them).
     pub fn from_config(id: C, config: kube::Config) -> Result<Self, kube::Error> {
         let state = Arc::new(ClientState::default());
         let layer = ClientLayer(state.clone());
-        let (make, raw) = Self::make_client(&config, layer).map_err(redact::redact_kube)?;
+        let (make, raw, credentials) =
+            Self::make_client(&config, layer).map_err(redact::redact_kube)?;
         let slot = ClientSlot::Deferred {
             make: Mutex::new(Some(make)),
             made: std::sync::OnceLock::new(),
             raw,
+            credentials,
         };
         Ok(Self::build(id, slot, state, Some(config), None))
     }
 
+    /// Has the exec credential plugin of a cluster built by [`Cluster::from_config`] run,
+    /// unless its credentials are held and valid; `Ok` for any other cluster. Providers call
+    /// this before engaging a cluster, so that a plugin that fails is a refusal rather than
+    /// a cluster whose every request fails. The error names no credential.
+    pub async fn credentials_ready(&self) -> Result<(), CredentialError> {
+        match &self.inner.client {
+            ClientSlot::Deferred {
+                credentials: Some(credentials),
+                ..
+            } => credentials.ready().await.map_err(CredentialError::new),
+            _ => Ok(()),
+        }
+    }
+
     /// How to make the client of `config` once it is first needed: over the shared
     /// transport (with the stack it is made of, for watches), or kube's own stack for what
-    /// the transport does not do.
+    /// the transport does not do; and the handle of its exec plugin's credentials.
     fn make_client(
         config: &kube::Config,
         layer: ClientLayer,
-    ) -> Result<(MakeClient, Option<wire::RawService>), kube::Error> {
+    ) -> Result<
+        (
+            MakeClient,
+            Option<wire::RawService>,
+            Option<reauth::Credentials>,
+        ),
+        kube::Error,
+    > {
         Ok(match transport::shared(config)? {
             Some(transport) => {
-                let (make, raw) = transport::client(config, transport, layer)?;
-                (make, Some(raw))
+                let (make, raw, credentials) = transport::client(config, transport, layer)?;
+                (make, Some(raw), credentials)
+            }
+            None if config.auth_info.exec.is_some() => {
+                // kube's stack, without its exec plugin (which it would run on a worker):
+                // the crate's own credentials on top, a buffer making the stack cloneable
+                // for them.
+                let mut plain = config.clone();
+                plain.auth_info.exec = None;
+                // secrets-lint: from_config passes the error through redact_kube.
+                let builder = kube::client::ClientBuilder::try_from(plain)?;
+                let exec = reauth::ReauthLayer::new(config, None);
+                let credentials = exec.credentials();
+                let make: MakeClient = Box::new(move || {
+                    builder
+                        .with_layer(&tower::buffer::BufferLayer::new(1024))
+                        .with_layer(&exec)
+                        .with_layer(&layer)
+                        .build()
+                });
+                (make, None, Some(credentials))
             }
             None => {
                 // secrets-lint: from_config passes the error through redact_kube.
                 let builder = kube::client::ClientBuilder::try_from(config.clone())?;
                 let builder = builder.with_layer(&layer);
-                (Box::new(move || builder.build()), None)
+                (Box::new(move || builder.build()), None, None)
             }
         })
     }

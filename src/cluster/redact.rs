@@ -31,6 +31,13 @@ pub struct CredentialError {
 }
 
 impl CredentialError {
+    /// A failure described by `description`, which must hold nothing of the credentials.
+    pub(crate) fn new(description: impl Into<String>) -> Self {
+        Self {
+            description: description.into(),
+        }
+    }
+
     /// What failed, in words that hold nothing of the credentials.
     pub fn description(&self) -> &str {
         &self.description

@@ -208,7 +208,7 @@ pub(crate) fn shared(config: &kube::Config) -> Result<Option<Arc<Transport>>, ku
     if let Some(transport) = lock(registry()).get(&key).and_then(Weak::upgrade) {
         return Ok(Some(transport));
     }
-    // Built outside the registry's lock: the TLS configuration may run an exec plugin.
+    // Built outside the registry's lock: the TLS configuration reads files.
     let endpoint = endpoint(config)?;
     let mut registry = lock(registry());
     if let Some(transport) = registry.get(&key).and_then(Weak::upgrade) {
@@ -326,7 +326,11 @@ fn endpoint(config: &kube::Config) -> Result<Endpoint, kube::Error> {
     let port = url.port_u16().unwrap_or(if https { 443 } else { 80 });
     let mut identity = None;
     let tls = if https {
-        let mut tls = config.rustls_client_config()?;
+        // kube would run an exec plugin here, synchronously, for a client certificate: the
+        // plugin runs later, off the workers, and its certificate comes through `identity`.
+        let mut plain = config.clone();
+        plain.auth_info.exec = None;
+        let mut tls = plain.rustls_client_config()?;
         identity = super::exec_identity::ExecIdentity::wrap(config, &mut tls);
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let name = config
@@ -679,9 +683,10 @@ fn timeout_error(text: String) -> BoxError {
     Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, text))
 }
 
-/// The write timeout on HTTP/2: how long a request may wait for its stream to open (the
-/// connection at its stream limit, or unable to take more). Bytes stuck in the socket are
-/// the keep-alive pings' to find, for every stream of the connection at once.
+/// The write timeout on HTTP/2: how long a request may wait for the connection to take a
+/// stream, and then for its stream to open (queued by h2 while the server's stream limit is
+/// reached). Bytes stuck in the socket are the keep-alive pings' to find, for every stream
+/// of the connection at once.
 async fn send_h2(
     slot: &Slot,
     head: Request<()>,
@@ -703,6 +708,17 @@ async fn send_h2(
     let empty = body.is_empty();
     // An error here comes before the stream was opened: nothing was written.
     let (response, mut stream) = send.send_request(head, empty).map_err(unsent)?;
+    // Over the server's stream limit (lowered below the streams in use after this
+    // connection was picked), h2 queues the stream until another ends; `ready` on the handle
+    // that sent it resolves once it is open (at once if it is). Dropped unopened, nothing
+    // of it reached the server.
+    if let Some(limit) = write_timeout
+        && tokio::time::timeout(limit, send.ready()).await.is_err()
+    {
+        return Err(Failed::TimedOut(timeout_error(format!(
+            "the request's stream did not open within the write timeout ({limit:?})"
+        ))));
+    }
     if !empty {
         // Buffered by h2 and sent as the stream's window allows.
         if let Err(error) = stream.send_data(body, true) {
@@ -868,27 +884,34 @@ where
     }
 }
 
-/// kube's authentication for `config`; for an exec plugin's credentials, one that runs the
-/// plugin again after a 401 (see `reauth`).
+/// The authentication for `config`: for an exec plugin's credentials, the crate's own (see
+/// `reauth`), whose handle comes along; kube's for the rest.
+#[allow(clippy::type_complexity)]
 fn auth_layer(
     config: &kube::Config,
     identity: Option<Arc<super::exec_identity::ExecIdentity>>,
 ) -> Result<
-    tower::util::Either<
-        super::reauth::ReauthLayer,
-        tower::util::Either<kube::client::middleware::AuthLayer, tower::layer::util::Identity>,
-    >,
+    (
+        tower::util::Either<
+            super::reauth::ReauthLayer,
+            tower::util::Either<kube::client::middleware::AuthLayer, tower::layer::util::Identity>,
+        >,
+        Option<super::reauth::Credentials>,
+    ),
     kube::Error,
 > {
     use tower::util::Either;
     Ok(if config.auth_info.exec.is_some() {
-        Either::Left(super::reauth::ReauthLayer::new(config, identity)?)
+        let layer = super::reauth::ReauthLayer::new(config, identity);
+        let credentials = layer.credentials();
+        (Either::Left(layer), Some(credentials))
     } else {
         // secrets-lint: built in Cluster::from_config, which redacts the error.
-        Either::Right(match config.auth_layer()? {
+        let layer = match config.auth_layer()? {
             Some(layer) => Either::Left(layer),
             None => Either::Right(tower::layer::util::Identity::new()),
-        })
+        };
+        (Either::Right(layer), None)
     })
 }
 
@@ -899,19 +922,28 @@ fn auth_layer(
 ///
 /// The client itself (whose request buffer is a task of its own) is made when the returned
 /// function is called: everything that can fail is done here.
+#[allow(clippy::type_complexity)]
 pub(crate) fn client(
     config: &kube::Config,
     transport: Arc<Transport>,
     outer: super::client::ClientLayer,
-) -> Result<(super::client::MakeClient, super::wire::RawService), kube::Error> {
+) -> Result<
+    (
+        super::client::MakeClient,
+        super::wire::RawService,
+        Option<super::reauth::Credentials>,
+    ),
+    kube::Error,
+> {
     let retry = config
         .default_retry
         .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let (auth, credentials) = auth_layer(config, transport.endpoint.identity.clone())?;
     let service = tower::ServiceBuilder::new()
         .layer(outer)
         .layer(config.base_uri_layer())
         .option_layer(retry)
-        .layer(auth_layer(config, transport.endpoint.identity.clone())?)
+        .layer(auth)
         .layer(config.extra_headers_layer()?)
         .service(Shared(transport));
     let raw = super::wire::RawService::new(tower::ServiceExt::map_response(
@@ -921,7 +953,11 @@ pub(crate) fn client(
         },
     ));
     let namespace = config.default_namespace.clone();
-    Ok((Box::new(move || kube::Client::new(service, namespace)), raw))
+    Ok((
+        Box::new(move || kube::Client::new(service, namespace)),
+        raw,
+        credentials,
+    ))
 }
 
 #[cfg(test)]
@@ -991,6 +1027,72 @@ mod tests {
             assert_eq!(lines.next().await.unwrap().unwrap(), r#"{"c":3}"#);
             assert!(lines.next().await.is_none());
             assert!(dropped.load(Ordering::SeqCst));
+        }
+    }
+
+    /// L1 of the 2026-11-27 core review: a request over the server's stream limit is queued
+    /// by h2 until another stream ends; the write timeout bounds that wait (the read
+    /// timeout unset, the server never answering).
+    #[tokio::test]
+    async fn a_stream_over_the_servers_limit_waits_no_longer_than_the_write_timeout() {
+        use std::sync::atomic::AtomicUsize;
+        use std::time::Duration;
+
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        // A server of one stream at a time that takes requests and answers none.
+        tokio::spawn(async move {
+            let mut server = h2::server::Builder::new()
+                .max_concurrent_streams(1)
+                .handshake::<_, Bytes>(server_io)
+                .await
+                .unwrap();
+            let mut held = Vec::new();
+            while let Some(Ok(request)) = server.accept().await {
+                held.push(request);
+            }
+        });
+        let (send, connection) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let mut send = send.ready().await.unwrap();
+        // Sync point: the server's SETTINGS are in.
+        for _ in 0..500 {
+            if send.current_max_send_streams() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(send.current_max_send_streams(), 1);
+        let request = |path: &str| {
+            http::Request::get(format!("https://server{path}"))
+                .body(())
+                .unwrap()
+        };
+        // The one stream, open and unanswered.
+        let (_first, _stream) = send.send_request(request("/first"), true).unwrap();
+        let connection = Arc::new(super::Connection {
+            send,
+            active: AtomicUsize::new(1),
+            closed: AtomicBool::new(false),
+            stop: tokio_util::sync::CancellationToken::new(),
+            runtime: None,
+            identity: 0,
+        });
+        let slot = super::Slot(connection);
+        let limit = Duration::from_millis(300);
+        let waited = tokio::time::timeout(
+            Duration::from_secs(10),
+            super::send_h2(&slot, request("/second"), Bytes::new(), Some(limit)),
+        )
+        .await
+        .expect("the write timeout ends the wait for the stream");
+        match waited {
+            Err(super::Failed::TimedOut(error)) => {
+                assert!(error.to_string().contains("write timeout"), "{error}");
+            }
+            Err(super::Failed::H2 { error, .. }) => panic!("failed otherwise: {error}"),
+            Ok(_) => panic!("the server answers nothing"),
         }
     }
 }

@@ -46,6 +46,9 @@ struct State {
     /// nothing is handed on meanwhile. One older than [`LIVE_WAIT`] no longer holds the gate
     /// (a safety net: each is expected to begin or to be found deleted).
     live: HashMap<ObjectKey, Instant>,
+    /// Live changes begun since a listed object was last handed on while changes waited:
+    /// at [`LOW_SHARE`](super::queue::LOW_SHARE), one listed object goes anyway.
+    live_begun: u32,
     /// The release stream's task, waiting for room or for objects.
     waker: Option<Waker>,
 }
@@ -111,6 +114,9 @@ impl Gate {
         let mut state = self.lock();
         let released = state.released.remove(key);
         let live = state.live.remove(key).is_some();
+        if live {
+            state.live_begun = state.live_begun.saturating_add(1);
+        }
         if released || live {
             self.count(&state);
             if let Some(waker) = state.waker.take() {
@@ -137,7 +143,11 @@ impl Gate {
                     .live
                     .retain(|_, at| now.duration_since(*at) < LIVE_WAIT);
                 self.count(&state);
-                if let Some(oldest) = state.live.values().min() {
+                // Changes keep coming: every LOW_SHARE-th start is a listed object's, so a
+                // listing is never held back for ever.
+                if state.live_begun < super::queue::LOW_SHARE
+                    && let Some(oldest) = state.live.values().min()
+                {
                     // Woken when it begins, or when it no longer holds the gate.
                     let until = *oldest + LIVE_WAIT;
                     let sleep =
@@ -162,6 +172,7 @@ impl Gate {
                     state.holding.shrink_to_fit();
                 }
                 state.released.insert(key.clone());
+                state.live_begun = 0;
                 self.count(&state);
                 let mut object = ObjectRef::<K>::new_with(&key.name, dt.clone());
                 object.namespace = key.namespace;
@@ -246,5 +257,35 @@ mod tests {
         let started = Instant::now();
         assert_eq!(out.next().await.unwrap().name, "a");
         assert!(started.elapsed() >= LIVE_WAIT);
+    }
+
+    /// L5 of the 2026-11-27 core review: while live changes keep coming (one always on its
+    /// way to a worker), a listed object is still handed on after every 16 of them begin.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_of_changes_lets_one_listed_object_through_every_sixteen() {
+        let gate = Arc::new(Gate::new(2));
+        let mut out = Box::pin(gate.clone().releases::<ConfigMap>(()));
+        for i in 0..3 {
+            gate.hold(&cm(&format!("listed-{i}")));
+        }
+        gate.live(&cm("change-0"));
+        let mut handed = Vec::new();
+        for i in 0..48 {
+            // The next change is on its way before this one begins.
+            gate.live(&cm(&format!("change-{}", i + 1)));
+            gate.started(&cm(&format!("change-{i}")));
+            while let Some(Some(object)) = out.next().now_or_never() {
+                handed.push((i + 1, object.name.clone()));
+                gate.started(&cm(&object.name));
+            }
+        }
+        assert_eq!(
+            handed,
+            [
+                (16, "listed-0".to_string()),
+                (32, "listed-1".to_string()),
+                (48, "listed-2".to_string())
+            ]
+        );
     }
 }

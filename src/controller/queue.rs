@@ -902,17 +902,20 @@ mod tests {
                 let (r, why) = q.next().await;
                 q.finish(r, Action::await_change(), why, None);
                 tokio::time::advance(Duration::from_secs(10)).await;
-                for metric in [
-                    "workqueue_longest_running_processor_seconds",
-                    "workqueue_unfinished_work_seconds",
-                    "controller_runtime_active_workers",
-                ] {
-                    assert_eq!(
-                        largest(&registry, metric),
-                        0.0,
-                        "{metric}, with_cluster {with_cluster}"
-                    );
-                }
+                let nothing_running = |when: &str| {
+                    for metric in [
+                        "workqueue_longest_running_processor_seconds",
+                        "workqueue_unfinished_work_seconds",
+                        "controller_runtime_active_workers",
+                    ] {
+                        assert_eq!(
+                            largest(&registry, metric),
+                            0.0,
+                            "{metric}{when}, with_cluster {with_cluster}"
+                        );
+                    }
+                };
+                nothing_running("");
                 // A backlog dropped with its cluster: not counted in the depth any more.
                 q.trigger(req("b", "x"), ObjectChanged);
                 q.trigger(req("b", "y"), ObjectChanged);
@@ -939,17 +942,7 @@ mod tests {
                 assert_eq!(largest(&registry, "controller_runtime_active_workers"), 1.0);
                 drop(q);
                 tokio::time::advance(Duration::from_secs(10)).await;
-                for metric in [
-                    "workqueue_longest_running_processor_seconds",
-                    "workqueue_unfinished_work_seconds",
-                    "controller_runtime_active_workers",
-                ] {
-                    assert_eq!(
-                        largest(&registry, metric),
-                        0.0,
-                        "{metric} after the drop, with_cluster {with_cluster}"
-                    );
-                }
+                nothing_running(" after the drop");
             }
         }
 

@@ -364,6 +364,11 @@ where
             adopted.feed.observe(event);
         }
     };
+    // The cache resyncs and bulk triggers read: the other controller's, when subscribed.
+    let cache = match &subscribed {
+        Some((_, reflector)) => reflector.clone(),
+        None => reader.clone(),
+    };
     let mut controller = match (&spec.predicate, transform, subscribed) {
         (predicate, _, Some((watch, reflector))) => {
             drop(writer);
@@ -458,15 +463,37 @@ where
         });
         controller = controller.reconcile_on(refs);
     }
-    if let Some(gate) = &gate {
-        controller = controller.reconcile_on(gate.clone().releases::<K>(spec.dt.clone()));
-    }
-    if let Some(bulk) = spec.bulk.as_ref().and_then(|b| b.lend()) {
-        controller = controller.reconcile_all_on(bulk);
-    }
-    if let Some(period) = spec.resync {
-        // kube-runtime's bulk trigger reads the cache, as a resync does.
-        controller = controller.reconcile_all_on(super::resync_ticks(period, env.shutdown.clone()));
+    let bulk = spec.bulk.as_ref().and_then(|b| b.lend());
+    let resync = spec
+        .resync
+        .map(|period| super::resync_ticks(period, env.shutdown.clone()).boxed());
+    match &gate {
+        Some(gate) => {
+            // A resync or bulk trigger makes every cached object due: they wait in the gate,
+            // behind live changes, as a listing's objects do (kube-runtime's own bulk
+            // trigger would hand them all to its scheduler at once).
+            let ticks = futures::stream::select_all(bulk.into_iter().chain(resync));
+            let (held, cache) = (gate.clone(), cache.clone());
+            let holds = ticks.filter_map(move |()| {
+                for object in cache.state() {
+                    held.hold(&*object);
+                }
+                std::future::ready(None::<kube_runtime::reflector::ObjectRef<K>>)
+            });
+            controller = controller.reconcile_on(futures::stream::select(
+                gate.clone().releases::<K>(spec.dt.clone()),
+                holds,
+            ));
+        }
+        None => {
+            // kube-runtime's bulk trigger reads the cache, as a resync does.
+            if let Some(bulk) = bulk {
+                controller = controller.reconcile_all_on(bulk);
+            }
+            if let Some(resync) = resync {
+                controller = controller.reconcile_all_on(resync);
+            }
+        }
     }
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))

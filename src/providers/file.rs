@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use kube::config::{Kubeconfig, NamedContext};
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
@@ -466,6 +467,19 @@ struct ContextState {
     failing: Option<Failing>,
 }
 
+/// The builds in flight, by file and context.
+type Builds = super::InFlight<(PathBuf, String)>;
+
+/// A build to start: the file, the context, the cluster, the version and its kubeconfig.
+type Build = (PathBuf, String, ClusterName, u64, kube::config::Kubeconfig);
+/// A build's outcome.
+type Built = (
+    PathBuf,
+    String,
+    u64,
+    Result<crate::Cluster<ClusterName>, String>,
+);
+
 /// A version that could not be used: reported once, tried again with backoff.
 struct Failing {
     version: u64,
@@ -565,6 +579,12 @@ impl Provider for File {
             })?;
         let mut watched: BTreeSet<PathBuf> = BTreeSet::new();
         let mut state: BTreeMap<PathBuf, FileState> = BTreeMap::new();
+        // Builds run a few at once beside this loop, each engaged when it is done: one whose
+        // credential plugin hangs (until the plugin's timeout) delays no other, nor the
+        // reading of changes meanwhile. A newer version, or the context gone, ends a build.
+        let mut builds = FuturesUnordered::new();
+        let mut inflight = Builds::default();
+        let permits = Arc::new(tokio::sync::Semaphore::new(BUILDS_AT_ONCE));
         loop {
             let (sources, trust) = (self.sources.clone(), self.trust);
             let Ok(scan) = tokio::task::spawn_blocking(move || scan(&sources, trust)).await else {
@@ -582,54 +602,79 @@ impl Provider for File {
                 }
             }
             watched = scan.dirs.clone();
-            self.sync(&fleet, &mut state, scan.files).await;
-            let next = state
-                .values()
-                .flat_map(|f| {
-                    f.unusable
-                        .iter()
-                        .chain(f.contexts.values().filter_map(|c| c.failing.as_ref()))
-                })
-                .map(|f| f.at)
-                .min();
-            let retry = async {
-                match next {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
-                Some(()) = changes.recv() => {
-                    // Let a burst of events (write, rename, chmod) settle.
-                    loop {
-                        tokio::select! {
-                            Some(()) = changes.recv() => {}
-                            () = tokio::time::sleep(DEBOUNCE) => break,
+            let started = self.sync(&fleet, &mut state, &mut inflight, scan.files);
+            for (path, name, id, version, kubeconfig) in started {
+                let permits = permits.clone();
+                let key = (path.clone(), name.clone());
+                builds.push(inflight.start(key, version, async move {
+                    let _permit = permits.acquire().await;
+                    let cluster =
+                        super::cluster_from_kubeconfig(id, kubeconfig, Some(name.clone())).await;
+                    (path, name, version, cluster)
+                }));
+            }
+            loop {
+                let next = state
+                    .values()
+                    .flat_map(|f| {
+                        f.unusable
+                            .iter()
+                            .chain(f.contexts.values().filter_map(|c| c.failing.as_ref()))
+                    })
+                    .map(|f| f.at)
+                    .min();
+                let retry = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(()),
+                    Some(built) = builds.next(), if !builds.is_empty() => {
+                        // Ended builds (replaced, or of a context gone) are nothing.
+                        if let Ok(built) = built {
+                            self.engage_built(&fleet, &mut state, &mut inflight, built);
+                        }
+                        continue;
+                    }
+                    Some(()) = changes.recv() => {
+                        // Let a burst of events (write, rename, chmod) settle.
+                        loop {
+                            tokio::select! {
+                                Some(()) = changes.recv() => {}
+                                () = tokio::time::sleep(DEBOUNCE) => break,
+                            }
                         }
                     }
+                    () = retry => {}
                 }
-                () = retry => {}
+                break;
             }
         }
     }
 }
 
 impl File {
-    /// Brings the fleet in line with what the files hold.
-    async fn sync(
+    /// Brings the fleet in line with what the files hold: disengages what is gone, and
+    /// returns the builds to start.
+    fn sync(
         &self,
         fleet: &Fleet<ClusterName>,
         state: &mut BTreeMap<PathBuf, FileState>,
+        inflight: &mut Builds,
         files: Vec<(PathBuf, Read)>,
-    ) {
-        // Files that are gone take their clusters with them.
+    ) -> Vec<Build> {
+        // Files that are gone take their clusters (and builds) with them.
         let present: BTreeSet<&PathBuf> = files.iter().map(|(p, _)| p).collect();
         state.retain(|path, file| {
             let keep = present.contains(path);
             if !keep {
-                for context in file.contexts.values().filter(|c| c.engaged.is_some()) {
-                    fleet.disengage(&context.id);
+                for (name, context) in &file.contexts {
+                    inflight.cancel(&(path.clone(), name.clone()));
+                    if context.engaged.is_some() {
+                        fleet.disengage(&context.id);
+                    }
                 }
             }
             keep
@@ -655,8 +700,11 @@ impl File {
             // Contexts no longer in the file leave.
             file.contexts.retain(|name, context| {
                 let keep = contexts.iter().any(|(n, _)| n == name);
-                if !keep && context.engaged.is_some() {
-                    fleet.disengage(&context.id);
+                if !keep {
+                    inflight.cancel(&(path.clone(), name.clone()));
+                    if context.engaged.is_some() {
+                        fleet.disengage(&context.id);
+                    }
                 }
                 keep
             });
@@ -669,12 +717,19 @@ impl File {
                         engaged: None,
                         failing: None,
                     });
+                let key = (path.clone(), name.clone());
                 match standalone {
-                    Err(problem) => context.fail(version_of(&problem), &problem, self.retry),
+                    Err(problem) => {
+                        inflight.cancel(&key);
+                        context.fail(version_of(&problem), &problem, self.retry);
+                    }
                     Ok(kubeconfig) => {
                         let version = canonical_version_of(&kubeconfig);
                         if context.engaged == Some(version) {
                             context.failing = None;
+                            inflight.cancel(&key);
+                        } else if inflight.building(&key) == Some(version) {
+                            // Being built.
                         } else if !context.failing.as_ref().is_some_and(|f| f.waits(version)) {
                             builds.push((
                                 path.clone(),
@@ -688,33 +743,35 @@ impl File {
                 }
             }
         }
-        // Clients are built a few at once, each on a blocking thread and bounded in time
-        // (see `cluster_from_kubeconfig`): one slow credential plugin delays nobody else.
-        let built: Vec<_> = futures::stream::iter(builds)
-            .map(|(path, name, id, version, kubeconfig)| async move {
-                let cluster =
-                    super::cluster_from_kubeconfig(id, kubeconfig, Some(name.clone())).await;
-                (path, name, version, cluster)
-            })
-            .buffer_unordered(BUILDS_AT_ONCE)
-            .collect()
-            .await;
-        for (path, name, version, cluster) in built {
-            let Some(context) = state.get_mut(&path).and_then(|f| f.contexts.get_mut(&name)) else {
-                continue;
-            };
-            match cluster {
-                Ok(cluster) => match fleet.engage(cluster) {
-                    Ok(_) => {
-                        context.engaged = Some(version);
-                        context.failing = None;
-                    }
-                    Err(error) => {
-                        tracing::warn!(cluster = %context.id, %error, "could not engage");
-                    }
-                },
-                Err(problem) => context.fail(version, &problem, self.retry),
-            }
+        builds
+    }
+
+    /// Engages (or notes as failing) what a build made, if its context still waits for
+    /// that version.
+    fn engage_built(
+        &self,
+        fleet: &Fleet<ClusterName>,
+        state: &mut BTreeMap<PathBuf, FileState>,
+        inflight: &mut Builds,
+        (path, name, version, cluster): Built,
+    ) {
+        if !inflight.done(&(path.clone(), name.clone()), version) {
+            return;
+        }
+        let Some(context) = state.get_mut(&path).and_then(|f| f.contexts.get_mut(&name)) else {
+            return;
+        };
+        match cluster {
+            Ok(cluster) => match fleet.engage(cluster) {
+                Ok(_) => {
+                    context.engaged = Some(version);
+                    context.failing = None;
+                }
+                Err(error) => {
+                    tracing::warn!(cluster = %context.id, %error, "could not engage");
+                }
+            },
+            Err(problem) => context.fail(version, &problem, self.retry),
         }
     }
 }

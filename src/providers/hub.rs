@@ -85,6 +85,15 @@ pub(crate) trait HubKind: Send + Sync + 'static {
         true
     }
 
+    /// Whether only the Secrets some object names ([`HubKind::named_secret`]) are kept;
+    /// a Secret named later is read then.
+    const ONLY_NAMED: bool = false;
+
+    /// The Secret (namespace, name) `object` takes its credentials from.
+    fn named_secret(&self, _object: &DynamicObject) -> Option<(String, String)> {
+        None
+    }
+
     /// How to reach the cluster of a live (ready, not being deleted) object, with a version
     /// that changes when the result would: or what is wrong, in words fit for an Event that
     /// hold nothing secret.
@@ -270,7 +279,7 @@ const RETRY_FIRST: Duration = Duration::from_secs(5);
 const RETRY_MAX: Duration = Duration::from_secs(300);
 
 #[derive(Default)]
-struct State {
+pub(crate) struct State {
     objects: BTreeMap<String, Known>,
     secrets: Secrets,
     /// Keys listed by the objects' listing in progress (to forget the vanished ones).
@@ -280,6 +289,71 @@ struct State {
     /// The Secrets' first listing is complete (or there are none to watch): an object is
     /// looked at only from then on, so a Secret not known is missing, not late.
     secrets_listed: bool,
+    /// With [`HubKind::ONLY_NAMED`]: the watched Secrets no object names, of which nothing
+    /// is kept (read when an object comes to name one).
+    unread: BTreeSet<(String, String)>,
+}
+
+impl State {
+    /// `object` as the latest of its kind (for tests: the engine's own events do this).
+    #[cfg(test)]
+    pub(crate) fn set_object(&mut self, key: &str, object: Option<DynamicObject>) {
+        self.objects.entry(key.to_string()).or_default().object = object;
+    }
+
+    /// The names of the Secrets kept, and of those seen but not kept.
+    #[cfg(test)]
+    pub(crate) fn secret_names(&self) -> (Vec<String>, Vec<String>) {
+        (
+            self.secrets.by_key.keys().map(|(_, n)| n.clone()).collect(),
+            self.unread.iter().map(|(_, n)| n.clone()).collect(),
+        )
+    }
+
+    /// The Secrets the objects name.
+    fn named<K: HubKind>(&self, kind: &K) -> BTreeSet<(String, String)> {
+        self.objects
+            .values()
+            .filter_map(|known| known.object.as_ref())
+            .filter_map(|object| kind.named_secret(object))
+            .collect()
+    }
+
+    /// Keeps what `kind` reads of the watched `secret` if some object names it (or `kind`
+    /// keeps every Secret); the Secret's namespace.
+    pub(crate) fn take_secret<K: HubKind>(&mut self, secret: Secret, kind: &K) -> String {
+        let key = (secret.namespace().unwrap_or_default(), secret.name_any());
+        if K::ONLY_NAMED && !self.named(kind).contains(&key) {
+            self.secrets.by_key.remove(&key);
+            let namespace = key.0.clone();
+            self.unread.insert(key);
+            return namespace;
+        }
+        self.unread.remove(&key);
+        self.secrets.insert(secret, kind)
+    }
+
+    /// With [`HubKind::ONLY_NAMED`], after the objects changed: the Secrets no object names
+    /// any more are let go (and remembered as unread); returns the unread ones an object
+    /// names now, to be read.
+    pub(crate) fn settle_named<K: HubKind>(&mut self, kind: &K) -> Vec<(String, String)> {
+        if !K::ONLY_NAMED {
+            return Vec::new();
+        }
+        let named = self.named(kind);
+        let dropped: Vec<_> = self
+            .secrets
+            .by_key
+            .keys()
+            .filter(|key| !named.contains(*key))
+            .cloned()
+            .collect();
+        for key in dropped {
+            self.secrets.by_key.remove(&key);
+            self.unread.insert(key);
+        }
+        self.unread.intersection(&named).cloned().collect()
+    }
 }
 
 /// What to do about one object after a change.
@@ -479,6 +553,7 @@ impl<K: HubKind> Engine<K> {
             None => futures::stream::pending().right_stream(),
         });
         let mut building = FuturesUnordered::new();
+        let mut inflight = super::InFlight::default();
         let mut retries = FuturesUnordered::new();
         let mut waiting: VecDeque<(String, u64, K::Recipe)> = VecDeque::new();
         loop {
@@ -487,13 +562,25 @@ impl<K: HubKind> Engine<K> {
             {
                 if state.objects.get(&key).and_then(|k| k.wanted) == Some(version) {
                     let build = self.kind.build(ClusterName::from(key.clone()), recipe);
-                    building.push(async move { (key, version, build.await) });
+                    let started = key.clone();
+                    building.push(
+                        inflight.start(
+                            started,
+                            version,
+                            async move { (key, version, build.await) },
+                        ),
+                    );
                 }
             }
             // The keys whose object or credentials changed.
             let changed: Vec<String> = tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
-                Some((key, version, built)) = building.next(), if !building.is_empty() => {
+                Some(built) = building.next(), if !building.is_empty() => {
+                    // Ended: superseded, or its object gone.
+                    let Ok((key, version, built)) = built else {
+                        continue;
+                    };
+                    inflight.done(&key, version);
                     let Some(known) = state.objects.get_mut(&key).filter(|k| k.wanted == Some(version)) else {
                         continue;
                     };
@@ -587,6 +674,7 @@ impl<K: HubKind> Engine<K> {
                     Some(Ok(WatchEvent::InitDone)) => {
                         let listed = state.listing_secrets.take().unwrap_or_default();
                         state.secrets.by_key.retain(|key, _| listed.contains(key));
+                        state.unread.retain(|key| listed.contains(key));
                         state.secrets_listed = true;
                         state.objects.keys().cloned().collect()
                     }
@@ -596,20 +684,37 @@ impl<K: HubKind> Engine<K> {
                         if let Some(listing) = &mut state.listing_secrets {
                             listing.insert(key);
                         }
-                        state.secrets.insert(secret, self.kind.as_ref());
+                        state.take_secret(secret, self.kind.as_ref());
                         continue;
                     }
                     Some(Ok(WatchEvent::Apply(secret))) => {
-                        let namespace = state.secrets.insert(secret, self.kind.as_ref());
+                        let namespace = state.take_secret(secret, self.kind.as_ref());
                         in_namespace(&state.objects, &namespace)
                     }
                     Some(Ok(WatchEvent::Delete(secret))) => {
                         let namespace = secret.namespace().unwrap_or_default();
-                        state.secrets.by_key.remove(&(namespace.clone(), secret.name_any()));
+                        let key = (namespace.clone(), secret.name_any());
+                        state.secrets.by_key.remove(&key);
+                        state.unread.remove(&key);
                         in_namespace(&state.objects, &namespace)
                     }
                 },
             };
+            for (namespace, name) in state.settle_named(self.kind.as_ref()) {
+                // An object names a Secret seen but not kept: read it now.
+                let api: Api<Secret> = Api::namespaced(self.host.clone(), &namespace);
+                match api.get_opt(&name).await {
+                    Ok(Some(secret)) if self.kind.reads_secret(&secret) => {
+                        state.take_secret(secret, self.kind.as_ref());
+                    }
+                    Ok(_) => {
+                        state.unread.remove(&(namespace, name));
+                    }
+                    Err(error) => {
+                        tracing::warn!(%namespace, secret = %name, error = %crate::cluster::Shown(&error), "reading a Secret {}s name failed; read again with its next change", K::WHAT);
+                    }
+                }
+            }
             for key in changed {
                 match self.step(&mut state, &key) {
                     Step::Nothing => {}
@@ -641,6 +746,11 @@ impl<K: HubKind> Engine<K> {
                             self.report(&recorder, &object, &resource, &problem).await;
                         }
                     }
+                }
+                // A build of another version than the one wanted (or of none) ends.
+                match state.objects.get(&key).and_then(|k| k.wanted) {
+                    Some(version) => inflight.supersede(&key, version),
+                    None => inflight.cancel(&key),
                 }
                 // Forget objects that are gone and hold nothing.
                 if state.objects.get(&key).is_some_and(|k| {

@@ -182,6 +182,7 @@ impl Provider for KubeconfigSecrets {
         let mut known: BTreeMap<String, Known> = BTreeMap::new();
         // Builds run a few at once; the rest wait their turn in arrival order.
         let mut building = FuturesUnordered::new();
+        let mut inflight = super::InFlight::default();
         let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
         // Expiries come closer without any change to their Secrets: looked at again hourly.
         let mut expiries = tokio::time::interval(std::time::Duration::from_secs(3600));
@@ -191,10 +192,10 @@ impl Provider for KubeconfigSecrets {
                 && let Some((version, secret)) = waiting.pop_front()
             {
                 if known.get(&secret.name_any()).and_then(|k| k.wanted) == Some(version) {
-                    building.push(async move {
+                    building.push(inflight.start(secret.name_any(), version, async move {
                         let cluster = self.cluster(&secret).await;
                         (version, secret, cluster)
-                    });
+                    }));
                 }
             }
             let event = tokio::select! {
@@ -205,8 +206,13 @@ impl Provider for KubeconfigSecrets {
                     }
                     continue;
                 }
-                Some((version, secret, cluster)) = building.next(), if !building.is_empty() => {
+                Some(built) = building.next(), if !building.is_empty() => {
+                    // Ended: superseded, or its Secret gone.
+                    let Ok((version, secret, cluster)) = built else {
+                        continue;
+                    };
                     let name = secret.name_any();
+                    inflight.done(&name, version);
                     // A newer version, or a deletion, came while this one was built.
                     let Some(entry) = known.get_mut(&name).filter(|k| k.wanted == Some(version)) else {
                         continue;
@@ -243,6 +249,7 @@ impl Provider for KubeconfigSecrets {
                     // Secrets gone while the watch was away: forgotten, their clusters leave.
                     known.retain(|name, _| {
                         listing.contains(name) || {
+                            inflight.cancel(name);
                             fleet.disengage(&ClusterName::from(name.clone()));
                             false
                         }
@@ -253,6 +260,7 @@ impl Provider for KubeconfigSecrets {
                     // Deleted, or the label was removed (it left the selection).
                     let name = secret.name_any();
                     known.remove(&name);
+                    inflight.cancel(&name);
                     fleet.disengage(&ClusterName::from(name));
                     continue;
                 }
@@ -278,6 +286,7 @@ impl Provider for KubeconfigSecrets {
             if entry.settled(version) {
                 continue;
             }
+            inflight.supersede(&secret.name_any(), version);
             entry.wanted = Some(version);
             waiting.push_back((version, secret));
         }

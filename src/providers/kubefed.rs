@@ -37,8 +37,10 @@ pub const TOKEN_KEY: &str = "token";
 ///
 /// A member that cannot be reached as described (its Secret missing or without a token, no
 /// endpoint) gets a Warning Event (`KubeconfigRefused`) on its `KubeFedCluster` and a log
-/// line, once per problem; no other member is affected. The Secrets of the namespace are
-/// watched (token rotation is seen at once).
+/// line, once per problem; no other member is affected. The Opaque Secrets of the namespace
+/// are watched (token rotation is seen at once); of them only the `token` of those some
+/// `KubeFedCluster` names is kept, a Secret named later read then (RBAC: `get`, `list`,
+/// `watch` on Secrets of the namespace).
 #[derive(Clone)]
 pub struct KubeFed {
     host: Client,
@@ -101,6 +103,14 @@ impl HubKind for Kind {
     /// Of a member's Secret, only its token (`ca.crt` and anything else stay out of memory).
     fn reads(&self, _name: &str, key: &str) -> bool {
         key == TOKEN_KEY
+    }
+
+    /// Only the Secrets some `KubeFedCluster` names are kept.
+    const ONLY_NAMED: bool = true;
+
+    fn named_secret(&self, object: &DynamicObject) -> Option<(String, String)> {
+        let name = field(object, &["spec", "secretRef", "name"])?.as_str()?;
+        Some((object.namespace().unwrap_or_default(), name.to_string()))
     }
 
     fn recipe(
@@ -238,5 +248,51 @@ mod tests {
         let east = secrets.get(DEFAULT_NAMESPACE, "east-x7k2p").unwrap();
         assert_eq!(east.data.keys().collect::<Vec<_>>(), ["token"]);
         assert_eq!(east.data["token"].1, b"EAST-TOKEN");
+    }
+
+    /// P4 of the 2026-11-27 security review: of the Opaque Secrets of the namespace, only
+    /// those some `KubeFedCluster` names are kept; one named later is read then, one no
+    /// longer named is let go.
+    #[test]
+    fn only_the_secrets_a_kubefedcluster_names_are_kept() {
+        use crate::providers::hub::State;
+        let member = |name: &str, secret: &str| -> DynamicObject {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "core.kubefed.io/v1beta1",
+                "kind": "KubeFedCluster",
+                "metadata": {"name": name, "namespace": DEFAULT_NAMESPACE},
+                "spec": {"apiEndpoint": "https://east", "secretRef": {"name": secret}},
+            }))
+            .unwrap()
+        };
+        let mut state = State::default();
+        state.set_object("east", Some(member("east", "east-x7k2p")));
+        for name in ["east-x7k2p", "someone-elses"] {
+            state.take_secret(secret(name, None, &[("token", "T")]), &Kind);
+        }
+        assert_eq!(
+            state.secret_names(),
+            (vec!["east-x7k2p".into()], vec!["someone-elses".into()])
+        );
+        assert!(state.settle_named(&Kind).is_empty());
+        // The member's secretRef changes: the old Secret is let go, the new one to be read.
+        state.set_object("east", Some(member("east", "someone-elses")));
+        assert_eq!(
+            state.settle_named(&Kind),
+            [(DEFAULT_NAMESPACE.to_string(), "someone-elses".to_string())]
+        );
+        assert_eq!(
+            state.secret_names(),
+            (vec![], vec!["east-x7k2p".into(), "someone-elses".into()])
+        );
+        state.take_secret(secret("someone-elses", None, &[("token", "T")]), &Kind);
+        assert_eq!(
+            state.secret_names(),
+            (vec!["someone-elses".into()], vec!["east-x7k2p".into()])
+        );
+        // The member gone: nothing is kept.
+        state.set_object("east", None);
+        assert!(state.settle_named(&Kind).is_empty());
+        assert_eq!(state.secret_names().0, Vec::<String>::new());
     }
 }

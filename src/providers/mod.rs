@@ -78,30 +78,85 @@ pub(crate) async fn config_from_kubeconfig(
         .map_err(|e| kubeconfig::describe(&e))
 }
 
-/// How long building a client may take: kube-client runs exec credential plugins
-/// synchronously while building one, and a plugin can hang.
-const CLIENT_BUILD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
 /// The cluster `name`, reached through `context` of `kubeconfig` (its current context if
 /// `None`); the error says what is wrong in words fit for a log line, and holds nothing
 /// of the kubeconfig.
+///
+/// An exec credential plugin runs here (not on a worker, and killed with its children after
+/// the plugin timeout, 30 s), so that one that fails is a refusal. Dropping the future (a
+/// newer version of the source, a removed source) kills a plugin still running.
 pub(crate) async fn cluster_from_kubeconfig(
     name: crate::ClusterName,
     kubeconfig: kube::config::Kubeconfig,
     context: Option<String>,
 ) -> Result<crate::Cluster<crate::ClusterName>, String> {
     let config = config_from_kubeconfig(kubeconfig, context).await?;
-    // Off the async workers, and bounded: an exec plugin that hangs costs one blocking
-    // thread, not a worker, and is reported.
-    let build = tokio::task::spawn_blocking(move || crate::Cluster::from_config(name, config));
-    match tokio::time::timeout(CLIENT_BUILD_TIMEOUT, build).await {
-        Ok(Ok(Ok(cluster))) => Ok(cluster),
-        Ok(Ok(Err(e))) => Err(kubeconfig::describe_client(&e)),
-        Ok(Err(e)) => Err(format!("building a client failed: {e}")),
-        Err(_) => Err(format!(
-            "building a client took more than {} s (a credential plugin that does not return?)",
-            CLIENT_BUILD_TIMEOUT.as_secs()
-        )),
+    let cluster =
+        crate::Cluster::from_config(name, config).map_err(|e| kubeconfig::describe_client(&e))?;
+    cluster
+        .credentials_ready()
+        .await
+        .map_err(|e| e.description().to_string())?;
+    Ok(cluster)
+}
+
+/// The client builds in flight, by source (a Secret, an object): starting another build of
+/// the same source, a newer version wanted, or the source gone ends the one before, and so
+/// kills its credential plugin. No source has two plugins running at once.
+pub(crate) struct InFlight<K: Ord>(
+    std::collections::BTreeMap<K, (u64, futures::future::AbortHandle)>,
+);
+
+impl<K: Ord> Default for InFlight<K> {
+    fn default() -> Self {
+        Self(Default::default())
+    }
+}
+
+impl<K: Ord> InFlight<K> {
+    /// `build` of `version` of `key`, ended if another build of `key` starts or
+    /// [`InFlight::supersede`] or [`InFlight::cancel`] says so; the build before (if any)
+    /// ends now.
+    pub(crate) fn start<F: std::future::Future>(
+        &mut self,
+        key: K,
+        version: u64,
+        build: F,
+    ) -> futures::future::Abortable<F> {
+        let (handle, registration) = futures::future::AbortHandle::new_pair();
+        if let Some((_, before)) = self.0.insert(key, (version, handle)) {
+            before.abort();
+        }
+        futures::future::Abortable::new(build, registration)
+    }
+
+    /// `version` of `key` is wanted now: a build of another version ends.
+    pub(crate) fn supersede(&mut self, key: &K, version: u64) {
+        if self.0.get(key).is_some_and(|(v, _)| *v != version) {
+            self.cancel(key);
+        }
+    }
+
+    /// `key`'s source is gone: its build ends.
+    pub(crate) fn cancel(&mut self, key: &K) {
+        if let Some((_, handle)) = self.0.remove(key) {
+            handle.abort();
+        }
+    }
+
+    /// The version of `key` being built, if any.
+    pub(crate) fn building(&self, key: &K) -> Option<u64> {
+        self.0.get(key).map(|(version, _)| *version)
+    }
+
+    /// The build of `version` of `key` is done; whether it was the one in flight (not
+    /// superseded meanwhile).
+    pub(crate) fn done(&mut self, key: &K, version: u64) -> bool {
+        let current = self.building(key) == Some(version);
+        if current {
+            self.0.remove(key);
+        }
+        current
     }
 }
 
@@ -122,5 +177,103 @@ pub(crate) async fn record_refusal(
     };
     if let Err(error) = recorder.publish(&event, reference).await {
         tracing::warn!(%cluster, error = %crate::cluster::Shown(&error), "could not record the refusal as an Event");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    /// Whether `pid` is a process that has not ended (a zombie has ended).
+    fn alive(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let state = stat
+                    .rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .next()?
+                    .to_string();
+                Some(state != "Z" && state != "X")
+            })
+            .unwrap_or(false)
+    }
+
+    /// The processes a plugin started (it writes its own pid and its child's to `pids`)
+    /// that still live.
+    fn living(pids: &std::path::Path) -> Vec<i32> {
+        std::fs::read_to_string(pids)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .filter(|&pid| alive(pid))
+            .collect()
+    }
+
+    /// Ends whatever the plugin left (on the old code, processes a timeout abandoned).
+    struct Reap(std::path::PathBuf);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            for pid in living(&self.0) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &pid.to_string()])
+                    .status();
+            }
+        }
+    }
+
+    /// A build given up on (the caller's timeout, a newer version of the kubeconfig, a
+    /// removed source) ends its plugin, the plugin's own children too; so a plugin that
+    /// always hangs, tried again each second ten times, never has more than one run alive.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hanging_plugin_tried_again_each_second_leaves_at_most_one_process() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pids = dir.path().join("pids");
+        let _reap = Reap(pids.clone());
+        let plugin = dir.path().join("plugin.sh");
+        std::fs::write(
+            &plugin,
+            format!(
+                "#!/bin/sh\necho $$ >> '{p}'\nsleep 3600 &\necho $! >> '{p}'\nwait\n",
+                p = pids.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let kubeconfig = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {{server: \"https://127.0.0.1:1\"}}\nusers:\n- name: u\n  user:\n    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: \"{}\"\n      interactiveMode: Never\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\ncurrent-context: c\n",
+            plugin.display()
+        );
+        let mut most = 0;
+        for attempt in 0..10 {
+            let kubeconfig = kube::config::Kubeconfig::from_yaml(&kubeconfig).unwrap();
+            let build =
+                super::cluster_from_kubeconfig(crate::ClusterName::from("hangs"), kubeconfig, None);
+            assert!(
+                tokio::time::timeout(Duration::from_secs(1), build)
+                    .await
+                    .is_err(),
+                "attempt {attempt}: the plugin hangs, so the build cannot finish"
+            );
+            // Each attempt ran the plugin (which wrote its pid first).
+            let runs = std::fs::read_to_string(&pids)
+                .unwrap_or_default()
+                .lines()
+                .count();
+            assert!(runs > attempt, "attempt {attempt}: {runs} pids written");
+            // A process just killed may take a moment to be gone; a living one stays.
+            let mut living_now = living(&pids).len();
+            for _ in 0..50 {
+                if living_now == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                living_now = living(&pids).len();
+            }
+            most = most.max(living_now);
+        }
+        assert_eq!(most, 0, "a run given up on leaves no process behind");
     }
 }
