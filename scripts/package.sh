@@ -37,7 +37,7 @@ check() {
     grep -qx "$required" <<<"$list" || { echo "$crate: $required is missing from the package" >&2; status=1; }
   done
   local unwanted
-  unwanted=$(grep -E '^(tests|benches|examples|scripts|deploy|fuzz|target|testenv|cli|\.ci|\.github)/|^BENCHMARKS\.md$|^Containerfile$|\.crate$' <<<"$list" || true)
+  unwanted=$(grep -E '^(tests|benches|examples|scripts|deploy|fuzz|target|testenv|cli|\.ci|\.github)/|^BENCHMARKS\.md$|^docs/benchmarks/|^Containerfile$|\.crate$' <<<"$list" || true)
   if [ -n "$unwanted" ]; then
     echo "$crate: the package holds files that are not for users:" >&2
     echo "$unwanted" >&2

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use futures::FutureExt;
 
+use crate::cluster::{ClusterName, SingleCluster};
+use crate::controller::{Action, Request};
 use crate::controller::{FleetQueue, ReconcileReason};
 use crate::providers::{ApiPath, File, Multi, Target, Trust};
-use crate::{Action, ClusterName, Request, SingleCluster};
 
 /// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
 pub const TARGETS: [&str; 8] = [
@@ -503,7 +504,7 @@ impl ServerReading {
 ///    the converse need not hold). Decoded into an `Arc` (`TrimmedShared`, as the fleet's
 ///    caches decode), it is the same object, and fails where the trimmed decoding fails.
 pub fn object_decoding(data: &[u8]) {
-    use crate::cluster::trim::{Trimmed, TrimmedShared};
+    use crate::cache::trim::{Trimmed, TrimmedShared};
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::Resource;
     use kube::api::DynamicObject;
@@ -663,7 +664,8 @@ pub fn webhook_review(data: &[u8]) {
 
     use k8s_openapi::api::core::v1::ConfigMap;
 
-    use crate::webhook::route::{self, RouteKey};
+    use crate::webhook::route;
+    use crate::webhook::route::RouteKey;
     use crate::webhook::{
         FailurePolicy, Mutation, Refusal, Review, Verdict, review, route_request,
     };

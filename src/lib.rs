@@ -38,29 +38,24 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod action;
+mod builder;
+mod cache;
+mod client;
 mod cluster;
 mod controller;
-pub mod finalizer;
 mod fleet;
-mod fleet_api;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-mod hashing;
-mod leader;
-mod lease_timing;
+mod lease;
 mod manager;
 mod metrics;
-mod per_cluster;
 mod provider;
 pub mod providers;
-mod request;
+mod run;
 mod serve;
 pub mod shard;
-mod slots;
-mod sync;
-mod tenure;
+mod util;
 pub mod webhook;
 
 /// The Kubernetes API types this crate's and kube's APIs use. The version feature is the
@@ -75,28 +70,30 @@ pub use kube;
 /// this crate's [`Action`].
 pub use kube::runtime::{Predicate, events, predicates, watcher};
 
-pub use action::Action;
+pub use builder::Builder;
+pub use cache::{
+    Cache, CacheError, Fault, LAST_APPLIED, Store, WatchBackoff, Watchable, strip_managed_fields,
+};
 #[doc(hidden)]
-pub use cluster::transport_keepalive;
+pub use client::transport_keepalive;
+pub use client::{CredentialError, InvalidRateLimit, RateLimit};
 pub use cluster::{
-    Cache, CacheError, CacheStatus, Cluster, ClusterId, ClusterIdentity, ClusterName,
-    CredentialError, DiscoveryError, Fault, InvalidClusterId, InvalidRateLimit, LAST_APPLIED,
-    RateLimit, SingleCluster, Store, WatchBackoff, WeakCluster, strip_managed_fields,
+    CacheStatus, Cluster, ClusterId, ClusterIdentity, ClusterName, DiscoveryError,
+    InvalidClusterId, SingleCluster, WeakCluster,
 };
+pub use controller::finalizer;
 pub use controller::{
-    Builder, Context, DEFAULT_DISENGAGE_GRACE, DEFAULT_RESYNC, Failure, FailureBackoff,
-    PANIC_REQUEUE, Reconciled, Watchable,
+    Action, Context, DEFAULT_DISENGAGE_GRACE, DEFAULT_RESYNC, Failure, FailureBackoff,
+    PANIC_REQUEUE, ParseRequestError, Reconciled, Request,
 };
-pub use fleet::{ClusterEvent, ClusterEvents, EngageError, Engaged, Fleet, FleetView};
-pub use fleet_api::{
-    DEFAULT_FLEET_CONCURRENCY, DEFAULT_FLEET_TIMEOUT, FleetApi, FleetApiError, Members, PerCluster,
+pub use fleet::{
+    ClusterEvent, ClusterEvents, DEFAULT_FLEET_CONCURRENCY, DEFAULT_FLEET_TIMEOUT, EngageError,
+    Engaged, Fleet, FleetApi, FleetApiError, FleetView, Members, PerCluster,
 };
-pub use leader::{InvalidLeaderElection, LeaderElection, OnLoss};
-pub use lease_timing::LeaseTiming;
+pub use lease::{InvalidLeaderElection, LeaderElection, LeaseTiming, OnLoss};
 pub use manager::{DEFAULT_CACHE_SYNC_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
 pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};
-pub use request::{ParseRequestError, Request};
 pub use serve::{Check, Endpoints, Handler};
 pub use shard::{InvalidSharding, ShardStatus, Sharding};
 

@@ -4,7 +4,8 @@ use std::future::Future;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, ClusterId, Fleet};
+use crate::cluster::{Cluster, ClusterId};
+use crate::fleet::Fleet;
 
 /// An error a provider reports.
 pub type ProviderError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -10,30 +10,13 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use multicluster_runtime::providers::{KUBECONFIG_SECRET_KEY, KUBECONFIG_SECRET_LABEL};
 
-use crate::kubeconfig;
+use crate::kubeconfig::{self, Held};
 use crate::{FIELD_MANAGER, JOINED_AS};
 
 const TOKEN_ANCHOR: &str = "multicluster-runtime.sigs.k8s.io/token-anchor";
 const MEMBER_UID: &str = "multicluster-runtime.sigs.k8s.io/member-uid";
 const SERVICE_ACCOUNT: &str = "multicluster-runtime.sigs.k8s.io/service-account";
 const TOKEN_EXPIRES: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
-
-/// What a destination written by `join` says about the credential it holds.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Held {
-    /// The host Secret's uid, as read (none for a file, or one being written).
-    #[serde(skip)]
-    pub uid: Option<String>,
-    /// The name of the token's anchor in the member.
-    pub anchor: Option<String>,
-    /// The member's id (its kube-system namespace's uid).
-    pub member_uid: Option<String>,
-    /// The identity, `namespace/name`.
-    pub service_account: Option<String>,
-    /// When the token expires, RFC 3339.
-    pub expires: Option<String>,
-}
 
 pub enum Destination {
     Secret {

@@ -10,7 +10,23 @@ use kube::config::{
     AuthInfo, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext, NamedExtension,
 };
 
-use crate::destination::Held;
+/// What a destination written by `join` says about the credential it holds (kept in the
+/// kubeconfig it wrote, and in a Secret's annotations).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Held {
+    /// The host Secret's uid, as read (none for a file, or one being written).
+    #[serde(skip)]
+    pub uid: Option<String>,
+    /// The name of the token's anchor in the member.
+    pub anchor: Option<String>,
+    /// The member's id (its kube-system namespace's uid).
+    pub member_uid: Option<String>,
+    /// The identity, `namespace/name`.
+    pub service_account: Option<String>,
+    /// When the token expires, RFC 3339.
+    pub expires: Option<String>,
+}
 
 /// The context extension in which a written kubeconfig says what it holds.
 pub const NOTE: &str = "multicluster-runtime.sigs.k8s.io/joined";

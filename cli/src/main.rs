@@ -20,7 +20,8 @@ use anyhow::{Context as _, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use destination::{Destination, Held};
+use destination::Destination;
+use kubeconfig::Held;
 
 /// The field manager of everything `mcr` applies.
 const FIELD_MANAGER: &str = "mcr-join";

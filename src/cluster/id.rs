@@ -152,7 +152,7 @@ pub(crate) struct ClusterField<'a, C>(pub(crate) &'a C);
 
 impl<C: ClusterId> fmt::Display for ClusterField<'_, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if std::any::TypeId::of::<C>() == std::any::TypeId::of::<crate::SingleCluster>() {
+        if std::any::TypeId::of::<C>() == std::any::TypeId::of::<crate::cluster::SingleCluster>() {
             f.write_str("single")
         } else {
             fmt::Display::fmt(self.0, f)

@@ -4,30 +4,11 @@
 //! each engagement (from the first fleet engaging it to the last letting go) has caches of its
 //! own, which stop when it ends. See `docs/architecture.md` for the states.
 
-mod backoff;
-mod cache;
-mod client;
-mod endpoint;
 mod errors;
-mod events;
-mod exec_identity;
-mod exec_plugin;
 mod id;
 mod identity;
-mod index;
-pub(crate) mod listing;
-pub(crate) mod namespaces;
-mod reauth;
-pub(crate) mod redact;
 mod reported;
 mod session;
-mod source;
-mod store;
-mod transform;
-mod transport;
-pub(crate) mod trim;
-mod watch;
-pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -39,38 +20,24 @@ use kube::Client;
 use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher;
 
-pub use backoff::WatchBackoff;
-pub(crate) use backoff::{Retrying, random_unit};
-pub use cache::Cache;
-use client::MakeClient;
-use client::{ClientLayer, ClientState, Forward};
-pub use client::{InvalidRateLimit, RateLimit};
-use endpoint::same_endpoint_and_credentials;
-pub use errors::{CacheError, DiscoveryError};
-#[cfg(test)]
-pub(crate) use events::map_event;
+pub use errors::DiscoveryError;
 pub(crate) use id::ClusterField;
 pub use id::{ClusterId, ClusterName, InvalidClusterId, SingleCluster};
 pub use identity::ClusterIdentity;
 pub(crate) use identity::value_of as property_value;
-pub(crate) use index::Indexer;
-pub use redact::CredentialError;
-pub(crate) use redact::{Shown, describe_client};
 use session::Attachment;
 pub(crate) use session::Primary;
 pub(crate) use session::{Engagement, Session};
-pub(crate) use source::{SharedObject, WatchKey, WatchRequest, WatchSource};
-pub(crate) use store::ObjectKey;
-pub use store::Store;
-pub(crate) use transform::Transforms;
-pub use transform::{LAST_APPLIED, strip_managed_fields};
-pub use transport::set_keepalive as transport_keepalive;
-pub use watch::Fault;
-use watch::WatchState;
-pub(crate) use watch::{Change, SharedWatch, WatchSettings, panic_message, same_version};
 
-use crate::Watchable;
-use crate::sync::lock;
+use crate::cache::watch::WatchState;
+use crate::cache::{
+    Cache, CacheError, Indexer, SharedWatch, Store, WatchKey, WatchSettings, WatchSource,
+    Watchable, backoff, listing, map_event, namespaces, source, transform, watch,
+};
+use crate::client::endpoint::same_endpoint_and_credentials;
+use crate::client::layer::{ClientLayer, ClientState, Forward, MakeClient};
+use crate::client::{CredentialError, RateLimit, reauth, redact, requester, transport};
+use crate::util::sync::lock;
 
 /// A cheap, clonable handle to one cluster: its id, its [`Client`] and, while it is engaged,
 /// the caches shared by every controller that watches it.
@@ -115,7 +82,7 @@ enum ClientSlot {
         made: std::sync::OnceLock<Client>,
         /// The stack the client is made of, for the cluster's watches (which need no
         /// client, and so no buffer); `None` for kube's own stacks.
-        raw: Option<wire::RawService>,
+        raw: Option<requester::RawService>,
         /// The exec plugin's credentials, when the user is one.
         credentials: Option<reauth::Credentials>,
     },
@@ -227,7 +194,7 @@ impl<C: ClusterId> Cluster<C> {
     ) -> Result<
         (
             MakeClient,
-            Option<wire::RawService>,
+            Option<requester::RawService>,
             Option<reauth::Credentials>,
         ),
         kube::Error,
@@ -403,10 +370,12 @@ impl<C: ClusterId> Cluster<C> {
 
     /// How the cluster's watches send their requests: the stack its client is made of where
     /// there is one (a cluster whose client nobody asks for never makes it), else the client.
-    pub(crate) fn requester(&self) -> wire::Requester {
+    pub(crate) fn requester(&self) -> requester::Requester {
         match &self.inner.client {
-            ClientSlot::Deferred { raw: Some(raw), .. } => wire::Requester::Service(raw.clone()),
-            _ => wire::Requester::Client(self.client()),
+            ClientSlot::Deferred { raw: Some(raw), .. } => {
+                requester::Requester::Service(raw.clone())
+            }
+            _ => requester::Requester::Client(self.client()),
         }
     }
 
@@ -842,7 +811,9 @@ impl<C: ClusterId> Cluster<C> {
                     )
                     .map(move |event| {
                         event.map(|event| {
-                            events::map_event(event, |o| transform::shared(o, transform.as_ref()))
+                            map_event::map_event(event, |o| {
+                                transform::shared(o, transform.as_ref())
+                            })
                         })
                     })
                     .boxed()

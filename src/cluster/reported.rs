@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use kube_runtime::watcher;
 
-use super::index::Indexer;
 use super::session::{ErasedWatch, Session};
-use super::source::WatchKey;
-use super::watch::WatchState;
-use crate::sync::lock;
+use crate::cache::index::Indexer;
+use crate::cache::source::WatchKey;
+use crate::cache::watch::WatchState;
+use crate::util::sync::lock;
 
 /// One watch's state as its events show it.
 pub(crate) struct ReportedWatch {
@@ -47,7 +47,7 @@ impl ReportedWatch {
                 }
             }
             Err(error) => {
-                let error = super::redact::safe_text(error);
+                let error = crate::client::redact::safe_text(error);
                 let mut state = lock(&self.state);
                 if let WatchState::Listing { error: e } | WatchState::Synced { error: e } =
                     &mut *state
@@ -63,7 +63,7 @@ impl ReportedWatch {
     pub(crate) async fn report_if_overdue(self: Arc<Self>, timeout: Duration) {
         tokio::time::sleep_until((self.started + timeout).into()).await;
         if let WatchState::Listing { error } = lock(&self.state).clone() {
-            super::watch::warn_overdue(&self.cluster, &self.kind, timeout, error.as_deref());
+            crate::cache::watch::warn_overdue(&self.cluster, &self.kind, timeout, error.as_deref());
         }
     }
 }

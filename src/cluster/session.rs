@@ -10,13 +10,13 @@ use kube_runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 use super::Cluster;
-use super::errors::CacheError;
 use super::id::ClusterId;
-use super::index::Indexer;
-use super::source::WatchKey;
-use super::watch::{SharedWatch, WatchSettings, WatchState};
-use crate::Watchable;
-use crate::sync::lock;
+use crate::cache::CacheError;
+use crate::cache::Watchable;
+use crate::cache::index::Indexer;
+use crate::cache::source::WatchKey;
+use crate::cache::watch::{SharedWatch, WatchSettings, WatchState};
+use crate::util::sync::lock;
 
 /// How many fleets hold the cluster engaged, and the engagement they share.
 #[derive(Default)]
@@ -210,7 +210,7 @@ pub(crate) enum Primary<K: Watchable> {
 
 /// A controller's watch shown among the engagement's watches until dropped.
 pub(crate) struct Adopted<K: Watchable> {
-    pub(crate) feed: super::watch::Feed<K>,
+    pub(crate) feed: crate::cache::watch::Feed<K>,
     /// The engagement's cache sync timeout.
     pub(crate) timeout: Option<std::time::Duration>,
     session: Arc<Session>,

@@ -12,7 +12,7 @@ use std::time::Duration;
 use kube::Resource;
 use tokio::time::Instant;
 
-use crate::sync::lock;
+use crate::util::sync::lock;
 
 /// How long an object that keeps failing waits before its next attempt: `base` after its
 /// first failure, doubling with each failure in a row, at most `max`. controller-runtime's
@@ -137,14 +137,14 @@ impl<R: Hash + Eq + Clone> Failures<R> {
         &self,
         request: &R,
         version: Option<&str>,
-        action: crate::Action,
+        action: crate::controller::Action,
         failed: bool,
-    ) -> crate::Action {
+    ) -> crate::controller::Action {
         // The reconcile is over: a terminal mark it left (one not taken by an error it
         // returned: it timed out, or succeeded) must not make the next one's error terminal.
         self.clear_terminal(request);
         if action.is_backoff() {
-            return crate::Action::requeue(self.failed(request, version));
+            return crate::controller::Action::requeue(self.failed(request, version));
         }
         if failed {
             self.failed(request, version);
@@ -271,7 +271,7 @@ mod tests {
         // Marked, then the reconcile timed out (settled as a failed backoff): the next
         // reconcile's ordinary error is not terminal.
         failures.mark_terminal("a");
-        failures.settle(&"a", Some("1"), crate::Action::backoff(), true);
+        failures.settle(&"a", Some("1"), crate::controller::Action::backoff(), true);
         assert!(!failures.take_terminal(&"a"), "the mark outlived a timeout");
         // Marked, then the reconcile panicked or was dropped (nothing settled).
         failures.mark_terminal("b");

@@ -8,7 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Client, Resource};
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, ClusterId, FleetView, Request};
+use crate::cluster::{Cluster, ClusterId};
+use crate::controller::Request;
+use crate::fleet::FleetView;
 
 /// The context of one reconcile: the request, the cluster it is for, the user's state, and
 /// the rest of the fleet (for reconcilers that act on other clusters).
@@ -29,7 +31,7 @@ use crate::{Cluster, ClusterId, FleetView, Request};
 /// }
 /// ```
 pub struct Context<C: ClusterId, S> {
-    shared: Arc<Shared<C, S>>,
+    shared: Arc<ReconcileShared<C, S>>,
     cluster: Cluster<C>,
     /// The cluster's engagement this reconcile runs in (fleet mode); cancelled when it ends.
     /// Single-cluster mode has none: its one cluster stays engaged while the manager runs.
@@ -45,7 +47,7 @@ pub struct Context<C: ClusterId, S> {
 }
 
 /// What every reconcile of one controller shares; one reference count per reconcile.
-pub(crate) struct Shared<C: ClusterId, S> {
+pub(crate) struct ReconcileShared<C: ClusterId, S> {
     pub(crate) state: Arc<S>,
     pub(crate) fleet: FleetView<C>,
     pub(crate) local: Option<Cluster<C>>,
@@ -55,16 +57,16 @@ pub(crate) struct Shared<C: ClusterId, S> {
     /// Cancelled when the run's reconciles are dropped at once (leadership lost).
     pub(crate) abort: CancellationToken,
     /// Until when this replica may act (its leader Lease, its fences).
-    pub(crate) tenure: Arc<crate::tenure::Tenure>,
+    pub(crate) tenure: Arc<crate::lease::tenure::Tenure>,
     /// The failures in a row of each object of the controller.
     pub(crate) failures: super::Failures<Request<C>>,
 }
 
-impl<C: ClusterId, S> Shared<C, S> {
+impl<C: ClusterId, S> ReconcileShared<C, S> {
     /// What the reconciles of the controller `spec` share in one run (`env`), in either mode.
-    pub(crate) fn new<K: crate::Watchable>(
+    pub(crate) fn new<K: crate::cache::Watchable>(
         spec: &super::Spec<K, C>,
-        env: &super::Env<C>,
+        env: &crate::run::Env<C>,
         state: Arc<S>,
     ) -> Self {
         Self {
@@ -127,7 +129,7 @@ impl<C: ClusterId, S> Context<C, S> {
         object: Arc<K>,
         cluster: Cluster<C>,
         engagement: CancellationToken,
-        shared: Arc<Shared<C, S>>,
+        shared: Arc<ReconcileShared<C, S>>,
     ) -> Self {
         let meta = object.meta();
         let own_key = request.cluster == *cluster.id()
@@ -145,7 +147,7 @@ impl<C: ClusterId, S> Context<C, S> {
     pub(crate) fn for_object<K: Resource + Send + Sync + 'static>(
         object: Arc<K>,
         cluster: Cluster<C>,
-        shared: Arc<Shared<C, S>>,
+        shared: Arc<ReconcileShared<C, S>>,
     ) -> Self {
         Self {
             shared,
@@ -213,7 +215,7 @@ impl<C: ClusterId, S> Context<C, S> {
     }
 
     /// The tenure the reconcile runs under.
-    pub(crate) fn shared_tenure(&self) -> &crate::tenure::Tenure {
+    pub(crate) fn shared_tenure(&self) -> &crate::lease::tenure::Tenure {
         &self.shared.tenure
     }
 

@@ -19,8 +19,8 @@ use kube::Resource;
 use kube_runtime::reflector::ObjectRef;
 use std::future::Future;
 
-use crate::cluster::ObjectKey;
-use crate::hashing::{HashMap, HashSet};
+use crate::cache::ObjectKey;
+use crate::util::hashing::{HashMap, HashSet};
 
 /// How long a live change on its way to a worker holds listed objects back at most.
 const LIVE_WAIT: Duration = Duration::from_secs(5);

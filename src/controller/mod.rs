@@ -1,17 +1,21 @@
-//! Controllers: the [`Builder`], the single-cluster runner (kube-runtime's own `Controller`),
-//! the fleet loop with its per-cluster state machine, the fair queue, the reconcile
-//! [`Context`] and the relations (`owns`, `watches`).
+//! Controllers: the reconcile vocabulary ([`Action`], [`Request`], [`Context`], finalizers),
+//! the two runners (single mode: kube-runtime's own `Controller`, in `single_mode`; fleet
+//! mode: the fleet loop with its per-cluster state machine, in `fleet_mode`), the fair queue
+//! and the relations (`owns`, `watches`). The [`Builder`](crate::Builder) that configures
+//! them stands above the manager, in `builder.rs`.
 
+pub(crate) mod action;
 mod backoff;
-mod builder;
 mod context;
+pub mod finalizer;
+pub(crate) mod fleet_mode;
 mod gate;
 mod queue;
-mod relations;
-mod runner;
-mod single;
-mod sources;
-mod warm;
+pub(crate) mod relations;
+pub(crate) mod request;
+pub(crate) mod single_mode;
+pub(crate) mod sources;
+pub(crate) mod warm;
 
 use std::fmt;
 use std::sync::Arc;
@@ -20,14 +24,16 @@ use std::time::Duration;
 use kube_runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
+pub use action::Action;
 pub use backoff::FailureBackoff;
 pub(crate) use backoff::{Failures, version_of};
-pub use builder::{Builder, Watchable};
 pub use context::Context;
 #[cfg(feature = "fuzzing")]
 pub(crate) use queue::FleetQueue;
+pub use request::{ParseRequestError, Request};
 
-use crate::{Cluster, ClusterId, Fleet, Request, WatchBackoff};
+use crate::cache::Watchable;
+use crate::cluster::{Cluster, ClusterId};
 
 /// Why a reconcile was queued; shown in the reconcile's span. While a request waits, a later
 /// reason replaces an earlier one.
@@ -92,7 +98,7 @@ pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10 * 3600);
 /// A resync period drawn within ±10 % of `period` (as controller-runtime spreads its
 /// informers' resyncs), so clusters engaged together do not resync together.
 pub(crate) fn jittered_resync(period: Duration) -> Duration {
-    period.mul_f64(0.9 + 0.2 * crate::cluster::random_unit())
+    period.mul_f64(0.9 + 0.2 * crate::util::jitter::random_unit())
 }
 
 /// Ticks every [`jittered_resync`] of `period`, until `ended` is cancelled.
@@ -140,7 +146,7 @@ pub struct Reconciled<C: ClusterId> {
     pub request: Request<C>,
     /// What comes next: the reconciler's action, or the error policy's after an error
     /// ([`PANIC_REQUEUE`] after a panic).
-    pub action: crate::Action,
+    pub action: crate::controller::Action,
     /// Why it failed, if it did.
     pub failure: Option<Failure>,
     /// How long it ran.
@@ -168,7 +174,7 @@ pub(crate) fn observe<C: ClusterId>(observer: &Observer<C>, reconciled: Reconcil
     if let Err(panic) =
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observer(reconciled)))
     {
-        tracing::error!(%request, panic = %crate::cluster::panic_message(&*panic), "the result observer panicked");
+        tracing::error!(%request, panic = %crate::util::panic::panic_message(&*panic), "the result observer panicked");
     }
 }
 
@@ -211,7 +217,7 @@ pub(crate) struct Spec<K: Watchable, C: ClusterId> {
     pub(crate) watcher_config: watcher::Config,
     pub(crate) relations: Vec<Arc<dyn relations::Relation<C, K>>>,
     /// Requests from elsewhere than the watches of the controller's clusters.
-    pub(crate) sources: Vec<Arc<dyn sources::Source<C>>>,
+    pub(crate) sources: Vec<Arc<dyn sources::RequestSource<C>>>,
     /// `reconcile_all_on`'s stream, lent to each run.
     pub(crate) bulk: Option<Arc<sources::Given<()>>>,
     pub(crate) predicate: Option<PredicateFn<K>>,
@@ -250,66 +256,6 @@ impl<K: Watchable, C: ClusterId> Spec<K, C> {
             (Some(n), _) => n.max(1),
             (None, 0) => 0,
             (None, n) => (n - 1).max(1),
-        }
-    }
-}
-
-/// Where a controller runs: what a manager's run hands it.
-pub(crate) struct Env<C: ClusterId> {
-    pub(crate) fleet: Fleet<C>,
-    pub(crate) local: Option<Cluster<C>>,
-    pub(crate) shutdown: CancellationToken,
-    pub(crate) grace: Grace,
-    pub(crate) backoff: WatchBackoff,
-    pub(crate) metrics: Option<crate::Metrics>,
-    /// What caches keep of each object (single mode applies them to its controller's store).
-    pub(crate) transforms: Arc<crate::cluster::Transforms>,
-    /// The namespaces each kind is watched in (single mode builds its own watches).
-    pub(crate) namespaces: Arc<crate::cluster::namespaces::NamespaceScopes>,
-    /// Watches list in pages, never by streaming lists (`Manager::paged_lists`).
-    pub(crate) paged_lists: bool,
-    /// Who this replica is, in the Events it records (the leader election identity, or the
-    /// host name: the pod's name in a cluster).
-    pub(crate) instance: Arc<str>,
-    /// Until when this replica may start reconciles: its leader Lease's renew deadline for
-    /// the leader's controllers, its fences' for a sharded manager's, unbounded otherwise.
-    pub(crate) tenure: Arc<crate::tenure::Tenure>,
-}
-
-/// How long reconciles in flight at shutdown are awaited.
-#[derive(Clone)]
-pub(crate) struct Grace {
-    pub(crate) timeout: Duration,
-    /// Cancelled when they are to be dropped at once instead (leadership lost: another
-    /// replica may be acting already).
-    pub(crate) abort: CancellationToken,
-}
-
-impl Grace {
-    /// Completes when reconciles still in flight are no longer awaited: the graceful timeout
-    /// has passed, or the run aborts.
-    pub(crate) async fn over(&self) {
-        tokio::select! {
-            () = tokio::time::sleep(self.timeout) => {}
-            () = self.abort.cancelled() => {}
-        }
-    }
-}
-
-impl<C: ClusterId> Clone for Env<C> {
-    fn clone(&self) -> Self {
-        Self {
-            fleet: self.fleet.clone(),
-            local: self.local.clone(),
-            shutdown: self.shutdown.clone(),
-            grace: self.grace.clone(),
-            backoff: self.backoff.clone(),
-            metrics: self.metrics.clone(),
-            transforms: self.transforms.clone(),
-            namespaces: self.namespaces.clone(),
-            paged_lists: self.paged_lists,
-            instance: self.instance.clone(),
-            tenure: self.tenure.clone(),
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::collections::{VecDeque, hash_map::Entry};
 
-use crate::hashing::{HashMap, HashSet};
+use crate::util::hashing::{HashMap, HashSet};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::pin::Pin;
@@ -24,8 +24,9 @@ use tokio::time::Instant;
 use prometheus_client::metrics::gauge::Gauge;
 
 use super::ReconcileReason;
+use crate::cluster::ClusterId;
+use crate::controller::{Action, Request};
 use crate::metrics::{Metrics, Outcome, Series};
-use crate::{Action, ClusterId, Request};
 
 /// After this many requests of the normal lane in a row while listed ones wait, one of the
 /// low lane is served: live changes go first, but a steady stream of them cannot starve a
@@ -564,7 +565,7 @@ impl<C: ClusterId> FleetQueue<C> {
                     Outcome::Error
                 }
                 ReconcileReason::Backoff => Outcome::Requeue,
-                _ => Outcome::of(false, &action),
+                _ => action.outcome(),
             };
             let retried = matches!(outcome, Outcome::Error | Outcome::Panic | Outcome::Requeue)
                 && action.requeue_after().is_some();
@@ -646,7 +647,7 @@ impl<C: ClusterId> FleetQueue<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ClusterName;
+    use crate::cluster::ClusterName;
 
     impl FairQueue<ClusterName> {
         fn push_(&mut self, r: Request<ClusterName>) {
@@ -888,9 +889,9 @@ mod tests {
             for with_cluster in [true, false] {
                 let mut registry = prometheus_client::registry::Registry::default();
                 let metrics = if with_cluster {
-                    crate::Metrics::new(&mut registry)
+                    crate::metrics::Metrics::new(&mut registry)
                 } else {
-                    crate::Metrics::without_cluster_label(&mut registry)
+                    crate::metrics::Metrics::without_cluster_label(&mut registry)
                 };
                 let mut q = FleetQueue::new(2, 0, Duration::ZERO)
                     .with_metrics(metrics.clone(), Arc::from("owners"));

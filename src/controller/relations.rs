@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::cluster::Store;
+use crate::cache::Store;
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
 use kube::core::PartialObjectMeta;
@@ -13,10 +13,13 @@ use kube_runtime::reflector::ObjectRef;
 use kube_runtime::watcher;
 
 use super::{PredicateFn, ReconcileReason, Trigger};
-use crate::cluster::listing::Target;
-use crate::cluster::namespaces::NamespaceScopes;
-use crate::cluster::{CacheError, Change, Engagement, ObjectKey, listing};
-use crate::{Cluster, ClusterId, Request, Watchable};
+use crate::cache::Watchable;
+use crate::cache::listing::Target;
+use crate::cache::namespaces::NamespaceScopes;
+use crate::cache::{CacheError, Change, ObjectKey, listing};
+use crate::cluster::Engagement;
+use crate::cluster::{Cluster, ClusterId};
+use crate::controller::Request;
 
 /// A relation of the primary kind `K` to other objects (owned, watched), type-erased.
 pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
@@ -42,7 +45,7 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
-        backoff: &crate::WatchBackoff,
+        backoff: &crate::cache::WatchBackoff,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K>
@@ -247,7 +250,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
-        backoff: &crate::WatchBackoff,
+        backoff: &crate::cache::WatchBackoff,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {
@@ -335,7 +338,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
-        backoff: &crate::WatchBackoff,
+        backoff: &crate::cache::WatchBackoff,
         streaming: bool,
         trim: bool,
     ) -> kube_runtime::Controller<K> {

@@ -10,13 +10,17 @@ use futures::stream::{self, BoxStream};
 use kube_runtime::watcher;
 
 use super::relations;
-use super::{Env, ReconcileReason, Trigger};
+use super::{ReconcileReason, Trigger};
+use crate::cache::Watchable;
+use crate::cluster::ClusterId;
 use crate::cluster::Engagement;
-use crate::sync::lock;
-use crate::{ClusterId, Fleet, Request, Watchable};
+use crate::controller::Request;
+use crate::fleet::Fleet;
+use crate::run::Env;
+use crate::util::sync::lock;
 
 /// A source of requests, type-erased.
-pub(crate) trait Source<C: ClusterId>: Send + Sync {
+pub(crate) trait RequestSource<C: ClusterId>: Send + Sync {
     /// The requests for one run of the controller; `None` if there are none for this run.
     fn triggers(&self, env: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>>;
 }
@@ -61,7 +65,7 @@ pub(crate) struct FromFleet<D: ClusterId, C: ClusterId, Other: Watchable> {
     pub(crate) mapper: Mapper<D, Other, C>,
 }
 
-impl<D: ClusterId, C: ClusterId, Other: Watchable> Source<C> for FromFleet<D, C, Other> {
+impl<D: ClusterId, C: ClusterId, Other: Watchable> RequestSource<C> for FromFleet<D, C, Other> {
     fn triggers(&self, _: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>> {
         let (dt, config, mapper) = (self.dt.clone(), self.config.clone(), self.mapper.clone());
         let kind: Arc<str> = Arc::from(Other::kind(&dt).as_ref());
@@ -93,7 +97,7 @@ pub(crate) struct FromLocal<C: ClusterId, Other: Watchable> {
     pub(crate) mapper: LocalMapper<C, Other>,
 }
 
-impl<C: ClusterId, Other: Watchable> Source<C> for FromLocal<C, Other> {
+impl<C: ClusterId, Other: Watchable> RequestSource<C> for FromLocal<C, Other> {
     fn triggers(&self, env: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>> {
         let Some(engagement) = env.local.as_ref().and_then(|local| local.engagement()) else {
             tracing::warn!(
@@ -174,7 +178,7 @@ impl<T> Drop for Lent<T> {
     }
 }
 
-impl<C: ClusterId> Source<C> for Given<Trigger<C>> {
+impl<C: ClusterId> RequestSource<C> for Given<Trigger<C>> {
     fn triggers(&self, _: &Env<C>) -> Option<BoxStream<'static, Trigger<C>>> {
         self.lend()
     }

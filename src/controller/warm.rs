@@ -5,10 +5,12 @@
 
 use std::sync::Arc;
 
-use super::{Env, Spec};
+use super::Spec;
+use crate::cache::Watchable;
+use crate::cluster::ClusterId;
 use crate::cluster::Engagement;
 use crate::fleet::FleetEvent;
-use crate::{ClusterId, Watchable};
+use crate::run::Env;
 
 /// Keeps `spec`'s caches started in every cluster the controller would follow, for the
 /// whole run of the manager. The caches belong to each engagement: they stay until it ends,

@@ -7,8 +7,8 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::leader::{Attempt, Elector, OnLoss};
-use crate::tenure::Tenure;
+use crate::lease::leader::{Attempt, Elector, OnLoss};
+use crate::lease::tenure::Tenure;
 
 /// What the campaign tells the run.
 pub(super) enum Leadership {
@@ -53,7 +53,7 @@ pub(super) async fn campaign(
                 }
                 Err(error) => {
                     if !failing {
-                        tracing::warn!(lease = %lease, %identity, error = %crate::cluster::Shown(&error), "cannot read or take the lease; retrying");
+                        tracing::warn!(lease = %lease, %identity, error = %crate::client::Shown(&error), "cannot read or take the lease; retrying");
                         failing = true;
                     }
                 }
@@ -85,7 +85,7 @@ pub(super) async fn campaign(
                     // kube's, with a credential plugin's command line and output.
                     Some(error) => format!(
                         "not renewed within the renew deadline ({renew_deadline:?}); last error: {}",
-                        crate::cluster::Shown(&error)
+                        crate::client::Shown(&error)
                     ),
                     None => format!("not renewed within the renew deadline ({renew_deadline:?})"),
                 };
@@ -103,7 +103,7 @@ pub(super) async fn campaign(
                 }
                 Ok(Ok(Attempt::HeldBy(holder))) => break format!("{holder} holds the lease now"),
                 Ok(Err(error)) => {
-                    tracing::warn!(lease = %lease, error = %crate::cluster::Shown(&error), "renewing the lease failed; retrying until the renew deadline");
+                    tracing::warn!(lease = %lease, error = %crate::client::Shown(&error), "renewing the lease failed; retrying until the renew deadline");
                     last_error = Some(error);
                 }
                 Err(_) => {

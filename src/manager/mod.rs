@@ -13,13 +13,16 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::Fault;
-use crate::leader::{InvalidLeaderElection, LeaderElection};
+use crate::cache::Fault;
+use crate::cache::WatchBackoff;
+use crate::cluster::Cluster;
+use crate::fleet::Fleet;
+use crate::lease::leader::{InvalidLeaderElection, LeaderElection};
+use crate::lease::tenure::Tenure;
 use crate::metrics::Metrics;
+use crate::provider::{Provider, ProviderError};
 use crate::serve::Endpoints;
-use crate::sync::lock;
-use crate::tenure::Tenure;
-use crate::{Cluster, Fleet, Provider, ProviderError, WatchBackoff};
+use crate::util::sync::lock;
 
 type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
@@ -32,7 +35,7 @@ enum Job {
 }
 
 /// What a run hands each controller it starts.
-pub(crate) type ControllerFactory<C> = Arc<dyn Fn(crate::controller::Env<C>) -> Task + Send + Sync>;
+pub(crate) type ControllerFactory<C> = Arc<dyn Fn(crate::run::Env<C>) -> Task + Send + Sync>;
 
 /// Runs a [`Provider`], holds the engaged clusters (its [`Fleet`]) and the optional local
 /// (host) cluster, and runs controllers until shutdown.
@@ -64,15 +67,15 @@ pub struct Manager<P: Provider> {
     /// Controllers run only while this replica holds the lease, if set.
     leader_election: Option<LeaderElection>,
     /// Replicas split the fleet, if set.
-    sharding: Option<crate::Sharding>,
+    sharding: Option<crate::shard::Sharding>,
     /// What the sharding coordinator of the current run last saw.
-    shard_status: Arc<Mutex<Option<crate::ShardStatus>>>,
+    shard_status: Arc<Mutex<Option<crate::shard::ShardStatus>>>,
     metrics: Option<Metrics>,
-    rate_limit: Option<crate::RateLimit>,
+    rate_limit: Option<crate::client::RateLimit>,
     /// Shared with every run's watches and controllers.
-    transforms: Arc<crate::cluster::Transforms>,
+    transforms: Arc<crate::cache::Transforms>,
     /// The namespaces each kind is watched in.
-    namespaces: Arc<crate::cluster::namespaces::NamespaceScopes>,
+    namespaces: Arc<crate::cache::namespaces::NamespaceScopes>,
     /// Watches list in pages, never by streaming lists.
     paged_lists: bool,
     /// A watch not listed within this long is reported.
@@ -224,14 +227,14 @@ impl<P: Provider> Manager<P> {
     /// [`Fleet::discovered`]. See [`Sharding`](crate::Sharding) for the protocol; needs a
     /// fleet provider (not `SingleProvider`).
     #[must_use]
-    pub fn sharding(mut self, sharding: crate::Sharding) -> Self {
+    pub fn sharding(mut self, sharding: crate::shard::Sharding) -> Self {
         self.sharding = Some(sharding);
         self
     }
 
     /// What this replica's sharding saw and held at its last round, while a sharded run goes
     /// on; `None` otherwise.
-    pub fn shard_status(&self) -> Option<crate::ShardStatus> {
+    pub fn shard_status(&self) -> Option<crate::shard::ShardStatus> {
         lock(&self.shard_status).clone()
     }
 
@@ -248,7 +251,7 @@ impl<P: Provider> Manager<P> {
     /// ([`Cluster::with_rate_limit`](crate::Cluster::with_rate_limit)); every provider's
     /// clusters take it. Default: no limit, as kube-rs.
     #[must_use]
-    pub fn client_rate_limit(mut self, limit: crate::RateLimit) -> Self {
+    pub fn client_rate_limit(mut self, limit: crate::client::RateLimit) -> Self {
         self.rate_limit = Some(limit);
         self
     }
@@ -260,7 +263,7 @@ impl<P: Provider> Manager<P> {
     /// `data`, status details). Set it before the first cluster is engaged: watches started
     /// earlier keep what they had.
     #[must_use]
-    pub fn transform<K: crate::Watchable>(
+    pub fn transform<K: crate::cache::Watchable>(
         mut self,
         transform: impl Fn(&mut K) + Send + Sync + 'static,
     ) -> Self
@@ -301,7 +304,7 @@ impl<P: Provider> Manager<P> {
     /// [`Cluster::cache`]: crate::Cluster::cache
     #[must_use]
     pub fn namespaces(mut self, namespaces: impl IntoIterator<Item = impl Into<String>>) -> Self {
-        let set = crate::cluster::namespaces::NamespaceScopes::set(namespaces);
+        let set = crate::cache::namespaces::NamespaceScopes::set(namespaces);
         Arc::make_mut(&mut self.namespaces).set_default(set);
         self
     }
@@ -310,7 +313,7 @@ impl<P: Provider> Manager<P> {
     /// whatever [`Manager::namespaces`] says for other kinds (controller-runtime's
     /// `cache.Options.ByObject`). A later call for the same kind replaces the earlier.
     #[must_use]
-    pub fn namespaces_for<K: crate::Watchable>(
+    pub fn namespaces_for<K: crate::cache::Watchable>(
         self,
         namespaces: impl IntoIterator<Item = impl Into<String>>,
     ) -> Self
@@ -324,12 +327,12 @@ impl<P: Provider> Manager<P> {
     /// [`ApiResource`](kube::api::ApiResource) `dt`). A kind known only at run time is
     /// restricted only this way, since its scope is not known before a server is asked.
     #[must_use]
-    pub fn namespaces_for_resource<K: crate::Watchable>(
+    pub fn namespaces_for_resource<K: crate::cache::Watchable>(
         mut self,
         dt: &K::DynamicType,
         namespaces: impl IntoIterator<Item = impl Into<String>>,
     ) -> Self {
-        let set = crate::cluster::namespaces::NamespaceScopes::set(namespaces);
+        let set = crate::cache::namespaces::NamespaceScopes::set(namespaces);
         Arc::make_mut(&mut self.namespaces).set_for(&K::group(dt), &K::kind(dt), set);
         self
     }
@@ -523,7 +526,7 @@ impl<P: Provider> Manager<P> {
 
     /// Registers a field index on `K` objects in every cluster, present and future, and in
     /// the local cluster; see [`Fleet::index_field`].
-    pub fn index_field<K: crate::Watchable>(
+    pub fn index_field<K: crate::cache::Watchable>(
         &self,
         name: &str,
         extract: impl Fn(&K) -> Vec<String> + Send + Sync + 'static,
@@ -534,7 +537,7 @@ impl<P: Provider> Manager<P> {
         let extract = Arc::new(extract);
         if let Some(local) = &self.local {
             let extract = extract.clone();
-            local.add_indexer(&crate::cluster::Indexer::new::<K>(name, move |k: &K| {
+            local.add_indexer(&crate::cache::Indexer::new::<K>(name, move |k: &K| {
                 extract(k)
             }));
         }
@@ -555,7 +558,7 @@ impl<P: Provider> Manager<P> {
 
     /// What a controller run by hand ([`Builder::run`](crate::Builder::run)) gets: the
     /// current (or next) run's shutdown, never aborted.
-    pub(crate) fn env(&self) -> crate::controller::Env<P::Id> {
+    pub(crate) fn env(&self) -> crate::run::Env<P::Id> {
         self.term_env(
             self.shutdown_token(),
             CancellationToken::new(),
@@ -570,12 +573,12 @@ impl<P: Provider> Manager<P> {
         stop: CancellationToken,
         abort: CancellationToken,
         tenure: Arc<Tenure>,
-    ) -> crate::controller::Env<P::Id> {
-        crate::controller::Env {
+    ) -> crate::run::Env<P::Id> {
+        crate::run::Env {
             fleet: self.fleet.clone(),
             local: self.local.clone(),
             shutdown: stop,
-            grace: crate::controller::Grace {
+            grace: crate::run::Grace {
                 timeout: self.graceful_timeout,
                 abort,
             },
@@ -587,7 +590,7 @@ impl<P: Provider> Manager<P> {
             instance: Arc::from(match (&self.sharding, &self.leader_election) {
                 (Some(sharding), _) => sharding.identity.clone(),
                 (None, Some(election)) => election.identity.clone(),
-                (None, None) => crate::leader::host_name(),
+                (None, None) => crate::lease::leader::host_name(),
             }),
             tenure,
         }
@@ -646,11 +649,17 @@ impl<P: Provider> Manager<P> {
         F: Fn(Cluster<P::Id>, CancellationToken) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let task = crate::per_cluster::boxed(task);
+        let task = crate::run::cluster_task::boxed(task);
         let name: Arc<str> = Arc::from(name);
         self.add_controller(
             false,
-            Arc::new(move |env| Box::pin(crate::per_cluster::run(env, name.clone(), task.clone()))),
+            Arc::new(move |env| {
+                Box::pin(crate::run::cluster_task::run(
+                    env,
+                    name.clone(),
+                    task.clone(),
+                ))
+            }),
         );
     }
 
@@ -688,7 +697,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_controller_stops_the_manager_with_an_error() {
-        let manager = Manager::new(Clusters::<crate::ClusterName>::new());
+        let manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new());
         manager.add(async { panic!("controller bug") });
         let result = tokio::time::timeout(Duration::from_secs(10), manager.run())
             .await
@@ -701,7 +710,7 @@ mod tests {
 
     #[tokio::test]
     async fn run_refuses_a_concurrent_run_and_runs_again_after_it_returned() {
-        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        let manager = Arc::new(Manager::new(Clusters::<crate::cluster::ClusterName>::new()));
         let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for _ in 0..2 {
             let counter = runs.clone();
@@ -733,11 +742,11 @@ mod tests {
     struct Cleans(Arc<std::sync::atomic::AtomicBool>);
 
     impl Provider for Cleans {
-        type Id = crate::ClusterName;
+        type Id = crate::cluster::ClusterName;
 
         async fn run(
             &self,
-            _: Fleet<crate::ClusterName>,
+            _: Fleet<crate::cluster::ClusterName>,
             shutdown: CancellationToken,
         ) -> Result<(), ProviderError> {
             shutdown.cancelled().await;
@@ -764,7 +773,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_run_that_is_dropped_lets_the_manager_run_again() {
-        let manager = Manager::new(Clusters::<crate::ClusterName>::new());
+        let manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new());
         assert!(
             tokio::time::timeout(Duration::from_millis(50), manager.run())
                 .await
@@ -774,13 +783,13 @@ mod tests {
         // The dropped run closed its fleet: nothing is engaged into a fleet no run serves
         // (its watches would report to a run that is gone).
         let cluster = Cluster::from_config(
-            crate::ClusterName::new("late"),
+            crate::cluster::ClusterName::new("late"),
             kube::Config::new("https://127.0.0.1:1".parse().unwrap()),
         )
         .unwrap();
         assert!(matches!(
             manager.fleet().engage(cluster.clone()),
-            Err(crate::EngageError::Stopped { .. })
+            Err(crate::fleet::EngageError::Stopped { .. })
         ));
         assert!(!cluster.is_engaged());
         manager.shutdown();
@@ -792,7 +801,7 @@ mod tests {
 
     /// `manager`'s run, spawned, once its controllers may run.
     async fn running(
-        manager: &Arc<Manager<Clusters<crate::ClusterName>>>,
+        manager: &Arc<Manager<Clusters<crate::cluster::ClusterName>>>,
     ) -> tokio::task::JoinHandle<Result<(), ManagerError>> {
         let run = {
             let manager = manager.clone();
@@ -808,8 +817,8 @@ mod tests {
     async fn endpoints_that_cannot_listen_fail_the_run_naming_the_address() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap();
-        let manager = Manager::new(Clusters::<crate::ClusterName>::new())
-            .serve(crate::Endpoints::new(addr).plain_http());
+        let manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new())
+            .serve(crate::serve::Endpoints::new(addr).plain_http());
         let result = manager.run().await;
         assert!(
             matches!(&result, Err(ManagerError::Serve { addr: a, .. }) if *a == addr),
@@ -827,7 +836,7 @@ mod tests {
 
     #[tokio::test]
     async fn without_leader_election_a_run_is_elected_from_its_start_to_its_end() {
-        let manager = Arc::new(Manager::new(Clusters::<crate::ClusterName>::new()));
+        let manager = Arc::new(Manager::new(Clusters::<crate::cluster::ClusterName>::new()));
         assert!(!manager.is_leader());
         let run = running(&manager).await;
         assert!(manager.is_leader());
@@ -838,7 +847,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn tasks_that_ignore_shutdown_are_dropped_after_the_graceful_timeout() {
-        let manager = Manager::new(Clusters::<crate::ClusterName>::new())
+        let manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new())
             .graceful_timeout(Duration::from_secs(5));
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         struct Flag(Arc<std::sync::atomic::AtomicBool>);

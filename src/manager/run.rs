@@ -16,13 +16,16 @@ use tokio_util::task::AbortOnDropHandle;
 use super::campaign::{Leadership, campaign};
 use super::term::{Scope, Term};
 use super::{Job, Manager, ManagerError};
-use crate::cluster::{Engagement, Fault, WatchSettings};
-use crate::leader::{Elector, LeaderElection, OnLoss};
+use crate::cache::{Fault, WatchSettings};
+use crate::cluster::Engagement;
+use crate::lease::leader::{Elector, LeaderElection, OnLoss};
+use crate::lease::tenure::Tenure;
+use crate::metrics::WatchRow;
+use crate::provider::{Provider, ProviderError};
 use crate::serve::Endpoints;
 use crate::shard::Coordinator;
-use crate::sync::lock;
-use crate::tenure::Tenure;
-use crate::{Provider, ProviderError, Sharding};
+use crate::shard::Sharding;
+use crate::util::sync::lock;
 
 /// The provider's `run`, for as long as the run lasts.
 type ProviderRun<'a> = Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>>;
@@ -270,7 +273,7 @@ impl<P: Provider> Manager<P> {
             crate::webhook::Install::Fleet => None,
             _ => self.local.as_ref().map(|l| l.id().clone()),
         };
-        let shared = Arc::new(crate::webhook::Shared {
+        let shared = Arc::new(crate::webhook::ServerShared {
             fleet: self.fleet.clone(),
             serve_fleet: webhooks.install != crate::webhook::Install::Host,
             host,
@@ -288,7 +291,7 @@ impl<P: Provider> Manager<P> {
             keeper: keeper.clone(),
             metrics: self.metrics.clone(),
             listening: std::sync::atomic::AtomicBool::new(false),
-            slots: crate::slots::Slots::new(crate::webhook::server::limits(
+            slots: crate::serve::slots::Slots::new(crate::webhook::server::limits(
                 webhooks
                     .connections
                     .unwrap_or_else(crate::webhook::server::default_connections),
@@ -321,7 +324,13 @@ impl<P: Provider> Manager<P> {
                 .chain(fleet.clusters())
                 .map(|cluster| {
                     let id = crate::cluster::ClusterField(cluster.id()).to_string();
-                    (id, cluster.cache_status())
+                    let rows = cluster.cache_status().into_iter().map(|status| WatchRow {
+                        kind: status.kind,
+                        synced: status.synced,
+                        failing: status.error.is_some(),
+                        overdue: status.overdue,
+                    });
+                    (id, rows.collect())
                 })
                 .collect()
         });
@@ -811,7 +820,7 @@ async fn release(mut elector: Elector, lease: &str) {
     match tokio::time::timeout(Duration::from_secs(5), elector.release()).await {
         Ok(Ok(())) => tracing::info!(lease = %lease, "lease released"),
         Ok(Err(error)) => {
-            tracing::warn!(lease = %lease, error = %crate::cluster::Shown(&error), "could not release the lease; it expires on its own");
+            tracing::warn!(lease = %lease, error = %crate::client::Shown(&error), "could not release the lease; it expires on its own");
         }
         Err(_) => {
             tracing::warn!(lease = %lease, "releasing the lease timed out; it expires on its own")
@@ -858,7 +867,7 @@ impl<P: Provider> Drop for Abandoned<'_, P> {
 
 fn panic_text(error: tokio::task::JoinError) -> String {
     match error.try_into_panic() {
-        Ok(panic) => crate::cluster::panic_message(&*panic),
+        Ok(panic) => crate::util::panic::panic_message(&*panic),
         Err(error) => error.to_string(),
     }
 }

@@ -2,7 +2,7 @@
 //! a second one.
 
 use super::{Manager, ManagerError};
-use crate::Provider;
+use crate::provider::Provider;
 
 impl<P: Provider> Manager<P> {
     /// [`Manager::run`] until the process gets SIGTERM or SIGINT (Ctrl-C), then a graceful

@@ -7,9 +7,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::Manager;
-use crate::Provider;
-use crate::sync::lock;
-use crate::tenure::Tenure;
+use crate::lease::tenure::Tenure;
+use crate::provider::Provider;
+use crate::util::sync::lock;
 
 /// The controllers of one term: from winning the lease (or the start of a run, without
 /// leader election) to losing it or the run's end.

@@ -8,9 +8,10 @@ use kube::api::DynamicObject;
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 
-use super::hub::{self, HubKind, NoRecipe, Scope, Secrets};
+use super::hub;
+use super::hub::{HubKind, NoRecipe, Scope, Secrets};
 use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
-use crate::{Cluster, ClusterName};
+use crate::cluster::{Cluster, ClusterName};
 
 /// Cluster API's group.
 pub const GROUP: &str = "cluster.x-k8s.io";

@@ -13,10 +13,11 @@ use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 use serde::Deserialize;
 
-use super::hub::{self, HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
+use super::hub;
+use super::hub::{HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
 use super::kubeconfig::{canonical_version_of, version_of};
 use super::kubeconfig_secrets::{Trust, parse_kubeconfig};
-use crate::{Cluster, ClusterName};
+use crate::cluster::{Cluster, ClusterName};
 
 /// The Cluster Inventory API's group.
 pub const GROUP: &str = "multicluster.x-k8s.io";

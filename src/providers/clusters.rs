@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    Cluster, ClusterId, ClusterName, EngageError, Engaged, Fleet, Provider, ProviderError,
-};
+use crate::cluster::{Cluster, ClusterId, ClusterName};
+use crate::fleet::{EngageError, Engaged, Fleet};
+use crate::provider::{Provider, ProviderError};
 
 /// A provider whose clusters are added, replaced and removed by calls, for tests and for
 /// code that discovers clusters itself. It is a cheap handle: keep a clone to change the
@@ -57,7 +57,7 @@ impl<C: ClusterId> Clusters<C> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<C>> {
-        crate::sync::lock(&self.inner)
+        crate::util::sync::lock(&self.inner)
     }
 
     /// Adds `cluster`, or replaces the cluster of the same id if it reaches the cluster

@@ -15,7 +15,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::kubeconfig::{canonical_version_of, version_of};
-use crate::{ClusterName, Fleet, Provider, ProviderError};
+use crate::cluster::ClusterName;
+use crate::fleet::Fleet;
+use crate::provider::{Provider, ProviderError};
 
 /// Names a cluster after the file and the context it comes from.
 pub type Naming = Arc<dyn Fn(&Path, &str) -> String + Send + Sync>;
@@ -477,7 +479,7 @@ type Built = (
     PathBuf,
     String,
     u64,
-    Result<crate::Cluster<ClusterName>, String>,
+    Result<crate::cluster::Cluster<ClusterName>, String>,
 );
 
 /// A version that could not be used: reported once, tried again with backoff.

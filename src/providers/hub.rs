@@ -22,7 +22,9 @@ use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio_util::sync::CancellationToken;
 
 use super::kubeconfig::version_of;
-use crate::{Cluster, ClusterName, Fleet, ProviderError};
+use crate::cluster::{Cluster, ClusterName};
+use crate::fleet::Fleet;
+use crate::provider::ProviderError;
 
 /// Whether a hub object is ready to be engaged.
 pub(crate) type Ready = Arc<dyn Fn(&DynamicObject) -> bool + Send + Sync>;
@@ -532,7 +534,7 @@ impl<K: HubKind> Engine<K> {
                 }
                 Ok(None) => {}
                 Err(error) => {
-                    tracing::warn!(group = K::GROUP, error = %crate::cluster::Shown(&error), "discovery failed; retrying")
+                    tracing::warn!(group = K::GROUP, error = %crate::client::Shown(&error), "discovery failed; retrying")
                 }
             }
             tokio::select! {
@@ -626,7 +628,7 @@ impl<K: HubKind> Engine<K> {
                 event = objects.next() => match event {
                     None => return Ok(()),
                     Some(Err(error)) => {
-                        tracing::warn!(error = %crate::cluster::Shown(&error), "watching {}s failed; retrying", K::WHAT);
+                        tracing::warn!(error = %crate::client::Shown(&error), "watching {}s failed; retrying", K::WHAT);
                         continue;
                     }
                     Some(Ok(WatchEvent::Init)) => {
@@ -664,7 +666,7 @@ impl<K: HubKind> Engine<K> {
                 event = secrets.next() => match event {
                     None => return Ok(()),
                     Some(Err(error)) => {
-                        tracing::warn!(error = %crate::cluster::Shown(&error), "watching the Secrets of {}s failed; retrying", K::WHAT);
+                        tracing::warn!(error = %crate::client::Shown(&error), "watching the Secrets of {}s failed; retrying", K::WHAT);
                         continue;
                     }
                     Some(Ok(WatchEvent::Init)) => {
@@ -711,7 +713,7 @@ impl<K: HubKind> Engine<K> {
                         state.unread.remove(&(namespace, name));
                     }
                     Err(error) => {
-                        tracing::warn!(%namespace, secret = %name, error = %crate::cluster::Shown(&error), "reading a Secret {}s name failed; read again with its next change", K::WHAT);
+                        tracing::warn!(%namespace, secret = %name, error = %crate::client::Shown(&error), "reading a Secret {}s name failed; read again with its next change", K::WHAT);
                     }
                 }
             }
@@ -827,14 +829,14 @@ macro_rules! hub_provider {
             }
         }
 
-        impl $crate::Provider for $provider {
-            type Id = $crate::ClusterName;
+        impl $crate::provider::Provider for $provider {
+            type Id = $crate::cluster::ClusterName;
 
             async fn run(
                 &self,
-                fleet: $crate::Fleet<$crate::ClusterName>,
+                fleet: $crate::fleet::Fleet<$crate::cluster::ClusterName>,
                 shutdown: tokio_util::sync::CancellationToken,
-            ) -> Result<(), $crate::ProviderError> {
+            ) -> Result<(), $crate::provider::ProviderError> {
                 super::hub::run(
                     self.kind.clone(),
                     self.host.clone(),

@@ -7,7 +7,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError};
+use crate::cluster::{Cluster, ClusterName};
+use crate::fleet::Fleet;
+use crate::provider::{Provider, ProviderError};
 
 /// What `kind get clusters` prints when there are none.
 const NO_CLUSTERS: &str = "No kind clusters found.";

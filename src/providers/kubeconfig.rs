@@ -152,7 +152,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "name", "cluster", "user", "context", "clusters", "users", "contexts",
 ];
 
-pub(crate) use crate::cluster::describe_client;
+pub(crate) use crate::client::describe_client;
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,9 @@ use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio_util::sync::CancellationToken;
 
 use super::kubeconfig::version_of;
-use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError};
+use crate::cluster::{Cluster, ClusterName};
+use crate::fleet::Fleet;
+use crate::provider::{Provider, ProviderError};
 
 /// The label that marks a Secret as holding a cluster's kubeconfig (value `true`).
 pub const DEFAULT_LABEL: &str = "sigs.k8s.io/multicluster-runtime-kubeconfig";
@@ -143,7 +145,7 @@ impl KubeconfigSecrets {
             secondary: None,
         };
         if let Err(error) = recorder.publish(&event, reference).await {
-            tracing::debug!(cluster = %name, error = %crate::cluster::Shown(&error), "could not record the token's coming expiry");
+            tracing::debug!(cluster = %name, error = %crate::client::Shown(&error), "could not record the token's coming expiry");
         }
     }
 
@@ -238,7 +240,7 @@ impl Provider for KubeconfigSecrets {
             let secret = match event {
                 None => return Ok(()),
                 Some(Err(error)) => {
-                    tracing::warn!(namespace = %self.namespace, error = %crate::cluster::Shown(&error), "watching kubeconfig Secrets failed; retrying");
+                    tracing::warn!(namespace = %self.namespace, error = %crate::client::Shown(&error), "watching kubeconfig Secrets failed; retrying");
                     continue;
                 }
                 Some(Ok(WatchEvent::Init)) => {

@@ -8,9 +8,10 @@ use kube::config::{AuthInfo, Kubeconfig};
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 
-use super::hub::{self, HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
+use super::hub;
+use super::hub::{HubKind, NoRecipe, Scope, Secrets, condition_true, field, kubeconfig_of};
 use super::kubeconfig::version_of;
-use crate::{Cluster, ClusterName};
+use crate::cluster::{Cluster, ClusterName};
 
 /// KubeFed's group.
 pub const GROUP: &str = "core.kubefed.io";

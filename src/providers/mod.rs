@@ -16,13 +16,13 @@
 //! | [`ById`] | those of another provider that have a KEP-2149 id, optionally only one ClusterSet's | the cluster's own id (`cluster.clusterset.k8s.io`) | names that survive renames |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
+mod by_id;
 mod cluster_api;
 mod cluster_inventory;
 mod clusters;
 #[cfg(feature = "file")]
 mod file;
 mod hub;
-mod identity;
 #[cfg(feature = "kind")]
 mod kind;
 mod kubeconfig;
@@ -33,6 +33,7 @@ mod namespace;
 mod nop;
 mod single;
 
+pub use by_id::{ById, Identified};
 pub use cluster_api::ClusterApi;
 #[cfg(feature = "fuzzing")]
 pub(crate) use cluster_inventory::profile_may_set;
@@ -43,7 +44,6 @@ pub use cluster_inventory::{
 pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
-pub use identity::{ById, Identified};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
 #[cfg(feature = "fuzzing")]
@@ -86,13 +86,13 @@ pub(crate) async fn config_from_kubeconfig(
 /// the plugin timeout, 30 s), so that one that fails is a refusal. Dropping the future (a
 /// newer version of the source, a removed source) kills a plugin still running.
 pub(crate) async fn cluster_from_kubeconfig(
-    name: crate::ClusterName,
+    name: crate::cluster::ClusterName,
     kubeconfig: kube::config::Kubeconfig,
     context: Option<String>,
-) -> Result<crate::Cluster<crate::ClusterName>, String> {
+) -> Result<crate::cluster::Cluster<crate::cluster::ClusterName>, String> {
     let config = config_from_kubeconfig(kubeconfig, context).await?;
-    let cluster =
-        crate::Cluster::from_config(name, config).map_err(|e| kubeconfig::describe_client(&e))?;
+    let cluster = crate::cluster::Cluster::from_config(name, config)
+        .map_err(|e| kubeconfig::describe_client(&e))?;
     cluster
         .credentials_ready()
         .await
@@ -176,7 +176,7 @@ pub(crate) async fn record_refusal(
         secondary: None,
     };
     if let Err(error) = recorder.publish(&event, reference).await {
-        tracing::warn!(%cluster, error = %crate::cluster::Shown(&error), "could not record the refusal as an Event");
+        tracing::warn!(%cluster, error = %crate::client::Shown(&error), "could not record the refusal as an Event");
     }
 }
 
@@ -249,8 +249,11 @@ mod tests {
         let mut most = 0;
         for attempt in 0..10 {
             let kubeconfig = kube::config::Kubeconfig::from_yaml(&kubeconfig).unwrap();
-            let build =
-                super::cluster_from_kubeconfig(crate::ClusterName::from("hangs"), kubeconfig, None);
+            let build = super::cluster_from_kubeconfig(
+                crate::cluster::ClusterName::from("hangs"),
+                kubeconfig,
+                None,
+            );
             assert!(
                 tokio::time::timeout(Duration::from_secs(1), build)
                     .await

@@ -8,8 +8,10 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
+use crate::cluster::{Cluster, ClusterId, ClusterName};
+use crate::fleet::Fleet;
 use crate::fleet::{Engaged, FleetEvent};
-use crate::{Cluster, ClusterId, ClusterName, Fleet, Provider, ProviderError};
+use crate::provider::{Provider, ProviderError};
 
 /// The default separator between a child provider's name and its cluster's id.
 pub const DEFAULT_SEPARATOR: &str = "#";
@@ -113,7 +115,7 @@ impl Multi {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        crate::sync::lock(&self.inner)
+        crate::util::sync::lock(&self.inner)
     }
 
     /// The separator between a child's name and its cluster's id.
@@ -407,7 +409,7 @@ fn forward<C: ClusterId>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Cluster;
+    use crate::cluster::Cluster;
     use crate::providers::Clusters;
 
     fn cluster(name: &str, port: u16) -> Cluster<ClusterName> {

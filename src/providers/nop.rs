@@ -4,7 +4,9 @@ use std::marker::PhantomData;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{ClusterId, ClusterName, Fleet, Provider, ProviderError};
+use crate::cluster::{ClusterId, ClusterName};
+use crate::fleet::Fleet;
+use crate::provider::{Provider, ProviderError};
 
 /// No clusters at all: for a manager whose controllers only use its local (host) cluster
 /// ([`Manager::with_local`](crate::Manager::with_local) and

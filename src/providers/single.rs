@@ -3,7 +3,9 @@
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Cluster, Fleet, Provider, ProviderError, SingleCluster};
+use crate::cluster::{Cluster, SingleCluster};
+use crate::fleet::Fleet;
+use crate::provider::{Provider, ProviderError};
 
 /// Exactly one cluster, identified by the zero-sized [`SingleCluster`].
 ///

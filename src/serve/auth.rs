@@ -15,7 +15,7 @@ use k8s_openapi::api::authorization::v1::{
 use kube::api::{Api, PostParams};
 use tokio::time::Instant;
 
-use crate::sync::lock;
+use crate::util::sync::lock;
 
 /// How long an answer stands: an allowed request, a denied one (a role being granted is seen
 /// sooner), and the most answers kept (oldest dropped first).
@@ -31,7 +31,7 @@ pub(crate) const REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The outcome of a request's check.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(crate) enum AuthVerdict {
     /// Authenticated and authorized.
     Allowed,
     /// No token, or the host does not know it: `401`.
@@ -49,7 +49,7 @@ type Question = (String, String, String);
 pub(crate) struct Authorizer {
     client: kube::Client,
     /// Answers by question, with when they were given.
-    cache: Mutex<HashMap<Question, (Verdict, Instant)>>,
+    cache: Mutex<HashMap<Question, (AuthVerdict, Instant)>>,
     reviews: tokio::sync::Semaphore,
 }
 
@@ -64,15 +64,15 @@ impl Authorizer {
 
     /// Whether the bearer of `token` may `verb` the non-resource URL `path`; unavailable if
     /// the host has not said within [`REVIEW_TIMEOUT`].
-    pub(crate) async fn check(&self, token: Option<&str>, path: &str, verb: &str) -> Verdict {
+    pub(crate) async fn check(&self, token: Option<&str>, path: &str, verb: &str) -> AuthVerdict {
         tokio::time::timeout(REVIEW_TIMEOUT, self.check_now(token, path, verb))
             .await
-            .unwrap_or(Verdict::Unavailable)
+            .unwrap_or(AuthVerdict::Unavailable)
     }
 
-    async fn check_now(&self, token: Option<&str>, path: &str, verb: &str) -> Verdict {
+    async fn check_now(&self, token: Option<&str>, path: &str, verb: &str) -> AuthVerdict {
         let Some(token) = token.filter(|t| !t.is_empty()) else {
-            return Verdict::Unauthenticated;
+            return AuthVerdict::Unauthenticated;
         };
         let key = (token.to_string(), path.to_string(), verb.to_string());
         let cached = || {
@@ -85,14 +85,14 @@ impl Authorizer {
             return verdict;
         }
         let Ok(_permit) = self.reviews.acquire().await else {
-            return Verdict::Unavailable;
+            return AuthVerdict::Unavailable;
         };
         // Answered while this one waited its turn.
         if let Some(verdict) = cached() {
             return verdict;
         }
         let verdict = self.ask(token, path, verb).await;
-        if verdict != Verdict::Unavailable {
+        if verdict != AuthVerdict::Unavailable {
             let mut cache = lock(&self.cache);
             if cache.len() >= KEPT {
                 cache.retain(|_, (verdict, at)| at.elapsed() < ttl(verdict));
@@ -110,7 +110,7 @@ impl Authorizer {
         verdict
     }
 
-    async fn ask(&self, token: &str, path: &str, verb: &str) -> Verdict {
+    async fn ask(&self, token: &str, path: &str, verb: &str) -> AuthVerdict {
         // Through its JSON form: the type of `spec.token` differs between the Kubernetes
         // versions a user's k8s-openapi may pick.
         let review = serde_json::json!({
@@ -119,7 +119,7 @@ impl Authorizer {
             "spec": {"token": token},
         });
         let Ok(review) = serde_json::from_value::<TokenReview>(review) else {
-            return Verdict::Unavailable;
+            return AuthVerdict::Unavailable;
         };
         let reviews: Api<TokenReview> = Api::all(self.client.clone());
         let user = match reviews.create(&PostParams::default(), &review).await {
@@ -127,12 +127,12 @@ impl Authorizer {
                 Some(status) if status.authenticated == Some(true) => {
                     status.user.unwrap_or_default()
                 }
-                _ => return Verdict::Unauthenticated,
+                _ => return AuthVerdict::Unauthenticated,
             },
             Err(error) => {
                 // The token is never logged; the host's error says nothing of it.
-                tracing::warn!(error = %crate::cluster::Shown(&error), "endpoints: the host's TokenReview failed");
-                return Verdict::Unavailable;
+                tracing::warn!(error = %crate::client::Shown(&error), "endpoints: the host's TokenReview failed");
+                return AuthVerdict::Unavailable;
             }
         };
         let access = SubjectAccessReview {
@@ -151,19 +151,19 @@ impl Authorizer {
         };
         let accesses: Api<SubjectAccessReview> = Api::all(self.client.clone());
         match accesses.create(&PostParams::default(), &access).await {
-            Ok(answer) if answer.status.as_ref().is_some_and(|s| s.allowed) => Verdict::Allowed,
-            Ok(_) => Verdict::Forbidden,
+            Ok(answer) if answer.status.as_ref().is_some_and(|s| s.allowed) => AuthVerdict::Allowed,
+            Ok(_) => AuthVerdict::Forbidden,
             Err(error) => {
-                tracing::warn!(error = %crate::cluster::Shown(&error), "endpoints: the host's SubjectAccessReview failed");
-                Verdict::Unavailable
+                tracing::warn!(error = %crate::client::Shown(&error), "endpoints: the host's SubjectAccessReview failed");
+                AuthVerdict::Unavailable
             }
         }
     }
 }
 
 /// How long `verdict` stands in the cache.
-fn ttl(verdict: &Verdict) -> Duration {
-    if *verdict == Verdict::Allowed {
+fn ttl(verdict: &AuthVerdict) -> Duration {
+    if *verdict == AuthVerdict::Allowed {
         ALLOWED_FOR
     } else {
         DENIED_FOR

@@ -3,6 +3,7 @@
 //! authentication and authorization by the host cluster unless plain HTTP is asked for.
 
 mod auth;
+pub(crate) mod slots;
 mod tls;
 
 use std::collections::BTreeMap;
@@ -23,11 +24,12 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::slots::{self, Lease, Slots};
-use crate::{Cluster, ClusterId, Fleet};
+use crate::cluster::{Cluster, ClusterId};
+use crate::fleet::Fleet;
+use slots::{Lease, Slots};
 
-pub(crate) use auth::{Authorizer, Verdict};
-pub(crate) use tls::{Certificates, Source as TlsSource, certified};
+pub(crate) use auth::{AuthVerdict, Authorizer};
+pub(crate) use tls::{Certificates, TlsSource};
 
 /// A named check of `/healthz` or `/readyz`: `Err` says why it fails.
 pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
@@ -49,14 +51,14 @@ const DETAIL: &str = "/metrics";
 /// connection never is: it is closed after its answer) are closed oldest first to make room
 /// for newcomers, so that no client, however many connections it opens, keeps the kubelet's
 /// probes out; 64 connections of authorized clients (scrapers) stay open between requests.
-fn limits() -> crate::slots::Limits {
-    let total = crate::slots::file_limit()
+fn limits() -> crate::serve::slots::Limits {
+    let total = crate::serve::slots::file_limit()
         .map(|limit| usize::try_from(limit / 16).unwrap_or(usize::MAX))
         .unwrap_or(256)
         .clamp(128, 1024);
     let verified = 64;
     let unverified = total - verified;
-    crate::slots::Limits {
+    crate::serve::slots::Limits {
         unverified,
         per_peer: unverified / 4,
         verified,
@@ -356,11 +358,11 @@ async fn allowed<C: ClusterId>(
         return Ok(());
     };
     match authorizer.check(bearer(req), path, verb).await {
-        Verdict::Allowed => {
+        AuthVerdict::Allowed => {
             lease.verify("");
             Ok(())
         }
-        Verdict::Unauthenticated => {
+        AuthVerdict::Unauthenticated => {
             let mut response = text(StatusCode::UNAUTHORIZED, "unauthorized\n", PLAIN);
             response.headers_mut().insert(
                 hyper::header::WWW_AUTHENTICATE,
@@ -368,8 +370,8 @@ async fn allowed<C: ClusterId>(
             );
             Err(response)
         }
-        Verdict::Forbidden => Err(text(StatusCode::FORBIDDEN, "forbidden\n", PLAIN)),
-        Verdict::Unavailable => Err(text(
+        AuthVerdict::Forbidden => Err(text(StatusCode::FORBIDDEN, "forbidden\n", PLAIN)),
+        AuthVerdict::Unavailable => Err(text(
             StatusCode::SERVICE_UNAVAILABLE,
             "the host cluster could not check the credentials\n",
             PLAIN,

@@ -13,14 +13,15 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio::time::Instant;
 
-use crate::sync::lock;
+use crate::util::sync::lock;
+use crate::util::tls::certified;
 
 /// How often the files are looked at (on a handshake) for a change.
 const LOOK_EVERY: Duration = Duration::from_secs(1);
 
 /// Where the serving certificate comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Source {
+pub(crate) enum TlsSource {
     /// Made at start: a key and a certificate for `localhost` and the pod's addresses,
     /// signed by itself.
     SelfSigned,
@@ -31,7 +32,7 @@ pub(crate) enum Source {
 /// The certificate served, read again from its files when they change.
 #[derive(Debug)]
 pub(crate) struct Certificates {
-    source: Source,
+    source: TlsSource,
     state: Mutex<State>,
 }
 
@@ -48,10 +49,10 @@ type Stamp = [(SystemTime, u64); 2];
 impl Certificates {
     /// Loads the certificate (or makes one); the error says which file is wrong and how,
     /// never a byte of the key.
-    pub(crate) fn load(source: Source) -> Result<Arc<Self>, String> {
+    pub(crate) fn load(source: TlsSource) -> Result<Arc<Self>, String> {
         let (key, stamp) = match &source {
-            Source::SelfSigned => (self_signed()?, None),
-            Source::Files { cert, key } => {
+            TlsSource::SelfSigned => (self_signed()?, None),
+            TlsSource::Files { cert, key } => {
                 let stamp = stamp(cert, key);
                 (from_files(cert, key)?, stamp)
             }
@@ -81,7 +82,7 @@ impl Certificates {
     /// The certificate now, read again if its files changed since they were last read.
     fn current(&self) -> Arc<CertifiedKey> {
         let mut state = lock(&self.state);
-        if let Source::Files { cert, key } = &self.source
+        if let TlsSource::Files { cert, key } = &self.source
             && state.looked.elapsed() >= LOOK_EVERY
         {
             state.looked = Instant::now();
@@ -130,21 +131,6 @@ fn from_files(cert: &std::path::Path, key: &std::path::Path) -> Result<Arc<Certi
     let private = PrivateKeyDer::from_pem_file(key)
         .map_err(|e| format!("{}: {}", key.display(), describe_pem(&e)))?;
     certified(chain, private).map_err(|e| format!("{}: {e}", key.display()))
-}
-
-pub(crate) fn certified(
-    chain: Vec<CertificateDer<'static>>,
-    private: PrivateKeyDer<'static>,
-) -> Result<Arc<CertifiedKey>, String> {
-    let provider = rustls::crypto::ring::default_provider();
-    let signing = provider
-        .key_provider
-        .load_private_key(private)
-        .map_err(|_| "the private key is not one this TLS stack can use".to_string())?;
-    let key = CertifiedKey::new(chain, signing);
-    key.keys_match()
-        .map_err(|_| "the private key does not match the certificate".to_string())?;
-    Ok(Arc::new(key))
 }
 
 /// What is wrong with a PEM file, without its content.

@@ -13,17 +13,19 @@ use kube::api::Api;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::fence::{self, Fences, Holder};
+use super::fence;
+use super::fence::{Fences, Holder};
 use super::group::GroupWatch;
 use super::host::{ApiHost, Host};
 use super::peers::{Announcement, Observed};
 use super::rendezvous::{Peer, owner};
 use super::{GROUP_LABEL, ROLE_LABEL, Sharding};
+use crate::cluster::ClusterId;
 use crate::cluster::Session;
+use crate::fleet::Fleet;
+use crate::lease::tenure::Tenure;
 use crate::metrics::ShardSeries;
-use crate::sync::lock;
-use crate::tenure::Tenure;
-use crate::{ClusterId, Fleet};
+use crate::util::sync::lock;
 
 /// What a sharded replica sees and holds, as of its last round
 /// ([`Manager::shard_status`](crate::Manager::shard_status)).
@@ -102,7 +104,7 @@ impl<C: ClusterId> Coordinator<C> {
     pub(crate) fn new(
         config: Sharding,
         fleet: Fleet<C>,
-        metrics: Option<&crate::Metrics>,
+        metrics: Option<&crate::metrics::Metrics>,
         status: Arc<Mutex<Option<ShardStatus>>>,
         tenure: Arc<Tenure>,
     ) -> Self {
@@ -128,7 +130,7 @@ impl<C: ClusterId> Coordinator<C> {
     fn with_host(
         config: Sharding,
         fleet: Fleet<C>,
-        metrics: Option<&crate::Metrics>,
+        metrics: Option<&crate::metrics::Metrics>,
         status: Arc<Mutex<Option<ShardStatus>>>,
         tenure: Arc<Tenure>,
         host: Arc<dyn Host>,
@@ -341,7 +343,7 @@ impl<C: ClusterId> Coordinator<C> {
                 caught_up
             }
             Some((Ok(Err(error)), _)) => {
-                tracing::warn!(group = %self.config.group, error = %crate::cluster::Shown(&error), "sharding: could not renew this replica's peer lease");
+                tracing::warn!(group = %self.config.group, error = %crate::client::Shown(&error), "sharding: could not renew this replica's peer lease");
                 false
             }
             Some((Err(_), _)) => {
@@ -500,7 +502,7 @@ impl<C: ClusterId> Coordinator<C> {
                         tracing::debug!(cluster = %id, "sharding: another replica wrote the fence first")
                     }
                     Ok(Err(error)) => {
-                        tracing::warn!(cluster = %id, error = %crate::cluster::Shown(&error), "sharding: could not take the fence")
+                        tracing::warn!(cluster = %id, error = %crate::client::Shown(&error), "sharding: could not take the fence")
                     }
                     Err(_) => tracing::warn!(cluster = %id, "sharding: taking the fence timed out"),
                 }
@@ -557,7 +559,7 @@ impl<C: ClusterId> Coordinator<C> {
                     tracing::info!(%cluster, "sharding: released a fence this replica no longer held")
                 }
                 Ok(Err(error)) => {
-                    tracing::warn!(%cluster, error = %crate::cluster::Shown(&error), "sharding: could not release a fence this replica no longer holds; trying again at the next round")
+                    tracing::warn!(%cluster, error = %crate::client::Shown(&error), "sharding: could not release a fence this replica no longer holds; trying again at the next round")
                 }
                 Err(_) => {
                     tracing::warn!(%cluster, "sharding: releasing a fence timed out; trying again at the next round")
@@ -664,7 +666,7 @@ impl<C: ClusterId> Coordinator<C> {
                 tracing::info!(cluster = %id, group = %self.config.group, "sharding: cluster handed over; fence released")
             }
             Ok(Err(error)) => {
-                tracing::warn!(cluster = %id, error = %crate::cluster::Shown(&error), "sharding: could not release the fence; trying again at the next round")
+                tracing::warn!(cluster = %id, error = %crate::client::Shown(&error), "sharding: could not release the fence; trying again at the next round")
             }
             Err(_) => {
                 tracing::warn!(cluster = %id, "sharding: releasing the fence timed out; trying again at the next round")
@@ -806,8 +808,9 @@ mod tests {
     use super::super::host::memory::MemoryHost;
     use super::super::peers::Announcement;
     use super::*;
+    use crate::cluster::{Cluster, ClusterName};
     use crate::fleet::FleetEvent;
-    use crate::{Cluster, ClusterName, LeaseTiming};
+    use crate::lease::LeaseTiming;
 
     const LEASE: Duration = Duration::from_secs(6);
     const RENEW_DEADLINE: Duration = Duration::from_secs(4);
@@ -843,7 +846,7 @@ mod tests {
                 ),
             );
             let fleet = Fleet::<ClusterName>::new();
-            fleet.open(crate::cluster::WatchSettings::default(), true, None);
+            fleet.open(crate::cache::WatchSettings::default(), true, None);
             for name in clusters {
                 let cluster = Cluster::from_config(
                     ClusterName::new(name),

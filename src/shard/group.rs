@@ -26,10 +26,11 @@ use kube_runtime::watcher;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::peers::{self, Arrivals};
-use crate::WatchBackoff;
-use crate::cluster::{Retrying, listing};
-use crate::sync::lock;
+use super::peers;
+use super::peers::Arrivals;
+use crate::cache::WatchBackoff;
+use crate::cache::{Retrying, listing};
+use crate::util::sync::lock;
 
 /// A peer Lease: the only kind whose arrivals are kept (fences are many and judged by their
 /// holder's peer Lease).
@@ -171,7 +172,7 @@ impl GroupWatch {
                     }),
                     Err(error) => {
                         seen.working_since = None;
-                        seen.error = Some(crate::cluster::Shown(&error).to_string());
+                        seen.error = Some(crate::client::Shown(&error).to_string());
                     }
                 }
                 drop(seen);

@@ -108,11 +108,11 @@ pub(crate) mod memory {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
-    use crate::sync::lock;
+    use crate::util::sync::lock;
 
     pub(crate) struct MemoryHost {
         /// Who takes fences (the replica under test).
-        claim: super::super::fence::Claim,
+        claim: crate::shard::fence::Claim,
         pub(crate) store: Arc<Mutex<Store>>,
         /// Renewals fail (the host out of reach).
         pub(crate) renewals_fail: AtomicBool,
@@ -143,7 +143,7 @@ pub(crate) mod memory {
             self.version += 1;
             lease.metadata.resource_version = Some(self.version.to_string());
             let name = lease.metadata.name.clone().unwrap_or_default();
-            let record = super::super::peers::record(&lease);
+            let record = crate::shard::peers::record(&lease);
             if self
                 .arrivals
                 .get(&name)
@@ -164,7 +164,7 @@ pub(crate) mod memory {
     }
 
     impl MemoryHost {
-        pub(crate) fn new(claim: super::super::fence::Claim) -> Self {
+        pub(crate) fn new(claim: crate::shard::fence::Claim) -> Self {
             Self {
                 claim,
                 store: Arc::default(),
@@ -263,7 +263,7 @@ pub(crate) mod memory {
             let mut store = lock(&self.store);
             let name = held.metadata.name.clone().unwrap_or_default();
             if store.current(&name) == held.metadata.resource_version.as_deref() {
-                store.put(super::super::fence::released(&held));
+                store.put(crate::shard::fence::released(&held));
                 store.releases.push(name);
             }
             std::future::ready(Ok(())).boxed()

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use kube::Client;
 
-use crate::LeaseTiming;
+use crate::lease::LeaseTiming;
 
 pub(crate) use coordinator::Coordinator;
 pub use coordinator::ShardStatus;
@@ -109,7 +109,7 @@ impl Sharding {
             client,
             namespace: namespace.to_string(),
             group: group.to_string(),
-            identity: crate::leader::default_identity(),
+            identity: crate::lease::leader::default_identity(),
             weight: 1.0,
             timing: LeaseTiming::default(),
             handoff_timeout: Duration::from_secs(30),

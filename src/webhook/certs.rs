@@ -31,11 +31,11 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::route::{KEY_LEN, RouteKey};
-use crate::sync::lock;
+use crate::util::sync::lock;
 
 /// Where the serving certificate and the CA bundle come from.
 #[derive(Clone, Debug)]
-pub(crate) enum Source {
+pub(crate) enum CertSource {
     Generated(Generated),
     Files {
         cert: std::path::PathBuf,
@@ -71,7 +71,7 @@ pub(crate) struct Published {
 /// Keeps the certificates and route key current: [`Keeper::run`] reads (and makes, and
 /// rotates) them every `check_every`; handshakes and routes read the current ones.
 pub(crate) struct Keeper {
-    source: Source,
+    source: CertSource,
     /// The Secret (`namespace`, `name`) on the host, if there is a host.
     secret: Option<(kube::Client, String, String)>,
     /// The names (DNS names, IP addresses) the serving certificate is for.
@@ -79,12 +79,12 @@ pub(crate) struct Keeper {
     check_every: Duration,
     /// How long a route key makes the URLs (`None`: it never turns over).
     route_every: Option<Duration>,
-    /// The route keys of [`Source::Files`] last read (served while the host is out of reach).
+    /// The route keys of [`CertSource::Files`] last read (served while the host is out of reach).
     route_cache: Mutex<Option<Material>>,
     served: Mutex<Option<Served>>,
     /// Without a host: what is served, made and rotated here.
     in_process: Mutex<Material>,
-    /// With [`Source::Files`]: what is served, and the CAs on their way in or out.
+    /// With [`CertSource::Files`]: what is served, and the CAs on their way in or out.
     files: Mutex<Option<FilesState>>,
     bundle: watch::Sender<Option<Published>>,
     loaded: AtomicBool,
@@ -105,7 +105,7 @@ impl ResolvesServerCert for Keeper {
     }
 }
 
-/// What [`Source::Files`] serves, as the files change: a certificate from a CA already in
+/// What [`CertSource::Files`] serves, as the files change: a certificate from a CA already in
 /// the bundle is served at once; one from a new CA (the issuer rotated its key) only once
 /// that CA has been in the bundle for a grace period (the installers give it to every
 /// member meanwhile), or when the certificate served would otherwise lapse; the CA it
@@ -603,12 +603,12 @@ fn certified(cert: &str, key: &str) -> Result<Arc<CertifiedKey>, String> {
     }
     let private = PrivateKeyDer::from_pem_slice(key.as_bytes())
         .map_err(|_| "the key is not valid PEM".to_string())?;
-    crate::serve::certified(chain, private)
+    crate::util::tls::certified(chain, private)
 }
 
 impl Keeper {
     pub(crate) fn new(
-        source: Source,
+        source: CertSource,
         secret: Option<(kube::Client, String, String)>,
         names: Vec<String>,
         check_every: Duration,
@@ -675,7 +675,7 @@ impl Keeper {
     /// One round: read what there is, write what changed, serve it.
     async fn refresh(&self) -> Result<(), String> {
         match &self.source {
-            Source::Generated(settings) => {
+            CertSource::Generated(settings) => {
                 let material = self
                     .planned(|material, now| {
                         let margin = i64::try_from(self.check_every.as_secs().saturating_mul(2))
@@ -692,7 +692,7 @@ impl Keeper {
                     .await?;
                 self.install(&material)
             }
-            Source::Files { cert, key, ca } => {
+            CertSource::Files { cert, key, ca } => {
                 let routes = self.route_keys().await?;
                 let read = |path: &std::path::Path| {
                     std::fs::read_to_string(path)
@@ -822,7 +822,7 @@ impl Keeper {
             let existing = api
                 .get_opt(name)
                 .await
-                .map_err(|e| format!("{what}: {}", crate::cluster::redact::safe_text(&e)))?;
+                .map_err(|e| format!("{what}: {}", crate::client::redact::safe_text(&e)))?;
             let material = existing.as_ref().map(Material::of).unwrap_or_default();
             let Some(planned) = plan(&material, unix(SystemTime::now()))? else {
                 return Ok(material);
@@ -835,7 +835,7 @@ impl Keeper {
                 // Another replica wrote first: read again.
                 Err(kube::Error::Api(status)) if status.code == 409 => continue,
                 Err(e) => {
-                    return Err(format!("{what}: {}", crate::cluster::redact::safe_text(&e)));
+                    return Err(format!("{what}: {}", crate::client::redact::safe_text(&e)));
                 }
             }
         }
@@ -1144,7 +1144,7 @@ mod tests {
             .unwrap();
         write(&first);
         let keeper = Keeper::new(
-            Source::Files {
+            CertSource::Files {
                 cert: cert.clone(),
                 key: key.clone(),
                 ca: ca.clone(),

@@ -20,9 +20,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::route::{RouteKey, Side};
 use super::{Install, Keeper, Webhooks};
-use crate::controller::Env;
+use crate::cluster::{Cluster, ClusterId};
 use crate::fleet::FleetEvent;
-use crate::{Cluster, ClusterId};
+use crate::run::Env;
 
 /// The reporting controller of the installer's Events.
 pub(crate) const REPORTER: &str = "multicluster-runtime-webhooks";
@@ -188,7 +188,7 @@ impl<C: ClusterId> Runtime<C> {
         // or an Event.
         let token = key.token(side, &id);
         let describe = |kind: &str, e: kube::Error| {
-            let text = crate::cluster::redact::safe_text(&e).replace(&token, "<route token>");
+            let text = crate::client::redact::safe_text(&e).replace(&token, "<route token>");
             format!("{kind} {name}: {text}")
         };
         // Defaults before checks: a validating webhook alone would refuse what the
@@ -226,7 +226,7 @@ impl<C: ClusterId> Runtime<C> {
     /// Reads `cluster`'s configurations: what each holds and where its webhooks are
     /// routed.
     async fn read(&self, cluster: &Cluster<C>, name: &str) -> Result<Live, String> {
-        let read = |e: kube::Error| format!("{name}: {}", crate::cluster::redact::safe_text(&e));
+        let read = |e: kube::Error| format!("{name}: {}", crate::client::redact::safe_text(&e));
         let validating = Api::<ValidatingWebhookConfiguration>::all(cluster.client())
             .get_opt(name)
             .await
@@ -389,7 +389,7 @@ impl<C: ClusterId> Runtime<C> {
             secondary: None,
         };
         if let Err(error) = recorder.publish(&event, secret).await {
-            tracing::debug!(%cluster, error = %crate::cluster::Shown(&error), "webhooks: could not record the failure as an Event");
+            tracing::debug!(%cluster, error = %crate::client::Shown(&error), "webhooks: could not record the failure as an Event");
         }
     }
 }
@@ -426,7 +426,7 @@ where
         Err(e) => Err(format!(
             "{} {name}: {}",
             K::kind(&()),
-            crate::cluster::redact::safe_text(&e)
+            crate::client::redact::safe_text(&e)
         )),
     }
 }
@@ -609,7 +609,7 @@ pub(crate) async fn install_task<C: ClusterId>(env: Env<C>, rt: Arc<Runtime<C>>)
             () = env.shutdown.cancelled() => break,
             event = events.recv() => match event {
                 Some(FleetEvent::Engaged(engagement) | FleetEvent::Replaced { new: engagement, .. }) => {
-                    let until = crate::per_cluster::until_either(
+                    let until = crate::util::task::until_either(
                         engagement.session.token().child_token(),
                         stop.clone(),
                     );

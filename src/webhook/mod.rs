@@ -53,13 +53,13 @@ pub use kube::core::admission::Operation;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::ClusterId;
+use crate::cluster::ClusterId;
 
 pub(crate) use certs::Keeper;
 pub(crate) use install::install_task;
 #[cfg(feature = "fuzzing")]
 pub(crate) use server::{Refusal, route as route_request};
-pub(crate) use server::{Shared, serve};
+pub(crate) use server::{ServerShared, serve};
 
 /// The name every manager's configuration objects had before the name was made from the
 /// URL: one of this name whose webhooks all route under a manager's URL is that manager's,
@@ -410,7 +410,7 @@ pub struct Webhooks<C: ClusterId> {
     /// The field manager of the configurations (made from the URL).
     pub(crate) field_manager: String,
     pub(crate) hooks: Vec<Hook<C>>,
-    pub(crate) certificates: certs::Source,
+    pub(crate) certificates: certs::CertSource,
     pub(crate) secret: Option<(Option<String>, String)>,
     pub(crate) names: Vec<String>,
     pub(crate) install: Install,
@@ -450,7 +450,7 @@ impl<C: ClusterId> Webhooks<C> {
             field_manager: derived("multicluster-runtime-webhooks", &url),
             url,
             hooks: Vec::new(),
-            certificates: certs::Source::Generated(certs::Generated {
+            certificates: certs::CertSource::Generated(certs::Generated {
                 ca_validity: Duration::from_secs(365 * 24 * 3600),
                 serving_validity: Duration::from_secs(90 * 24 * 3600),
             }),
@@ -513,7 +513,7 @@ impl<C: ClusterId> Webhooks<C> {
     /// sixths on; a serving certificate is made again at two thirds of its life.
     #[must_use]
     pub fn validity(mut self, ca: Duration, serving: Duration) -> Self {
-        self.certificates = certs::Source::Generated(certs::Generated {
+        self.certificates = certs::CertSource::Generated(certs::Generated {
             ca_validity: ca,
             serving_validity: serving,
         });
@@ -531,7 +531,7 @@ impl<C: ClusterId> Webhooks<C> {
         key: impl Into<PathBuf>,
         ca: impl Into<PathBuf>,
     ) -> Self {
-        self.certificates = certs::Source::Files {
+        self.certificates = certs::CertSource::Files {
             cert: cert.into(),
             key: key.into(),
             ca: ca.into(),
@@ -695,7 +695,7 @@ impl<C: ClusterId> Webhooks<C> {
                 self.check_every
             ));
         }
-        if let certs::Source::Generated(generated) = &self.certificates
+        if let certs::CertSource::Generated(generated) = &self.certificates
             && self.check_every.saturating_mul(6) > generated.ca_validity
         {
             // A rotation has a sixth of the CA's life between its steps.
@@ -704,7 +704,7 @@ impl<C: ClusterId> Webhooks<C> {
                 self.check_every, generated.ca_validity
             ));
         }
-        if let certs::Source::Generated(generated) = &self.certificates
+        if let certs::CertSource::Generated(generated) = &self.certificates
             && self.check_every.saturating_mul(3) > generated.serving_validity
         {
             // A serving certificate is renewed two checks ahead of its end, and must
@@ -721,7 +721,7 @@ impl<C: ClusterId> Webhooks<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ClusterName;
+    use crate::cluster::ClusterName;
     use k8s_openapi::api::core::v1::ConfigMap;
 
     fn at(url: &str) -> Webhooks<ClusterName> {

@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{FailurePolicy, Mutation, Review, Verdict};
-use crate::ClusterId;
+use crate::cluster::ClusterId;
 
 /// The version of `AdmissionReview` served (the configurations ask for it alone).
 const V1: &str = "admission.k8s.io/v1";
@@ -142,7 +142,7 @@ fn review_of<C, K: kube::Resource>(cluster: C, request: AdmissionRequest<K>) -> 
 }
 
 fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
-    format!("panicked: {}", crate::cluster::panic_message(panic))
+    format!("panicked: {}", crate::util::panic::panic_message(panic))
 }
 
 /// The request's object as sent.

@@ -18,10 +18,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::Keeper;
 use super::review::Handle;
-use super::route::{self, NotARoute};
-use crate::slots::{self, Lease, Limits, Slots, closing};
-use crate::sync::lock;
-use crate::{ClusterId, Fleet};
+use super::route;
+use super::route::NotARoute;
+use crate::cluster::ClusterId;
+use crate::fleet::Fleet;
+use crate::serve::slots;
+use crate::serve::slots::{Lease, Limits, Slots, closing};
+use crate::util::sync::lock;
 
 /// The largest review read (controller-runtime's limit): an object is at most 1.5 MiB in
 /// etcd, and a review carries two of them.
@@ -170,7 +173,7 @@ impl Drop for Flight {
 }
 
 /// What the server reads.
-pub(crate) struct Shared<C: ClusterId> {
+pub(crate) struct ServerShared<C: ClusterId> {
     pub(crate) fleet: Fleet<C>,
     /// Reviews from the fleet's clusters are served.
     pub(crate) serve_fleet: bool,
@@ -181,7 +184,7 @@ pub(crate) struct Shared<C: ClusterId> {
     /// By webhook name: the handle, the metrics label and the hook's timeout.
     pub(crate) hooks: HashMap<String, (Handle<C>, Arc<str>, Duration)>,
     pub(crate) keeper: Arc<Keeper>,
-    pub(crate) metrics: Option<crate::Metrics>,
+    pub(crate) metrics: Option<crate::metrics::Metrics>,
     /// Set once the server accepts connections; cleared when it stops.
     pub(crate) listening: AtomicBool,
     /// The connections' slots.
@@ -190,7 +193,7 @@ pub(crate) struct Shared<C: ClusterId> {
     pub(crate) flights: Arc<Flights>,
 }
 
-impl<C: ClusterId> Shared<C> {
+impl<C: ClusterId> ServerShared<C> {
     /// Whether reviews of `id` are served now: a cluster of the fleet (engaged, here or on
     /// another replica: every replica serves every cluster; or paused: its policy holds
     /// while it is unwell or contested), or the host.
@@ -214,7 +217,7 @@ impl<C: ClusterId> Shared<C> {
 /// flight get `drain` to finish.
 pub(crate) async fn serve<C: ClusterId>(
     listener: TcpListener,
-    shared: Arc<Shared<C>>,
+    shared: Arc<ServerShared<C>>,
     stop: CancellationToken,
     drain: Duration,
 ) {
@@ -360,7 +363,7 @@ pub(crate) fn route<'s, C: ClusterId, H>(
 }
 
 async fn answer<C: ClusterId>(
-    shared: &Shared<C>,
+    shared: &ServerShared<C>,
     lease: &Lease,
     req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
@@ -377,7 +380,7 @@ async fn answer<C: ClusterId>(
 }
 
 async fn review<C: ClusterId>(
-    shared: &Shared<C>,
+    shared: &ServerShared<C>,
     lease: &Lease,
     req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {

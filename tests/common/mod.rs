@@ -10,6 +10,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use multicluster_runtime::{Action, ClusterId, Context};
 
+pub mod audited;
+pub mod operator_process;
+
 pub const NAMESPACES: [&str; 3] = ["zoo", "jungle", "island"];
 
 pub fn config_map(ns: &str, name: &str, kind: &str) -> ConfigMap {
@@ -601,7 +604,8 @@ pub async fn identity<P: multicluster_runtime::Provider<Id = multicluster_runtim
     review.status?.user_info?.username
 }
 
-// The example operator's process and endpoints (tests/operations.rs, tests/sharding.rs).
+// The example operator's process and endpoints (tests/endpoints.rs, tests/operator.rs,
+// tests/cli.rs, tests/sharding.rs; the process itself: operator_process.rs).
 
 /// The value of the series `name` whose labels include `labels`, in Prometheus text.
 pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {

@@ -2,7 +2,7 @@
 //!
 //! Two parts make a namespace behave like a cluster of its own:
 //!
-//! - **One watch per kind for the whole host.** A [`Hub`] keeps, per resource type and
+//! - **One watch per kind for the whole host.** A [`HostWatches`] keeps, per resource type and
 //!   watcher configuration, a single watch across all namespaces of the host and hands each
 //!   namespace-cluster the events of its namespace (replaying the current objects to a
 //!   namespace that comes later, and a fresh listing after the host watch relists). A
@@ -16,7 +16,7 @@
 //! The provider is here; the shared host watches are in `hub`, the scoped client in
 //! `scope`.
 
-mod hub;
+mod host_watches;
 mod scope;
 
 use std::collections::BTreeSet;
@@ -30,10 +30,12 @@ use kube_runtime::WatchStreamExt;
 use kube_runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
-use crate::sync::lock;
-use crate::{Cluster, ClusterName, Fleet, Provider, ProviderError};
+use crate::cluster::{Cluster, ClusterName};
+use crate::fleet::Fleet;
+use crate::provider::{Provider, ProviderError};
+use crate::util::sync::lock;
 
-use hub::{Hub, NamespaceSlice};
+use host_watches::{HostWatches, NamespaceSlice};
 use scope::Scoped;
 #[cfg(feature = "fuzzing")]
 pub(crate) use scope::{ApiPath, Target, is_plain_path, with_namespace};
@@ -65,7 +67,7 @@ pub use scope::{ClusterScopedWrite, UnscopableRequest};
 pub struct Namespaces {
     host: Client,
     selector: watcher::Config,
-    hub: Arc<Hub>,
+    host_watches: Arc<HostWatches>,
 }
 
 impl std::fmt::Debug for Namespaces {
@@ -80,7 +82,7 @@ impl Namespaces {
     /// Every namespace of the cluster `host` reaches.
     pub fn new(host: Client) -> Self {
         Self {
-            hub: Arc::new(Hub::new(host.clone())),
+            host_watches: Arc::new(HostWatches::new(host.clone())),
             host,
             selector: watcher::Config::default(),
         }
@@ -98,7 +100,7 @@ impl Namespaces {
     /// (one per resource type and watcher configuration in use by an engaged cluster), for
     /// diagnostics.
     pub fn host_watches(&self) -> usize {
-        lock(&self.hub.watches)
+        lock(&self.host_watches.watches)
             .values()
             .filter(|w| w.is_running())
             .count()
@@ -108,14 +110,14 @@ impl Namespaces {
         let service = Scoped {
             host: self.host.clone(),
             namespace: Arc::from(namespace),
-            discovery: self.hub.discovery.clone(),
+            discovery: self.host_watches.discovery.clone(),
         };
         Cluster::with_source(
             ClusterName::from(namespace),
             service,
             namespace,
             Arc::new(NamespaceSlice {
-                hub: self.hub.clone(),
+                host_watches: self.host_watches.clone(),
                 namespace: Arc::from(namespace),
             }),
         )
@@ -142,7 +144,7 @@ impl Provider for Namespaces {
             match event {
                 None => return Ok(()),
                 Some(Err(error)) => {
-                    tracing::warn!(error = %crate::cluster::Shown(&error), "watching the host's namespaces failed; retrying");
+                    tracing::warn!(error = %crate::client::Shown(&error), "watching the host's namespaces failed; retrying");
                 }
                 Some(Ok(Event::Init)) => listing.clear(),
                 Some(Ok(Event::InitApply(ns))) => {

@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::APIResourceList;
 use kube::Client;
 use kube::client::Body;
 
-use crate::sync::lock;
+use crate::util::sync::lock;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
