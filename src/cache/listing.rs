@@ -15,18 +15,22 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use futures::future::Either;
-use futures::{Stream, TryStreamExt};
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt, TryStreamExt};
 use kube::Resource;
 use kube_runtime::watcher::{self, Event, InitialListStrategy};
 use pin_project::pin_project;
 
+use super::backoff::{Retrying, WatchBackoff};
+use super::map_event::map_event;
+use super::namespaces::{NamespaceSet, merged};
+use super::transform::{self, Transform};
 use super::trim::{
     Trimmed, TrimmedShared, Whole, WholeShared, untrimmed, untrimmed_shared, unwrapped,
     unwrapped_shared,
 };
-use super::wire;
-use super::wire::Watched;
-use crate::cache::Watchable;
+use super::watchable::Watchable;
+use super::wire::{self, Watched};
 use crate::client::requester::Requester;
 
 /// What a watch lists: a kind (with its dynamic type) through a requester (a client, or the
@@ -74,44 +78,54 @@ impl<K: Watchable> Target<K> {
     }
 }
 
+/// How a watch lists and decodes, and which cluster its log lines name.
+#[derive(Clone, Debug)]
+pub(crate) struct WatchOptions {
+    /// List by a streaming list where the server serves them (and the configuration keeps
+    /// bookmarks, which streaming lists need), in pages otherwise.
+    pub(crate) streaming: bool,
+    /// Decode objects without their managed fields ([`Trimmed`]).
+    pub(crate) trim: bool,
+    /// The cluster the log line of a fallback to pages names.
+    pub(crate) cluster: Arc<str>,
+}
+
 /// A watcher ([`wire::watcher`], kube-runtime's protocol) of `target` for `config`, listing
-/// by a streaming list when `streaming` (and `config` keeps bookmarks, which streaming lists
-/// need) and in pages when the server turns out not to serve streaming lists. A `config` that
-/// asks for streaming lists itself gets them whatever `streaming` says, and no fallback: that
-/// is the caller's choice.
-/// `cluster` names the cluster in the log line of a fallback. With `trim`, objects are decoded
-/// without their managed fields ([`Trimmed`]).
+/// by a streaming list when `options.streaming` (and `config` keeps bookmarks) and in pages
+/// when the server turns out not to serve streaming lists. A `config` that asks for streaming
+/// lists itself gets them whatever the options say, and no fallback: that is the caller's
+/// choice.
 pub(crate) fn watch<K: Watchable>(
     target: Target<K>,
     config: watcher::Config,
-    streaming: bool,
-    trim: bool,
-    cluster: Arc<str>,
+    options: &WatchOptions,
 ) -> Listing<K, impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K>> {
-    listing(target, config, streaming, trim, cluster, open::<K>)
+    listing(target, config, options, open::<K>)
 }
 
 /// [`watch`], each object in an [`Arc`] from the moment it is decoded
 /// ([`TrimmedShared`]), for the fleet's caches, which share them.
-pub(crate) fn watch_shared<K: Watchable>(
+fn watch_shared<K: Watchable>(
     target: Target<K>,
     config: watcher::Config,
-    streaming: bool,
-    trim: bool,
-    cluster: Arc<str>,
+    options: &WatchOptions,
 ) -> Listing<K, impl Stream<Item = watcher::Result<Event<Arc<K>>>> + Send + use<K>> {
-    listing(target, config, streaming, trim, cluster, open_shared::<K>)
+    listing(target, config, options, open_shared::<K>)
 }
 
 /// [`watch`] over the watchers `open` makes.
 fn listing<K: Watchable, S>(
     target: Target<K>,
     config: watcher::Config,
-    streaming: bool,
-    trim: bool,
-    cluster: Arc<str>,
+    options: &WatchOptions,
     open: fn(&Target<K>, watcher::Config, bool) -> S,
 ) -> Listing<K, S> {
+    let WatchOptions {
+        streaming,
+        trim,
+        ref cluster,
+    } = *options;
+    let cluster = cluster.clone();
     let asked = config.initial_list_strategy == InitialListStrategy::StreamingList;
     let state = if asked || !streaming || !config.bookmarks {
         State::AsConfigured
@@ -133,43 +147,78 @@ fn listing<K: Watchable, S>(
     }
 }
 
-/// [`watch`] of `target` in each of `namespaces` (all if `None`), merged into one stream
-/// ([`merged`](super::namespaces::merged)) when there are several. Merged namespaces each
-/// wait out `backoff` after their own failures, so that one failing namespace neither holds
-/// up the others nor is retried at their pace; a single watch is left to the caller's
-/// backoff.
-pub(crate) fn scoped<K: Watchable>(
-    target: Target<K>,
-    namespaces: Option<super::namespaces::NamespaceSet>,
-    config: watcher::Config,
-    streaming: bool,
-    trim: bool,
-    cluster: Arc<str>,
-    backoff: &super::backoff::WatchBackoff,
-) -> futures::stream::BoxStream<'static, watcher::Result<Event<K>>> {
-    use futures::StreamExt as _;
-    let one = |namespace: Option<&str>| {
-        watch(
-            target.clone().within(namespace),
-            config.clone(),
-            streaming,
-            trim,
-            cluster.clone(),
-        )
-        .boxed()
+/// When the watches of a kind's namespaces wait out their own failures ([`Retrying`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Retry<'a> {
+    /// Every watch, a single one too: nothing after it retries.
+    Each(&'a WatchBackoff),
+    /// Only merged namespaces' watches, so that one failing namespace neither holds up the
+    /// others nor is retried at their pace; a single watch is left to the caller's backoff.
+    WhenMerged(&'a WatchBackoff),
+}
+
+/// The watches `one` opens, one per namespace of `namespaces` (one of all namespaces if
+/// `None`), merged into one stream with a single watch's semantics ([`merged`]) when there
+/// are several. `name` is an object's name.
+fn per_namespace<T: Clone + Send + 'static>(
+    namespaces: Option<&[String]>,
+    retry: Retry<'_>,
+    name: fn(&T) -> String,
+    one: impl Fn(Option<&str>) -> BoxStream<'static, watcher::Result<Event<T>>>,
+) -> BoxStream<'static, watcher::Result<Event<T>>> {
+    let retried = |backoff: &WatchBackoff, namespace: Option<&str>| {
+        Retrying::new(one(namespace), backoff.delays()).boxed()
     };
-    match namespaces.as_deref() {
-        None => one(None),
-        Some([namespace]) => one(Some(namespace)),
-        Some(list) => {
-            let parts = list
-                .iter()
-                .map(|ns| super::backoff::Retrying::new(one(Some(ns)), backoff.delays()).boxed())
-                .collect();
-            super::namespaces::merged(parts, |o: &K| o.meta().name.clone().unwrap_or_default())
-                .boxed()
+    match (namespaces, retry) {
+        (None, Retry::Each(backoff)) => retried(backoff, None),
+        (None, Retry::WhenMerged(_)) => one(None),
+        (Some([namespace]), Retry::Each(backoff)) => retried(backoff, Some(namespace)),
+        (Some([namespace]), Retry::WhenMerged(_)) => one(Some(namespace)),
+        (Some(list), Retry::Each(backoff) | Retry::WhenMerged(backoff)) => {
+            let parts = list.iter().map(|ns| retried(backoff, Some(ns))).collect();
+            merged(parts, name).boxed()
         }
     }
+}
+
+/// [`watch`] of `target` in each of `namespaces` (all if `None`), merged when there are
+/// several; a single watch is left to the caller's backoff (single mode's controller has
+/// its own).
+pub(crate) fn scoped<K: Watchable>(
+    target: Target<K>,
+    namespaces: Option<NamespaceSet>,
+    config: watcher::Config,
+    options: &WatchOptions,
+    backoff: &WatchBackoff,
+) -> BoxStream<'static, watcher::Result<Event<K>>> {
+    per_namespace(
+        namespaces.as_deref(),
+        Retry::WhenMerged(backoff),
+        |o: &K| o.meta().name.clone().unwrap_or_default(),
+        |namespace| watch(target.clone().within(namespace), config.clone(), options).boxed(),
+    )
+}
+
+/// The fleet's caches' watch of `target` in each of `namespaces` (all if `None`): each
+/// object in an [`Arc`] from the moment it is decoded ([`TrimmedShared`]) and transformed
+/// there, every namespace's watch retried after its own failures, merged when there are
+/// several.
+pub(crate) fn shared<K: Watchable>(
+    target: Target<K>,
+    namespaces: Option<NamespaceSet>,
+    config: watcher::Config,
+    options: &WatchOptions,
+    backoff: &WatchBackoff,
+    transform: Option<Transform<K>>,
+) -> BoxStream<'static, watcher::Result<Event<Arc<K>>>> {
+    per_namespace(
+        namespaces.as_deref(),
+        Retry::Each(backoff),
+        |o: &Arc<K>| o.meta().name.clone().unwrap_or_default(),
+        |namespace| watch_shared(target.clone().within(namespace), config.clone(), options).boxed(),
+    )
+    .map_ok(move |event| map_event(event, |o| transform::shared(o, transform.as_ref())))
+    .boxed()
 }
 
 /// The watcher of `target` ([`wire::watcher`]), of objects decoded without managed fields if
@@ -456,7 +505,14 @@ mod tests {
             tokio::runtime::Builder::new_current_thread()
                 .build()
                 .unwrap()
-                .block_on(async { watch(target(), config, streaming, false, "test".into()).state })
+                .block_on(async {
+                    let options = WatchOptions {
+                        streaming,
+                        trim: false,
+                        cluster: "test".into(),
+                    };
+                    watch(target(), config, &options).state
+                })
         };
         assert_eq!(
             state(watcher::Config::default(), true),

@@ -5,16 +5,15 @@
 use std::any::{Any, TypeId};
 use std::sync::Arc;
 
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
 use kube_runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
-use super::listing::Target;
+use super::listing::{self, Target, WatchOptions};
 use super::map_event::{map_event, try_map_event};
-use super::namespaces::merged;
 use super::transform::Transform;
 use crate::cache::Watchable;
 
@@ -120,37 +119,22 @@ pub(crate) fn events_from<K: Watchable>(
     let namespaces = settings.namespaces.of::<K>(dt);
     let target_dt = dt.clone();
     let open = move |client: Client| -> SharedEvents {
-        let one = |namespace: Option<&str>| -> SharedEvents {
-            let transform = transform.clone();
-            // Each namespace waits out its own failures (the host watch has no other backoff).
-            super::backoff::Retrying::new(
-                super::listing::watch_shared(
-                    Target::<K>::all(client.clone(), &target_dt).within(namespace),
-                    watch_config.clone(),
-                    streaming,
-                    transform.as_ref().is_some_and(Transform::strips),
-                    "the namespace provider's host".into(),
-                ),
-                backoff.delays(),
-            )
-            .map(move |event| {
-                event.map(|event| {
-                    map_event(event, |o: Arc<K>| {
-                        super::transform::shared(o, transform.as_ref()) as SharedObject
-                    })
-                })
-            })
-            .boxed()
+        // Each namespace waits out its own failures (the host watch has no other backoff).
+        let options = WatchOptions {
+            streaming,
+            trim: transform.as_ref().is_some_and(Transform::strips),
+            cluster: "the namespace provider's host".into(),
         };
-        match namespaces.as_deref() {
-            None => one(None),
-            Some([namespace]) => one(Some(namespace)),
-            Some(list) => merged(
-                list.iter().map(|ns| one(Some(ns))).collect(),
-                |o: &SharedObject| o.meta().name.clone().unwrap_or_default(),
-            )
-            .boxed(),
-        }
+        listing::shared(
+            Target::<K>::all(client, &target_dt),
+            namespaces.clone(),
+            watch_config.clone(),
+            &options,
+            &backoff,
+            transform.clone(),
+        )
+        .map_ok(|event| map_event(event, |o: Arc<K>| o as SharedObject))
+        .boxed()
     };
     let kind = K::kind(dt);
     source

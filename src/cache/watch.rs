@@ -213,7 +213,7 @@ where
         let watch = Self::new(store, Some(reflector), dt, cluster, stop, indexers, faults);
         Feed {
             watch,
-            first: true,
+            relist: Relist { first: true },
             failing: false,
             before: None,
             stopped: false,
@@ -433,11 +433,10 @@ where
 /// indexes, and its subscribers. Dropping it (the controller ended) stops the shared watch.
 pub(crate) struct Feed<K: Watchable> {
     watch: Arc<SharedWatch<K>>,
-    first: bool,
+    relist: Relist,
     /// Whether the last event was an error (the state holds it).
     failing: bool,
-    /// The objects held when a relist began: what the relist lacks was deleted during the
-    /// gap, what it has at the same version is no news.
+    /// The objects held when a relist began ([`Relist`]).
     before: Option<Vec<Arc<K>>>,
     /// Set once the watch failed (a field index panicked): nothing more is handed on.
     stopped: bool,
@@ -513,7 +512,7 @@ impl<K: Watchable> Feed<K> {
             Event::Init => {
                 // The reflector serves the old content until the listing is done: what it
                 // held before, for a subscriber that comes during the relist too.
-                self.before = (!self.first).then(|| watch.store.state());
+                self.before = (!self.relist.first).then(|| watch.store.state());
             }
             Event::InitApply(_) => {}
             Event::InitDone => {
@@ -534,29 +533,22 @@ impl<K: Watchable> Feed<K> {
                         .into_iter()
                         .map(|o| (ObjectKey::of(&*o), o))
                         .collect();
-                    for object in watch.store.state() {
-                        let held = before.get(&ObjectKey::of(&*object));
-                        let unchanged =
-                            self.first || held.is_some_and(|held| same_version(&**held, &*object));
-                        subscribers.send(Change {
-                            object,
-                            deleted: false,
-                            initial: self.first,
-                            listed: unchanged,
+                    let listed: Vec<_> = watch
+                        .store
+                        .state()
+                        .into_iter()
+                        .map(|object| {
+                            let held = before.get(&ObjectKey::of(&*object));
+                            let unchanged = self.relist.unchanged(held.map(|h| &**h), &*object);
+                            (object, unchanged)
+                        })
+                        .collect();
+                    self.relist
+                        .announce(listed, before.into_values(), &watch.store, |change| {
+                            subscribers.send(change)
                         });
-                    }
-                    for (key, object) in before {
-                        if watch.store.get_key(&key).is_none() {
-                            subscribers.send(Change {
-                                object,
-                                deleted: true,
-                                initial: false,
-                                listed: false,
-                            });
-                        }
-                    }
                 }
-                self.first = false;
+                self.relist.first = false;
             }
         }
     }
@@ -574,7 +566,7 @@ struct Listing {
     /// The listing's objects, each with whether the store held it at the same
     /// resourceVersion before (always for the first listing).
     refs: Vec<(ObjectKey, bool)>,
-    first: bool,
+    relist: Relist,
 }
 
 /// Drives one shared watch until it stops or nobody holds it.
@@ -590,7 +582,7 @@ async fn run<K: Watchable>(
     let mut events = std::pin::pin!(events);
     let mut listing = Listing {
         refs: Vec::new(),
-        first: true,
+        relist: Relist { first: true },
     };
     let mut failures = 0u32;
     let overdue = async move {
@@ -696,15 +688,14 @@ fn step<K: Watchable>(
         Event::InitApply(obj) => {
             let key = ObjectKey::of(&*obj);
             // The store serves its old content until the listing is done.
-            let unchanged = listing.first
-                || store
-                    .get_key(&key)
-                    .is_some_and(|held| same_version(&*held, &*obj));
+            let unchanged = listing
+                .relist
+                .unchanged(store.get_key(&key).as_deref(), &*obj);
             listing.refs.push((key, unchanged));
             writer.init_apply(obj);
         }
         Event::InitDone => {
-            let before = if listing.first {
+            let before = if listing.relist.first {
                 Vec::new()
             } else {
                 store.state()
@@ -717,27 +708,59 @@ fn step<K: Watchable>(
                 .state
                 .send_replace(WatchState::Synced { error: None });
             // Taken, not drained: a big listing's buffer is not kept for the next one.
-            for (obj_ref, unchanged) in std::mem::take(&mut listing.refs) {
-                if let Some(object) = store.get_key(&obj_ref) {
-                    shared.notify(Change {
-                        object,
-                        deleted: false,
-                        initial: listing.first,
-                        listed: unchanged,
-                    });
-                }
+            let listed = std::mem::take(&mut listing.refs)
+                .into_iter()
+                .filter_map(|(key, unchanged)| store.get_key(&key).map(|o| (o, unchanged)));
+            listing
+                .relist
+                .announce(listed, before, store, |change| shared.notify(change));
+            listing.relist.first = false;
+        }
+    }
+}
+
+/// A relist's announcements, in both modes. An object the listing has at the version the
+/// store held is no news (`listed`); one it has otherwise is a change; one the store held and
+/// the listing lacks was deleted during the gap (client-go's `DeletedFinalStateUnknown`), so
+/// owners and mappers hear of it. Every object of the first listing is `initial`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Relist {
+    pub(crate) first: bool,
+}
+
+impl Relist {
+    /// Whether `listed`, held as `held` before the relist, is no news.
+    pub(crate) fn unchanged<K: Resource>(self, held: Option<&K>, listed: &K) -> bool {
+        self.first || held.is_some_and(|held| same_version(held, listed))
+    }
+
+    /// Announces a finished listing through `send`: each of `listed` (objects in the store
+    /// now, each with whether it is no news), then each of `before` (what the store held
+    /// before the listing) that the store no longer holds, as deleted.
+    pub(crate) fn announce<K: Watchable>(
+        self,
+        listed: impl IntoIterator<Item = (Arc<K>, bool)>,
+        before: impl IntoIterator<Item = Arc<K>>,
+        store: &Store<K>,
+        mut send: impl FnMut(Change<K>),
+    ) {
+        for (object, unchanged) in listed {
+            send(Change {
+                object,
+                deleted: false,
+                initial: self.first,
+                listed: unchanged,
+            });
+        }
+        for object in before {
+            if store.get_key(&ObjectKey::of(&*object)).is_none() {
+                send(Change {
+                    object,
+                    deleted: true,
+                    initial: false,
+                    listed: false,
+                });
             }
-            for object in before {
-                if store.get_key(&ObjectKey::of(&*object)).is_none() {
-                    shared.notify(Change {
-                        object,
-                        deleted: true,
-                        initial: false,
-                        listed: false,
-                    });
-                }
-            }
-            listing.first = false;
         }
     }
 }

@@ -32,7 +32,7 @@ pub(crate) use session::{Engagement, Session};
 use crate::cache::watch::WatchState;
 use crate::cache::{
     Cache, CacheError, Indexer, SharedWatch, Store, WatchKey, WatchSettings, WatchSource,
-    Watchable, backoff, listing, map_event, namespaces, source, transform, watch,
+    Watchable, listing, source, transform, watch,
 };
 use crate::client::endpoint::same_endpoint_and_credentials;
 use crate::client::layer::{ClientLayer, ClientState, Forward, MakeClient};
@@ -796,37 +796,19 @@ impl<C: ClusterId> Cluster<C> {
         let namespaces = session.settings.namespaces.of::<K>(dt);
         let events = match &self.inner.source {
             None => {
-                let target = listing::Target::<K>::all(self.requester(), dt);
-                let one = |namespace: Option<&str>| {
-                    let transform = transform.clone();
-                    backoff::Retrying::new(
-                        listing::watch_shared(
-                            target.clone().within(namespace),
-                            config.clone(),
-                            !session.settings.paged_lists,
-                            transform.as_ref().is_some_and(transform::Transform::strips),
-                            cluster.clone(),
-                        ),
-                        session.settings.backoff.delays(),
-                    )
-                    .map(move |event| {
-                        event.map(|event| {
-                            map_event::map_event(event, |o| {
-                                transform::shared(o, transform.as_ref())
-                            })
-                        })
-                    })
-                    .boxed()
+                let options = listing::WatchOptions {
+                    streaming: !session.settings.paged_lists,
+                    trim: transform.as_ref().is_some_and(transform::Transform::strips),
+                    cluster: cluster.clone(),
                 };
-                Either::Left(match namespaces.as_deref() {
-                    None => one(None),
-                    Some([namespace]) => one(Some(namespace)),
-                    Some(list) => namespaces::merged(
-                        list.iter().map(|ns| one(Some(ns))).collect(),
-                        |o: &Arc<K>| o.meta().name.clone().unwrap_or_default(),
-                    )
-                    .boxed(),
-                })
+                Either::Left(listing::shared(
+                    listing::Target::<K>::all(self.requester(), dt),
+                    namespaces,
+                    config.clone(),
+                    &options,
+                    &session.settings.backoff,
+                    transform,
+                ))
             }
             Some(source) => Either::Right(
                 source::events_from::<K>(

@@ -14,7 +14,7 @@ use kube_runtime::watcher;
 
 use super::{PredicateFn, ReconcileReason, Trigger};
 use crate::cache::Watchable;
-use crate::cache::listing::Target;
+use crate::cache::listing::{Target, WatchOptions};
 use crate::cache::namespaces::NamespaceScopes;
 use crate::cache::{CacheError, Change, ObjectKey, listing};
 use crate::cluster::Engagement;
@@ -36,18 +36,15 @@ pub(crate) trait Relation<C: ClusterId, K>: Send + Sync {
     /// (warm standby).
     fn warm(&self, cluster: &Engagement<C>) -> Result<(), CacheError>;
 
-    /// Adds the relation to a kube-runtime `Controller` (single-cluster mode).
-    /// Children and other objects are watched as [`watch`](crate::cluster::listing::watch)
-    /// does: by a streaming list if `streaming`, falling back to pages; decoded without
-    /// managed fields if `trim`.
+    /// Adds the relation to a kube-runtime `Controller` (single-cluster mode). Children and
+    /// other objects are watched with `options`, as [`listing::scoped`] does.
     fn attach(
         &self,
         controller: kube_runtime::Controller<K>,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
         backoff: &crate::cache::WatchBackoff,
-        streaming: bool,
-        trim: bool,
+        options: &WatchOptions,
     ) -> kube_runtime::Controller<K>
     where
         K: Watchable;
@@ -251,21 +248,15 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
         backoff: &crate::cache::WatchBackoff,
-        streaming: bool,
-        trim: bool,
+        options: &WatchOptions,
     ) -> kube_runtime::Controller<K> {
-        let id: Arc<str> = crate::cluster::ClusterField(cluster.id())
-            .to_string()
-            .into();
         if let Some(predicate) = &self.predicate {
             // The predicate reads whole children.
             let children = listing::scoped(
                 Target::<Child>::all(cluster.requester(), &self.child),
                 namespaces.of::<Child>(&self.child),
                 self.watcher_config.clone(),
-                streaming,
-                trim,
-                id,
+                options,
                 backoff,
             );
             return controller.owns_stream_with(
@@ -279,11 +270,7 @@ impl<C: ClusterId, K: Watchable, Child: Watchable> Relation<C, K> for Owns<K, Ch
             Target::<PartialObjectMeta<Child>>::all(cluster.requester(), &self.child),
             namespaces.of::<PartialObjectMeta<Child>>(&self.child),
             self.watcher_config.clone(),
-            streaming,
-            trim,
-            crate::cluster::ClusterField(cluster.id())
-                .to_string()
-                .into(),
+            options,
             backoff,
         );
         controller.owns_stream_with(children.touched_objects(), self.child.clone())
@@ -339,8 +326,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
         cluster: &Cluster<C>,
         namespaces: &NamespaceScopes,
         backoff: &crate::cache::WatchBackoff,
-        streaming: bool,
-        trim: bool,
+        options: &WatchOptions,
     ) -> kube_runtime::Controller<K> {
         let id = cluster.id().clone();
         let mapper = self.mapper.clone();
@@ -348,11 +334,7 @@ impl<C: ClusterId, K: Watchable, Other: Watchable> Relation<C, K> for Watches<C,
             Target::<Other>::all(cluster.requester(), &self.other),
             namespaces.of::<Other>(&self.other),
             self.watcher_config.clone(),
-            streaming,
-            trim,
-            crate::cluster::ClusterField(cluster.id())
-                .to_string()
-                .into(),
+            options,
             backoff,
         );
         let primary = self.primary.clone();

@@ -15,6 +15,7 @@ use super::context::ReconcileShared;
 use super::gate::Gate;
 use super::{ObjectField, Spec};
 use crate::cache::Watchable;
+use crate::cache::listing::WatchOptions;
 use crate::cache::{Change, listing};
 use crate::cluster::ClusterField;
 use crate::cluster::Primary;
@@ -318,9 +319,12 @@ where
     use kube_runtime::controller::{Action as KubeAction, Error as KubeError};
 
     let transform = env.transforms.of::<K>();
-    let streaming = !env.paged_lists;
-    // Managed fields are not decoded where the caches would drop them.
-    let trim = !env.transforms.keep_managed_fields;
+    let options = WatchOptions {
+        streaming: !env.paged_lists,
+        // Managed fields are not decoded where the caches would drop them.
+        trim: !env.transforms.keep_managed_fields,
+        cluster: ClusterField(cluster.id()).to_string().into(),
+    };
     let namespaces = env.namespaces.of::<K>(&spec.dt);
     let dt = spec.dt.clone();
     // Lanes need a limit to matter: without one every request starts when it is due.
@@ -392,7 +396,7 @@ where
         }
         // kube-runtime's own path (what `Controller::new_with` builds), when objects are kept
         // as they come, listed in pages, in every namespace, in one lane.
-        (None, None, None) if !streaming && namespaces.is_none() && gate.is_none() => {
+        (None, None, None) if !options.streaming && namespaces.is_none() && gate.is_none() => {
             let events = kube_runtime::watcher(
                 Api::all_with(cluster.client(), &dt),
                 spec.watcher_config.clone(),
@@ -408,25 +412,16 @@ where
         }
         (predicate, transform, None) => {
             // The controller's trigger backoff covers this stream too (errors pass through).
-            let id = ClusterField(cluster.id()).to_string().into();
             let target = listing::Target::all(cluster.requester(), &dt);
             let config = spec.watcher_config.clone();
-            let stream = listing::scoped(
-                target,
-                namespaces,
-                config,
-                streaming,
-                trim,
-                id,
-                &env.backoff,
-            )
-            .inspect(observe)
-            .map_ok(move |event| match &transform {
-                Some(transform) => event.modify(|o| transform.apply(o)),
-                None => event,
-            })
-            .reflect(writer)
-            .inspect(feed);
+            let stream = listing::scoped(target, namespaces, config, &options, &env.backoff)
+                .inspect(observe)
+                .map_ok(move |event| match &transform {
+                    Some(transform) => event.modify(|o| transform.apply(o)),
+                    None => event,
+                })
+                .reflect(writer)
+                .inspect(feed);
             let stream = match &gate {
                 // kube-runtime's own: every object listed or changed triggers.
                 None => stream.applied_objects().left_stream(),
@@ -449,8 +444,7 @@ where
             &cluster,
             &env.namespaces,
             &env.backoff,
-            streaming,
-            trim,
+            &options,
         );
     }
     // Requests from elsewhere (another fleet, the local cluster, the user's streams) for

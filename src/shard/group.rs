@@ -153,7 +153,12 @@ impl GroupWatch {
         // group whose Leases change fast is still listed once), pages otherwise; without
         // managed fields, most of a Lease's bytes, which nothing here reads.
         let target = listing::Target::<Lease>::all(client, &()).within(Some(namespace));
-        let events = listing::watch(target, config, true, true, Arc::from("host"));
+        let options = listing::WatchOptions {
+            streaming: true,
+            trim: true,
+            cluster: Arc::from("host"),
+        };
+        let events = listing::watch(target, config, &options);
         let events = Retrying::new(events, WatchBackoff::default().delays());
         let events = reflector::reflector(writer, events);
         let task_seen = seen.clone();
