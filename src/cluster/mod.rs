@@ -7,7 +7,7 @@
 mod errors;
 mod id;
 mod identity;
-mod reported;
+pub(crate) mod reported;
 mod session;
 
 use std::collections::HashMap;

@@ -299,6 +299,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, EP>(
 
 /// One run of the controller until shutdown; `true` if it ended early because the watch it
 /// scheduled from (another controller's) stopped, after its reconciles in flight finished.
+///
+/// Three steps: [`build`] the kube-runtime controller, adapt the reconciler to it
+/// ([`Single`], [`reconcile_one`], [`on_failure`]), and [`drive`] it to shutdown.
 async fn run_once<K, C, S, F, Fut, E, EP>(
     spec: Arc<Spec<K, C>>,
     env: Env<C>,
@@ -316,8 +319,55 @@ where
     E: std::error::Error + Send + 'static,
     EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
 {
-    use kube_runtime::controller::{Action as KubeAction, Error as KubeError};
+    // Lanes need a limit to matter: without one every request starts when it is due.
+    let gate =
+        (spec.changes_first && spec.concurrency > 0).then(|| Arc::new(Gate::new(spec.concurrency)));
+    let Some(built) = build(&spec, &env, &cluster, &gate).await else {
+        return false;
+    };
+    let tracker = TaskTracker::new();
+    let metrics = env.metrics.as_ref().map(|metrics| {
+        Arc::new(SingleMetrics {
+            series: metrics.series(&spec.name, &ClusterField(cluster.id()).to_string(), false),
+            active: metrics.controller(&spec.name, spec.concurrency),
+        })
+    });
+    let single = Arc::new(Single {
+        metrics,
+        observer: spec.observer.clone(),
+        cluster,
+        shared: Arc::new(ReconcileShared::new(&spec, &env, state)),
+        reconcile,
+        error_policy,
+        tracker: tracker.clone(),
+        name: spec.name.clone(),
+        timeout: spec.reconcile_timeout,
+        gate: gate.clone(),
+    });
+    drive(built, single, &spec, &env, gate, tracker).await
+}
 
+/// The kube-runtime controller of one run, and what watches beside it.
+struct Built<K: Watchable> {
+    controller: Controller<K>,
+    /// The primary watch's state, shown beside the cluster's caches when it is not the
+    /// engagement's own.
+    report: Option<crate::cluster::reported::Report>,
+    /// The adopted watch, to report if it has not listed within the cache sync timeout.
+    overdue_watch: Option<(Arc<crate::cache::SharedWatch<K>>, Option<Duration>)>,
+    /// Cancelled when the subscription ends before shutdown: the watch it follows stopped.
+    orphaned: tokio_util::sync::CancellationToken,
+}
+
+/// Builds the kube-runtime controller: the primary watch adopted, subscribed to or run
+/// apart (with its transform, predicate and lanes), the relations, the requests from
+/// elsewhere, resyncs and bulk triggers. `None` if the manager shut down meanwhile.
+async fn build<K: Watchable, C: ClusterId>(
+    spec: &Spec<K, C>,
+    env: &Env<C>,
+    cluster: &Cluster<C>,
+    gate: &Option<Arc<Gate>>,
+) -> Option<Built<K>> {
     let transform = env.transforms.of::<K>();
     let options = WatchOptions {
         streaming: !env.paged_lists,
@@ -327,9 +377,6 @@ where
     };
     let namespaces = env.namespaces.of::<K>(&spec.dt);
     let dt = spec.dt.clone();
-    // Lanes need a limit to matter: without one every request starts when it is due.
-    let gate =
-        (spec.changes_first && spec.concurrency > 0).then(|| Arc::new(Gate::new(spec.concurrency)));
     // One watch per kind and configuration in the engagement: the first controller of the
     // kind runs it and shows it to the rest of the crate (context caches read its store);
     // another controller of the kind schedules from that store and a subscription to it.
@@ -346,7 +393,7 @@ where
                 // It failed: this controller watches apart.
                 Err(_) => (None, None),
             },
-            () = env.shutdown.cancelled() => return false,
+            () = env.shutdown.cancelled() => return None,
         },
         Primary::Apart => (None, None),
     };
@@ -378,7 +425,7 @@ where
         Some((_, reflector)) => reflector.clone(),
         None => reader.clone(),
     };
-    let mut controller = match (&spec.predicate, transform, subscribed) {
+    let controller = match (&spec.predicate, transform, subscribed) {
         (predicate, _, Some((watch, reflector))) => {
             drop(writer);
             let (orphaned, shutdown) = (orphaned.clone(), env.shutdown.clone());
@@ -438,21 +485,36 @@ where
             Controller::for_stream_with(stream, reader, dt)
         }
     };
+    let controller = triggers(controller, spec, env, cluster, gate, cache, &options);
+    Some(Built {
+        controller,
+        report,
+        overdue_watch,
+        orphaned,
+    })
+}
+
+/// Adds to `controller` what else triggers reconciles: the relations (owned and watched
+/// objects), requests from elsewhere, resyncs and bulk triggers (through the gate, when
+/// there is one, reading `cache`).
+fn triggers<K: Watchable, C: ClusterId>(
+    mut controller: Controller<K>,
+    spec: &Spec<K, C>,
+    env: &Env<C>,
+    cluster: &Cluster<C>,
+    gate: &Option<Arc<Gate>>,
+    cache: kube_runtime::reflector::Store<K>,
+    options: &WatchOptions,
+) -> Controller<K> {
     for relation in &spec.relations {
-        controller = relation.attach(
-            controller,
-            &cluster,
-            &env.namespaces,
-            &env.backoff,
-            &options,
-        );
+        controller = relation.attach(controller, cluster, &env.namespaces, &env.backoff, options);
     }
     // Requests from elsewhere (another fleet, the local cluster, the user's streams) for
     // this cluster, through kube-runtime's own entry points.
     let given: Vec<_> = spec
         .sources
         .iter()
-        .filter_map(|s| s.triggers(&env))
+        .filter_map(|s| s.triggers(env))
         .collect();
     if !given.is_empty() {
         let (id, dt) = (cluster.id().clone(), spec.dt.clone());
@@ -494,31 +556,261 @@ where
             }
         }
     }
+    controller
+}
+
+/// One reconcile as kube-runtime calls it: the span, the context, the tenure, panics and
+/// the reconcile timeout caught, metrics and the observer, the object's failure count
+/// settled.
+fn reconcile_one<K, C, S, F, Fut, E, EP>(
+    obj: Arc<K>,
+    single: Arc<Single<C, S, F, EP>>,
+) -> impl Future<Output = Result<kube_runtime::controller::Action, Failure<E>>> + Send + 'static
+where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    use kube_runtime::controller::Action as KubeAction;
+    // The same span as fleet mode's. kube-runtime keeps the trigger's reason to
+    // itself (its enclosing span has it as `object.reason`).
+    let span = tracing::info_span!(
+        "reconcile",
+        controller = %single.name,
+        cluster = %ClusterField(single.cluster.id()),
+        object = %ObjectField {
+            namespace: obj.meta().namespace.as_deref(),
+            name: obj.meta().name.as_deref().unwrap_or_default(),
+        },
+        reason = "unknown",
+    );
+    if let Some(gate) = &single.gate {
+        gate.started(&*obj);
+    }
+    let deadline = single
+        .timeout
+        .map(|limit| tokio::time::Instant::now() + limit);
+    let ctx = single
+        .context(&obj)
+        .with_failures(single.prior(&*obj))
+        .with_deadline(deadline);
+    // The object and controller again, to settle its failure count afterwards.
+    let settling = (obj.clone(), single.clone());
+    let observed = single.observer.as_ref().map(|observer| {
+        (
+            observer.clone(),
+            crate::controller::Request::from_obj(single.cluster.id().clone(), &*obj),
+        )
+    });
+    // Past the leader's tenure (its renewal overdue, the task that stops the
+    // controllers not yet run: a starved runtime) the reconciler is not called;
+    // the object comes back after a second, if the controller still runs.
+    let held = single.shared.tenure.holds();
+    let fut = held.then(|| (single.reconcile)(obj, ctx));
+    let metrics = single.metrics.clone();
+    // A panic ends this reconcile only (kube-runtime would carry it into the
+    // controller's stream and end the controller).
+    let fut = fut.map(|fut| {
+        std::panic::AssertUnwindSafe(fut)
+            .catch_unwind()
+            .map(|ended| {
+                ended
+                    .map_err(|panic| {
+                        let message = panic_message(&*panic);
+                        tracing::error!(panic = %message, "reconcile panicked");
+                        Failure::Panicked(message, Duration::ZERO)
+                    })
+                    .and_then(|result| {
+                        result.map_err(|error| Failure::Failed(error, Duration::ZERO))
+                    })
+            })
+    });
+    // At the reconcile timeout the reconcile is dropped: a failure of its own.
+    let fut = fut.map(|fut| match single.timeout {
+        None => futures::future::Either::Left(fut),
+        Some(limit) => futures::future::Either::Right(
+            tokio::time::timeout(limit + super::TIMEOUT_GRACE, fut).map(move |done| {
+                done.unwrap_or_else(|_| {
+                    tracing::warn!(?limit, "reconcile dropped: it did not return within a second of its reconcile timeout; retried after the object's backoff");
+                    Err(Failure::TimedOut(limit, Duration::ZERO))
+                })
+            }),
+        ),
+    });
+    single.tracker.track_future(
+        async move {
+            let Some(fut) = fut else {
+                return Ok(KubeAction::requeue(Duration::from_secs(1)));
+            };
+            let settle = |action: Action| {
+                let (obj, single) = &settling;
+                single.settle(&**obj, action, false)
+            };
+            if metrics.is_none() && observed.is_none() {
+                return fut.await.map(|action| KubeAction::from(settle(action)));
+            }
+            let active = metrics.map(Active::new);
+            let started = std::time::Instant::now();
+            let result = fut.await;
+            let took = started.elapsed();
+            if let Some(active) = &active {
+                let outcome = match &result {
+                    Err(Failure::Failed(..)) => Outcome::Error,
+                    Err(Failure::Panicked(..)) => Outcome::Panic,
+                    Err(Failure::TimedOut(..)) => {
+                        active.0.series.timed_out();
+                        Outcome::Error
+                    }
+                    Ok(action) => action.outcome(),
+                };
+                // Returned past its deadline: a timeout too, as
+                // controller-runtime counts one.
+                if !matches!(result, Err(Failure::TimedOut(..)))
+                    && deadline.is_some_and(|d| tokio::time::Instant::now() >= d)
+                {
+                    active.0.series.timed_out();
+                }
+                active.0.series.reconciled(outcome, took);
+            }
+            match result {
+                Ok(action) => {
+                    let action = settle(action);
+                    // A failure is observed where the error policy decides.
+                    if let Some((observer, request)) = observed {
+                        super::observe(
+                            &observer,
+                            super::Reconciled {
+                                request,
+                                action,
+                                failure: None,
+                                took,
+                            },
+                        );
+                    }
+                    Ok(KubeAction::from(action))
+                }
+                Err(failure) => Err(failure.took(took)),
+            }
+        }
+        .instrument(span),
+    )
+}
+
+/// What follows a failed reconcile: the error policy (its panic caught) unless the error is
+/// terminal, the failure count settled, metrics and the observer told.
+fn on_failure<K, C, S, F, Fut, E, EP>(
+    obj: Arc<K>,
+    error: &Failure<E>,
+    single: Arc<Single<C, S, F, EP>>,
+) -> kube_runtime::controller::Action
+where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    let request = single
+        .observer
+        .as_ref()
+        .map(|_| crate::controller::Request::from_obj(single.cluster.id().clone(), &*obj));
+    let (action, failure, took) = match error {
+        Failure::Failed(error, took) => {
+            let ctx = single.context(&obj).with_failures(single.prior(&*obj));
+            let terminal = single.take_terminal(&*obj);
+            // The error policy is the user's code too: its panic is caught.
+            let action = if terminal {
+                tracing::warn!(controller = %single.name, "the error is terminal; not retried until the object changes");
+                Action::await_change()
+            } else {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    (single.error_policy)(obj.clone(), error, &ctx)
+                }))
+                .unwrap_or_else(|panic| {
+                    tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
+                    Action::requeue(super::PANIC_REQUEUE)
+                })
+            };
+            let action = single.settle(&*obj, action, true);
+            if action.requeue_after().is_none()
+                && let Some(metrics) = &single.metrics
+            {
+                metrics.series.terminal();
+            }
+            let failure = request
+                .is_some()
+                .then(|| super::Failure::Error(error.to_string()));
+            (action, failure, *took)
+        }
+        Failure::Panicked(message, took) => (
+            {
+                // A mark the panicked reconcile left is its own.
+                single.take_terminal(&*obj);
+                Action::requeue(super::PANIC_REQUEUE)
+            },
+            Some(super::Failure::Panic(message.clone())),
+            *took,
+        ),
+        Failure::TimedOut(limit, took) => (
+            single.settle(&*obj, Action::backoff(), true),
+            Some(super::Failure::Timeout(*limit)),
+            *took,
+        ),
+    };
+    if let (Some(observer), Some(request)) = (&single.observer, request) {
+        super::observe(
+            observer,
+            super::Reconciled {
+                request,
+                action,
+                failure,
+                took,
+            },
+        );
+    }
+    action.into()
+}
+
+/// Runs the controller until shutdown (or until the watch it subscribed to stops), reports
+/// an overdue first listing, bounds kube-runtime's graceful shutdown by the graceful timeout
+/// and waits until every reconcile task it started is gone.
+async fn drive<K, C, S, F, Fut, E, EP>(
+    built: Built<K>,
+    single: Arc<Single<C, S, F, EP>>,
+    spec: &Spec<K, C>,
+    env: &Env<C>,
+    gate: Option<Arc<Gate>>,
+    tracker: TaskTracker,
+) -> bool
+where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    EP: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    use kube_runtime::controller::Error as KubeError;
+
+    let Built {
+        controller,
+        report,
+        overdue_watch,
+        orphaned,
+    } = built;
     let config = kube_runtime::controller::Config::default()
         .concurrency(u16::try_from(spec.concurrency).unwrap_or(u16::MAX))
         .debounce(spec.debounce);
     let shutdown = env.shutdown.clone();
     let grace = env.grace.clone();
     let name = spec.name.clone();
-    let tracker = TaskTracker::new();
-    let metrics = env.metrics.as_ref().map(|metrics| {
-        Arc::new(SingleMetrics {
-            series: metrics.series(&spec.name, &ClusterField(cluster.id()).to_string(), false),
-            active: metrics.controller(&spec.name, spec.concurrency),
-        })
-    });
-    let single = Arc::new(Single {
-        metrics,
-        observer: spec.observer.clone(),
-        cluster,
-        shared: Arc::new(ReconcileShared::new(&spec, &env, state)),
-        reconcile,
-        error_policy,
-        tracker: tracker.clone(),
-        name: spec.name.clone(),
-        timeout: spec.reconcile_timeout,
-        gate: gate.clone(),
-    });
     let running = controller
         .with_config(config)
         .trigger_backoff(env.backoff.delays())
@@ -532,185 +824,8 @@ where
             }
         })
         .run(
-            |obj, single| {
-                // The same span as fleet mode's. kube-runtime keeps the trigger's reason to
-                // itself (its enclosing span has it as `object.reason`).
-                let span = tracing::info_span!(
-                    "reconcile",
-                    controller = %single.name,
-                    cluster = %ClusterField(single.cluster.id()),
-                    object = %ObjectField {
-                        namespace: obj.meta().namespace.as_deref(),
-                        name: obj.meta().name.as_deref().unwrap_or_default(),
-                    },
-                    reason = "unknown",
-                );
-                if let Some(gate) = &single.gate {
-                    gate.started(&*obj);
-                }
-                let deadline = single
-                    .timeout
-                    .map(|limit| tokio::time::Instant::now() + limit);
-                let ctx = single
-                    .context(&obj)
-                    .with_failures(single.prior(&*obj))
-                    .with_deadline(deadline);
-                // The object and controller again, to settle its failure count afterwards.
-                let settling = (obj.clone(), single.clone());
-                let observed = single
-                    .observer
-                    .as_ref()
-                    .map(|observer| (observer.clone(), crate::controller::Request::from_obj(single.cluster.id().clone(), &*obj)));
-                // Past the leader's tenure (its renewal overdue, the task that stops the
-                // controllers not yet run: a starved runtime) the reconciler is not called;
-                // the object comes back after a second, if the controller still runs.
-                let held = single.shared.tenure.holds();
-                let fut = held.then(|| (single.reconcile)(obj, ctx));
-                let metrics = single.metrics.clone();
-                // A panic ends this reconcile only (kube-runtime would carry it into the
-                // controller's stream and end the controller).
-                let fut = fut.map(|fut| std::panic::AssertUnwindSafe(fut).catch_unwind().map(|ended| {
-                    ended
-                        .map_err(|panic| {
-                            let message = panic_message(&*panic);
-                            tracing::error!(panic = %message, "reconcile panicked");
-                            Failure::Panicked(message, Duration::ZERO)
-                        })
-                        .and_then(|result| {
-                            result.map_err(|error| Failure::Failed(error, Duration::ZERO))
-                        })
-                }));
-                // At the reconcile timeout the reconcile is dropped: a failure of its own.
-                let fut = fut.map(|fut| match single.timeout {
-                    None => futures::future::Either::Left(fut),
-                    Some(limit) => futures::future::Either::Right(
-                        tokio::time::timeout(limit + super::TIMEOUT_GRACE, fut).map(move |done| {
-                            done.unwrap_or_else(|_| {
-                                tracing::warn!(?limit, "reconcile dropped: it did not return within a second of its reconcile timeout; retried after the object's backoff");
-                                Err(Failure::TimedOut(limit, Duration::ZERO))
-                            })
-                        }),
-                    ),
-                });
-                single.tracker.track_future(
-                    async move {
-                        let Some(fut) = fut else {
-                            return Ok(KubeAction::requeue(Duration::from_secs(1)));
-                        };
-                        let settle = |action: Action| {
-                            let (obj, single) = &settling;
-                            single.settle(&**obj, action, false)
-                        };
-                        if metrics.is_none() && observed.is_none() {
-                            return fut.await.map(|action| KubeAction::from(settle(action)));
-                        }
-                        let active = metrics.map(Active::new);
-                        let started = std::time::Instant::now();
-                        let result = fut.await;
-                        let took = started.elapsed();
-                        if let Some(active) = &active {
-                            let outcome = match &result {
-                                Err(Failure::Failed(..)) => Outcome::Error,
-                                Err(Failure::Panicked(..)) => Outcome::Panic,
-                                Err(Failure::TimedOut(..)) => {
-                                    active.0.series.timed_out();
-                                    Outcome::Error
-                                }
-                                Ok(action) => action.outcome(),
-                            };
-                            // Returned past its deadline: a timeout too, as
-                            // controller-runtime counts one.
-                            if !matches!(result, Err(Failure::TimedOut(..)))
-                                && deadline.is_some_and(|d| tokio::time::Instant::now() >= d)
-                            {
-                                active.0.series.timed_out();
-                            }
-                            active.0.series.reconciled(outcome, took);
-                        }
-                        match result {
-                            Ok(action) => {
-                                let action = settle(action);
-                                // A failure is observed where the error policy decides.
-                                if let Some((observer, request)) = observed {
-                                    super::observe(
-                                        &observer,
-                                        super::Reconciled {
-                                            request,
-                                            action,
-                                            failure: None,
-                                            took,
-                                        },
-                                    );
-                                }
-                                Ok(KubeAction::from(action))
-                            }
-                            Err(failure) => Err(failure.took(took)),
-                        }
-                    }
-                    .instrument(span),
-                )
-            },
-            |obj, error, single| {
-                let request = single
-                    .observer
-                    .as_ref()
-                    .map(|_| crate::controller::Request::from_obj(single.cluster.id().clone(), &*obj));
-                let (action, failure, took) = match error {
-                    Failure::Failed(error, took) => {
-                        let ctx = single.context(&obj).with_failures(single.prior(&*obj));
-                        let terminal = single.take_terminal(&*obj);
-                        // The error policy is the user's code too: its panic is caught.
-                        let action = if terminal {
-                            tracing::warn!(controller = %single.name, "the error is terminal; not retried until the object changes");
-                            Action::await_change()
-                        } else {
-                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                (single.error_policy)(obj.clone(), error, &ctx)
-                            }))
-                            .unwrap_or_else(|panic| {
-                                tracing::error!(controller = %single.name, panic = %panic_message(&*panic), "error policy panicked");
-                                Action::requeue(super::PANIC_REQUEUE)
-                            })
-                        };
-                        let action = single.settle(&*obj, action, true);
-                        if action.requeue_after().is_none()
-                            && let Some(metrics) = &single.metrics
-                        {
-                            metrics.series.terminal();
-                        }
-                        let failure = request
-                            .is_some()
-                            .then(|| super::Failure::Error(error.to_string()));
-                        (action, failure, *took)
-                    }
-                    Failure::Panicked(message, took) => (
-                        {
-                            // A mark the panicked reconcile left is its own.
-                            single.take_terminal(&*obj);
-                            Action::requeue(super::PANIC_REQUEUE)
-                        },
-                        Some(super::Failure::Panic(message.clone())),
-                        *took,
-                    ),
-                    Failure::TimedOut(limit, took) => (
-                        single.settle(&*obj, Action::backoff(), true),
-                        Some(super::Failure::Timeout(*limit)),
-                        *took,
-                    ),
-                };
-                if let (Some(observer), Some(request)) = (&single.observer, request) {
-                    super::observe(
-                        observer,
-                        super::Reconciled {
-                            request,
-                            action,
-                            failure,
-                            took,
-                        },
-                    );
-                }
-                action.into()
-            },
+            reconcile_one::<K, C, S, F, Fut, E, EP>,
+            on_failure::<K, C, S, F, Fut, E, EP>,
             single,
         )
         .for_each(move |result| {
