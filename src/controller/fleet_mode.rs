@@ -31,6 +31,7 @@ use crate::util::hashing::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::cache::Store;
 use futures::stream::{self, BoxStream, FuturesUnordered, SelectAll};
@@ -69,6 +70,21 @@ struct Finished<C: ClusterId> {
     took: Option<std::time::Duration>,
     /// It returned after its deadline (the reconcile timeout) rather than being dropped.
     overran: bool,
+}
+
+impl<C: ClusterId> Finished<C> {
+    /// A reconcile that did not run to its end (its engagement ended, or the tenure did):
+    /// it waits for its next trigger, on a new engagement of the id if there is one.
+    fn cut_short(request: Request<C>, reason: ReconcileReason, took: Option<Duration>) -> Self {
+        Finished {
+            request,
+            action: Action::await_change(),
+            reason,
+            engagement_ended: true,
+            took,
+            overran: false,
+        }
+    }
 }
 
 /// A primary cache that listed (or failed to): the id, the slot's epoch, the outcome.
@@ -562,26 +578,12 @@ where
         let Some(_busy) = busy else {
             // Its cluster left between the request coming due and now: it runs again on a
             // new engagement of the id, if there is one.
-            return Finished {
-                request: req,
-                action: Action::await_change(),
-                reason,
-                engagement_ended: true,
-                took: None,
-                overran: false,
-            };
+            return Finished::cut_short(req, reason, None);
         };
         if !ctx.shared_tenure().holds() {
             // Past the tenure since it was taken from the queue: queued again, taken once
             // the tenure runs again (or dropped with the cluster).
-            return Finished {
-                request: req,
-                action: Action::await_change(),
-                reason,
-                engagement_ended: true,
-                took: None,
-                overran: false,
-            };
+            return Finished::cut_short(req, reason, None);
         }
         let began = (timed || observer.is_some()).then(std::time::Instant::now);
         // A panic of the reconciler or its error policy ends this reconcile only: the
@@ -589,64 +591,17 @@ where
         let counts = ctx.failure_counts();
         // The version the failure count is kept for (read here only once something fails).
         let version = |object: &K| version.clone().unwrap_or_else(|| super::version_of(object));
-        let work = std::panic::AssertUnwindSafe(async {
-            let reconciled = reconcile(object.clone(), ctx.clone());
-            let result = match limit {
-                None => Ok(reconciled.await),
-                // Boxed, as the grace sleep below is: a timer's state inline would make every
-                // reconcile's future larger, timed or not (see `start`).
-                Some(limit) => {
-                    Box::pin(tokio::time::timeout(limit + super::TIMEOUT_GRACE, reconciled))
-                        .await
-                        .map_err(|_| limit)
-                }
-            };
-            let result = match result {
-                Ok(result) => result,
-                Err(limit) => {
-                    tracing::warn!(cluster = %req.cluster, ?limit, "reconcile dropped: it did not return within a second of its reconcile timeout; retried after the object's backoff");
-                    let action = counts.settle(
-                        &req,
-                        version(&object).as_deref(),
-                        Action::backoff(),
-                        true,
-                    );
-                    let failure = observer.is_some().then_some(super::Failure::Timeout(limit));
-                    return (action, ReconcileReason::TimedOut, failure);
-                }
-            };
-            match result {
-                Ok(action) => {
-                    let reason = if action.is_backoff() {
-                        ReconcileReason::Backoff
-                    } else {
-                        ReconcileReason::Requeue
-                    };
-                    let version = if action.is_backoff() {
-                        version(&object)
-                    } else {
-                        None
-                    };
-                    let action = counts.settle(&req, version.as_deref(), action, false);
-                    (action, reason, None)
-                }
-                Err(error) => {
-                    let failed_at = version(&object);
-                    let action = if counts.take_terminal(&req) {
-                        tracing::warn!(cluster = %req.cluster, error = %crate::client::Shown(&error), "reconcile failed with a terminal error; not retried until the object changes");
-                        Action::await_change()
-                    } else {
-                        tracing::warn!(cluster = %req.cluster, error = %crate::client::Shown(&error), "reconcile failed");
-                        error_policy(object.clone(), &error, &ctx)
-                    };
-                    let action = counts.settle(&req, failed_at.as_deref(), action, true);
-                    let failure = observer
-                        .is_some()
-                        .then(|| super::Failure::Error(error.to_string()));
-                    (action, ReconcileReason::ErrorPolicy, failure)
-                }
-            }
-        })
+        let work = std::panic::AssertUnwindSafe(attempt(
+            &*reconcile,
+            &*error_policy,
+            &object,
+            &ctx,
+            &req,
+            counts,
+            limit,
+            observer.is_some(),
+            &version,
+        ))
         .catch_unwind()
         .map(|ended| {
             ended.unwrap_or_else(|panic| {
@@ -703,14 +658,7 @@ where
             }
             () = abandoned => {
                 tracing::warn!(cluster = %req.cluster, ?grace, "reconcile dropped: its cluster was disengaged and it did not return within the grace period");
-                Finished {
-                    request: req,
-                    action: Action::await_change(),
-                    reason,
-                    engagement_ended: true,
-                    took: began.map(|b| b.elapsed()),
-                    overran: false,
-                }
+                Finished::cut_short(req, reason, began.map(|b| b.elapsed()))
             }
         };
         // Whatever ended it (a panic, the grace period), a terminal mark it left is its own.
@@ -719,6 +667,82 @@ where
     }
     .instrument(span)
     .boxed()
+}
+
+/// The reconciler's call and, when it fails, the error policy's (or a terminal error's
+/// wait), within the reconcile timeout; the object's failure count settled. What to do next,
+/// why, and (when `observed`) the failure to tell the observer.
+#[allow(clippy::too_many_arguments)]
+async fn attempt<K, C, S, F, Fut, E, P>(
+    reconcile: &F,
+    error_policy: &P,
+    object: &Arc<K>,
+    ctx: &Context<C, S>,
+    req: &Request<C>,
+    counts: &crate::controller::Failures<Request<C>>,
+    limit: Option<Duration>,
+    observed: bool,
+    version: &impl Fn(&K) -> Option<String>,
+) -> (Action, ReconcileReason, Option<super::Failure>)
+where
+    K: Watchable,
+    C: ClusterId,
+    S: Send + Sync + 'static,
+    F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Action, E>> + Send + 'static,
+    E: std::error::Error + Send + 'static,
+    P: Fn(Arc<K>, &E, &Context<C, S>) -> Action + Send + Sync + 'static,
+{
+    let reconciled = reconcile(object.clone(), ctx.clone());
+    let result = match limit {
+        None => Ok(reconciled.await),
+        // Boxed, as the grace sleep below is: a timer's state inline would make every
+        // reconcile's future larger, timed or not (see `start`).
+        Some(limit) => Box::pin(tokio::time::timeout(
+            limit + super::TIMEOUT_GRACE,
+            reconciled,
+        ))
+        .await
+        .map_err(|_| limit),
+    };
+    let result = match result {
+        Ok(result) => result,
+        Err(limit) => {
+            tracing::warn!(cluster = %req.cluster, ?limit, "reconcile dropped: it did not return within a second of its reconcile timeout; retried after the object's backoff");
+            let action = counts.settle(req, version(object).as_deref(), Action::backoff(), true);
+            let failure = observed.then_some(super::Failure::Timeout(limit));
+            return (action, ReconcileReason::TimedOut, failure);
+        }
+    };
+    match result {
+        Ok(action) => {
+            let reason = if action.is_backoff() {
+                ReconcileReason::Backoff
+            } else {
+                ReconcileReason::Requeue
+            };
+            let version = if action.is_backoff() {
+                version(object)
+            } else {
+                None
+            };
+            let action = counts.settle(req, version.as_deref(), action, false);
+            (action, reason, None)
+        }
+        Err(error) => {
+            let failed_at = version(object);
+            let action = if counts.take_terminal(req) {
+                tracing::warn!(cluster = %req.cluster, error = %crate::client::Shown(&error), "reconcile failed with a terminal error; not retried until the object changes");
+                Action::await_change()
+            } else {
+                tracing::warn!(cluster = %req.cluster, error = %crate::client::Shown(&error), "reconcile failed");
+                error_policy(object.clone(), &error, ctx)
+            };
+            let action = counts.settle(req, failed_at.as_deref(), action, true);
+            let failure = observed.then(|| super::Failure::Error(error.to_string()));
+            (action, ReconcileReason::ErrorPolicy, failure)
+        }
+    }
 }
 
 async fn next_opt<T>(stream: &mut Option<BoxStream<'static, T>>) -> Option<T> {
