@@ -486,6 +486,18 @@ impl Metrics {
         registry.register_collector(Box::new(inner.watches.clone()));
         registry.register_collector(Box::new(inner.in_flight.clone()));
         // prometheus-client adds `_total` to counters' names.
+        Self::register_controllers(registry, &inner);
+        Self::register_queues(registry, &inner);
+        Self::register_clusters(registry, &inner);
+        Self::register_sharding(registry, &inner);
+        Self::register_webhooks(registry, &inner);
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Registers controller-runtime's reconcile series.
+    fn register_controllers(registry: &mut Registry, inner: &Inner) {
         registry.register(
             "controller_runtime_reconcile",
             "Reconciles ended, per controller, cluster and result",
@@ -526,6 +538,10 @@ impl Metrics {
             "Reconciles running now, per controller",
             inner.active_workers.clone(),
         );
+    }
+
+    /// Registers the work queues' series (controller-runtime's workqueue names).
+    fn register_queues(registry: &mut Registry, inner: &Inner) {
         registry.register(
             "workqueue_depth",
             "Requests due and waiting for a reconcile slot, per controller and cluster",
@@ -551,6 +567,10 @@ impl Metrics {
             "Requeues the error policy asked for, per controller and cluster",
             inner.retries.clone(),
         );
+    }
+
+    /// Registers leader election, the fleet and the clients' requests.
+    fn register_clusters(registry: &mut Registry, inner: &Inner) {
         registry.register(
             "leader_election_master_status",
             "1 while this replica holds the lease, else 0",
@@ -566,6 +586,10 @@ impl Metrics {
             "API requests made by each cluster's client, per status code, method, API server and cluster",
             inner.requests.clone(),
         );
+    }
+
+    /// Registers the sharding group's series.
+    fn register_sharding(registry: &mut Registry, inner: &Inner) {
         registry.register(
             "multicluster_runtime_shard_owned_clusters",
             "Clusters this replica owns in its sharding group",
@@ -591,6 +615,10 @@ impl Metrics {
             "Cluster fences this replica lost without handing the cluster over",
             inner.shard_lost.clone(),
         );
+    }
+
+    /// Registers the admission webhooks' series.
+    fn register_webhooks(registry: &mut Registry, inner: &Inner) {
         registry.register(
             "controller_runtime_webhook_requests",
             "Admission reviews answered, per webhook, HTTP status and cluster",
@@ -626,9 +654,6 @@ impl Metrics {
             "Failed attempts to install (or remove) the webhook configurations, per cluster",
             inner.webhook_install_failures.clone(),
         );
-        Self {
-            inner: Arc::new(inner),
-        }
     }
 
     /// The series of sharding group `group`.
