@@ -352,161 +352,194 @@ where
     /// One step: an event to hand out (or none yet) and the phase after it.
     async fn step(&self, phase: Phase<W>) -> (Option<watcher::Result<Event<W>>>, Phase<W>) {
         match phase {
-            Phase::Start => match self.config.initial_list_strategy {
-                InitialListStrategy::ListWatch => (
-                    Some(Ok(Event::Init)),
-                    Phase::Paging {
-                        continue_token: None,
-                        objects: Vec::new().into_iter(),
-                        version: None,
-                    },
-                ),
-                InitialListStrategy::StreamingList => {
-                    match Box::pin(self.watched.watch(&self.watch_params(true), "0")).await {
-                        Ok(events) => (Some(Ok(Event::Init)), Phase::Streaming(events)),
-                        Err(error) => {
-                            logged(&error, "starting a streaming list");
-                            (
-                                Some(Err(watcher::Error::WatchStartFailed(error))),
-                                Phase::Start,
-                            )
-                        }
-                    }
-                }
-            },
+            Phase::Start => self.start().await,
             Phase::Paging {
                 continue_token,
-                mut objects,
+                objects,
                 version,
-            } => {
-                if let Some(object) = objects.next() {
-                    let next = Phase::Paging {
-                        continue_token,
-                        objects,
-                        version,
-                    };
-                    return (Some(Ok(Event::InitApply(object))), next);
-                }
-                if continue_token.is_none()
-                    && let Some(version) = version
-                {
-                    return (Some(Ok(Event::InitDone)), Phase::Listed(version));
-                }
-                match Box::pin(self.watched.list(&self.list_params(continue_token))).await {
-                    Ok(list) => {
-                        let version = list.metadata.resource_version.filter(|v| !v.is_empty());
-                        let continue_token = list.metadata.continue_.filter(|t| !t.is_empty());
-                        if version.is_none() && continue_token.is_none() {
-                            return (Some(Err(watcher::Error::NoResourceVersion)), Phase::Start);
-                        }
-                        let next = Phase::Paging {
-                            continue_token,
-                            objects: list.items.into_iter(),
-                            version,
-                        };
-                        (None, next)
-                    }
+            } => self.page(continue_token, objects, version).await,
+            Phase::Streaming(events) => self.streaming(events).await,
+            Phase::Listed(version) => self.open(version).await,
+            Phase::Watching(version, events) => self.watching(version, events).await,
+        }
+    }
+
+    /// A listing from scratch: in pages, or as a streaming list.
+    async fn start(&self) -> (Option<watcher::Result<Event<W>>>, Phase<W>) {
+        match self.config.initial_list_strategy {
+            InitialListStrategy::ListWatch => (
+                Some(Ok(Event::Init)),
+                Phase::Paging {
+                    continue_token: None,
+                    objects: Vec::new().into_iter(),
+                    version: None,
+                },
+            ),
+            InitialListStrategy::StreamingList => {
+                match Box::pin(self.watched.watch(&self.watch_params(true), "0")).await {
+                    Ok(events) => (Some(Ok(Event::Init)), Phase::Streaming(events)),
                     Err(error) => {
-                        logged(&error, "listing");
+                        logged(&error, "starting a streaming list");
                         (
-                            Some(Err(watcher::Error::InitialListFailed(error))),
+                            Some(Err(watcher::Error::WatchStartFailed(error))),
                             Phase::Start,
                         )
                     }
                 }
             }
-            Phase::Streaming(mut events) => match self.next(&mut events).await {
-                Some(Ok(WatchEvent::Added(object) | WatchEvent::Modified(object))) => {
-                    (Some(Ok(Event::InitApply(object))), Phase::Streaming(events))
+        }
+    }
+
+    /// The next object of the current page, or the next page, or the listing's end.
+    async fn page(
+        &self,
+        continue_token: Option<String>,
+        mut objects: std::vec::IntoIter<W>,
+        version: Option<String>,
+    ) -> (Option<watcher::Result<Event<W>>>, Phase<W>) {
+        if let Some(object) = objects.next() {
+            let next = Phase::Paging {
+                continue_token,
+                objects,
+                version,
+            };
+            return (Some(Ok(Event::InitApply(object))), next);
+        }
+        if continue_token.is_none()
+            && let Some(version) = version
+        {
+            return (Some(Ok(Event::InitDone)), Phase::Listed(version));
+        }
+        match Box::pin(self.watched.list(&self.list_params(continue_token))).await {
+            Ok(list) => {
+                let version = list.metadata.resource_version.filter(|v| !v.is_empty());
+                let continue_token = list.metadata.continue_.filter(|t| !t.is_empty());
+                if version.is_none() && continue_token.is_none() {
+                    return (Some(Err(watcher::Error::NoResourceVersion)), Phase::Start);
                 }
-                Some(Ok(WatchEvent::Deleted(_))) => {
-                    // The API server sends none while listing; nothing to remove yet anyway.
-                    tracing::warn!("a streaming list sent a deletion; ignored");
+                let next = Phase::Paging {
+                    continue_token,
+                    objects: list.items.into_iter(),
+                    version,
+                };
+                (None, next)
+            }
+            Err(error) => {
+                logged(&error, "listing");
+                (
+                    Some(Err(watcher::Error::InitialListFailed(error))),
+                    Phase::Start,
+                )
+            }
+        }
+    }
+
+    /// The next event of a streaming list, up to the bookmark that ends it.
+    async fn streaming(
+        &self,
+        mut events: Pin<Box<Events<W>>>,
+    ) -> (Option<watcher::Result<Event<W>>>, Phase<W>) {
+        match self.next(&mut events).await {
+            Some(Ok(WatchEvent::Added(object) | WatchEvent::Modified(object))) => {
+                (Some(Ok(Event::InitApply(object))), Phase::Streaming(events))
+            }
+            Some(Ok(WatchEvent::Deleted(_))) => {
+                // The API server sends none while listing; nothing to remove yet anyway.
+                tracing::warn!("a streaming list sent a deletion; ignored");
+                (None, Phase::Streaming(events))
+            }
+            Some(Ok(WatchEvent::Bookmark(mark))) => {
+                if mark
+                    .metadata
+                    .annotations
+                    .contains_key("k8s.io/initial-events-end")
+                {
+                    let version = mark.metadata.resource_version;
+                    (Some(Ok(Event::InitDone)), Phase::Watching(version, events))
+                } else {
                     (None, Phase::Streaming(events))
                 }
-                Some(Ok(WatchEvent::Bookmark(mark))) => {
-                    if mark
-                        .metadata
-                        .annotations
-                        .contains_key("k8s.io/initial-events-end")
-                    {
-                        let version = mark.metadata.resource_version;
-                        (Some(Ok(Event::InitDone)), Phase::Watching(version, events))
-                    } else {
-                        (None, Phase::Streaming(events))
-                    }
-                }
-                Some(Ok(WatchEvent::Error(status))) => {
-                    status_logged(&status);
-                    let next = if status.code == 410 {
-                        Phase::Start
-                    } else {
-                        Phase::Streaming(events)
-                    };
-                    (Some(Err(watcher::Error::WatchError(status.boxed()))), next)
-                }
-                Some(Err(error)) => {
-                    logged(&error, "reading a streaming list");
-                    (
-                        Some(Err(watcher::Error::WatchFailed(error))),
-                        Phase::Streaming(events),
-                    )
-                }
-                // Ended before its closing bookmark: the listing starts again.
-                None => (None, Phase::Start),
-            },
-            Phase::Listed(version) => {
-                match Box::pin(self.watched.watch(&self.watch_params(false), &version)).await {
-                    Ok(events) => (None, Phase::Watching(version, events)),
-                    Err(error) => {
-                        logged(&error, "starting a watch");
-                        (
-                            Some(Err(watcher::Error::WatchStartFailed(error))),
-                            Phase::Listed(version),
-                        )
-                    }
-                }
             }
-            Phase::Watching(version, mut events) => match self.next(&mut events).await {
-                Some(Ok(WatchEvent::Added(object) | WatchEvent::Modified(object))) => {
-                    match seen_version(&object) {
-                        Some(seen) => (
-                            Some(Ok(Event::Apply(object))),
-                            Phase::Watching(seen, events),
-                        ),
-                        None => (Some(Err(watcher::Error::NoResourceVersion)), Phase::Start),
-                    }
-                }
-                Some(Ok(WatchEvent::Deleted(object))) => match seen_version(&object) {
+            Some(Ok(WatchEvent::Error(status))) => {
+                status_logged(&status);
+                let next = if status.code == 410 {
+                    Phase::Start
+                } else {
+                    Phase::Streaming(events)
+                };
+                (Some(Err(watcher::Error::WatchError(status.boxed()))), next)
+            }
+            Some(Err(error)) => {
+                logged(&error, "reading a streaming list");
+                (
+                    Some(Err(watcher::Error::WatchFailed(error))),
+                    Phase::Streaming(events),
+                )
+            }
+            // Ended before its closing bookmark: the listing starts again.
+            None => (None, Phase::Start),
+        }
+    }
+
+    /// A watch opened from `version`.
+    async fn open(&self, version: String) -> (Option<watcher::Result<Event<W>>>, Phase<W>) {
+        match Box::pin(self.watched.watch(&self.watch_params(false), &version)).await {
+            Ok(events) => (None, Phase::Watching(version, events)),
+            Err(error) => {
+                logged(&error, "starting a watch");
+                (
+                    Some(Err(watcher::Error::WatchStartFailed(error))),
+                    Phase::Listed(version),
+                )
+            }
+        }
+    }
+
+    /// The next change of a watch from `version`.
+    async fn watching(
+        &self,
+        version: String,
+        mut events: Pin<Box<Events<W>>>,
+    ) -> (Option<watcher::Result<Event<W>>>, Phase<W>) {
+        match self.next(&mut events).await {
+            Some(Ok(WatchEvent::Added(object) | WatchEvent::Modified(object))) => {
+                match seen_version(&object) {
                     Some(seen) => (
-                        Some(Ok(Event::Delete(object))),
+                        Some(Ok(Event::Apply(object))),
                         Phase::Watching(seen, events),
                     ),
                     None => (Some(Err(watcher::Error::NoResourceVersion)), Phase::Start),
-                },
-                Some(Ok(WatchEvent::Bookmark(mark))) => (
-                    None,
-                    Phase::Watching(mark.metadata.resource_version, events),
+                }
+            }
+            Some(Ok(WatchEvent::Deleted(object))) => match seen_version(&object) {
+                Some(seen) => (
+                    Some(Ok(Event::Delete(object))),
+                    Phase::Watching(seen, events),
                 ),
-                Some(Ok(WatchEvent::Error(status))) => {
-                    status_logged(&status);
-                    // 410 Gone: the version is out of the server's window; list again.
-                    let next = if status.code == 410 {
-                        Phase::Start
-                    } else {
-                        Phase::Watching(version, events)
-                    };
-                    (Some(Err(watcher::Error::WatchError(status.boxed()))), next)
-                }
-                Some(Err(error)) => {
-                    logged(&error, "reading a watch");
-                    (
-                        Some(Err(watcher::Error::WatchFailed(error))),
-                        Phase::Watching(version, events),
-                    )
-                }
-                None => (None, Phase::Listed(version)),
+                None => (Some(Err(watcher::Error::NoResourceVersion)), Phase::Start),
             },
+            Some(Ok(WatchEvent::Bookmark(mark))) => (
+                None,
+                Phase::Watching(mark.metadata.resource_version, events),
+            ),
+            Some(Ok(WatchEvent::Error(status))) => {
+                status_logged(&status);
+                // 410 Gone: the version is out of the server's window; list again.
+                let next = if status.code == 410 {
+                    Phase::Start
+                } else {
+                    Phase::Watching(version, events)
+                };
+                (Some(Err(watcher::Error::WatchError(status.boxed()))), next)
+            }
+            Some(Err(error)) => {
+                logged(&error, "reading a watch");
+                (
+                    Some(Err(watcher::Error::WatchFailed(error))),
+                    Phase::Watching(version, events),
+                )
+            }
+            None => (None, Phase::Listed(version)),
         }
     }
 }
