@@ -296,10 +296,42 @@ impl<C: ClusterId> Coordinator<C> {
         live
     }
 
-    /// One round: renew, list, then give up and take fences as the assignment says.
+    /// One round: renew and look at the group, work out the assignment, give up what is no
+    /// longer this replica's, then take fences as the assignment says.
     async fn round(&mut self) {
-        let bound = self.config.timing.retry_period;
         let began = Instant::now();
+        let blind = self.blindness();
+        let fresh = self.renew_and_view(began, blind).await;
+        let now = self.assign();
+        // Release fences still naming this replica that it no longer holds and that are not
+        // its own (a release that failed, a fence lost, a take that landed after its cut),
+        // once the work it had there has ended: they would stay blocked while it lives.
+        if fresh {
+            self.release_strays().await;
+        }
+
+        // Take what is, where the fence is free; not in the first round, when peers started
+        // at the same time may not have announced themselves yet.
+        // Nor without this round's view: fences are not renewed, so whether a holder is gone
+        // is judged from its peer Lease alone, which only a current view shows.
+        // Nor while the manager drains at shutdown: a cluster taken now would engage (watches,
+        // per-cluster tasks) only to be given up again, and hold up the others meanwhile.
+        // Nor while blind: its view's only freshness is a watch that has not failed, which a
+        // silently stalled watch passes with a view of any age; its tenure ends soon anyway.
+        if !std::mem::replace(&mut self.started, true)
+            || !fresh
+            || blind
+            || self.draining.is_cancelled()
+        {
+            self.publish();
+            return;
+        }
+        self.take_fences(began, now).await;
+        self.publish();
+    }
+
+    /// Whether this replica is blind to its group this round, said when that changes.
+    fn blindness(&mut self) -> bool {
         // Unable to see the group for two rounds in a row (its watch did not show two renewals,
         // or fails), this replica stops renewing its peer Lease: it drops its fences at its
         // renew deadline, and the others count it gone and take its clusters, rather than
@@ -314,6 +346,14 @@ impl<C: ClusterId> Coordinator<C> {
                 tracing::info!(group = %self.config.group, identity = %self.config.identity, "sharding: the group's Leases are seen again; this replica announces itself again");
             }
         }
+        blind
+    }
+
+    /// Renews this replica's peer Lease (unless `blind`) and waits for the group's watch to
+    /// show the renewal; with a fresh view, updates the peers and fences seen. Whether the
+    /// view is fresh.
+    async fn renew_and_view(&mut self, began: Instant, blind: bool) -> bool {
+        let bound = self.config.timing.retry_period;
         let me = (!blind).then(|| self.me.clone());
         let host = self.host.clone();
         // Renew, then wait for the watch to show the renewal: the view is then at least as
@@ -374,7 +414,12 @@ impl<C: ClusterId> Coordinator<C> {
             self.verify();
         }
         self.expire();
+        fresh
+    }
 
+    /// The clusters this replica is assigned, over the live peers it sees; gives up those it
+    /// holds and no longer is. When it looked.
+    fn assign(&mut self) -> Instant {
         // The assignment, over the live peers as this replica sees them.
         let now = Instant::now();
         let live = self.live(now);
@@ -399,30 +444,13 @@ impl<C: ClusterId> Coordinator<C> {
         for id in leaving {
             self.hand_off(id);
         }
+        now
+    }
 
-        // Release fences still naming this replica that it no longer holds and that are not
-        // its own (a release that failed, a fence lost, a take that landed after its cut),
-        // once the work it had there has ended: they would stay blocked while it lives.
-        if fresh {
-            self.release_strays().await;
-        }
-
-        // Take what is, where the fence is free; not in the first round, when peers started
-        // at the same time may not have announced themselves yet.
-        // Nor without this round's view: fences are not renewed, so whether a holder is gone
-        // is judged from its peer Lease alone, which only a current view shows.
-        // Nor while the manager drains at shutdown: a cluster taken now would engage (watches,
-        // per-cluster tasks) only to be given up again, and hold up the others meanwhile.
-        // Nor while blind: its view's only freshness is a watch that has not failed, which a
-        // silently stalled watch passes with a view of any age; its tenure ends soon anyway.
-        if !std::mem::replace(&mut self.started, true)
-            || !fresh
-            || blind
-            || self.draining.is_cancelled()
-        {
-            self.publish();
-            return;
-        }
+    /// Takes the fences of assigned clusters that are free (or held by a holder gone), for
+    /// at most a retry period.
+    async fn take_fences(&mut self, began: Instant, now: Instant) {
+        let bound = self.config.timing.retry_period;
         // A holder counts gone from its last renewal the view showed, stamped when the view got
         // it (not earlier than its write). The view is current up to this round's own renewal:
         // a later renewal of the holder is not in it. That holder renewed before its previous
@@ -508,7 +536,6 @@ impl<C: ClusterId> Coordinator<C> {
                 }
             }
         }
-        self.publish();
     }
 
     /// Releases the fences of the latest view that name this replica but are neither held
