@@ -515,15 +515,12 @@ impl<K: HubKind> Engine<K> {
         super::record_refusal(recorder, &object.object_ref(resource), &key, problem).await;
     }
 
-    async fn run(
-        &self,
-        fleet: Fleet<ClusterName>,
-        shutdown: CancellationToken,
-    ) -> Result<(), ProviderError> {
+    /// Waits until the hub serves the kind (looking again every 10 s); `None` at shutdown.
+    async fn kind_served(&self, shutdown: &CancellationToken) -> Option<ApiResource> {
         let mut waited = false;
-        let resource = loop {
+        loop {
             match self.discover().await {
-                Ok(Some(resource)) => break resource,
+                Ok(Some(resource)) => return Some(resource),
                 Ok(None) if !waited => {
                     tracing::warn!(
                         group = K::GROUP,
@@ -538,9 +535,132 @@ impl<K: HubKind> Engine<K> {
                 }
             }
             tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
+                () = shutdown.cancelled() => return None,
                 () = tokio::time::sleep(DISCOVERY_RETRY) => {}
             }
+        }
+    }
+
+    /// Follows an event of the kind's watch: the keys whose object changed, or `None`.
+    fn object_event(
+        state: &mut State,
+        event: watcher::Result<WatchEvent<DynamicObject>>,
+    ) -> Option<Vec<String>> {
+        let keys = match event {
+            Err(error) => {
+                tracing::warn!(error = %crate::client::Shown(&error), "watching {}s failed; retrying", K::WHAT);
+                return None;
+            }
+            Ok(WatchEvent::Init) => {
+                state.listing_objects = Some(BTreeSet::new());
+                return None;
+            }
+            Ok(WatchEvent::InitDone) => {
+                let listed = state.listing_objects.take().unwrap_or_default();
+                state
+                    .objects
+                    .iter_mut()
+                    .filter(|(key, _)| !listed.contains(key.as_str()))
+                    .for_each(|(_, known)| known.object = None);
+                state.objects.keys().cloned().collect()
+            }
+            Ok(WatchEvent::InitApply(object)) => {
+                let key = key_of(&object);
+                if let Some(listing) = &mut state.listing_objects {
+                    listing.insert(key.clone());
+                }
+                state.objects.entry(key.clone()).or_default().object = Some(object);
+                vec![key]
+            }
+            Ok(WatchEvent::Apply(object)) => {
+                let key = key_of(&object);
+                state.objects.entry(key.clone()).or_default().object = Some(object);
+                vec![key]
+            }
+            Ok(WatchEvent::Delete(object)) => {
+                let key = key_of(&object);
+                if let Some(known) = state.objects.get_mut(&key) {
+                    known.object = None;
+                }
+                vec![key]
+            }
+        };
+        Some(keys)
+    }
+
+    /// Follows an event of the Secrets' watch: the keys whose credentials may have changed,
+    /// or `None`.
+    fn secret_event(
+        &self,
+        state: &mut State,
+        event: watcher::Result<WatchEvent<Secret>>,
+    ) -> Option<Vec<String>> {
+        let keys = match event {
+            Err(error) => {
+                tracing::warn!(error = %crate::client::Shown(&error), "watching the Secrets of {}s failed; retrying", K::WHAT);
+                return None;
+            }
+            Ok(WatchEvent::Init) => {
+                state.listing_secrets = Some(BTreeSet::new());
+                return None;
+            }
+            Ok(WatchEvent::InitDone) => {
+                let listed = state.listing_secrets.take().unwrap_or_default();
+                state.secrets.by_key.retain(|key, _| listed.contains(key));
+                state.unread.retain(|key| listed.contains(key));
+                state.secrets_listed = true;
+                state.objects.keys().cloned().collect()
+            }
+            Ok(WatchEvent::InitApply(secret)) => {
+                // Looked at all together when the listing is complete.
+                let key = (secret.namespace().unwrap_or_default(), secret.name_any());
+                if let Some(listing) = &mut state.listing_secrets {
+                    listing.insert(key);
+                }
+                state.take_secret(secret, self.kind.as_ref());
+                return None;
+            }
+            Ok(WatchEvent::Apply(secret)) => {
+                let namespace = state.take_secret(secret, self.kind.as_ref());
+                in_namespace(&state.objects, &namespace)
+            }
+            Ok(WatchEvent::Delete(secret)) => {
+                let namespace = secret.namespace().unwrap_or_default();
+                let key = (namespace.clone(), secret.name_any());
+                state.secrets.by_key.remove(&key);
+                state.unread.remove(&key);
+                in_namespace(&state.objects, &namespace)
+            }
+        };
+        Some(keys)
+    }
+
+    /// Reads the Secrets objects name that were seen but not kept.
+    async fn read_named(&self, state: &mut State) {
+        for (namespace, name) in state.settle_named(self.kind.as_ref()) {
+            // An object names a Secret seen but not kept: read it now.
+            let api: Api<Secret> = Api::namespaced(self.host.clone(), &namespace);
+            match api.get_opt(&name).await {
+                Ok(Some(secret)) if self.kind.reads_secret(&secret) => {
+                    state.take_secret(secret, self.kind.as_ref());
+                }
+                Ok(_) => {
+                    state.unread.remove(&(namespace, name));
+                }
+                Err(error) => {
+                    tracing::warn!(%namespace, secret = %name, error = %crate::client::Shown(&error), "reading a Secret {}s name failed; read again with its next change", K::WHAT);
+                }
+            }
+        }
+    }
+
+    async fn run(
+        &self,
+        fleet: Fleet<ClusterName>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProviderError> {
+        let Some(resource) = self.kind_served(&shutdown).await else {
+            return Ok(());
         };
         tracing::info!(group = K::GROUP, kind = K::KIND, version = %resource.version, "watching {}s", K::WHAT);
         let recorder = Recorder::new(self.host.clone(), Reporter::from(K::REPORTER));
@@ -627,96 +747,20 @@ impl<K: HubKind> Engine<K> {
                 }
                 event = objects.next() => match event {
                     None => return Ok(()),
-                    Some(Err(error)) => {
-                        tracing::warn!(error = %crate::client::Shown(&error), "watching {}s failed; retrying", K::WHAT);
-                        continue;
-                    }
-                    Some(Ok(WatchEvent::Init)) => {
-                        state.listing_objects = Some(BTreeSet::new());
-                        continue;
-                    }
-                    Some(Ok(WatchEvent::InitDone)) => {
-                        let listed = state.listing_objects.take().unwrap_or_default();
-                        state.objects.iter_mut()
-                            .filter(|(key, _)| !listed.contains(key.as_str()))
-                            .for_each(|(_, known)| known.object = None);
-                        state.objects.keys().cloned().collect()
-                    }
-                    Some(Ok(WatchEvent::InitApply(object))) => {
-                        let key = key_of(&object);
-                        if let Some(listing) = &mut state.listing_objects {
-                            listing.insert(key.clone());
-                        }
-                        state.objects.entry(key.clone()).or_default().object = Some(object);
-                        vec![key]
-                    }
-                    Some(Ok(WatchEvent::Apply(object))) => {
-                        let key = key_of(&object);
-                        state.objects.entry(key.clone()).or_default().object = Some(object);
-                        vec![key]
-                    }
-                    Some(Ok(WatchEvent::Delete(object))) => {
-                        let key = key_of(&object);
-                        if let Some(known) = state.objects.get_mut(&key) {
-                            known.object = None;
-                        }
-                        vec![key]
-                    }
+                    Some(event) => match Self::object_event(&mut state, event) {
+                        Some(keys) => keys,
+                        None => continue,
+                    },
                 },
                 event = secrets.next() => match event {
                     None => return Ok(()),
-                    Some(Err(error)) => {
-                        tracing::warn!(error = %crate::client::Shown(&error), "watching the Secrets of {}s failed; retrying", K::WHAT);
-                        continue;
-                    }
-                    Some(Ok(WatchEvent::Init)) => {
-                        state.listing_secrets = Some(BTreeSet::new());
-                        continue;
-                    }
-                    Some(Ok(WatchEvent::InitDone)) => {
-                        let listed = state.listing_secrets.take().unwrap_or_default();
-                        state.secrets.by_key.retain(|key, _| listed.contains(key));
-                        state.unread.retain(|key| listed.contains(key));
-                        state.secrets_listed = true;
-                        state.objects.keys().cloned().collect()
-                    }
-                    Some(Ok(WatchEvent::InitApply(secret))) => {
-                        // Looked at all together when the listing is complete.
-                        let key = (secret.namespace().unwrap_or_default(), secret.name_any());
-                        if let Some(listing) = &mut state.listing_secrets {
-                            listing.insert(key);
-                        }
-                        state.take_secret(secret, self.kind.as_ref());
-                        continue;
-                    }
-                    Some(Ok(WatchEvent::Apply(secret))) => {
-                        let namespace = state.take_secret(secret, self.kind.as_ref());
-                        in_namespace(&state.objects, &namespace)
-                    }
-                    Some(Ok(WatchEvent::Delete(secret))) => {
-                        let namespace = secret.namespace().unwrap_or_default();
-                        let key = (namespace.clone(), secret.name_any());
-                        state.secrets.by_key.remove(&key);
-                        state.unread.remove(&key);
-                        in_namespace(&state.objects, &namespace)
-                    }
+                    Some(event) => match self.secret_event(&mut state, event) {
+                        Some(keys) => keys,
+                        None => continue,
+                    },
                 },
             };
-            for (namespace, name) in state.settle_named(self.kind.as_ref()) {
-                // An object names a Secret seen but not kept: read it now.
-                let api: Api<Secret> = Api::namespaced(self.host.clone(), &namespace);
-                match api.get_opt(&name).await {
-                    Ok(Some(secret)) if self.kind.reads_secret(&secret) => {
-                        state.take_secret(secret, self.kind.as_ref());
-                    }
-                    Ok(_) => {
-                        state.unread.remove(&(namespace, name));
-                    }
-                    Err(error) => {
-                        tracing::warn!(%namespace, secret = %name, error = %crate::client::Shown(&error), "reading a Secret {}s name failed; read again with its next change", K::WHAT);
-                    }
-                }
-            }
+            self.read_named(&mut state).await;
             for key in changed {
                 match self.step(&mut state, &key) {
                     Step::Nothing => {}
