@@ -548,26 +548,11 @@ impl AccessProviders {
         self.providers.iter().map(|p| p.name.as_str())
     }
 
-    /// The kubeconfig that reaches the cluster of `profile`: its access entries by name
-    /// (credentialProviders, then accessProviders over them), the first of the operator's
-    /// providers the profile lists, that provider's plugin with what the policies let the
-    /// profile add. Returns the provider's name with the kubeconfig.
-    pub(crate) fn kubeconfig_for(
+    /// The first of the operator's providers that the profile lists.
+    fn chosen(
         &self,
-        profile: &DynamicObject,
-    ) -> Result<(String, Kubeconfig), String> {
-        let mut entries: BTreeMap<String, &serde_json::Value> = BTreeMap::new();
-        for list in ["credentialProviders", "accessProviders"] {
-            for entry in field(profile, &["status", list])
-                .and_then(|l| l.as_array())
-                .into_iter()
-                .flatten()
-            {
-                if let Some(name) = entry.get("name").and_then(|n| n.as_str()) {
-                    entries.insert(name.to_string(), entry);
-                }
-            }
-        }
+        entries: &BTreeMap<String, &serde_json::Value>,
+    ) -> Result<&AccessProvider, String> {
         let Some(provider) = self
             .providers
             .iter()
@@ -585,52 +570,18 @@ impl AccessProviders {
                 configured.join(", ")
             ));
         };
-        let name = &provider.name;
-        let exec = provider
-            .exec
-            .as_ref()
-            .ok_or_else(|| format!("access provider {name:?} has no execConfig"))?;
-        let written: kube::config::Cluster = entries[name]
-            .get("cluster")
-            .cloned()
-            .map(serde_json::from_value)
-            .transpose()
-            .map_err(|e| format!("access provider {name:?}: the cluster is not valid: {e}"))?
-            .ok_or_else(|| format!("access provider {name:?} has no cluster"))?;
-        let server = written.server.clone().unwrap_or_default();
-        if server.is_empty() {
-            return Err(format!(
-                "access provider {name:?}: the cluster has no server"
-            ));
-        }
-        if let Some(allowed) = &provider.allowed_servers {
-            if !allowed.iter().any(|pattern| pattern.matches(&server)) {
-                return Err(format!(
-                    "access provider {name:?}: the server {server} is not one this controller allows for it"
-                ));
-            }
-            // A proxy of the profile's choosing would see (or answer) the allowed server's
-            // traffic: where servers are pinned, so are the routes to them.
-            if written.proxy_url.as_deref().is_some_and(|p| !p.is_empty()) {
-                return Err(format!(
-                    "access provider {name:?}: the profile names a proxy-url, which a provider with allowedServers does not take"
-                ));
-            }
-        }
-        let extension = |wanted: &str| {
-            written
-                .extensions
-                .iter()
-                .flatten()
-                .find(|e| e.name == wanted)
-                .map(|e| e.extension.clone())
-        };
+        Ok(provider)
+    }
+
+    /// The cluster a kubeconfig may say of its cluster, as upstream's pkg/access takes it
+    /// from what the profile wrote.
+    fn cluster_of(&self, written: &kube::config::Cluster) -> kube::config::Cluster {
         // What the profile may say of its cluster, as upstream's pkg/access takes it: the
         // server, its CA's data, a proxy, and the plugin's configuration. A path on the
         // controller's machine (certificate-authority) is not the profile's to name; turning
         // verification off or trusting another name is the operator's choice to allow.
         let mut cluster = kube::config::Cluster {
-            server: Some(server),
+            server: written.server.clone(),
             certificate_authority_data: written.certificate_authority_data.clone(),
             proxy_url: written.proxy_url.clone(),
             extensions: written.extensions.as_ref().map(|all| {
@@ -646,7 +597,34 @@ impl AccessProviders {
             cluster.tls_server_name = written.tls_server_name.clone();
             cluster.disable_compression = written.disable_compression;
         }
+        cluster
+    }
 
+    /// The kubeconfig that reaches the cluster of `profile`: its access entries by name
+    /// (credentialProviders, then accessProviders over them), the first of the operator's
+    /// providers the profile lists, that provider's plugin with what the policies let the
+    /// profile add. Returns the provider's name with the kubeconfig.
+    pub(crate) fn kubeconfig_for(
+        &self,
+        profile: &DynamicObject,
+    ) -> Result<(String, Kubeconfig), String> {
+        let entries = access_entries(profile);
+        let provider = self.chosen(&entries)?;
+        let name = &provider.name;
+        let exec = provider
+            .exec
+            .as_ref()
+            .ok_or_else(|| format!("access provider {name:?} has no execConfig"))?;
+        let written = provider.written_cluster(entries[name])?;
+        let extension = |wanted: &str| {
+            written
+                .extensions
+                .iter()
+                .flatten()
+                .find(|e| e.name == wanted)
+                .map(|e| e.extension.clone())
+        };
+        let cluster = self.cluster_of(&written);
         let mut args = exec.args.clone().unwrap_or_default();
         if let Some(extra) = extension(ARGS_EXTENSION)
             && provider.args_policy == ArgsPolicy::Append
@@ -656,13 +634,109 @@ impl AccessProviders {
             })?;
             args.extend(extra);
         }
+        let env = provider.env_with(exec, extension(ENVS_EXTENSION))?;
+        let drop_env = not_inherited(&env, provider.inherit_env.as_deref());
+        let exec = ExecConfig {
+            api_version: Some(
+                exec.api_version
+                    .clone()
+                    .unwrap_or_else(|| "client.authentication.k8s.io/v1".into()),
+            ),
+            command: Some(exec.command.clone()),
+            args: Some(args),
+            env: Some(
+                env.into_iter()
+                    .map(|(name, value)| {
+                        HashMap::from([("name".to_string(), name), ("value".to_string(), value)])
+                    })
+                    .collect(),
+            ),
+            drop_env: Some(drop_env),
+            install_hint: None,
+            interactive_mode: Some(ExecInteractiveMode::Never),
+            provide_cluster_info: exec.provide_cluster_info,
+            cluster: None,
+            other: Default::default(),
+        };
+        let kubeconfig = kubeconfig_of(
+            cluster,
+            AuthInfo {
+                exec: Some(exec),
+                ..Default::default()
+            },
+        );
+        Ok((name.clone(), kubeconfig))
+    }
+}
+
+/// A profile's access entries by name: its credentialProviders, then its accessProviders
+/// over them.
+fn access_entries(profile: &DynamicObject) -> BTreeMap<String, &serde_json::Value> {
+    let mut entries: BTreeMap<String, &serde_json::Value> = BTreeMap::new();
+    for list in ["credentialProviders", "accessProviders"] {
+        for entry in field(profile, &["status", list])
+            .and_then(|l| l.as_array())
+            .into_iter()
+            .flatten()
+        {
+            if let Some(name) = entry.get("name").and_then(|n| n.as_str()) {
+                entries.insert(name.to_string(), entry);
+            }
+        }
+    }
+    entries
+}
+
+impl AccessProvider {
+    /// The cluster the profile's entry for this provider writes, checked: it has a server,
+    /// one this provider allows, and no proxy where servers are pinned.
+    fn written_cluster(&self, entry: &serde_json::Value) -> Result<kube::config::Cluster, String> {
+        let name = &self.name;
+        let written: kube::config::Cluster = entry
+            .get("cluster")
+            .cloned()
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| format!("access provider {name:?}: the cluster is not valid: {e}"))?
+            .ok_or_else(|| format!("access provider {name:?} has no cluster"))?;
+        let server = written.server.clone().unwrap_or_default();
+        if server.is_empty() {
+            return Err(format!(
+                "access provider {name:?}: the cluster has no server"
+            ));
+        }
+        if let Some(allowed) = &self.allowed_servers {
+            if !allowed.iter().any(|pattern| pattern.matches(&server)) {
+                return Err(format!(
+                    "access provider {name:?}: the server {server} is not one this controller allows for it"
+                ));
+            }
+            // A proxy of the profile's choosing would see (or answer) the allowed server's
+            // traffic: where servers are pinned, so are the routes to them.
+            if written.proxy_url.as_deref().is_some_and(|p| !p.is_empty()) {
+                return Err(format!(
+                    "access provider {name:?}: the profile names a proxy-url, which a provider with allowedServers does not take"
+                ));
+            }
+        }
+        Ok(written)
+    }
+
+    /// The plugin's environment: the provider's own, with what the profile's extension adds
+    /// as the provider's policy lets it.
+    fn env_with(
+        &self,
+        exec: &ExecSpec,
+        extra: Option<serde_json::Value>,
+    ) -> Result<Vec<(String, String)>, String> {
+        let (name, provider) = (&self.name, self);
         let mut env: Vec<(String, String)> = exec
             .env
             .iter()
             .flatten()
             .map(|v| (v.name.clone(), v.value.clone()))
             .collect();
-        if let Some(extra) = extension(ENVS_EXTENSION)
+        if let Some(extra) = extra
             && provider.envs_policy != EnvsPolicy::Ignore
         {
             let extra: BTreeMap<String, String> = serde_json::from_value(extra).map_err(|_| {
@@ -699,37 +773,7 @@ impl AccessProviders {
                 }
             }
         }
-        let drop_env = not_inherited(&env, provider.inherit_env.as_deref());
-        let exec = ExecConfig {
-            api_version: Some(
-                exec.api_version
-                    .clone()
-                    .unwrap_or_else(|| "client.authentication.k8s.io/v1".into()),
-            ),
-            command: Some(exec.command.clone()),
-            args: Some(args),
-            env: Some(
-                env.into_iter()
-                    .map(|(name, value)| {
-                        HashMap::from([("name".to_string(), name), ("value".to_string(), value)])
-                    })
-                    .collect(),
-            ),
-            drop_env: Some(drop_env),
-            install_hint: None,
-            interactive_mode: Some(ExecInteractiveMode::Never),
-            provide_cluster_info: exec.provide_cluster_info,
-            cluster: None,
-            other: Default::default(),
-        };
-        let kubeconfig = kubeconfig_of(
-            cluster,
-            AuthInfo {
-                exec: Some(exec),
-                ..Default::default()
-            },
-        );
-        Ok((name.clone(), kubeconfig))
+        Ok(env)
     }
 }
 
