@@ -417,75 +417,51 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     }
 
     /// Ends a reconcile that has run for `timeout` (controller-runtime's
-    /// `ReconciliationTimeout`), so that a call that hangs cannot hold a slot for ever. At
-    /// the timeout its [`Context`] is cancelled ([`Context::cancelled`] completes,
-    /// [`Context::deadline`] says when): a reconcile that returns then is handled as any
-    /// other (its error goes to the error policy) and counted in
-    /// `controller_runtime_reconcile_timeouts_total`, as controller-runtime cancels its
-    /// context. One still running a second later is dropped: it counts as an error
-    /// (`controller_runtime_reconcile_errors_total` and the timeouts), [`Builder::on_result`]
-    /// sees [`Failure::Timeout`](crate::Failure::Timeout), and the object is retried after
-    /// its own backoff ([`Action::backoff`]); the error policy is not called then, as there is
-    /// no error of its type to hand it. Off by default, as in controller-runtime.
+    /// `ReconciliationTimeout`): its [`Context`] is cancelled at the deadline, and one still
+    /// running a second later is dropped, counted as an error and retried after the object's
+    /// [`Action::backoff`] (the error policy is not called then). Off by default. The
+    /// details, with the metrics and [`Failure::Timeout`](crate::Failure::Timeout): the
+    /// book's *Reconcile* chapter (`docs/concepts/reconcile.md`, "Errors and panics").
     pub fn reconcile_timeout(mut self, timeout: Duration) -> Self {
         self.spec.reconcile_timeout = Some(timeout);
         self
     }
 
-    /// Reconciles every object in the controller's caches again about every `period`
-    /// (controller-runtime's `SyncPeriod`): each period is drawn within ±10 % of it, per
-    /// cluster. Default [`DEFAULT_RESYNC`](crate::DEFAULT_RESYNC), 10 hours, as
-    /// controller-runtime's; `None` turns it off (kube-runtime has none). A resync reads the
-    /// cache: nothing is listed again while the watch is healthy. Its requests wait behind
-    /// live changes ([`Builder::changes_first`]), and they are not filtered by the
-    /// [`Builder::predicate`] (controller-runtime's `GenerationChangedPredicate` would drop
-    /// them, which defeats a resync). A reconcile that wants its own period asks for it with
-    /// [`Action::requeue`].
+    /// Reconciles every cached object again about every `period` (controller-runtime's
+    /// `SyncPeriod`, each period within ±10 %, per cluster), read from the cache; `None`
+    /// turns it off. Default [`DEFAULT_RESYNC`](crate::DEFAULT_RESYNC), 10 hours. Resync
+    /// requests wait behind live changes and pass the [`Builder::predicate`] unfiltered
+    /// (`docs/concepts/reconcile.md`, "What starts a reconcile").
     pub fn resync_every(mut self, period: Option<Duration>) -> Self {
         self.spec.resync = period.filter(|p| !p.is_zero());
         self
     }
 
     /// Warm standby (controller-runtime's `EnableWarmup`): with leader election, a replica
-    /// that is not leading starts this controller's caches (its kind and those of `owns` and
-    /// `watches`) in every cluster it would follow and keeps them listed, without
-    /// reconciling, so that when it takes the Lease it reconciles from them at once rather
-    /// than listing every cluster first. Off by default, as in controller-runtime: followers
-    /// then hold the caches a leader holds (memory, and a watch per kind and cluster on each
-    /// API server). Without leader election it changes nothing. In single mode a warm
-    /// controller runs on the fleet queue rather than as kube-runtime's `Controller` (which
-    /// cannot watch before it reconciles). A sharded manager's replicas warm only the
-    /// clusters they own.
+    /// that is not leading keeps this controller's caches listed in every cluster it would
+    /// follow, without reconciling, so that it reconciles at once when it takes the Lease.
+    /// Off by default; without leader election it changes nothing. Its costs and its effect
+    /// on single mode: `docs/concepts/reconcile.md`, "Warm standby".
     pub fn warm_standby(mut self, on: bool) -> Self {
         self.spec.warm = on;
         self
     }
 
-    /// Whether objects that come from a listing without news wait behind live changes: on
-    /// by default (controller-runtime's priority queue, on by default since v0.23, with its
-    /// low priority for unchanged objects). Those are the objects of a cluster's first
-    /// listing, of a relist that found them at the resourceVersion the cache held, and of a
-    /// periodic resync ([`Builder::resync_every`]), and the requests their related objects
-    /// (`owns`, `watches`) map to in the same cases. A reconcile that asks to run again keeps
-    /// the place it had. With a concurrency limit ([`Builder::concurrency`]), a change made
-    /// while a cluster of 10,000 objects is being listed and reconciled then waits for the
-    /// reconciles already running, not for the listing; clusters still take turns within
-    /// each of the two lanes. So that a steady stream of changes cannot hold a listing back
-    /// for ever, one listed object starts after every 16 changes while both wait
-    /// (controller-runtime's queue has no such share). `false`: one lane, in arrival order.
+    /// Whether objects that come from a listing or a resync without news wait behind live
+    /// changes (controller-runtime's priority queue): on by default. One listed object still
+    /// starts after every 16 changes while both wait; `false` keeps one lane, in arrival
+    /// order. Which objects count as listed, and how the lanes meet the concurrency limit:
+    /// `docs/concepts/reconcile.md`, "Live changes first".
     pub fn changes_first(mut self, on: bool) -> Self {
         self.spec.changes_first = on;
         self
     }
 
     /// On a sharded manager ([`Manager::sharding`](crate::Manager::sharding)), runs this
-    /// controller only on the replica holding the manager's leader election Lease
-    /// ([`Manager::leader_election`](crate::Manager::leader_election)) rather than on every
-    /// replica: for work done once for the whole group, such as a report of the fleet or
-    /// reconciling objects of the local cluster. Its fleet is still that replica's share; it
-    /// reaches the other clusters through [`FleetView::discovered`](crate::FleetView::discovered).
-    /// Without sharding every controller runs on the leader (when there is leader election),
-    /// and this changes nothing.
+    /// controller only on the replica holding the leader election Lease, for work done once
+    /// for the whole group; its fleet is still that replica's share
+    /// ([`FleetView::discovered`](crate::FleetView::discovered) reaches the rest). Without
+    /// sharding it changes nothing (`docs/sharding.md`).
     pub fn leader_only(mut self) -> Self {
         self.spec.leader_only = true;
         self
