@@ -501,10 +501,10 @@ impl ServerReading {
 /// 6. Decoding without managed fields (`cluster::trim`): whatever decodes as a ConfigMap or a
 ///    `DynamicObject` decodes trimmed to the same object without its managed fields; whatever
 ///    fails trimmed fails whole too (skipping `managedFields` accepts any JSON value there, so
-///    the converse need not hold). Decoded into an `Arc` (`TrimmedShared`, as the fleet's
+///    the converse need not hold). Decoded into an `Arc` (`InArc<Trimmed<K>>`, as the fleet's
 ///    caches decode), it is the same object, and fails where the trimmed decoding fails.
 pub fn object_decoding(data: &[u8]) {
-    use crate::cache::trim::{Trimmed, TrimmedShared};
+    use crate::cache::trim::{InArc, Trimmed};
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::Resource;
     use kube::api::DynamicObject;
@@ -512,7 +512,7 @@ pub fn object_decoding(data: &[u8]) {
     fn check<K: Resource + serde::de::DeserializeOwned + std::fmt::Debug>(text: &str) {
         let whole = serde_json::from_str::<K>(text);
         let trimmed = serde_json::from_str::<Trimmed<K>>(text);
-        let shared = serde_json::from_str::<TrimmedShared<K>>(text);
+        let shared = serde_json::from_str::<InArc<Trimmed<K>>>(text);
         match (&trimmed, shared) {
             (Ok(trimmed), Ok(shared)) => {
                 assert_eq!(

@@ -25,10 +25,7 @@ use super::backoff::{Retrying, WatchBackoff};
 use super::map_event::map_event;
 use super::namespaces::{NamespaceSet, merged};
 use super::transform::{self, Transform};
-use super::trim::{
-    Trimmed, TrimmedShared, Whole, WholeShared, untrimmed, untrimmed_shared, unwrapped,
-    unwrapped_shared,
-};
+use super::trim::{InArc, Trimmed, Whole, decoded};
 use super::watchable::Watchable;
 use super::wire::{self, Watched};
 use crate::client::requester::Requester;
@@ -104,7 +101,7 @@ pub(crate) fn watch<K: Watchable>(
 }
 
 /// [`watch`], each object in an [`Arc`] from the moment it is decoded
-/// ([`TrimmedShared`]), for the fleet's caches, which share them.
+/// ([`InArc`]), for the fleet's caches, which share them.
 fn watch_shared<K: Watchable>(
     target: Target<K>,
     config: watcher::Config,
@@ -200,7 +197,7 @@ pub(crate) fn scoped<K: Watchable>(
 }
 
 /// The fleet's caches' watch of `target` in each of `namespaces` (all if `None`): each
-/// object in an [`Arc`] from the moment it is decoded ([`TrimmedShared`]) and transformed
+/// object in an [`Arc`] from the moment it is decoded ([`InArc`]) and transformed
 /// there, every namespace's watch retried after its own failures, merged when there are
 /// several.
 pub(crate) fn shared<K: Watchable>(
@@ -230,10 +227,10 @@ fn open<K: Watchable>(
 ) -> impl Stream<Item = watcher::Result<Event<K>>> + Send + use<K> {
     if trim {
         let watched = target.watched::<Trimmed<K>>();
-        Either::Left(wire::watcher(watched, config).map_ok(untrimmed as fn(_) -> _))
+        Either::Left(wire::watcher(watched, config).map_ok(decoded as fn(_) -> _))
     } else {
         let watched = target.watched::<Whole<K>>();
-        Either::Right(wire::watcher(watched, config).map_ok(unwrapped as fn(_) -> _))
+        Either::Right(wire::watcher(watched, config).map_ok(decoded as fn(_) -> _))
     }
 }
 
@@ -244,11 +241,11 @@ fn open_shared<K: Watchable>(
     trim: bool,
 ) -> impl Stream<Item = watcher::Result<Event<Arc<K>>>> + Send + use<K> {
     if trim {
-        let watched = target.watched::<TrimmedShared<K>>();
-        Either::Left(wire::watcher(watched, config).map_ok(untrimmed_shared as fn(_) -> _))
+        let watched = target.watched::<InArc<Trimmed<K>>>();
+        Either::Left(wire::watcher(watched, config).map_ok(decoded as fn(_) -> _))
     } else {
-        let watched = target.watched::<WholeShared<K>>();
-        Either::Right(wire::watcher(watched, config).map_ok(unwrapped_shared as fn(_) -> _))
+        let watched = target.watched::<InArc<Whole<K>>>();
+        Either::Right(wire::watcher(watched, config).map_ok(decoded as fn(_) -> _))
     }
 }
 

@@ -31,71 +31,105 @@ pub(crate) struct Trimmed<K>(pub(crate) K);
 #[derive(Clone, Debug)]
 pub(crate) struct Whole<K>(pub(crate) K);
 
-/// [`Trimmed`], held in an [`Arc`] from the moment it is decoded: the watcher's layers and
-/// the cache move a pointer, not the object (a `ConfigMap` is about 400 bytes, moved some ten
-/// times between the decoder and the cache).
+/// A decoder's object, held in an [`Arc`] from the moment it is decoded: the watcher's
+/// layers and the cache move a pointer, not the object (a `ConfigMap` is about 400 bytes,
+/// moved some ten times between the decoder and the cache).
 #[derive(Clone, Debug)]
-pub(crate) struct TrimmedShared<K>(pub(crate) Arc<K>);
+pub(crate) struct InArc<W: Decoder>(pub(crate) Arc<W::Object>);
 
-/// [`Whole`], held in an [`Arc`] from the moment it is decoded (see [`TrimmedShared`]).
-#[derive(Clone, Debug)]
-pub(crate) struct WholeShared<K>(pub(crate) Arc<K>);
+/// How a watched object is decoded ([`Trimmed`], [`Whole`], either [`InArc`]), and the
+/// object it yields.
+pub(crate) trait Decoder {
+    /// What the watch hands on.
+    type Object;
+    /// The object, out of its decoder.
+    fn into_object(self) -> Self::Object;
+}
 
-/// `Resource` for a wrapper of `K`: the same kind and paths, a scope that allows a namespace.
+impl<K> Decoder for Trimmed<K> {
+    type Object = K;
+    fn into_object(self) -> K {
+        self.0
+    }
+}
+
+impl<K> Decoder for Whole<K> {
+    type Object = K;
+    fn into_object(self) -> K {
+        self.0
+    }
+}
+
+impl<W: Decoder> Decoder for InArc<W> {
+    type Object = Arc<W::Object>;
+    fn into_object(self) -> Arc<W::Object> {
+        self.0
+    }
+}
+
+/// The event of the object an event of a decoder is.
+pub(crate) fn decoded<W: Decoder>(event: Event<W>) -> Event<W::Object> {
+    map_event(event, W::into_object)
+}
+
+/// `Resource` for a decoder of `$inner`: the same kind and paths, a scope that allows a
+/// namespace.
 macro_rules! wire_resource {
-    ($wrapper:ident) => {
-        wire_resource!($wrapper, this => this.0.meta_mut());
-    };
-    ($wrapper:ident, $this:ident => $meta_mut:expr) => {
-        impl<K: Resource + Clone> Resource for $wrapper<K> {
-            type DynamicType = K::DynamicType;
+    ([$($generics:tt)*] $decoder:ty, $inner:ty, $this:ident => $meta:expr, $this_mut:ident => $meta_mut:expr) => {
+        impl<$($generics)*> Resource for $decoder {
+            type DynamicType = <$inner as Resource>::DynamicType;
             type Scope = kube::core::DynamicResourceScope;
 
             fn kind(dt: &Self::DynamicType) -> Cow<'_, str> {
-                K::kind(dt)
+                <$inner>::kind(dt)
             }
 
             fn group(dt: &Self::DynamicType) -> Cow<'_, str> {
-                K::group(dt)
+                <$inner>::group(dt)
             }
 
             fn version(dt: &Self::DynamicType) -> Cow<'_, str> {
-                K::version(dt)
+                <$inner>::version(dt)
             }
 
             fn api_version(dt: &Self::DynamicType) -> Cow<'_, str> {
-                K::api_version(dt)
+                <$inner>::api_version(dt)
             }
 
             fn plural(dt: &Self::DynamicType) -> Cow<'_, str> {
-                K::plural(dt)
+                <$inner>::plural(dt)
             }
 
             fn metadata_api() -> bool {
-                K::metadata_api()
+                <$inner>::metadata_api()
             }
 
             fn url_path(dt: &Self::DynamicType, namespace: Option<&str>) -> String {
-                K::url_path(dt, namespace)
+                <$inner>::url_path(dt, namespace)
             }
 
             fn meta(&self) -> &ObjectMeta {
-                self.0.meta()
+                let $this = self;
+                $meta
             }
 
             fn meta_mut(&mut self) -> &mut ObjectMeta {
-                let $this = self;
+                let $this_mut = self;
                 $meta_mut
             }
         }
     };
 }
 
-wire_resource!(Trimmed);
-wire_resource!(Whole);
+wire_resource!([K: Resource + Clone] Trimmed<K>, K, this => this.0.meta(), this => this.0.meta_mut());
+wire_resource!([K: Resource + Clone] Whole<K>, K, this => this.0.meta(), this => this.0.meta_mut());
 // A decoded object's Arc is its only one: `make_mut` clones nothing.
-wire_resource!(TrimmedShared, this => Arc::make_mut(&mut this.0).meta_mut());
-wire_resource!(WholeShared, this => Arc::make_mut(&mut this.0).meta_mut());
+wire_resource!(
+    [W: Decoder<Object: Resource + Clone>] InArc<W>,
+    W::Object,
+    this => this.0.meta(),
+    this => Arc::make_mut(&mut this.0).meta_mut()
+);
 
 impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Trimmed<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -109,36 +143,10 @@ impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for Whole<K> {
     }
 }
 
-impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for TrimmedShared<K> {
+impl<'de, W: Decoder + de::Deserialize<'de>> de::Deserialize<'de> for InArc<W> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        K::deserialize(Object(deserializer)).map(|k| TrimmedShared(Arc::new(k)))
+        W::deserialize(deserializer).map(|w| InArc(Arc::new(w.into_object())))
     }
-}
-
-impl<'de, K: de::Deserialize<'de>> de::Deserialize<'de> for WholeShared<K> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        K::deserialize(deserializer).map(|k| WholeShared(Arc::new(k)))
-    }
-}
-
-/// The event of `Arc<K>` an event of `TrimmedShared<K>` is.
-pub(crate) fn untrimmed_shared<K>(event: Event<TrimmedShared<K>>) -> Event<Arc<K>> {
-    map_event(event, |o| o.0)
-}
-
-/// The event of `Arc<K>` an event of `WholeShared<K>` is.
-pub(crate) fn unwrapped_shared<K>(event: Event<WholeShared<K>>) -> Event<Arc<K>> {
-    map_event(event, |o| o.0)
-}
-
-/// The event of `K` an event of `Trimmed<K>` is.
-pub(crate) fn untrimmed<K>(event: Event<Trimmed<K>>) -> Event<K> {
-    map_event(event, |o| o.0)
-}
-
-/// The event of `K` an event of `Whole<K>` is.
-pub(crate) fn unwrapped<K>(event: Event<Whole<K>>) -> Event<K> {
-    map_event(event, |o| o.0)
 }
 
 /// A map key as the input has it.
