@@ -156,10 +156,11 @@ impl Provider for Directory {
 }
 
 impl Directory {
-    /// The cluster a kubeconfig describes, built on a blocking thread (reading the files it
-    /// names, running its exec credential plugin) and bounded in time; a build that does not
-    /// finish is left in `stuck`. The error is in words of its own: the parsers' messages can
-    /// quote the file, and a kubeconfig holds credentials.
+    /// The cluster a kubeconfig describes: parsed on a blocking thread (reading the files it
+    /// names), then with its exec credential plugin's first credentials in (the crate runs
+    /// the plugin as a child process, killed after 30 s), all bounded in time; a build that
+    /// does not finish is left in `stuck`. The error is in words of its own: the parsers'
+    /// messages can quote the file, and a kubeconfig holds credentials.
     async fn build(
         &self,
         name: &ClusterName,
@@ -168,7 +169,7 @@ impl Directory {
     ) -> Result<Cluster<ClusterName>, &'static str> {
         let (id, content) = (name.clone(), content.to_vec());
         let runtime = tokio::runtime::Handle::current();
-        let mut build = tokio::task::spawn_blocking(move || {
+        let parse = move || {
             let text = std::str::from_utf8(&content).map_err(|_| "not UTF-8")?;
             let kubeconfig =
                 Kubeconfig::from_yaml(text).map_err(|_| "not a kubeconfig (cut short?)")?;
@@ -183,6 +184,18 @@ impl Directory {
                 .map_err(|_| "no usable current context (cut short?)")?;
             // The crate's client errors hold no plugin output; still, a fixed phrase is enough.
             Cluster::from_config(id, config).map_err(|_| "its credentials do not give a client")
+        };
+        let mut build = tokio::spawn(async move {
+            let cluster = tokio::task::spawn_blocking(parse)
+                .await
+                .map_err(|_| "building its client panicked")??;
+            // A cluster whose plugin fails or hangs is not engaged: its every request would
+            // fail or wait.
+            cluster
+                .credentials_ready()
+                .await
+                .map_err(|_| "its credential plugin gave no credentials")?;
+            Ok(cluster)
         });
         match tokio::time::timeout(self.build_timeout, &mut build).await {
             Ok(Ok(built)) => built,
