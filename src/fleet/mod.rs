@@ -719,6 +719,12 @@ impl<C: ClusterId> Fleet<C> {
         }
     }
 
+    /// Whether the fleet is closed (between runs).
+    #[cfg(test)]
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state().closed
+    }
+
     /// [`Fleet::close`] without waiting (a run dropped before it returned): returns the
     /// engagements it ended.
     pub(crate) fn close_now(&self) -> Vec<Arc<Session>> {

@@ -2,13 +2,90 @@
 //! the renew deadline as the leader's tenure, and tell the run when leadership is won or lost.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
-use crate::lease::leader::{Attempt, Elector, OnLoss};
+use crate::lease::leader::{Attempt, Elector, LeaderElection, OnLoss};
 use crate::lease::tenure::Tenure;
+
+/// A run's leadership: its campaign for the lease (with leader election) and what the
+/// campaign tells the run.
+pub(super) struct Campaign {
+    pub(super) election: Option<LeaderElection>,
+    /// The lease as `namespace/name` (empty without an election), for logs and metrics.
+    pub(super) lease: String,
+    pub(super) events: mpsc::UnboundedReceiver<Leadership>,
+    /// Whether more events may come.
+    pub(super) listening: bool,
+    /// The campaign's task and the token that ends it.
+    task: Option<(AbortOnDropHandle<Elector>, CancellationToken)>,
+}
+
+impl Campaign {
+    /// Campaigns for `election`'s lease, publishing the leader's renew deadline in `tenure`;
+    /// without an election, leadership is won at once.
+    pub(super) fn start(election: Option<LeaderElection>, tenure: Arc<Tenure>) -> Self {
+        let (tx, events) = mpsc::unbounded_channel();
+        let task = match &election {
+            Some(election) => {
+                let stop = CancellationToken::new();
+                let task = AbortOnDropHandle::new(tokio::spawn(campaign(
+                    Elector::new(election.clone()),
+                    tx,
+                    stop.clone(),
+                    tenure,
+                )));
+                Some((task, stop))
+            }
+            None => {
+                let _ = tx.send(Leadership::Acquired);
+                None
+            }
+        };
+        let lease = election
+            .as_ref()
+            .map(|e| format!("{}/{}", e.namespace, e.name))
+            .unwrap_or_default();
+        Self {
+            election,
+            lease,
+            events,
+            listening: true,
+            task,
+        }
+    }
+
+    /// Ends the campaign, if it goes on; then gives the lease up (bounded) if `give_up` says
+    /// this replica holds it and the election's settings release it on shutdown.
+    pub(super) async fn end(&mut self, give_up: impl FnOnce() -> bool) {
+        let Some((task, stop)) = self.task.take() else {
+            return;
+        };
+        stop.cancel();
+        if let Ok(elector) = task.await
+            && give_up()
+            && elector.config().release_on_shutdown
+        {
+            release(elector, &self.lease).await;
+        }
+    }
+}
+
+/// Gives the lease up on the way out, bounded: if that fails, it expires on its own.
+async fn release(mut elector: Elector, lease: &str) {
+    match tokio::time::timeout(Duration::from_secs(5), elector.release()).await {
+        Ok(Ok(())) => tracing::info!(lease = %lease, "lease released"),
+        Ok(Err(error)) => {
+            tracing::warn!(lease = %lease, error = %crate::client::Shown(&error), "could not release the lease; it expires on its own");
+        }
+        Err(_) => {
+            tracing::warn!(lease = %lease, "releasing the lease timed out; it expires on its own")
+        }
+    }
+}
 
 /// What the campaign tells the run.
 pub(super) enum Leadership {
@@ -18,7 +95,7 @@ pub(super) enum Leadership {
 
 /// Campaigns for the lease and, once held, renews it, until `stop`; returns the elector (to
 /// release the lease with).
-pub(super) async fn campaign(
+async fn campaign(
     mut elector: Elector,
     events: mpsc::UnboundedSender<Leadership>,
     stop: CancellationToken,

@@ -6,7 +6,6 @@ mod signals;
 mod term;
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,18 +23,18 @@ use crate::provider::{Provider, ProviderError};
 use crate::serve::Endpoints;
 use crate::util::sync::lock;
 
-type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+use crate::run::component::{Component, Standby};
+pub(crate) use crate::run::component::{ControllerFactory, Task};
 
 /// What a running manager is told.
-enum Job {
+enum Job<C: crate::cluster::ClusterId> {
     /// A task from [`Manager::add`].
     Task(Task),
     /// A controller was added to the list: start it if controllers are running.
     Controller,
+    /// A component was added: start it.
+    Component(Arc<dyn Component<C>>),
 }
-
-/// What a run hands each controller it starts.
-pub(crate) type ControllerFactory<C> = Arc<dyn Fn(crate::run::Env<C>) -> Task + Send + Sync>;
 
 /// Runs a [`Provider`], holds the engaged clusters (its [`Fleet`]) and the optional local
 /// (host) cluster, and runs controllers until shutdown.
@@ -59,11 +58,13 @@ pub struct Manager<P: Provider> {
     /// Controllers from [`Builder::start`](crate::Builder::start), started in every run, and
     /// whether each is leader-only.
     controllers: Mutex<Vec<(ControllerFactory<P::Id>, bool)>>,
-    /// The warm standby of controllers that have it, started in every run with leader
-    /// election, on every replica.
-    warmers: Mutex<Vec<ControllerFactory<P::Id>>>,
-    /// While running, where new controllers and tasks are announced; otherwise `None`.
-    running: Mutex<Option<mpsc::UnboundedSender<Job>>>,
+    /// What runs beside the controllers for the whole of every run, on every replica: the
+    /// endpoints, the webhook server, the sharding coordinator, the warm standby of
+    /// controllers that have one (with leader election).
+    components: Mutex<Vec<Arc<dyn Component<P::Id>>>>,
+    /// While running, where new controllers, components and tasks are announced; otherwise
+    /// `None`.
+    running: Mutex<Option<mpsc::UnboundedSender<Job<P::Id>>>>,
     /// Controllers run only while this replica holds the lease, if set.
     leader_election: Option<LeaderElection>,
     /// Replicas split the fleet, if set.
@@ -80,13 +81,12 @@ pub struct Manager<P: Provider> {
     paged_lists: bool,
     /// A watch not listed within this long is reported.
     cache_sync_timeout: Duration,
-    endpoints: Option<Endpoints>,
     /// Where the endpoints are served in the current run.
-    served_at: Mutex<Option<std::net::SocketAddr>>,
+    served_at: Arc<Mutex<Option<std::net::SocketAddr>>>,
     /// The admission webhooks, if any.
     webhooks: Option<Arc<crate::webhook::install::Runtime<P::Id>>>,
     /// Where the webhooks are served in the current run, and their server's state.
-    webhooks_at: Mutex<Option<std::net::SocketAddr>>,
+    webhooks_at: Arc<Mutex<Option<std::net::SocketAddr>>>,
     /// While controllers may run (leading, or running without leader election), the token
     /// that ends their term.
     leading: tokio::sync::watch::Sender<Option<CancellationToken>>,
@@ -188,7 +188,7 @@ impl<P: Provider> Manager<P> {
             graceful_timeout: DEFAULT_GRACEFUL_TIMEOUT,
             backoff: WatchBackoff::default(),
             controllers: Mutex::new(Vec::new()),
-            warmers: Mutex::new(Vec::new()),
+            components: Mutex::new(Vec::new()),
             running: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             leader_election: None,
@@ -200,10 +200,9 @@ impl<P: Provider> Manager<P> {
             namespaces: Arc::default(),
             paged_lists: false,
             cache_sync_timeout: DEFAULT_CACHE_SYNC_TIMEOUT,
-            endpoints: None,
-            served_at: Mutex::new(None),
+            served_at: Arc::default(),
             webhooks: None,
-            webhooks_at: Mutex::new(None),
+            webhooks_at: Arc::default(),
             leading: tokio::sync::watch::Sender::new(None),
         }
     }
@@ -228,6 +227,10 @@ impl<P: Provider> Manager<P> {
     /// fleet provider (not `SingleProvider`).
     #[must_use]
     pub fn sharding(mut self, sharding: crate::shard::Sharding) -> Self {
+        self.register(Arc::new(crate::shard::ShardingComponent {
+            sharding: sharding.clone(),
+            status: self.shard_status.clone(),
+        }));
         self.sharding = Some(sharding);
         self
     }
@@ -374,7 +377,10 @@ impl<P: Provider> Manager<P> {
     /// leading or not); see [`Endpoints`].
     #[must_use]
     pub fn serve(mut self, endpoints: Endpoints) -> Self {
-        self.endpoints = Some(endpoints);
+        self.register(Arc::new(crate::serve::EndpointsComponent {
+            endpoints,
+            served_at: self.served_at.clone(),
+        }));
         self
     }
 
@@ -392,6 +398,10 @@ impl<P: Provider> Manager<P> {
             recorder: std::sync::OnceLock::new(),
         });
         self.webhooks = Some(runtime.clone());
+        self.register(Arc::new(crate::webhook::WebhookServer {
+            runtime: runtime.clone(),
+            served_at: self.webhooks_at.clone(),
+        }));
         self.add_controller(
             false,
             Arc::new(move |env| Box::pin(crate::webhook::install_task(env, runtime.clone()))),
@@ -606,7 +616,7 @@ impl<P: Provider> Manager<P> {
             Some(tx) => match tx.send(Job::Task(task)) {
                 Ok(()) => return,
                 Err(mpsc::error::SendError(Job::Task(task))) => task,
-                Err(mpsc::error::SendError(Job::Controller)) => return,
+                Err(mpsc::error::SendError(_)) => return,
             },
             None => task,
         };
@@ -664,15 +674,26 @@ impl<P: Provider> Manager<P> {
     }
 
     /// Adds a controller's warm standby: started at the beginning of every run with leader
-    /// election (and in the current one), on every replica.
+    /// election (and in the current one), on every replica. Without leader election there
+    /// is nothing to wait for: it is not kept.
     pub(crate) fn add_warmer(&self, factory: ControllerFactory<P::Id>) {
-        let running = lock(&self.running);
-        lock(&self.warmers).push(factory.clone());
-        if let Some(tx) = &*running
-            && self.leader_election.is_some()
-        {
-            let _ = tx.send(Job::Task(factory(self.env())));
+        if self.leader_election.is_none() {
+            return;
         }
+        let component: Arc<dyn Component<P::Id>> = Arc::new(Standby(factory));
+        let running = lock(&self.running);
+        lock(&self.components).push(component.clone());
+        if let Some(tx) = &*running {
+            let _ = tx.send(Job::Component(component));
+        }
+    }
+
+    /// Registers `component` for every run, in place of one of the same name (the endpoints,
+    /// the webhooks and the sharding are set once; setting them again replaces them).
+    fn register(&mut self, component: Arc<dyn Component<P::Id>>) {
+        let components = self.components.get_mut().unwrap_or_else(|e| e.into_inner());
+        components.retain(|c| c.name() != component.name());
+        components.push(component);
     }
 
     pub(crate) fn add_controller(&self, leader_only: bool, factory: ControllerFactory<P::Id>) {
@@ -694,6 +715,7 @@ impl<P: Provider> Drop for Manager<P> {
 mod tests {
     use super::*;
     use crate::providers::Clusters;
+    use crate::run::component::{Failure, Running, Stage, Start};
 
     #[tokio::test]
     async fn a_panicking_controller_stops_the_manager_with_an_error() {
@@ -736,6 +758,205 @@ mod tests {
                 .unwrap();
             runs.store(0, std::sync::atomic::Ordering::SeqCst);
         }
+    }
+
+    /// A component that writes down when it starts (and which readiness checks it was
+    /// handed) and when it ends. One of [`Stage::Admission`] ends only once the fleet is
+    /// closed: a run that awaited it before closing the fleet would never return.
+    struct Recorder {
+        name: &'static str,
+        stage: Stage,
+        log: Arc<Mutex<Vec<String>>>,
+        /// What it ends with, once told to stop (or at once, for [`Stage::Work`]: when the
+        /// run's shutdown comes).
+        ends_with: Result<(), &'static str>,
+        /// Refuses to start with this.
+        refuses: Option<&'static str>,
+    }
+
+    impl Recorder {
+        fn new(name: &'static str, stage: Stage, log: &Arc<Mutex<Vec<String>>>) -> Self {
+            Self {
+                name,
+                stage,
+                log: log.clone(),
+                ends_with: Ok(()),
+                refuses: None,
+            }
+        }
+    }
+
+    impl Component<crate::cluster::ClusterName> for Recorder {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn stage(&self) -> Stage {
+            self.stage
+        }
+
+        fn prepare<'a>(
+            &'a self,
+            _: Option<&'a Cluster<crate::cluster::ClusterName>>,
+        ) -> crate::run::component::BoxFuture<'a, Result<Start<crate::cluster::ClusterName>, Failure>>
+        {
+            let (name, stage, log, ends_with) =
+                (self.name, self.stage, self.log.clone(), self.ends_with);
+            Box::pin(async move {
+                if let Some(reason) = self.refuses {
+                    return Err(Failure::Endpoints(reason.into()));
+                }
+                let start: Start<crate::cluster::ClusterName> = Box::new(move |starting| {
+                    let seen: Vec<&str> = starting.ready.iter().map(|(n, _)| n.as_str()).collect();
+                    lock(&log).push(format!("start {name}, seeing {seen:?}"));
+                    starting.ready.push((name.into(), Arc::new(|| Ok(()))));
+                    let fleet = starting.env.fleet.clone();
+                    let stop = match stage {
+                        Stage::Work => starting.env.shutdown.clone(),
+                        _ => CancellationToken::new(),
+                    };
+                    let stopped = stop.clone();
+                    Running::spawn(
+                        stage,
+                        stop,
+                        async move {
+                            if ends_with.is_ok() {
+                                stopped.cancelled().await;
+                            }
+                            if stage == Stage::Admission {
+                                while !fleet.is_closed() {
+                                    tokio::time::sleep(Duration::from_millis(1)).await;
+                                }
+                            }
+                            let closed = fleet.is_closed();
+                            lock(&log).push(format!("end {name}, fleet closed: {closed}"));
+                            ends_with.map_err(|reason| Failure::Sharding(reason.into()))
+                        },
+                        Failure::Panicked,
+                    )
+                });
+                Ok(start)
+            })
+        }
+    }
+
+    fn position(log: &[String], prefix: &str) -> usize {
+        log.iter()
+            .position(|line| line.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} in {log:?}"))
+    }
+
+    #[tokio::test]
+    async fn components_start_in_stage_order_and_stop_stage_by_stage_around_the_fleets_close() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new());
+        // Registered out of order: the run orders them by stage.
+        for (name, stage) in [
+            ("serving", Stage::Serving),
+            ("admission", Stage::Admission),
+            ("work", Stage::Work),
+            ("membership", Stage::Membership),
+        ] {
+            manager.register(Arc::new(Recorder::new(name, stage, &log)));
+        }
+        let manager = Arc::new(manager);
+        let run = tokio::spawn({
+            let manager = manager.clone();
+            async move { manager.run().await }
+        });
+        while lock(&log).len() < 4 {
+            tokio::task::yield_now().await;
+        }
+        manager.shutdown();
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the run awaited a component of Stage::Admission before closing the fleet")
+            .unwrap()
+            .unwrap();
+        let log = lock(&log).clone();
+        assert_eq!(
+            log[..4],
+            [
+                r#"start work, seeing []"#,
+                r#"start membership, seeing ["work"]"#,
+                r#"start admission, seeing ["work", "membership"]"#,
+                r#"start serving, seeing ["work", "membership", "admission"]"#,
+            ],
+            "{log:?}"
+        );
+        assert_eq!(log.len(), 8, "{log:?}");
+        for (name, closed) in [
+            ("work", false),
+            ("membership", false),
+            ("admission", true),
+            ("serving", true),
+        ] {
+            let line = &log[position(&log, &format!("end {name},"))];
+            assert_eq!(line, &format!("end {name}, fleet closed: {closed}"));
+        }
+        // The work is drained before the membership is told to stop, and the endpoints go
+        // after everything else.
+        assert!(
+            position(&log, "end work") < position(&log, "end membership"),
+            "{log:?}"
+        );
+        assert!(
+            position(&log, "end admission") < position(&log, "end serving"),
+            "{log:?}"
+        );
+        assert!(
+            position(&log, "end membership") < position(&log, "end serving"),
+            "{log:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_component_that_fails_ends_the_run_with_its_error_and_the_others_stop() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new());
+        manager.register(Arc::new(Recorder::new("serving", Stage::Serving, &log)));
+        manager.register(Arc::new(Recorder {
+            ends_with: Err("the coordinator's bug"),
+            ..Recorder::new("membership", Stage::Membership, &log)
+        }));
+        let result = tokio::time::timeout(Duration::from_secs(10), manager.run())
+            .await
+            .unwrap();
+        assert!(
+            matches!(&result, Err(ManagerError::ShardingFailed(reason)) if reason == "the coordinator's bug"),
+            "{result:?}"
+        );
+        let log = lock(&log).clone();
+        assert!(
+            log.contains(&"end serving, fleet closed: true".to_string()),
+            "{log:?}"
+        );
+        assert!(lock(&manager.running).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_component_that_cannot_start_refuses_the_run_before_anything_starts() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut manager = Manager::new(Clusters::<crate::cluster::ClusterName>::new());
+        manager.register(Arc::new(Recorder::new("work", Stage::Work, &log)));
+        manager.register(Arc::new(Recorder {
+            refuses: Some("no certificate"),
+            ..Recorder::new("serving", Stage::Serving, &log)
+        }));
+        let result = tokio::time::timeout(Duration::from_secs(10), manager.run())
+            .await
+            .unwrap();
+        assert!(
+            matches!(&result, Err(ManagerError::Endpoints(reason)) if reason == "no certificate"),
+            "{result:?}"
+        );
+        assert!(lock(&log).is_empty(), "{:?}", lock(&log));
+        // Refused, not half-run: the manager can run again (and is refused again).
+        assert!(lock(&manager.running).is_none());
+        assert!(matches!(
+            manager.run().await,
+            Err(ManagerError::Endpoints(_))
+        ));
     }
 
     /// A provider with cleanup to do after shutdown.

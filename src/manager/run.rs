@@ -1,7 +1,8 @@
-//! [`Manager::run`], in its phases: the settings checked; the run started (endpoints, watch
-//! settings, tasks, the sharding coordinator, the leadership campaign, the provider); the run
-//! loop, until something stops it; the wind-down (drain within the graceful timeout, the lease
-//! given up, the coordinator's leave, the fleet closed).
+//! [`Manager::run`], in its phases: the settings checked; the run started (the components
+//! prepared, the fleet opened, the terms, the components and the campaign started, the
+//! provider); the run loop, until something stops it; the wind-down (the controllers drained
+//! within the graceful timeout, the lease given up, the components stopped stage by stage,
+//! the fleet closed).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,31 +12,22 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::AbortOnDropHandle;
 
-use super::campaign::{Leadership, campaign};
+use super::campaign::{Campaign, Leadership};
 use super::term::{Scope, Term};
 use super::{Job, Manager, ManagerError};
 use crate::cache::{Fault, WatchSettings};
 use crate::cluster::Engagement;
-use crate::lease::leader::{Elector, LeaderElection, OnLoss};
+use crate::lease::leader::{LeaderElection, OnLoss};
 use crate::lease::tenure::Tenure;
 use crate::metrics::WatchRow;
 use crate::provider::{Provider, ProviderError};
-use crate::serve::Endpoints;
-use crate::shard::Coordinator;
+use crate::run::component::{self, Failure, Running, ShardedTerm, Stage, Start, Starting};
 use crate::shard::Sharding;
 use crate::util::sync::lock;
 
 /// The provider's `run`, for as long as the run lasts.
 type ProviderRun<'a> = Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>>;
-
-/// The endpoints' TLS settings (`None`: plain HTTP) and token checker (`None`: everyone may
-/// ask).
-type Security = (
-    Option<Arc<rustls::ServerConfig>>,
-    Option<Arc<crate::serve::Authorizer>>,
-);
 
 impl<P: Provider> Manager<P> {
     /// Runs the provider and every controller until [`Manager::shutdown`], a provider error,
@@ -94,220 +86,16 @@ impl<P: Provider> Manager<P> {
         Ok((election, sharding))
     }
 
-    /// The TLS settings (`None`: plain HTTP) and the token checker (`None`: everyone may
-    /// ask) of `endpoints`.
-    fn endpoint_security(&self, endpoints: &Endpoints) -> Result<Security, ManagerError> {
-        if endpoints.plain {
-            return Ok((None, None));
+    /// Every registered component prepared (settings checked, addresses bound), in the order
+    /// they start: refused before anything starts if one cannot.
+    async fn prepare_components(&self) -> Result<Vec<Start<P::Id>>, ManagerError> {
+        let mut components = lock(&self.components).clone();
+        components.sort_by_key(|c| c.stage());
+        let mut prepared = Vec::with_capacity(components.len());
+        for component in &components {
+            prepared.push(component.prepare(self.local.as_ref()).await?);
         }
-        let client = match (&endpoints.authorizer, &self.local) {
-            (Some(client), _) => client.clone(),
-            (None, Some(local)) => local.client(),
-            (None, None) => {
-                return Err(ManagerError::Endpoints(
-                    "HTTPS endpoints check tokens with a host cluster: give one with Endpoints::authorize_with or Manager::with_local, or serve plain HTTP with Endpoints::plain_http".into(),
-                ));
-            }
-        };
-        let certificates = crate::serve::Certificates::load(endpoints.tls.clone())
-            .map_err(ManagerError::Endpoints)?;
-        let tls = certificates
-            .server_config()
-            .map_err(ManagerError::Endpoints)?;
-        Ok((Some(tls), Some(crate::serve::Authorizer::new(client))))
-    }
-
-    /// The endpoints' security checked and their address bound, before anything starts.
-    async fn bind_endpoints(
-        &self,
-    ) -> Result<Option<(tokio::net::TcpListener, Security)>, ManagerError> {
-        let Some(endpoints) = &self.endpoints else {
-            return Ok(None);
-        };
-        let security = self.endpoint_security(endpoints)?;
-        let listener = tokio::net::TcpListener::bind(endpoints.addr)
-            .await
-            .map_err(|error| ManagerError::Serve {
-                addr: endpoints.addr,
-                error,
-            })?;
-        Ok(Some((listener, security)))
-    }
-
-    /// Serves the endpoints on `listener` until the returned token is cancelled.
-    fn serve_endpoints(
-        &self,
-        listener: tokio::net::TcpListener,
-        (tls, authorizer): Security,
-        stopping: &CancellationToken,
-        webhooks_ready: Option<crate::serve::Check>,
-    ) -> Option<(AbortOnDropHandle<()>, CancellationToken)> {
-        let mut endpoints = self.endpoints.clone()?;
-        if let Some(check) = webhooks_ready {
-            endpoints.readyz.push(("webhooks".into(), check));
-        }
-        let stop = CancellationToken::new();
-        let addr = listener.local_addr().ok();
-        *lock(&self.served_at) = addr;
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        tracing::info!(addr = ?addr, scheme, "serving /metrics, /healthz and /readyz");
-        let host = self.local.clone().or_else(|| {
-            self.provider
-                .single()
-                .and_then(|single| self.fleet.get(single.id()))
-        });
-        let served = Arc::new(crate::serve::Served {
-            fleet: self.fleet.clone(),
-            host,
-            local: self.local.clone(),
-            endpoints,
-            authorizer,
-            stopping: stopping.clone(),
-        });
-        let server = AbortOnDropHandle::new(tokio::spawn(crate::serve::serve(
-            listener,
-            tls,
-            served,
-            stop.clone(),
-        )));
-        Some((server, stop))
-    }
-
-    /// The webhooks' settings checked, their keeper made (on the first run) and their
-    /// address bound, before anything starts.
-    async fn bind_webhooks(
-        &self,
-    ) -> Result<Option<(tokio::net::TcpListener, Arc<crate::webhook::Keeper>)>, ManagerError> {
-        let Some(runtime) = &self.webhooks else {
-            return Ok(None);
-        };
-        let webhooks = &runtime.webhooks;
-        webhooks.validate().map_err(ManagerError::Webhooks)?;
-        if self.local.is_none()
-            && matches!(
-                webhooks.install,
-                crate::webhook::Install::Host | crate::webhook::Install::FleetAndHost
-            )
-        {
-            return Err(ManagerError::Webhooks(
-                "webhooks installed in the host need one: Manager::with_local".into(),
-            ));
-        }
-        let (host_name, _) = webhooks.url_parts().map_err(ManagerError::Webhooks)?;
-        let keeper = match runtime.keeper.get() {
-            Some(keeper) => keeper.clone(),
-            None => {
-                let secret = match (&webhooks.secret, &self.local) {
-                    (Some((namespace, name)), Some(local)) => {
-                        let client = local.client();
-                        let namespace = namespace
-                            .clone()
-                            .unwrap_or_else(|| client.default_namespace().to_string());
-                        Some((client, namespace, name.clone()))
-                    }
-                    _ => None,
-                };
-                if secret.is_none() {
-                    tracing::info!(
-                        "webhooks: no host cluster: the certificates and route key live in this process only (one replica)"
-                    );
-                }
-                let _ = runtime
-                    .secret
-                    .set(secret.as_ref().map(|(_, namespace, name)| {
-                        k8s_openapi::api::core::v1::ObjectReference {
-                            api_version: Some("v1".into()),
-                            kind: Some("Secret".into()),
-                            namespace: Some(namespace.clone()),
-                            name: Some(name.clone()),
-                            ..Default::default()
-                        }
-                    }));
-                let mut names = vec![host_name];
-                names.extend(webhooks.names.iter().cloned());
-                // In one order whatever the settings' order: replicas compare the names the
-                // certificate is for, and must agree.
-                names.sort();
-                names.dedup();
-                let keeper = crate::webhook::Keeper::new(
-                    webhooks.certificates.clone(),
-                    secret,
-                    names,
-                    webhooks.check_every,
-                    webhooks.route_rotation_period(),
-                );
-                let _ = runtime.keeper.set(keeper.clone());
-                keeper
-            }
-        };
-        let listener = tokio::net::TcpListener::bind(webhooks.addr)
-            .await
-            .map_err(|error| ManagerError::Serve {
-                addr: webhooks.addr,
-                error,
-            })?;
-        Ok(Some((listener, keeper)))
-    }
-
-    /// Starts the certificate keeper and the webhook server; returns them (and the token
-    /// that stops both) and the server's readiness check.
-    fn serve_webhooks(
-        &self,
-        runtime: &crate::webhook::install::Runtime<P::Id>,
-        listener: tokio::net::TcpListener,
-        keeper: Arc<crate::webhook::Keeper>,
-    ) -> (
-        (
-            AbortOnDropHandle<()>,
-            AbortOnDropHandle<()>,
-            CancellationToken,
-        ),
-        crate::serve::Check,
-    ) {
-        let webhooks = &runtime.webhooks;
-        let (_, base) = webhooks.url_parts().unwrap_or_default();
-        let addr = listener.local_addr().ok();
-        *lock(&self.webhooks_at) = addr;
-        tracing::info!(addr = ?addr, url = %webhooks.url, "serving admission webhooks");
-        let host = match webhooks.install {
-            crate::webhook::Install::Fleet => None,
-            _ => self.local.as_ref().map(|l| l.id().clone()),
-        };
-        let shared = Arc::new(crate::webhook::ServerShared {
-            fleet: self.fleet.clone(),
-            serve_fleet: webhooks.install != crate::webhook::Install::Host,
-            host,
-            base,
-            hooks: webhooks
-                .hooks
-                .iter()
-                .map(|hook| {
-                    (
-                        hook.name.clone(),
-                        (hook.handle(), Arc::from(hook.name.as_str()), hook.timeout),
-                    )
-                })
-                .collect(),
-            keeper: keeper.clone(),
-            metrics: self.metrics.clone(),
-            listening: std::sync::atomic::AtomicBool::new(false),
-            slots: crate::serve::slots::Slots::new(crate::webhook::server::limits(
-                webhooks
-                    .connections
-                    .unwrap_or_else(crate::webhook::server::default_connections),
-            )),
-            flights: crate::webhook::server::Flights::new(webhooks.budget),
-        });
-        let stop = CancellationToken::new();
-        let keeping = AbortOnDropHandle::new(tokio::spawn(keeper.run(stop.clone())));
-        let server = AbortOnDropHandle::new(tokio::spawn(crate::webhook::serve(
-            listener,
-            shared.clone(),
-            stop.clone(),
-            self.graceful_timeout,
-        )));
-        let ready: crate::serve::Check = Arc::new(move || shared.ready());
-        ((server, keeping, stop), ready)
+        Ok(prepared)
     }
 
     /// The watch gauges read this manager's clusters at scrape time (one source per manager:
@@ -337,13 +125,25 @@ impl<P: Provider> Manager<P> {
     }
 }
 
+impl From<Failure> for ManagerError {
+    fn from(failure: Failure) -> Self {
+        match failure {
+            Failure::Endpoints(reason) => ManagerError::Endpoints(reason),
+            Failure::Webhooks(reason) => ManagerError::Webhooks(reason),
+            Failure::Listen { addr, error } => ManagerError::Serve { addr, error },
+            Failure::Sharding(reason) => ManagerError::ShardingFailed(reason),
+            Failure::Panicked(reason) => ManagerError::ControllerPanicked(reason),
+        }
+    }
+}
+
 /// A run in progress: what it started, followed while it runs and stopped at its end.
 struct Run<'a, P: Provider> {
     manager: &'a Manager<P>,
     /// Ends the run.
     shutdown: CancellationToken,
-    /// Controllers and tasks added while the run goes on.
-    jobs: mpsc::UnboundedReceiver<Job>,
+    /// Controllers, components and tasks added while the run goes on.
+    jobs: mpsc::UnboundedReceiver<Job<P::Id>>,
     /// Watches that stopped for good.
     faults: mpsc::UnboundedReceiver<Fault>,
     provider: ProviderRun<'a>,
@@ -355,34 +155,19 @@ struct Run<'a, P: Provider> {
     term: Term,
     /// The sharded controllers, for the whole run.
     shared_term: Term,
-    election: Option<LeaderElection>,
-    /// The lease as `namespace/name` (empty without an election), for logs and metrics.
-    lease: String,
-    leadership: mpsc::UnboundedReceiver<Leadership>,
-    campaigning: bool,
-    /// The campaign and the token that ends it (with an election).
-    campaign: Option<(AbortOnDropHandle<Elector>, CancellationToken)>,
-    coordinator: Option<AbortOnDropHandle<Coordinator<P::Id>>>,
-    coordinator_stop: CancellationToken,
-    coordinating: bool,
-    /// Until when the sharded controllers may start work (the fences').
-    fence_tenure: Arc<Tenure>,
+    campaign: Campaign,
+    /// What components are started with (those added while the run goes on too).
+    starting: Starting<P::Id>,
+    /// The components started, in [`Stage`] order.
+    components: Vec<Running>,
     local: Option<Engagement<P::Id>>,
-    /// The endpoints' server and the token that stops it.
-    server: Option<(AbortOnDropHandle<()>, CancellationToken)>,
-    /// The webhook server and the certificate keeper, and the token that stops them.
-    webhooks: Option<(
-        AbortOnDropHandle<()>,
-        AbortOnDropHandle<()>,
-        CancellationToken,
-    )>,
     /// Last, so that it is dropped last when the run is.
     abandoned: Abandoned<'a, P>,
 }
 
 impl<'a, P: Provider> Run<'a, P> {
-    /// Starts everything a run runs: refused if the manager is running already or the
-    /// endpoints cannot be served.
+    /// Starts everything a run runs: refused if the manager is running already or a
+    /// component cannot start.
     async fn start(
         manager: &'a Manager<P>,
         election: Option<LeaderElection>,
@@ -404,8 +189,7 @@ impl<'a, P: Provider> Run<'a, P> {
             manager,
             armed: true,
         };
-        let endpoints = manager.bind_endpoints().await?;
-        let webhook_listener = manager.bind_webhooks().await?;
+        let prepared = manager.prepare_components().await?;
         let (faults_tx, faults) = mpsc::unbounded_channel();
         let settings = WatchSettings {
             backoff: manager.backoff.clone(),
@@ -432,31 +216,14 @@ impl<'a, P: Provider> Run<'a, P> {
             tracing::warn!(%error, "could not engage the provider's cluster");
         }
         let local = manager.local.as_ref().map(|local| local.attach(&settings));
-
         let mut tasks = JoinSet::new();
         for task in lock(&manager.pending).drain(..) {
             tasks.spawn(task);
         }
-        // Warm standby: caches kept listed while waiting for the Lease (every replica).
-        if election.is_some() {
-            for warmer in lock(&manager.warmers).iter() {
-                tasks.spawn(warmer(manager.env()));
-            }
-        }
-        let (webhooks, webhook_ready) = match (webhook_listener, &manager.webhooks) {
-            (Some((listener, keeper)), Some(runtime)) => {
-                let (handles, ready) = manager.serve_webhooks(runtime, listener, keeper);
-                (Some(handles), Some(ready))
-            }
-            _ => (None, None),
-        };
-        let server = endpoints.and_then(|(listener, security)| {
-            manager.serve_endpoints(listener, security, &shutdown, webhook_ready)
-        });
-        // Sharded: every controller but the leader-only ones runs from the start, each on this
-        // replica's share, which the coordinator keeps in the fleet.
         // The leader's controllers start nothing past the lease's renew deadline (unbounded
-        // without an election), the sharded ones nothing past the fences'.
+        // without an election), the sharded ones nothing past the fences'. Sharded: every
+        // controller but the leader-only ones runs from the start, each on this replica's
+        // share, which the sharding component keeps in the fleet.
         let lease_tenure = Arc::new(match election {
             Some(_) => Tenure::ended(),
             None => Tenure::always(),
@@ -472,43 +239,29 @@ impl<'a, P: Provider> Run<'a, P> {
             lease_tenure.clone(),
         );
         let mut shared_term = Term::new(Scope::Sharded, fence_tenure.clone());
-        let coordinator_stop = CancellationToken::new();
-        let coordinator = sharding.map(|sharding| {
+        if sharding.is_some() {
             shared_term.begin(manager, &shutdown);
-            let coordinator = Coordinator::new(
-                sharding,
-                manager.fleet.clone(),
-                manager.metrics.as_ref(),
-                manager.shard_status.clone(),
-                fence_tenure.clone(),
-            );
-            AbortOnDropHandle::new(tokio::spawn(
-                coordinator.run(coordinator_stop.clone(), shutdown.clone()),
-            ))
-        });
-        // Leadership: without an election, controllers run from the start.
-        let (leadership_tx, leadership) = mpsc::unbounded_channel();
-        let campaign = match &election {
-            Some(election) => {
-                let stop = CancellationToken::new();
-                let campaign = AbortOnDropHandle::new(tokio::spawn(campaign(
-                    Elector::new(election.clone()),
-                    leadership_tx,
-                    stop.clone(),
-                    lease_tenure.clone(),
-                )));
-                Some((campaign, stop))
-            }
-            None => {
-                let _ = leadership_tx.send(Leadership::Acquired);
-                None
-            }
+        }
+        let mut starting = Starting {
+            env: manager.env(),
+            host: manager.local.clone().or_else(|| {
+                manager
+                    .provider
+                    .single()
+                    .and_then(|single| manager.fleet.get(single.id()))
+            }),
+            ready: Vec::new(),
+            sharded: ShardedTerm {
+                tenure: fence_tenure,
+                abort: shared_term.abort.clone(),
+            },
         };
-        let lease = election
-            .as_ref()
-            .map(|e| format!("{}/{}", e.namespace, e.name))
-            .unwrap_or_default();
-        let coordinating = coordinator.is_some();
+        let components = prepared
+            .into_iter()
+            .map(|start| start(&mut starting))
+            .collect();
+        // Leadership: without an election, controllers run from the start.
+        let campaign = Campaign::start(election, lease_tenure);
         let provider = Box::pin(
             manager
                 .provider
@@ -524,18 +277,10 @@ impl<'a, P: Provider> Run<'a, P> {
             tasks,
             term,
             shared_term,
-            election,
-            lease,
-            leadership,
-            campaigning: true,
             campaign,
-            coordinator,
-            coordinator_stop,
-            coordinating,
-            fence_tenure,
+            starting,
+            components,
             local,
-            server,
-            webhooks,
             abandoned,
         })
     }
@@ -543,6 +288,7 @@ impl<'a, P: Provider> Run<'a, P> {
     /// Follows the run until something stops it: a shutdown (`Ok`), or a failure.
     async fn until_stopped(&mut self) -> Result<(), ManagerError> {
         loop {
+            let components_run = self.components.iter().any(Running::running);
             let stopped = tokio::select! {
                 () = self.shutdown.cancelled() => Some(Ok(())),
                 res = &mut self.provider, if !self.provider_done => {
@@ -552,19 +298,8 @@ impl<'a, P: Provider> Run<'a, P> {
                         Err(ManagerError::Provider(e))
                     })
                 }
-                Some(job) = self.jobs.recv() => {
-                    match job {
-                        Job::Task(task) => {
-                            self.tasks.spawn(task);
-                        }
-                        Job::Controller => {
-                            self.term.start_new(self.manager);
-                            self.shared_term.start_new(self.manager);
-                        }
-                    }
-                    None
-                }
-                event = self.leadership.recv(), if self.campaigning => self.leadership_changed(event).await,
+                Some(job) = self.jobs.recv() => self.job(job).await.err().map(Err),
+                event = self.campaign.events.recv(), if self.campaign.listening => self.leadership_changed(event).await,
                 Some(joined) = self.tasks.join_next(), if !self.tasks.is_empty() => {
                     controller_panic(joined).err().map(Err)
                 }
@@ -574,26 +309,12 @@ impl<'a, P: Provider> Run<'a, P> {
                 Some(joined) = self.shared_term.controllers.join_next(), if !self.shared_term.controllers.is_empty() => {
                     controller_panic(joined).err().map(Err)
                 }
-                joined = async {
-                    match self.coordinator.as_mut() {
-                        Some(handle) => handle.await,
-                        None => std::future::pending().await,
-                    }
-                }, if self.coordinating => {
-                    // It runs until the run's end: without it nothing keeps this replica's
-                    // share, nor stops its work when the host is out of reach.
-                    self.coordinating = false;
-                    let reason = match joined {
-                        Ok(_) => "it ended".to_string(),
-                        Err(error) => panic_text(error),
-                    };
-                    // As when a lease is lost: nothing renews the fences any more, and the
-                    // others take them over once the lease duration has passed, so the work
-                    // is dropped now rather than drained.
-                    tracing::error!(%reason, "the sharding coordinator stopped; dropping the sharded controllers' work and shutting down");
-                    self.fence_tenure.end();
-                    self.shared_term.abort().await;
-                    Some(Err(ManagerError::ShardingFailed(reason)))
+                (_, ended) = component::next_end(&mut self.components), if components_run => {
+                    ended.err().map(|failure| {
+                        let error = ManagerError::from(failure);
+                        tracing::error!(%error, "shutting down");
+                        Err(error)
+                    })
                 }
                 Some(fault) = self.faults.recv() => {
                     tracing::error!(%fault, "shutting down");
@@ -606,22 +327,40 @@ impl<'a, P: Provider> Run<'a, P> {
         }
     }
 
+    /// Starts what was added while the run goes on.
+    async fn job(&mut self, job: Job<P::Id>) -> Result<(), ManagerError> {
+        match job {
+            Job::Task(task) => {
+                self.tasks.spawn(task);
+            }
+            Job::Controller => {
+                self.term.start_new(self.manager);
+                self.shared_term.start_new(self.manager);
+            }
+            Job::Component(component) => {
+                let start = component.prepare(self.manager.local.as_ref()).await?;
+                self.components.push(start(&mut self.starting));
+            }
+        }
+        Ok(())
+    }
+
     /// Starts or stops the leader's controllers; `Some` if that ends the run.
     async fn leadership_changed(
         &mut self,
         event: Option<Leadership>,
     ) -> Option<Result<(), ManagerError>> {
         let manager = self.manager;
-        let lease = &self.lease;
+        let elected = self.campaign.election.is_some();
+        let lease = &self.campaign.lease;
         match event {
             Some(Leadership::Acquired) => {
-                if self.election.is_some() {
+                if elected {
                     tracing::info!(lease = %lease, "leading: starting the controllers");
                 }
                 self.term.begin(manager, &self.shutdown);
                 manager.leading.send_replace(Some(self.term.stop.clone()));
-                if let Some(metrics) = manager.metrics.as_ref().filter(|_| self.election.is_some())
-                {
+                if let Some(metrics) = manager.metrics.as_ref().filter(|_| elected) {
                     metrics.leading(lease, true);
                 }
                 None
@@ -634,6 +373,7 @@ impl<'a, P: Provider> Run<'a, P> {
                 }
                 self.term.abort().await;
                 if self
+                    .campaign
                     .election
                     .as_ref()
                     .is_none_or(|e| e.on_loss == OnLoss::Exit)
@@ -646,8 +386,8 @@ impl<'a, P: Provider> Run<'a, P> {
                 None
             }
             // Without leader election nothing more comes.
-            None if self.election.is_none() => {
-                self.campaigning = false;
+            None if !elected => {
+                self.campaign.listening = false;
                 None
             }
             None => {
@@ -665,13 +405,15 @@ impl<'a, P: Provider> Run<'a, P> {
         }
     }
 
-    /// Ends the run: everything drained or dropped, the lease given up, the coordinator gone,
-    /// the fleet closed; returns `result` and leaves the manager ready to run again.
+    /// Ends the run: everything drained or dropped, the lease given up, the components
+    /// stopped stage by stage, the fleet closed; returns `result` and leaves the manager
+    /// ready to run again.
     async fn wind_down(mut self, result: Result<(), ManagerError>) -> Result<(), ManagerError> {
         let manager = self.manager;
         self.shutdown.cancel();
         {
-            // From now on, added tasks wait for the next run.
+            // From now on, added tasks wait for the next run (added components are
+            // registered already: the next run starts them).
             *lock(&manager.running) = None;
             let mut pending = lock(&manager.pending);
             while let Ok(job) = self.jobs.try_recv() {
@@ -685,74 +427,65 @@ impl<'a, P: Provider> Run<'a, P> {
         // drain ends is released below), and the others would wait a lease duration for it.
         // One won just before the campaign stopped is released now; one lost is not asked
         // about again.
-        if manager.leading.borrow().is_none()
-            && let Some((campaign, stop)) = self.campaign.take()
-        {
-            stop.cancel();
-            if let Ok(elector) = campaign.await
-                && manager.leading.send_replace(None).is_some()
-                && elector.config().release_on_shutdown
-            {
-                release(elector, &self.lease).await;
-            }
+        if manager.leading.borrow().is_none() {
+            self.campaign
+                .end(|| manager.leading.send_replace(None).is_some())
+                .await;
         }
         let lost = self.drain().await;
-        // The webhook server goes after the controllers (their own writes may need it, as in
-        // controller-runtime): it takes no new review from now on, and those in flight are
-        // answered (awaited below, within the graceful timeout). Readiness has failed since
-        // the start of the shutdown, so a Service has stopped sending it reviews meanwhile.
-        if let Some((_, _, stop)) = &self.webhooks {
-            stop.cancel();
-        }
+        // The components that outlast the controllers are told to stop now (the webhook
+        // server takes no new review: readiness has failed since the start of the
+        // shutdown, so a Service has stopped sending it reviews meanwhile).
+        self.stop(Stage::Admission);
         // Only a lease this replica still holds (as far as it knows) is given up on the way
         // out: one lost is not asked about again (the host may be out of reach, which is
         // often why it was lost).
         let holds_lease = manager.leading.send_replace(None).is_some();
-        if let Some(metrics) = manager.metrics.as_ref().filter(|_| self.election.is_some()) {
-            metrics.leading(&self.lease, false);
+        if let Some(metrics) = manager
+            .metrics
+            .as_ref()
+            .filter(|_| self.campaign.election.is_some())
+        {
+            metrics.leading(&self.campaign.lease, false);
         }
-        if let Some((campaign, stop)) = self.campaign.take() {
-            stop.cancel();
-            if let Ok(elector) = campaign.await
-                && holds_lease
-                && !lost
-                && elector.config().release_on_shutdown
-            {
-                release(elector, &self.lease).await;
-            }
-        }
-        if let Some(coordinator) = self.coordinator.take().filter(|_| self.coordinating) {
-            self.coordinator_stop.cancel();
-            if let Ok(coordinator) = coordinator.await {
-                coordinator.leave().await;
-            }
-        }
+        self.campaign.end(|| holds_lease && !lost).await;
+        self.end(Stage::Membership).await;
         manager.fleet.close().await;
         if let Some(local) = self.local.take()
             && let Some(session) = local.cluster.detach()
         {
             session.stopped().await;
         }
-        if let Some((server, keeper, _)) = self.webhooks.take() {
-            let _ = server.await;
-            let _ = keeper.await;
-            *lock(&manager.webhooks_at) = None;
-        }
-        if let Some((server, stop)) = self.server.take() {
-            stop.cancel();
-            let _ = server.await;
-            *lock(&manager.served_at) = None;
-        }
+        self.end(Stage::Admission).await;
+        self.end(Stage::Serving).await;
         // The next run gets a token of its own.
         *lock(&manager.shutdown) = CancellationToken::new();
         self.abandoned.armed = false;
         result
     }
 
-    /// Lets the controllers, the tasks and the provider wind down on the run's token, each
-    /// within the graceful timeout; whatever is left after a little more than that is
-    /// dropped. A leader keeps renewing meanwhile: if it loses the lease, its reconciles are
-    /// dropped at once. Returns whether it lost the lease meanwhile.
+    /// Tells the components of `stage` to stop.
+    fn stop(&self, stage: Stage) {
+        for component in self.components.iter().filter(|c| c.stage() == stage) {
+            component.stop();
+        }
+    }
+
+    /// Stops the components of `stage` and waits for them (a failure now is logged only).
+    async fn end(&mut self, stage: Stage) {
+        self.stop(stage);
+        for component in self.components.iter_mut().filter(|c| c.stage() == stage) {
+            if let Err(failure) = component.join().await {
+                tracing::warn!(error = %ManagerError::from(failure), "while shutting down");
+            }
+        }
+    }
+
+    /// Lets the controllers, the tasks, the components of [`Stage::Work`] and the provider
+    /// wind down on the run's token, each within the graceful timeout; whatever is left
+    /// after a little more than that is dropped. A leader keeps renewing meanwhile: if it
+    /// loses the lease, its reconciles are dropped at once. Returns whether it lost the
+    /// lease meanwhile.
     async fn drain(&mut self) -> bool {
         let Run {
             manager,
@@ -761,8 +494,8 @@ impl<'a, P: Provider> Run<'a, P> {
             tasks,
             term,
             shared_term,
-            leadership,
-            lease,
+            campaign,
+            components,
             ..
         } = self;
         let abort = term.abort.clone();
@@ -775,10 +508,17 @@ impl<'a, P: Provider> Run<'a, P> {
             let tasks = async { while tasks.join_next().await.is_some() {} };
             let controllers = async { while term.controllers.join_next().await.is_some() {} };
             let shared = async { while shared_term.controllers.join_next().await.is_some() {} };
-            futures::join!(provider, tasks, controllers, shared);
+            let work = async {
+                for component in components.iter_mut().filter(|c| c.stage() == Stage::Work) {
+                    let _ = component.join().await;
+                }
+            };
+            futures::join!(provider, tasks, controllers, shared, work);
         };
+        let lease = &campaign.lease;
+        let events = &mut campaign.events;
         let lost_meanwhile = async {
-            while let Some(event) = leadership.recv().await {
+            while let Some(event) = events.recv().await {
                 if let Leadership::Lost(reason) = event {
                     tracing::error!(lease = %lease, %reason, "leadership lost while shutting down: dropping reconciles in flight");
                     abort.cancel();
@@ -803,8 +543,17 @@ impl<'a, P: Provider> Run<'a, P> {
         })
         .await;
         if drained.is_err() {
+            let work = components
+                .iter_mut()
+                .filter(|c| c.stage() == Stage::Work && c.running());
+            let mut remaining =
+                tasks.len() + term.controllers.len() + shared_term.controllers.len();
+            for component in work {
+                component.abort();
+                remaining += 1;
+            }
             tracing::warn!(
-                remaining = tasks.len() + term.controllers.len() + shared_term.controllers.len(),
+                remaining,
                 "tasks did not stop within the graceful timeout; dropping them"
             );
             tasks.shutdown().await;
@@ -815,25 +564,15 @@ impl<'a, P: Provider> Run<'a, P> {
     }
 }
 
-/// Gives the lease up on the way out, bounded: if that fails, it expires on its own.
-async fn release(mut elector: Elector, lease: &str) {
-    match tokio::time::timeout(Duration::from_secs(5), elector.release()).await {
-        Ok(Ok(())) => tracing::info!(lease = %lease, "lease released"),
-        Ok(Err(error)) => {
-            tracing::warn!(lease = %lease, error = %crate::client::Shown(&error), "could not release the lease; it expires on its own");
-        }
-        Err(_) => {
-            tracing::warn!(lease = %lease, "releasing the lease timed out; it expires on its own")
-        }
-    }
-}
 /// A joined task: an error if it panicked (a controller that died would leave its clusters
 /// unreconciled while everything looks alive; the run stops instead, loudly).
 fn controller_panic(joined: Result<(), tokio::task::JoinError>) -> Result<(), ManagerError> {
     match joined {
         Err(error) if error.is_panic() => {
             tracing::error!(%error, "a controller panicked; shutting down");
-            Err(ManagerError::ControllerPanicked(panic_text(error)))
+            Err(ManagerError::ControllerPanicked(
+                crate::util::panic::join_error_text(error),
+            ))
         }
         _ => Ok(()),
     }
@@ -862,12 +601,5 @@ impl<P: Provider> Drop for Abandoned<'_, P> {
         }
         *lock(&manager.running) = None;
         *lock(&manager.shutdown) = CancellationToken::new();
-    }
-}
-
-fn panic_text(error: tokio::task::JoinError) -> String {
-    match error.try_into_panic() {
-        Ok(panic) => crate::util::panic::panic_message(&*panic),
-        Err(error) => error.to_string(),
     }
 }

@@ -1,7 +1,9 @@
 //! What a manager's run hands each of its parts: the fleet, the shutdown and grace, the
-//! cache settings, the tenure ([`Env`]), and the per-cluster tasks started under it.
+//! cache settings, the tenure ([`Env`]); the per-cluster tasks started under it; and the
+//! [`component::Component`]s it runs beside the controllers, with their one lifecycle.
 
 pub(crate) mod cluster_task;
+pub(crate) mod component;
 
 use std::sync::Arc;
 use std::time::Duration;

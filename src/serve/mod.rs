@@ -3,6 +3,7 @@
 //! authentication and authorization by the host cluster unless plain HTTP is asked for.
 
 mod auth;
+mod component;
 pub(crate) mod slots;
 mod tls;
 
@@ -29,6 +30,7 @@ use crate::fleet::Fleet;
 use slots::{Lease, Slots};
 
 pub(crate) use auth::{AuthVerdict, Authorizer};
+pub(crate) use component::EndpointsComponent;
 pub(crate) use tls::{Certificates, TlsSource};
 
 /// A named check of `/healthz` or `/readyz`: `Err` says why it fails.

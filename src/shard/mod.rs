@@ -16,6 +16,7 @@
 //!   deadline drops its work in every cluster at once, before the others (who wait for the
 //!   lease duration) can count it gone and take its fences.
 
+mod component;
 mod coordinator;
 mod fence;
 mod group;
@@ -29,6 +30,7 @@ use kube::Client;
 
 use crate::lease::LeaseTiming;
 
+pub(crate) use component::ShardingComponent;
 pub(crate) use coordinator::Coordinator;
 pub use coordinator::ShardStatus;
 

@@ -8,3 +8,11 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_string())
 }
+
+/// The text of a task's end: its panic's, or the join error's.
+pub(crate) fn join_error_text(error: tokio::task::JoinError) -> String {
+    match error.try_into_panic() {
+        Ok(panic) => panic_message(&*panic),
+        Err(error) => error.to_string(),
+    }
+}

@@ -37,6 +37,7 @@
 //!   cluster's API server saw them, nothing more.
 
 mod certs;
+mod component;
 pub(crate) mod install;
 pub(crate) mod review;
 pub(crate) mod route;
@@ -56,6 +57,7 @@ use serde::de::DeserializeOwned;
 use crate::cluster::ClusterId;
 
 pub(crate) use certs::Keeper;
+pub(crate) use component::WebhookServer;
 pub(crate) use install::install_task;
 #[cfg(feature = "fuzzing")]
 pub(crate) use server::{Refusal, route as route_request};
