@@ -252,10 +252,7 @@ async fn endpoints_speak_https_and_serve_metrics_detail_and_handlers_only_to_aut
 
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = multicluster_runtime::Metrics::new(&mut registry);
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("member"), admin.clone()))
-        .unwrap();
+    let clusters = clusters_of([("member", admin.clone())]);
     let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let endpoints = multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
         .metrics(Arc::new(registry))

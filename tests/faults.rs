@@ -110,10 +110,7 @@ async fn a_second_manager_runs_on_the_same_fleet_provider() {
     let env = TestEnv::start().await.unwrap();
     let c = env.cluster(0).unwrap();
     fixture(&c.client().unwrap()).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), c.client().unwrap()))
-        .unwrap();
+    let clusters = clusters_of([("c0", c.client().unwrap())]);
     two_managers_in_turn(clusters).await;
 }
 
@@ -130,10 +127,7 @@ async fn the_same_manager_runs_again_with_its_controllers() {
     let env = TestEnv::start().await.unwrap();
     let c = env.cluster(0).unwrap();
     fixture(&c.client().unwrap()).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), c.client().unwrap()))
-        .unwrap();
+    let clusters = clusters_of([("c0", c.client().unwrap())]);
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
@@ -210,10 +204,7 @@ async fn nothing_a_manager_started_runs_after_run_returned() {
     let env = TestEnv::start().await.unwrap();
     let c = env.cluster(0).unwrap();
     fixture(&c.client().unwrap()).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), c.client().unwrap()))
-        .unwrap();
+    let clusters = clusters_of([("c0", c.client().unwrap())]);
     let manager = Arc::new(Manager::new(clusters).graceful_timeout(Duration::from_secs(1)));
     let state = Arc::new(Stuck::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
@@ -262,10 +253,7 @@ async fn a_delete_missed_during_a_watch_gap_reaches_the_mapper() {
     create(&edge_client, child).await;
     let relay = Relay::start(edge.server()).await;
 
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("hub"), hub_client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("hub", hub_client.clone())]);
     clusters
         .add(Cluster::from_config(name("edge"), relay.config(edge.config())).unwrap())
         .unwrap();
@@ -524,10 +512,7 @@ async fn a_panicking_index_extractor_stops_the_manager_with_an_error() {
     let env = TestEnv::start().await.unwrap();
     let c = env.cluster(0).unwrap();
     let client = c.client().unwrap();
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters));
     manager.index_field::<ConfigMap>("bad", |cm| {
         assert_ne!(cm.metadata.name.as_deref(), Some("boom"), "extractor bug");
@@ -600,12 +585,7 @@ async fn a_frozen_cluster_cannot_hold_every_slot_and_catches_up_when_it_thaws() 
         )
         .await;
     }
-    let clusters = Clusters::new();
-    for c in env.clusters() {
-        clusters
-            .add(Cluster::new(name(c.name()), c.client().unwrap()))
-            .unwrap();
-    }
+    let clusters = clusters_of_env(&env);
     let manager = Arc::new(Manager::new(clusters));
     let state = Arc::new(Pings::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -677,10 +657,7 @@ async fn a_reconcile_of_a_disengaged_cluster_is_dropped_after_the_grace_period()
     let env = TestEnv::start().await.unwrap();
     let c = env.cluster(0).unwrap();
     create(&c.client().unwrap(), config_map("default", "only", "thing")).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), c.client().unwrap()))
-        .unwrap();
+    let clusters = clusters_of([("c0", c.client().unwrap())]);
     let manager = Arc::new(Manager::new(clusters.clone()));
     let state = Arc::new(Stuck::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -757,8 +734,7 @@ async fn a_reconciler_reading_another_kind_right_after_engagement_sees_it_listed
             .await
             .unwrap();
     }
-    let clusters = Clusters::new();
-    clusters.add(Cluster::new(name("c0"), client)).unwrap();
+    let clusters = clusters_of([("c0", client)]);
     let manager = Arc::new(Manager::new(clusters));
     let state = Arc::new(Pairs::default());
     // Twenty reconciles at once, all waiting on the one Secret cache as it starts.
@@ -847,12 +823,7 @@ async fn a_crd_installed_late_in_one_cluster_is_reconciled_without_a_restart() {
         .create(&PostParams::default(), &Widget::new("early"))
         .await
         .unwrap();
-    let clusters = Clusters::new();
-    for c in env.clusters() {
-        clusters
-            .add(Cluster::new(name(c.name()), c.client().unwrap()))
-            .unwrap();
-    }
+    let clusters = clusters_of_env(&env);
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     Builder::<_, Widget>::new(&manager, watcher::Config::default()).start(
@@ -1099,10 +1070,7 @@ async fn every_object_is_reconciled_at_its_final_version_across_a_kill_9() {
     for name in &names {
         create(&client, config_map("default", name, "thing")).await;
     }
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters));
     let state = Arc::new(Versions::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(

@@ -1007,10 +1007,7 @@ async fn fleet_mode_reports_a_cache_that_does_not_list_in_time_in_its_cluster_al
     let tc = env.cluster(0).unwrap();
     let admin = tc.client().unwrap();
     let nobody = tc.add_user("nobody", &[]).unwrap();
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("allowed"), admin.clone()))
-        .unwrap();
+    let clusters = clusters_of([("allowed", admin.clone())]);
     clusters
         .add(Cluster::from_config(name("refused"), nobody.config()).unwrap())
         .unwrap();

@@ -36,10 +36,7 @@ async fn a_change_to_an_owned_object_reconciles_its_owner() {
     let c = env.cluster(0).unwrap();
     let client = c.client().unwrap();
     fixture(&client).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -109,13 +106,7 @@ async fn a_change_to_an_owned_object_reconciles_its_owner() {
 #[tokio::test]
 async fn a_mapper_can_enqueue_requests_for_another_cluster() {
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
-    let clusters = Clusters::new();
-    for c in env.clusters() {
-        fixture(&c.client().unwrap()).await;
-        clusters
-            .add(Cluster::new(name(c.name()), c.client().unwrap()))
-            .unwrap();
-    }
+    let clusters = zoo_fleet(&env).await;
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     // Secrets in cluster-0 ask for the ConfigMap of the same name in cluster-1.
@@ -268,8 +259,7 @@ async fn errors_are_retried_by_the_error_policy_and_requeues_come_back() {
     )
     .await
     .unwrap();
-    let clusters = Clusters::new();
-    clusters.add(Cluster::new(name("c0"), client)).unwrap();
+    let clusters = clusters_of([("c0", client)]);
     let manager = Arc::new(Manager::new(clusters));
     let state = Arc::new(Flaky::default());
     let policy_calls = Arc::new(AtomicUsize::new(0));
@@ -320,10 +310,7 @@ async fn shutdown_lets_reconciles_in_flight_finish_and_starts_no_more() {
     let c = env.cluster(0).unwrap();
     let client = c.client().unwrap();
     fixture(&client).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters));
     // The gate opens after the manager was asked to shut down.
     let (open, state) = Gated::new();

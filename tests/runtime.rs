@@ -28,13 +28,7 @@ fn uniform_controller<P: Provider>(manager: &Manager<P>, seen: &Arc<Seen>) {
 #[tokio::test]
 async fn a_uniform_reconciler_feeds_the_animals_of_every_cluster() {
     let env = TestEnv::builder().clusters(3).start().await.unwrap();
-    let clusters = Clusters::new();
-    for c in env.clusters() {
-        fixture(&c.client().unwrap()).await;
-        clusters
-            .add(Cluster::new(name(c.name()), c.client().unwrap()))
-            .unwrap();
-    }
+    let clusters = zoo_fleet(&env).await;
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     uniform_controller(&manager, &seen);
@@ -122,13 +116,7 @@ async fn clusters_added_at_run_time_are_reconciled_and_removed_ones_are_let_go()
 #[tokio::test]
 async fn a_controller_added_after_clusters_were_engaged_reconciles_them() {
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
-    let clusters = Clusters::new();
-    for c in env.clusters() {
-        fixture(&c.client().unwrap()).await;
-        clusters
-            .add(Cluster::new(name(c.name()), c.client().unwrap()))
-            .unwrap();
-    }
+    let clusters = zoo_fleet(&env).await;
     let manager = Arc::new(Manager::new(clusters));
     let run = spawn_manager(&manager);
     eventually(10, "both clusters engaged", async || {
@@ -241,10 +229,7 @@ async fn a_field_index_registered_once_serves_clusters_engaged_before_and_after(
         fixture(&c.client().unwrap()).await;
     }
     let (c0, c1) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("cluster-0"), c0.client().unwrap()))
-        .unwrap();
+    let clusters = clusters_of([("cluster-0", c0.client().unwrap())]);
     let manager = Arc::new(Manager::new(clusters.clone()));
     manager.index_field::<ConfigMap>("type", label_type);
     let run = spawn_manager(&manager);
@@ -405,10 +390,7 @@ async fn debounce_folds_a_burst_of_changes_into_one_reconcile_in_fleet_mode() {
     let env = TestEnv::start().await.unwrap();
     let client = env.cluster(0).unwrap().client().unwrap();
     fixture(&client).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -470,10 +452,7 @@ async fn a_reconcile_waiting_on_its_context_is_told_when_its_cluster_leaves() {
     let env = TestEnv::start().await.unwrap();
     let client = env.cluster(0).unwrap().client().unwrap();
     fixture(&client).await;
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters.clone()));
     let state = Arc::new(Waiting::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
@@ -576,10 +555,7 @@ async fn a_provider_cluster_with_the_local_clusters_id_is_refused_by_the_fleet()
         )
         .await
         .unwrap();
-    let clusters = Clusters::new();
-    clusters
-        .add(Cluster::new(name("twin"), other.clone()))
-        .unwrap();
+    let clusters = clusters_of([("twin", other.clone())]);
     let manager =
         Arc::new(Manager::new(clusters).with_local(Cluster::new(name("twin"), local.clone())));
     let seen = Arc::new(Seen::default());

@@ -351,10 +351,7 @@ async fn a_related_kind_filtered_by_a_predicate_triggers_on_the_changes_it_passe
     let env = TestEnv::start().await.unwrap();
     let client = env.cluster(0).unwrap().client().unwrap();
     fixture(&client).await;
-    let clusters = Clusters::<ClusterName>::new();
-    clusters
-        .add(Cluster::new(name("c0"), client.clone()))
-        .unwrap();
+    let clusters = clusters_of([("c0", client.clone())]);
     let manager = Arc::new(Manager::new(clusters));
     let seen = Arc::new(Seen::default());
     Builder::<_, ConfigMap>::new(&manager, fixture_objects())
