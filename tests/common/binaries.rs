@@ -1,6 +1,5 @@
 //! The crate's binaries, built once: the example operator and `mcr`.
 
-
 /// The example binary, built (or found fresh) in this test's target directory.
 pub fn operator_binary() -> std::path::PathBuf {
     built(&["--all-features", "--example", "operator"])
