@@ -58,19 +58,18 @@ where
         Err(error) => format!("the review cannot be read: {error}"),
     };
     // Answered with the request's uid when it can be read: a denial the user reads, not a
-    // broken webhook (which `failurePolicy: Ignore` would let through).
-    #[derive(serde::Deserialize)]
-    struct Uid {
-        request: Option<UidOnly>,
-    }
-    #[derive(serde::Deserialize)]
-    struct UidOnly {
-        uid: String,
-    }
-    let uid = serde_json::from_slice::<Uid>(body)
+    // broken webhook (which `failurePolicy: Ignore` would let through). Read as any JSON
+    // reader would, whatever else is wrong with the body: a key given twice counts once, its
+    // last value (a struct's fields would refuse the body, and the uid with it).
+    let uid = serde_json::from_slice::<serde_json::Value>(body)
         .ok()
-        .and_then(|u| u.request)
-        .map(|r| r.uid)
+        .and_then(|review| {
+            review
+                .get("request")?
+                .get("uid")?
+                .as_str()
+                .map(str::to_string)
+        })
         .unwrap_or_default();
     let mut response = AdmissionResponse::invalid(format!("webhook {}: {error}", settings.name));
     response.uid = uid;
@@ -394,5 +393,32 @@ mod tests {
                 .0
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn an_unreadable_review_with_a_key_given_twice_is_denied_under_the_last_uid() {
+        use futures::FutureExt;
+        let settings = Settings {
+            name: Arc::from("v.example.com"),
+            failure_policy: FailurePolicy::Ignore,
+        };
+        let handle = validating(
+            settings,
+            |_: Review<crate::cluster::ClusterName, k8s_openapi::api::core::v1::ConfigMap>| async {
+                Ok::<_, String>(Verdict::allow())
+            },
+        );
+        // `kind` a string, not a group-version-kind: unreadable as a review; `request` twice.
+        let body = r#"{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "first", "kind": "ConfigMap"},
+            "request": {"uid": "u-1", "kind": "ConfigMap"}}"#;
+        let answer = handle("east".into(), bytes::Bytes::from(body))
+            .now_or_never()
+            .unwrap();
+        let review: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+        let response = &review["response"];
+        assert_eq!(response["uid"], "u-1", "{review}");
+        assert_eq!(response["allowed"], false, "{review}");
+        assert_eq!(response["status"]["code"], 400, "{review}");
     }
 }
