@@ -817,7 +817,6 @@ mod tests {
                     };
                     let stopped = stop.clone();
                     Running::spawn(
-                        stage,
                         stop,
                         async move {
                             if ends_with.is_ok() {

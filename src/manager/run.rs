@@ -88,12 +88,13 @@ impl<P: Provider> Manager<P> {
 
     /// Every registered component prepared (settings checked, addresses bound), in the order
     /// they start: refused before anything starts if one cannot.
-    async fn prepare_components(&self) -> Result<Vec<Start<P::Id>>, ManagerError> {
+    async fn prepare_components(&self) -> Result<Vec<(Stage, Start<P::Id>)>, ManagerError> {
         let mut components = lock(&self.components).clone();
         components.sort_by_key(|c| c.stage());
         let mut prepared = Vec::with_capacity(components.len());
         for component in &components {
-            prepared.push(component.prepare(self.local.as_ref()).await?);
+            let start = component.prepare(self.local.as_ref()).await?;
+            prepared.push((component.stage(), start));
         }
         Ok(prepared)
     }
@@ -158,8 +159,8 @@ struct Run<'a, P: Provider> {
     campaign: Campaign,
     /// What components are started with (those added while the run goes on too).
     starting: Starting<P::Id>,
-    /// The components started, in [`Stage`] order.
-    components: Vec<Running>,
+    /// The components started, in [`Stage`] order, each with its stage.
+    components: Vec<(Stage, Running)>,
     local: Option<Engagement<P::Id>>,
     /// Last, so that it is dropped last when the run is.
     abandoned: Abandoned<'a, P>,
@@ -258,7 +259,7 @@ impl<'a, P: Provider> Run<'a, P> {
         };
         let components = prepared
             .into_iter()
-            .map(|start| start(&mut starting))
+            .map(|(stage, start)| (stage, start(&mut starting)))
             .collect();
         // Leadership: without an election, controllers run from the start.
         let campaign = Campaign::start(election, lease_tenure);
@@ -288,7 +289,7 @@ impl<'a, P: Provider> Run<'a, P> {
     /// Follows the run until something stops it: a shutdown (`Ok`), or a failure.
     async fn until_stopped(&mut self) -> Result<(), ManagerError> {
         loop {
-            let components_run = self.components.iter().any(Running::running);
+            let components_run = self.components.iter().any(|(_, c)| c.running());
             let stopped = tokio::select! {
                 () = self.shutdown.cancelled() => Some(Ok(())),
                 res = &mut self.provider, if !self.provider_done => {
@@ -309,7 +310,7 @@ impl<'a, P: Provider> Run<'a, P> {
                 Some(joined) = self.shared_term.controllers.join_next(), if !self.shared_term.controllers.is_empty() => {
                     controller_panic(joined).err().map(Err)
                 }
-                (_, ended) = component::next_end(&mut self.components), if components_run => {
+                ended = component::next_end(&mut self.components), if components_run => {
                     ended.err().map(|failure| {
                         let error = ManagerError::from(failure);
                         tracing::error!(%error, "shutting down");
@@ -339,7 +340,8 @@ impl<'a, P: Provider> Run<'a, P> {
             }
             Job::Component(component) => {
                 let start = component.prepare(self.manager.local.as_ref()).await?;
-                self.components.push(start(&mut self.starting));
+                let running = start(&mut self.starting);
+                self.components.push((component.stage(), running));
             }
         }
         Ok(())
@@ -466,7 +468,7 @@ impl<'a, P: Provider> Run<'a, P> {
 
     /// Tells the components of `stage` to stop.
     fn stop(&self, stage: Stage) {
-        for component in self.components.iter().filter(|c| c.stage() == stage) {
+        for (_, component) in self.components.iter().filter(|(s, _)| *s == stage) {
             component.stop();
         }
     }
@@ -474,7 +476,7 @@ impl<'a, P: Provider> Run<'a, P> {
     /// Stops the components of `stage` and waits for them (a failure now is logged only).
     async fn end(&mut self, stage: Stage) {
         self.stop(stage);
-        for component in self.components.iter_mut().filter(|c| c.stage() == stage) {
+        for (_, component) in self.components.iter_mut().filter(|(s, _)| *s == stage) {
             if let Err(failure) = component.join().await {
                 tracing::warn!(error = %ManagerError::from(failure), "while shutting down");
             }
@@ -509,7 +511,7 @@ impl<'a, P: Provider> Run<'a, P> {
             let controllers = async { while term.controllers.join_next().await.is_some() {} };
             let shared = async { while shared_term.controllers.join_next().await.is_some() {} };
             let work = async {
-                for component in components.iter_mut().filter(|c| c.stage() == Stage::Work) {
+                for (_, component) in components.iter_mut().filter(|(s, _)| *s == Stage::Work) {
                     let _ = component.join().await;
                 }
             };
@@ -545,10 +547,10 @@ impl<'a, P: Provider> Run<'a, P> {
         if drained.is_err() {
             let work = components
                 .iter_mut()
-                .filter(|c| c.stage() == Stage::Work && c.running());
+                .filter(|(s, c)| *s == Stage::Work && c.running());
             let mut remaining =
                 tasks.len() + term.controllers.len() + shared_term.controllers.len();
-            for component in work {
+            for (_, component) in work {
                 component.abort();
                 remaining += 1;
             }

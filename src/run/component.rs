@@ -99,9 +99,8 @@ pub(crate) struct ShardedTerm {
     pub(crate) abort: CancellationToken,
 }
 
-/// A component that has started.
+/// A component that has started (the run keeps it with its component's [`Stage`]).
 pub(crate) struct Running {
-    stage: Stage,
     /// Stops it.
     stop: CancellationToken,
     /// Its task, until it has ended: `Err` ends the run.
@@ -113,21 +112,15 @@ pub(crate) struct Running {
 impl Running {
     /// `task` on its own tokio task, stopped by `stop`; a panic in it is `panicked`.
     pub(crate) fn spawn(
-        stage: Stage,
         stop: CancellationToken,
         task: impl Future<Output = Result<(), Failure>> + Send + 'static,
         panicked: fn(String) -> Failure,
     ) -> Self {
         Self {
-            stage,
             stop,
             task: Some(AbortOnDropHandle::new(tokio::spawn(task))),
             panicked,
         }
-    }
-
-    pub(crate) fn stage(&self) -> Stage {
-        self.stage
     }
 
     /// Whether its task still runs (as far as the run has seen).
@@ -170,11 +163,11 @@ impl Running {
     }
 }
 
-/// Waits for the first of `components` still running to end; `(its index, how it ended)`.
-/// Never completes while none runs.
-pub(crate) async fn next_end(components: &mut [Running]) -> (usize, Result<(), Failure>) {
+/// Waits for the first of `components` still running to end; how it ended. Never completes
+/// while none runs.
+pub(crate) async fn next_end(components: &mut [(Stage, Running)]) -> Result<(), Failure> {
     let (index, joined) = std::future::poll_fn(|cx| {
-        for (index, component) in components.iter_mut().enumerate() {
+        for (index, (_, component)) in components.iter_mut().enumerate() {
             if let Some(task) = component.task.as_mut()
                 && let std::task::Poll::Ready(joined) = Pin::new(task).poll(cx)
             {
@@ -184,9 +177,9 @@ pub(crate) async fn next_end(components: &mut [Running]) -> (usize, Result<(), F
         std::task::Poll::Pending
     })
     .await;
-    let component = &mut components[index];
+    let (_, component) = &mut components[index];
     component.task = None;
-    (index, component.joined(joined))
+    component.joined(joined)
 }
 
 /// Why a component refused to start or ended a run (the manager's error says it in its own
@@ -230,7 +223,6 @@ impl<C: ClusterId> Component<C> for Standby<C> {
             let start: Start<C> = Box::new(move |starting: &mut Starting<C>| {
                 let task = factory(starting.env.clone());
                 Running::spawn(
-                    Stage::Work,
                     starting.env.shutdown.clone(),
                     async move {
                         task.await;

@@ -85,7 +85,6 @@ impl<C: ClusterId> Component<C> for EndpointsComponent {
                 let stop = CancellationToken::new();
                 let serving = super::serve(listener, tls, served, stop.clone());
                 Running::spawn(
-                    Stage::Serving,
                     stop,
                     async move {
                         serving.await;

@@ -50,14 +50,14 @@ impl<C: ClusterId> Component<C> for ShardingComponent {
                 let shutdown = starting.env.shutdown.clone();
                 let stopped = stop.clone();
                 Running::spawn(
-                    Stage::Membership,
                     stop,
                     async move {
                         let mut unexpected = Unexpected(Some(term));
                         let coordinator = coordinator.run(stopped.clone(), shutdown).await;
                         if !stopped.is_cancelled() {
+                            // The guard, dropped now, ends the sharded term.
                             let reason = "it ended".to_string();
-                            unexpected.end(&reason);
+                            tracing::error!(%reason, "the sharding coordinator stopped; dropping the sharded controllers' work and shutting down");
                             return Err(Failure::Sharding(reason));
                         }
                         unexpected.0 = None;
@@ -78,19 +78,9 @@ impl<C: ClusterId> Component<C> for ShardingComponent {
 /// duration has passed, so the work is dropped now rather than drained.
 struct Unexpected(Option<ShardedTerm>);
 
-impl Unexpected {
-    fn end(&mut self, reason: &str) {
-        if let Some(term) = self.0.take() {
-            tracing::error!(%reason, "the sharding coordinator stopped; dropping the sharded controllers' work and shutting down");
-            term.tenure.end();
-            term.abort.cancel();
-        }
-    }
-}
-
 impl Drop for Unexpected {
     fn drop(&mut self) {
-        // A panic (the run says which), or the run dropped: its work is dropped with it.
+        // It ended on its own (said above), panicked (said here) or the run was dropped.
         if let Some(term) = self.0.take() {
             if std::thread::panicking() {
                 tracing::error!(

@@ -162,7 +162,6 @@ impl<C: ClusterId> Component<C> for WebhookServer<C> {
                 let serving = super::serve(listener, shared, stop.clone(), drain);
                 let served_at = this.served_at;
                 Running::spawn(
-                    Stage::Admission,
                     stop,
                     async move {
                         // Each on a task of its own (a panic in one leaves the other be).

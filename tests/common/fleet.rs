@@ -123,13 +123,16 @@ pub async fn identity<P: multicluster_runtime::Provider<Id = multicluster_runtim
 
 /// A `Clusters` provider holding each `(name, client)` as a cluster of that name: the fleet
 /// most tests run a manager on.
-pub fn clusters_of<'a>(
-    members: impl IntoIterator<Item = (&'a str, kube::Client)>,
+pub fn clusters_of(
+    members: impl IntoIterator<Item = (impl AsRef<str>, kube::Client)>,
 ) -> multicluster_runtime::providers::Clusters<multicluster_runtime::ClusterName> {
     let clusters = multicluster_runtime::providers::Clusters::new();
     for (id, client) in members {
         clusters
-            .add(multicluster_runtime::Cluster::new(name(id), client))
+            .add(multicluster_runtime::Cluster::new(
+                name(id.as_ref()),
+                client,
+            ))
             .unwrap();
     }
     clusters
@@ -139,16 +142,10 @@ pub fn clusters_of<'a>(
 pub fn clusters_of_env(
     env: &multicluster_runtime_testenv::TestEnv,
 ) -> multicluster_runtime::providers::Clusters<multicluster_runtime::ClusterName> {
-    let names: Vec<String> = env
-        .clusters()
-        .iter()
-        .map(|c| c.name().to_string())
-        .collect();
     clusters_of(
         env.clusters()
             .iter()
-            .zip(&names)
-            .map(|(c, n)| (n.as_str(), c.client().unwrap())),
+            .map(|c| (c.name().to_string(), c.client().unwrap())),
     )
 }
 
