@@ -1,0 +1,200 @@
+//! Patches: JSON merge (RFC 7386), JSON patch (RFC 6902) and strategic merge for built-in kinds.
+
+use serde_json::{Map, Value};
+
+use crate::kinds::Resource;
+use crate::status::ApiError;
+
+/// The patch types the server reads, from the request's content type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PatchType {
+    Merge,
+    Json,
+    Strategic,
+    Apply,
+}
+
+impl PatchType {
+    pub(crate) fn from_content_type(content_type: &str) -> Option<Self> {
+        match content_type.split(';').next().unwrap_or("").trim() {
+            "application/merge-patch+json" => Some(PatchType::Merge),
+            "application/json-patch+json" => Some(PatchType::Json),
+            "application/strategic-merge-patch+json" => Some(PatchType::Strategic),
+            "application/apply-patch+yaml" | "application/apply-patch+cbor" => Some(PatchType::Apply),
+            _ => None,
+        }
+    }
+}
+
+/// `current` with a merge, JSON or strategic patch applied.
+pub(crate) fn apply(kind: PatchType, resource: &Resource, current: &Value, patch: &[u8]) -> Result<Value, ApiError> {
+    match kind {
+        PatchType::Merge => {
+            let patch: Value = serde_json::from_slice(patch).map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
+            if !patch.is_object() {
+                return Err(ApiError::bad_request("error decoding patch: the patch is not a JSON object"));
+            }
+            let mut out = current.clone();
+            json_patch::merge(&mut out, &patch);
+            Ok(out)
+        }
+        PatchType::Json => {
+            let patch: json_patch::Patch =
+                serde_json::from_slice(patch).map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
+            let mut out = current.clone();
+            json_patch::patch(&mut out, &patch).map_err(|e| ApiError::unprocessable(e.to_string()))?;
+            Ok(out)
+        }
+        PatchType::Strategic => {
+            if resource.custom {
+                return Err(ApiError::unsupported_media_type("application/strategic-merge-patch+json"));
+            }
+            let patch: Value = serde_json::from_slice(patch).map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
+            let Value::Object(patch) = patch else {
+                return Err(ApiError::bad_request("error decoding patch: the patch is not a JSON object"));
+            };
+            let mut out = current.clone();
+            strategic_map(&mut out, patch, resource.merge_keys);
+            Ok(out)
+        }
+        // Server-side apply has its own module; it never reaches here.
+        PatchType::Apply => Err(ApiError::unsupported_media_type("application/apply-patch+yaml")),
+    }
+}
+
+/// The merge key of a list field, `Some("")` for a list of scalars merged as a set.
+fn merge_key<'a>(keys: &'a [(&'static str, &'static str)], field: &str) -> Option<&'a str> {
+    keys.iter().find(|(f, _)| *f == field).map(|(_, k)| *k)
+}
+
+fn strategic_map(target: &mut Value, mut patch: Map<String, Value>, keys: &[(&'static str, &'static str)]) {
+    if patch.get("$patch").and_then(Value::as_str) == Some("replace") {
+        patch.remove("$patch");
+        *target = Value::Object(patch);
+        return;
+    }
+    if !target.is_object() {
+        *target = Value::Object(Map::new());
+    }
+    let Value::Object(map) = target else { return };
+    if let Some(Value::Array(retain)) = patch.remove("$retainKeys") {
+        let keep: Vec<&str> = retain.iter().filter_map(Value::as_str).collect();
+        map.retain(|k, _| keep.contains(&k.as_str()));
+    }
+    let directives: Vec<String> = patch.keys().filter(|k| k.starts_with('$')).cloned().collect();
+    for d in directives {
+        let value = patch.remove(&d);
+        if let (Some(field), Some(Value::Array(values))) = (d.strip_prefix("$deleteFromPrimitiveList/"), value) {
+            if let Some(Value::Array(list)) = map.get_mut(field) {
+                list.retain(|v| !values.contains(v));
+            }
+        }
+        // `$setElementOrder/…` and unknown directives only order or annotate; dropped.
+    }
+    for (field, value) in patch {
+        match value {
+            Value::Null => {
+                map.remove(&field);
+            }
+            Value::Object(sub) if sub.get("$patch").and_then(Value::as_str) == Some("delete") => {
+                map.remove(&field);
+            }
+            Value::Object(sub) => strategic_map(map.entry(field).or_insert(Value::Null), sub, keys),
+            Value::Array(items) => match merge_key(keys, &field) {
+                Some("") => {
+                    let list = map.entry(field).or_insert_with(|| Value::Array(Vec::new()));
+                    if let Value::Array(list) = list {
+                        for item in items {
+                            if !list.contains(&item) {
+                                list.push(item);
+                            }
+                        }
+                    }
+                }
+                Some(key) => {
+                    let entry = map.entry(field).or_insert_with(|| Value::Array(Vec::new()));
+                    if !entry.is_array() {
+                        *entry = Value::Array(Vec::new());
+                    }
+                    if let Value::Array(list) = entry {
+                        merge_list(list, items, key, keys);
+                    }
+                }
+                None => {
+                    map.insert(field, Value::Array(items));
+                }
+            },
+            other => {
+                map.insert(field, other);
+            }
+        }
+    }
+}
+
+fn merge_list(list: &mut Vec<Value>, items: Vec<Value>, key: &str, keys: &[(&'static str, &'static str)]) {
+    if items.iter().any(|i| i.get("$patch").and_then(Value::as_str) == Some("replace")) {
+        *list = items.into_iter().filter(|i| i.get("$patch").is_none()).collect();
+        return;
+    }
+    for item in items {
+        let Value::Object(mut fields) = item else { continue };
+        let id = fields.get(key).cloned();
+        let at = id.as_ref().and_then(|id| list.iter().position(|e| e.get(key) == Some(id)));
+        if fields.get("$patch").and_then(Value::as_str) == Some("delete") {
+            if let Some(i) = at {
+                list.remove(i);
+            }
+            continue;
+        }
+        fields.remove("$patch");
+        match at {
+            Some(i) => strategic_map(&mut list[i], fields, keys),
+            None => {
+                let mut fresh = Value::Object(Map::new());
+                strategic_map(&mut fresh, fields, keys);
+                list.push(fresh);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod() -> Resource {
+        Resource::of::<k8s_openapi::api::core::v1::Pod>()
+    }
+
+    #[test]
+    fn a_strategic_patch_merges_containers_by_name_and_keeps_the_others() {
+        let current = json!({"spec": {"containers": [{"name": "a", "image": "x"}, {"name": "b", "image": "y"}]}});
+        let patch = json!({"spec": {"containers": [{"name": "b", "image": "z"}, {"name": "c", "image": "w"}]}});
+        let out = apply(PatchType::Strategic, &pod(), &current, patch.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            out["spec"]["containers"],
+            json!([{"name": "a", "image": "x"}, {"name": "b", "image": "z"}, {"name": "c", "image": "w"}])
+        );
+    }
+
+    #[test]
+    fn a_strategic_patch_deletes_by_key_and_merges_finalizers_as_a_set() {
+        let current = json!({"metadata": {"finalizers": ["a"]}, "spec": {"containers": [{"name": "a"}, {"name": "b"}]}});
+        let patch = json!({
+            "metadata": {"finalizers": ["a", "b"]},
+            "spec": {"containers": [{"name": "a", "$patch": "delete"}]}
+        });
+        let out = apply(PatchType::Strategic, &pod(), &current, patch.to_string().as_bytes()).unwrap();
+        assert_eq!(out["spec"]["containers"], json!([{"name": "b"}]));
+        assert_eq!(out["metadata"]["finalizers"], json!(["a", "b"]));
+    }
+
+    #[test]
+    fn a_strategic_patch_of_a_custom_resource_is_refused() {
+        let mut r = pod();
+        r.custom = true;
+        let e = apply(PatchType::Strategic, &r, &json!({}), b"{}").unwrap_err();
+        assert_eq!(e.code, 415);
+    }
+}

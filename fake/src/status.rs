@@ -1,0 +1,174 @@
+//! The API server's errors, as `Status` objects with the codes, reasons and messages a real
+//! server gives.
+
+use serde_json::{Value, json};
+
+use crate::kinds::Resource;
+
+/// An answer other than success: a `Status` with an HTTP code.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ApiError {
+    pub(crate) code: u16,
+    pub(crate) reason: &'static str,
+    pub(crate) message: String,
+    pub(crate) details: Option<Value>,
+}
+
+impl ApiError {
+    pub(crate) fn to_status(&self) -> Value {
+        let mut status = json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        });
+        if let Some(details) = &self.details {
+            status["details"] = details.clone();
+        }
+        if self.reason.is_empty() {
+            if let Some(s) = status.as_object_mut() {
+                s.remove("reason");
+            }
+        }
+        status
+    }
+
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
+        ApiError { code: 400, reason: "BadRequest", message: message.into(), details: None }
+    }
+
+    pub(crate) fn not_found_path() -> Self {
+        ApiError {
+            code: 404,
+            reason: "NotFound",
+            message: "the server could not find the requested resource".to_owned(),
+            details: Some(json!({})),
+        }
+    }
+
+    pub(crate) fn not_found(resource: &Resource, name: &str) -> Self {
+        ApiError {
+            code: 404,
+            reason: "NotFound",
+            message: format!("{} \"{}\" not found", resource.qualified(), name),
+            details: Some(details(resource, name)),
+        }
+    }
+
+    pub(crate) fn namespace_not_found(name: &str) -> Self {
+        ApiError {
+            code: 404,
+            reason: "NotFound",
+            message: format!("namespaces \"{name}\" not found"),
+            details: Some(json!({"name": name, "kind": "namespaces"})),
+        }
+    }
+
+    pub(crate) fn already_exists(resource: &Resource, name: &str) -> Self {
+        ApiError {
+            code: 409,
+            reason: "AlreadyExists",
+            message: format!("{} \"{}\" already exists", resource.qualified(), name),
+            details: Some(details(resource, name)),
+        }
+    }
+
+    pub(crate) fn conflict(resource: &Resource, name: &str, why: &str) -> Self {
+        ApiError {
+            code: 409,
+            reason: "Conflict",
+            message: format!("Operation cannot be fulfilled on {} \"{}\": {}", resource.qualified(), name, why),
+            details: Some(details(resource, name)),
+        }
+    }
+
+    pub(crate) fn modified(resource: &Resource, name: &str) -> Self {
+        Self::conflict(
+            resource,
+            name,
+            "the object has been modified; please apply your changes to the latest version and try again",
+        )
+    }
+
+    pub(crate) fn invalid(resource: &Resource, name: &str, causes: &[(&str, &str, String)]) -> Self {
+        let text: Vec<String> = causes.iter().map(|(field, _, message)| format!("{field}: {message}")).collect();
+        let causes: Vec<Value> = causes
+            .iter()
+            .map(|(field, reason, message)| json!({"reason": reason, "message": message, "field": field}))
+            .collect();
+        let mut d = json!({"name": name, "kind": resource.kind, "causes": causes});
+        if !resource.group.is_empty() {
+            d["group"] = json!(resource.group);
+        }
+        let kind = if resource.group.is_empty() { resource.kind.clone() } else { format!("{}.{}", resource.kind, resource.group) };
+        ApiError {
+            code: 422,
+            reason: "Invalid",
+            message: format!("{kind} \"{name}\" is invalid: {}", join_causes(&text)),
+            details: Some(d),
+        }
+    }
+
+    pub(crate) fn forbidden(resource: &Resource, name: &str, why: &str) -> Self {
+        ApiError {
+            code: 403,
+            reason: "Forbidden",
+            message: format!("{} \"{}\" is forbidden: {}", resource.qualified(), name, why),
+            details: Some(details(resource, name)),
+        }
+    }
+
+    pub(crate) fn method_not_allowed() -> Self {
+        ApiError {
+            code: 405,
+            reason: "MethodNotAllowed",
+            message: "the server does not allow this method on the requested resource".to_owned(),
+            details: Some(json!({})),
+        }
+    }
+
+    pub(crate) fn unsupported_media_type(content_type: &str) -> Self {
+        ApiError {
+            code: 415,
+            reason: "UnsupportedMediaType",
+            message: format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml; got {content_type}"),
+            details: None,
+        }
+    }
+
+    pub(crate) fn expired(message: impl Into<String>) -> Self {
+        ApiError { code: 410, reason: "Expired", message: message.into(), details: None }
+    }
+
+    pub(crate) fn too_many_requests() -> Self {
+        ApiError {
+            code: 429,
+            reason: "TooManyRequests",
+            message: "Too many requests, please try again later.".to_owned(),
+            details: Some(json!({"retryAfterSeconds": 1})),
+        }
+    }
+
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        ApiError { code: 500, reason: "InternalError", message: message.into(), details: None }
+    }
+
+    pub(crate) fn unprocessable(message: impl Into<String>) -> Self {
+        ApiError { code: 422, reason: "UnprocessableEntity", message: message.into(), details: None }
+    }
+}
+
+fn join_causes(text: &[String]) -> String {
+    if text.len() == 1 { text[0].clone() } else { format!("[{}]", text.join(", ")) }
+}
+
+fn details(resource: &Resource, name: &str) -> Value {
+    let mut d = json!({"name": name, "kind": resource.plural});
+    if !resource.group.is_empty() {
+        d["group"] = json!(resource.group);
+    }
+    d
+}
