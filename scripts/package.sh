@@ -37,7 +37,7 @@ check() {
     grep -qx "$required" <<<"$list" || { echo "$crate: $required is missing from the package" >&2; status=1; }
   done
   local unwanted
-  unwanted=$(grep -E '^(tests|benches|examples|scripts|deploy|fuzz|target|testenv|cli|\.ci|\.github)/|^BENCHMARKS\.md$|^docs/benchmarks/|^Containerfile$|\.crate$' <<<"$list" || true)
+  unwanted=$(grep -E '^(tests|benches|examples|scripts|deploy|fuzz|target|testenv|cli|fake|\.ci|\.github)/|^BENCHMARKS\.md$|^docs/benchmarks/|^Containerfile$|\.crate$' <<<"$list" || true)
   if [ -n "$unwanted" ]; then
     echo "$crate: the package holds files that are not for users:" >&2
     echo "$unwanted" >&2
@@ -52,4 +52,5 @@ check() {
 check multicluster-runtime Cargo.toml README.md LICENSE CHANGELOG.md src/lib.rs docs/getting-started.md
 check multicluster-runtime-testenv Cargo.toml README.md LICENSE src/lib.rs build-assets.sh
 check multicluster-runtime-cli Cargo.toml README.md LICENSE src/main.rs
+check multicluster-runtime-fake Cargo.toml README.md LICENSE src/lib.rs
 exit $status

@@ -5,7 +5,16 @@ use serde_json::{Value, json};
 
 use crate::kinds::{Registry, Resource};
 
-const VERBS: &[&str] = &["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"];
+const VERBS: &[&str] = &[
+    "create",
+    "delete",
+    "deletecollection",
+    "get",
+    "list",
+    "patch",
+    "update",
+    "watch",
+];
 
 pub(crate) fn version() -> Value {
     json!({
@@ -22,7 +31,10 @@ pub(crate) fn version() -> Value {
 }
 
 fn served(registry: &Registry) -> impl Iterator<Item = &Resource> {
-    registry.iter().map(|(_, r)| r).filter(|r| !r.versions.is_empty())
+    registry
+        .iter()
+        .map(|(_, r)| r)
+        .filter(|r| !r.versions.is_empty())
 }
 
 /// The groups (other than the core group) and their versions, in the order first served.
@@ -53,8 +65,10 @@ pub(crate) fn group_list(registry: &Registry) -> Value {
     let groups: Vec<Value> = groups(registry)
         .into_iter()
         .map(|(name, versions)| {
-            let vs: Vec<Value> =
-                versions.iter().map(|v| json!({"groupVersion": format!("{name}/{v}"), "version": v})).collect();
+            let vs: Vec<Value> = versions
+                .iter()
+                .map(|v| json!({"groupVersion": format!("{name}/{v}"), "version": v}))
+                .collect();
             json!({"name": name, "versions": vs, "preferredVersion": vs[0]})
         })
         .collect();
@@ -64,7 +78,9 @@ pub(crate) fn group_list(registry: &Registry) -> Value {
 /// `/api/v1` or `/apis/{group}/{version}`; `None` when the group version is not served.
 pub(crate) fn resource_list(registry: &Registry, group: &str, version: &str) -> Option<Value> {
     let mut resources = Vec::new();
-    for r in served(registry).filter(|r| r.group == group && r.versions.iter().any(|v| v == version)) {
+    for r in
+        served(registry).filter(|r| r.group == group && r.versions.iter().any(|v| v == version))
+    {
         resources.push(json!({
             "name": r.plural,
             "singularName": r.singular,
@@ -85,14 +101,23 @@ pub(crate) fn resource_list(registry: &Registry, group: &str, version: &str) -> 
     if resources.is_empty() {
         return None;
     }
-    let group_version = if group.is_empty() { version.to_owned() } else { format!("{group}/{version}") };
-    Some(json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}))
+    let group_version = if group.is_empty() {
+        version.to_owned()
+    } else {
+        format!("{group}/{version}")
+    };
+    Some(
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}),
+    )
 }
 
 /// The aggregated discovery document of `/api` (`core`) or `/apis`.
 pub(crate) fn aggregated(registry: &Registry, core: bool) -> Value {
-    let names: Vec<(String, Vec<String>)> =
-        if core { vec![(String::new(), vec!["v1".to_owned()])] } else { groups(registry) };
+    let names: Vec<(String, Vec<String>)> = if core {
+        vec![(String::new(), vec!["v1".to_owned()])]
+    } else {
+        groups(registry)
+    };
     let items: Vec<Value> = names
         .into_iter()
         .map(|(group, versions)| {

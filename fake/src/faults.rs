@@ -27,7 +27,10 @@ pub enum Verb {
 impl Verb {
     /// Whether this verb writes.
     pub fn writes(self) -> bool {
-        matches!(self, Verb::Create | Verb::Update | Verb::Patch | Verb::Delete | Verb::DeleteCollection)
+        matches!(
+            self,
+            Verb::Create | Verb::Update | Verb::Patch | Verb::Delete | Verb::DeleteCollection
+        )
     }
 }
 
@@ -52,13 +55,25 @@ pub struct Fault {
 impl Fault {
     /// Requests of `verb` (add more with [`Fault::or`]). Answers 500 every time until changed.
     pub fn on(verb: Verb) -> Self {
-        Fault { verbs: vec![verb], resource: None, name: None, status: 500, times: None }
+        Fault {
+            verbs: vec![verb],
+            resource: None,
+            name: None,
+            status: 500,
+            times: None,
+        }
     }
 
     /// Every write: create, update, patch, delete and delete-collection.
     pub fn writes() -> Self {
         Fault {
-            verbs: vec![Verb::Create, Verb::Update, Verb::Patch, Verb::Delete, Verb::DeleteCollection],
+            verbs: vec![
+                Verb::Create,
+                Verb::Update,
+                Verb::Patch,
+                Verb::Delete,
+                Verb::DeleteCollection,
+            ],
             ..Fault::on(Verb::Create)
         }
     }
@@ -140,7 +155,10 @@ pub(crate) struct Faults {
 impl Faults {
     /// The status a request answers with, if a fault takes it (counting the fault down).
     pub(crate) fn take(&mut self, verb: Verb, resource: &str, name: Option<&str>) -> Option<u16> {
-        let at = self.rules.iter().position(|f| f.matches(verb, resource, name))?;
+        let at = self
+            .rules
+            .iter()
+            .position(|f| f.matches(verb, resource, name))?;
         let status = self.rules[at].status;
         if let Some(n) = &mut self.rules[at].times {
             *n = n.saturating_sub(1);

@@ -26,16 +26,27 @@ pub type ResponseBody = UnsyncBoxBody<Bytes, io::Error>;
 
 fn json_response(code: u16, body: &Value) -> Response<ResponseBody> {
     let bytes = serde_json::to_vec(body).unwrap_or_default();
-    let mut response = Response::new(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed_unsync());
-    *response.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    let mut response = Response::new(
+        Full::new(Bytes::from(bytes))
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    *response.status_mut() =
+        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     response
 }
 
 fn error_response(e: &ApiError) -> Response<ResponseBody> {
     let mut response = json_response(e.code, &e.to_status());
     if e.code == 429 {
-        response.headers_mut().insert(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+        response.headers_mut().insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("1"),
+        );
     }
     response
 }
@@ -44,7 +55,9 @@ fn error_response(e: &ApiError) -> Response<ResponseBody> {
 pub(crate) fn fault_error(code: u16) -> ApiError {
     match code {
         429 => ApiError::too_many_requests(),
-        500 => ApiError::internal("an error on the server (\"injected by the fake\") has prevented the request from succeeding"),
+        500 => ApiError::internal(
+            "an error on the server (\"injected by the fake\") has prevented the request from succeeding",
+        ),
         _ => ApiError {
             code,
             reason: match code {
@@ -72,7 +85,10 @@ fn percent_decode(s: &str) -> String {
         match bytes[i] {
             b'+' => out.push(b' '),
             b'%' if i + 2 < bytes.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                match u8::from_str_radix(
+                    std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"),
+                    16,
+                ) {
                     Ok(b) => {
                         out.push(b);
                         i += 2;
@@ -106,7 +122,10 @@ impl Query {
     }
 
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     fn flag(&self, key: &str) -> bool {
@@ -129,8 +148,18 @@ fn route(shared: &Shared, path: &str) -> Result<Route, ApiError> {
         ["version"] => return Ok(Route::Version),
         ["api"] => return Ok(Route::CoreVersions),
         ["apis"] => return Ok(Route::Groups),
-        ["api", v] => return Ok(Route::Resources { group: String::new(), version: (*v).to_owned() }),
-        ["apis", g, v] => return Ok(Route::Resources { group: (*g).to_owned(), version: (*v).to_owned() }),
+        ["api", v] => {
+            return Ok(Route::Resources {
+                group: String::new(),
+                version: (*v).to_owned(),
+            });
+        }
+        ["apis", g, v] => {
+            return Ok(Route::Resources {
+                group: (*g).to_owned(),
+                version: (*v).to_owned(),
+            });
+        }
         ["api", v, rest @ ..] => ("", *v, rest),
         ["apis", g, v, rest @ ..] => (*g, *v, rest),
         _ => return Err(ApiError::not_found_path()),
@@ -147,7 +176,10 @@ fn route(shared: &Shared, path: &str) -> Result<Route, ApiError> {
         _ => return Err(ApiError::not_found_path()),
     };
     let store = shared.store();
-    let resource = store.registry.find(group, version, plural).ok_or_else(ApiError::not_found_path)?;
+    let resource = store
+        .registry
+        .find(group, version, plural)
+        .ok_or_else(ApiError::not_found_path)?;
     let r = store.registry.get(resource);
     if namespace.is_some() && !r.namespaced {
         return Err(ApiError::not_found_path());
@@ -188,7 +220,10 @@ fn verb_of(method: &Method, t: &Target, q: &Query) -> Option<Verb> {
 }
 
 /// Serves one request (faults first).
-pub(crate) async fn handle<B>(shared: std::sync::Arc<Shared>, req: Request<B>) -> Result<Response<ResponseBody>, io::Error>
+pub(crate) async fn handle<B>(
+    shared: std::sync::Arc<Shared>,
+    req: Request<B>,
+) -> Result<Response<ResponseBody>, io::Error>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: std::fmt::Display,
@@ -202,30 +237,51 @@ where
     let (parts, body) = req.into_parts();
     let body = match body.collect().await {
         Ok(b) => b.to_bytes(),
-        Err(e) => return Ok(error_response(&ApiError::bad_request(format!("reading the body: {e}")))),
+        Err(e) => {
+            return Ok(error_response(&ApiError::bad_request(format!(
+                "reading the body: {e}"
+            ))));
+        }
     };
     let q = Query::parse(parts.uri.query());
     let route = match route(&shared, parts.uri.path()) {
         Ok(r) => r,
         Err(e) => return Ok(error_response(&e)),
     };
-    let accept = parts.headers.get(http::header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let accept = parts
+        .headers
+        .get(http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let aggregated = accept.contains("as=APIGroupDiscoveryList");
     let t = match route {
         Route::Version => return Ok(json_response(200, &discovery::version())),
         Route::CoreVersions if aggregated => {
-            return Ok(aggregated_response(&discovery::aggregated(&shared.store().registry, true)));
+            return Ok(aggregated_response(&discovery::aggregated(
+                &shared.store().registry,
+                true,
+            )));
         }
         Route::CoreVersions => return Ok(json_response(200, &discovery::core_versions())),
         Route::Groups if aggregated => {
-            return Ok(aggregated_response(&discovery::aggregated(&shared.store().registry, false)));
+            return Ok(aggregated_response(&discovery::aggregated(
+                &shared.store().registry,
+                false,
+            )));
         }
-        Route::Groups => return Ok(json_response(200, &discovery::group_list(&shared.store().registry))),
+        Route::Groups => {
+            return Ok(json_response(
+                200,
+                &discovery::group_list(&shared.store().registry),
+            ));
+        }
         Route::Resources { group, version } => {
-            return Ok(match discovery::resource_list(&shared.store().registry, &group, &version) {
-                Some(list) => json_response(200, &list),
-                None => error_response(&ApiError::not_found_path()),
-            });
+            return Ok(
+                match discovery::resource_list(&shared.store().registry, &group, &version) {
+                    Some(list) => json_response(200, &list),
+                    None => error_response(&ApiError::not_found_path()),
+                },
+            );
         }
         Route::Objects(t) => t,
     };
@@ -243,7 +299,11 @@ where
     if let Some(code) = shared.faults().take(verb, &plural, t.name.as_deref()) {
         return Ok(error_response(&fault_error(code)));
     }
-    let content_type = parts.headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     Ok(match serve(&shared, verb, &t, &q, content_type, &body) {
         Ok(Served::Json(code, v)) => json_response(code, &v),
         Ok(Served::Watch(w)) => watch_response(&shared, w, &q),
@@ -255,7 +315,9 @@ fn aggregated_response(body: &Value) -> Response<ResponseBody> {
     let mut response = json_response(200, body);
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"),
+        http::HeaderValue::from_static(
+            "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList",
+        ),
     );
     response
 }
@@ -266,10 +328,16 @@ enum Served {
 }
 
 fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body of the request could not be decoded: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!("the body of the request could not be decoded: {e}"))
+    })
 }
 
-fn selectors(shared: &Shared, t: &Target, q: &Query) -> Result<(LabelSelector, FieldSelector), ApiError> {
+fn selectors(
+    shared: &Shared,
+    t: &Target,
+    q: &Query,
+) -> Result<(LabelSelector, FieldSelector), ApiError> {
     let labels = LabelSelector::parse(q.get("labelSelector").unwrap_or(""))
         .map_err(|e| ApiError::bad_request(format!("unable to parse requirement: {e}")))?;
     let (group, kind) = {
@@ -277,17 +345,28 @@ fn selectors(shared: &Shared, t: &Target, q: &Query) -> Result<(LabelSelector, F
         let r = store.registry.get(t.resource);
         (r.group.clone(), r.kind.clone())
     };
-    let extra = extra_fields(&group, &kind);
-    let supported = |f: &str| f == "metadata.name" || f == "metadata.namespace" || extra.contains(&f);
-    let fields = FieldSelector::parse(q.get("fieldSelector").unwrap_or(""), &supported).map_err(ApiError::bad_request)?;
+    let fields = FieldSelector::parse(
+        q.get("fieldSelector").unwrap_or(""),
+        extra_fields(&group, &kind),
+    )
+    .map_err(ApiError::bad_request)?;
     Ok((labels, fields))
 }
 
 fn write_options(q: &Query) -> WriteOptions {
-    WriteOptions { dry_run: q.get("dryRun") == Some("All") }
+    WriteOptions {
+        dry_run: q.get("dryRun") == Some("All"),
+    }
 }
 
-fn serve(shared: &Shared, verb: Verb, t: &Target, q: &Query, content_type: &str, body: &[u8]) -> Result<Served, ApiError> {
+fn serve(
+    shared: &Shared,
+    verb: Verb,
+    t: &Target,
+    q: &Query,
+    content_type: &str,
+    body: &[u8],
+) -> Result<Served, ApiError> {
     let name = t.name.as_deref().unwrap_or_default();
     match verb {
         Verb::Get => Ok(Served::Json(200, shared.store().get_object(t, name)?)),
@@ -297,8 +376,14 @@ fn serve(shared: &Shared, verb: Verb, t: &Target, q: &Query, content_type: &str,
                 labels,
                 fields,
                 limit: q.get("limit").and_then(|l| l.parse().ok()),
-                continue_token: q.get("continue").filter(|c| !c.is_empty()).map(str::to_owned),
-                resource_version: q.get("resourceVersion").filter(|c| !c.is_empty()).map(str::to_owned),
+                continue_token: q
+                    .get("continue")
+                    .filter(|c| !c.is_empty())
+                    .map(str::to_owned),
+                resource_version: q
+                    .get("resourceVersion")
+                    .filter(|c| !c.is_empty())
+                    .map(str::to_owned),
                 exact: q.get("resourceVersionMatch") == Some("Exact"),
             };
             Ok(Served::Json(200, shared.store().list(t, &o)?))
@@ -306,22 +391,32 @@ fn serve(shared: &Shared, verb: Verb, t: &Target, q: &Query, content_type: &str,
         Verb::Watch => open_watch(shared, t, q).map(Served::Watch),
         Verb::Create => {
             let body = parse_body(body)?;
-            Ok(Served::Json(201, shared.store().create(t, body, &write_options(q))?))
+            Ok(Served::Json(
+                201,
+                shared.store().create(t, body, &write_options(q))?,
+            ))
         }
         Verb::Update => {
             let mut body = parse_body(body)?;
             if t.subresource.as_deref() == Some("finalize") {
                 // A namespace's finalize writes its spec's finalizers only.
                 let spec = body.get("spec").cloned().unwrap_or(json!({}));
-                return Ok(Served::Json(200, shared.store().finalize_namespace(t, name, spec)?));
+                return Ok(Served::Json(
+                    200,
+                    shared.store().finalize_namespace(t, name, spec)?,
+                ));
             }
             if body.get("metadata").is_none() {
                 body["metadata"] = json!({});
             }
-            Ok(Served::Json(200, shared.store().update(t, name, body, &write_options(q))?))
+            Ok(Served::Json(
+                200,
+                shared.store().update(t, name, body, &write_options(q))?,
+            ))
         }
         Verb::Patch => {
-            let kind = PatchType::from_content_type(content_type).ok_or_else(|| ApiError::unsupported_media_type(content_type))?;
+            let kind = PatchType::from_content_type(content_type)
+                .ok_or_else(|| ApiError::unsupported_media_type(content_type))?;
             let mut store = shared.store();
             if kind == PatchType::Apply {
                 return Err(ApiError::unsupported_media_type(content_type));
@@ -330,17 +425,22 @@ fn serve(shared: &Shared, verb: Verb, t: &Target, q: &Query, content_type: &str,
             let r = store.registry.get(t.resource).clone();
             let mut patched = patch::apply(kind, &r, &current, body)?;
             // A patch writes over the version it read, unless it names one itself.
-            let patch_rv = serde_json::from_slice::<Value>(body)
-                .ok()
-                .and_then(|p| p.pointer("/metadata/resourceVersion").and_then(Value::as_str).map(str::to_owned));
-            if kind != PatchType::Json && patch_rv.is_none() {
-                if let Some(m) = patched.get_mut("metadata").and_then(Value::as_object_mut) {
-                    if let Some(rv) = current.pointer("/metadata/resourceVersion") {
-                        m.insert("resourceVersion".to_owned(), rv.clone());
-                    }
-                }
+            let patch_rv = serde_json::from_slice::<Value>(body).ok().and_then(|p| {
+                p.pointer("/metadata/resourceVersion")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            });
+            if kind != PatchType::Json
+                && patch_rv.is_none()
+                && let Some(m) = patched.get_mut("metadata").and_then(Value::as_object_mut)
+                && let Some(rv) = current.pointer("/metadata/resourceVersion")
+            {
+                m.insert("resourceVersion".to_owned(), rv.clone());
             }
-            Ok(Served::Json(200, store.update(t, name, patched, &write_options(q))?))
+            Ok(Served::Json(
+                200,
+                store.update(t, name, patched, &write_options(q))?,
+            ))
         }
         Verb::Delete => {
             let o = delete_options(q, body)?;
@@ -351,16 +451,31 @@ fn serve(shared: &Shared, verb: Verb, t: &Target, q: &Query, content_type: &str,
             let (labels, fields) = selectors(shared, t, q)?;
             let o = delete_options(q, body)?;
             let mut store = shared.store();
-            let list = store.list(t, &ListOptions { labels, fields, ..ListOptions::default() })?;
+            let list = store.list(
+                t,
+                &ListOptions {
+                    labels,
+                    fields,
+                    ..ListOptions::default()
+                },
+            )?;
             let mut deleted = Vec::new();
             for item in list["items"].as_array().cloned().unwrap_or_default() {
-                let name = item.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+                let name = item
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
                 let item_t = Target {
-                    namespace: item.pointer("/metadata/namespace").and_then(Value::as_str).map(str::to_owned),
+                    namespace: item
+                        .pointer("/metadata/namespace")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned),
                     ..t.clone()
                 };
-                if let Ok((_, v)) = store.delete(&item_t, &name, &o) {
-                    deleted.push(v);
+                // The answer lists each object as it was before its deletion.
+                if store.delete(&item_t, &name, &o).is_ok() {
+                    deleted.push(item);
                 }
             }
             let mut out = list;
@@ -371,8 +486,15 @@ fn serve(shared: &Shared, verb: Verb, t: &Target, q: &Query, content_type: &str,
 }
 
 fn delete_options(q: &Query, body: &[u8]) -> Result<DeleteOptions, ApiError> {
-    let b: Value = if body.is_empty() { json!({}) } else { parse_body(body)? };
-    let dry = b.get("dryRun").and_then(Value::as_array).is_some_and(|a| a.iter().any(|v| v == "All"));
+    let b: Value = if body.is_empty() {
+        json!({})
+    } else {
+        parse_body(body)?
+    };
+    let dry = b
+        .get("dryRun")
+        .and_then(Value::as_array)
+        .is_some_and(|a| a.iter().any(|v| v == "All"));
     Ok(DeleteOptions {
         dry_run: dry || q.get("dryRun") == Some("All"),
         propagation: b
@@ -380,15 +502,25 @@ fn delete_options(q: &Query, body: &[u8]) -> Result<DeleteOptions, ApiError> {
             .and_then(Value::as_str)
             .or(q.get("propagationPolicy"))
             .map(str::to_owned),
-        uid: b.pointer("/preconditions/uid").and_then(Value::as_str).map(str::to_owned),
-        resource_version: b.pointer("/preconditions/resourceVersion").and_then(Value::as_str).map(str::to_owned),
+        uid: b
+            .pointer("/preconditions/uid")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        resource_version: b
+            .pointer("/preconditions/resourceVersion")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
     })
 }
 
 /// Registers a watch and queues its first events: the objects that exist (from no version or
 /// "0"), or the changes after the version given (an ERROR event with 410 when they are no
 /// longer kept).
-fn open_watch(shared: &Shared, t: &Target, q: &Query) -> Result<mpsc::UnboundedReceiver<Bytes>, ApiError> {
+fn open_watch(
+    shared: &Shared,
+    t: &Target,
+    q: &Query,
+) -> Result<mpsc::UnboundedReceiver<Bytes>, ApiError> {
     let (labels, fields) = selectors(shared, t, q)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let mut store = shared.store();
@@ -405,9 +537,14 @@ fn open_watch(shared: &Shared, t: &Target, q: &Query) -> Result<mpsc::UnboundedR
         tx,
     };
     let send_initial = q.flag("sendInitialEvents");
-    match q.get("resourceVersion").filter(|v| !v.is_empty() && *v != "0") {
+    match q
+        .get("resourceVersion")
+        .filter(|v| !v.is_empty() && *v != "0")
+    {
         Some(rv) if !send_initial => {
-            let rv: u64 = rv.parse().map_err(|_| ApiError::bad_request(format!("invalid resource version: {rv}")))?;
+            let rv: u64 = rv
+                .parse()
+                .map_err(|_| ApiError::bad_request(format!("invalid resource version: {rv}")))?;
             match store.since(rv) {
                 Ok(changes) => {
                     for change in changes {
@@ -425,7 +562,10 @@ fn open_watch(shared: &Shared, t: &Target, q: &Query) -> Result<mpsc::UnboundedR
         _ => {
             for (key, object) in store.of(t.resource, t.namespace.as_deref()) {
                 if watcher.selects(key, object) {
-                    let _ = watcher.tx.send(watch_line("ADDED", &store.shown(t.resource, &t.version, object)));
+                    let _ = watcher.tx.send(watch_line(
+                        "ADDED",
+                        &store.shown(t.resource, &t.version, object),
+                    ));
                 }
             }
             if send_initial {
@@ -447,8 +587,15 @@ fn open_watch(shared: &Shared, t: &Target, q: &Query) -> Result<mpsc::UnboundedR
 
 /// A watch's answer: its events as they come, until the watch times out, the test cuts it or
 /// the server stops answering.
-fn watch_response(shared: &std::sync::Arc<Shared>, rx: mpsc::UnboundedReceiver<Bytes>, q: &Query) -> Response<ResponseBody> {
-    let timeout = q.get("timeoutSeconds").and_then(|s| s.parse::<u64>().ok()).map(Duration::from_secs);
+fn watch_response(
+    shared: &std::sync::Arc<Shared>,
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    q: &Query,
+) -> Response<ResponseBody> {
+    let timeout = q
+        .get("timeoutSeconds")
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(Duration::from_secs);
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let shared = shared.clone();
     let stream = futures::stream::unfold((rx, shared), move |(mut rx, shared)| async move {
@@ -462,10 +609,16 @@ fn watch_response(shared: &std::sync::Arc<Shared>, rx: mpsc::UnboundedReceiver<B
             Some(d) => tokio::time::timeout_at(d, next).await.ok().flatten(),
             None => next.await,
         }?;
-        Some((Ok::<_, io::Error>(http_body::Frame::data(line)), (rx, shared)))
+        Some((
+            Ok::<_, io::Error>(http_body::Frame::data(line)),
+            (rx, shared),
+        ))
     });
     let mut response = Response::new(StreamBody::new(stream.boxed()).boxed_unsync());
-    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     response
 }
 
@@ -479,13 +632,19 @@ impl Shared {
                 Answering::Refuse => {
                     return Err(io::Error::new(
                         io::ErrorKind::ConnectionRefused,
-                        format!("fake API server {} refused the connection (a fault the test injected)", self.name),
+                        format!(
+                            "fake API server {} refused the connection (a fault the test injected)",
+                            self.name
+                        ),
                     ));
                 }
                 Answering::Hang => {}
             }
             if rx.changed().await.is_err() {
-                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "fake API server dropped"));
+                return Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "fake API server dropped",
+                ));
             }
         }
     }
@@ -497,7 +656,10 @@ mod tests {
 
     #[test]
     fn query_values_are_percent_decoded() {
-        assert_eq!(percent_decode("app%3Dweb%2Ctier+in+%28a%29"), "app=web,tier in (a)");
+        assert_eq!(
+            percent_decode("app%3Dweb%2Ctier+in+%28a%29"),
+            "app=web,tier in (a)"
+        );
         assert_eq!(percent_decode("100%"), "100%");
     }
 }

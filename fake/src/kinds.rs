@@ -50,7 +50,11 @@ pub struct Resource {
 impl Resource {
     /// The `apiVersion` of `version`.
     pub fn api_version(&self, version: &str) -> String {
-        if self.group.is_empty() { version.to_owned() } else { format!("{}/{}", self.group, version) }
+        if self.group.is_empty() {
+            version.to_owned()
+        } else {
+            format!("{}/{}", self.group, version)
+        }
     }
 
     /// The storage version.
@@ -60,7 +64,11 @@ impl Resource {
 
     /// The name used in error messages: `configmaps`, `deployments.apps`.
     pub fn qualified(&self) -> String {
-        if self.group.is_empty() { self.plural.clone() } else { format!("{}.{}", self.plural, self.group) }
+        if self.group.is_empty() {
+            self.plural.clone()
+        } else {
+            format!("{}.{}", self.plural, self.group)
+        }
     }
 
     /// A built-in kind of k8s-openapi.
@@ -92,19 +100,26 @@ impl Resource {
         // The storage version first: it is the one objects are kept in.
         versions.sort_by_key(|v| !v.storage);
         let first = versions.first()?;
-        let status_subresource = first.subresources.as_ref().is_some_and(|s| s.status.is_some());
+        let status_subresource = first
+            .subresources
+            .as_ref()
+            .is_some_and(|s| s.status.is_some());
         Some(Resource {
             group: spec.group.clone(),
             versions: versions.iter().map(|v| v.name.clone()).collect(),
             kind: spec.names.kind.clone(),
             plural: spec.names.plural.clone(),
-            singular: spec.names.singular.clone().unwrap_or_else(|| spec.names.kind.to_ascii_lowercase()),
+            singular: spec
+                .names
+                .singular
+                .clone()
+                .unwrap_or_else(|| spec.names.kind.to_ascii_lowercase()),
             namespaced: spec.scope == "Namespaced",
             status_subresource,
             generation: true,
             custom: true,
             merge_keys: &[],
-            returns_deleted: true,
+            returns_deleted: false,
         })
     }
 }
@@ -113,7 +128,10 @@ impl Resource {
 /// registry strategies; the kinds not named have neither).
 fn builtin_traits(group: &str, kind: &str) -> (bool, bool) {
     match (group, kind) {
-        ("", "Namespace") | ("", "Node") | ("", "PersistentVolume") | ("", "PersistentVolumeClaim") => (true, false),
+        ("", "Namespace")
+        | ("", "Node")
+        | ("", "PersistentVolume")
+        | ("", "PersistentVolumeClaim") => (true, false),
         ("", "Pod") => (true, true),
         ("", "Service") | ("", "ReplicationController") => (true, true),
         ("apps", "Deployment" | "ReplicaSet" | "StatefulSet" | "DaemonSet") => (true, true),
@@ -123,9 +141,10 @@ fn builtin_traits(group: &str, kind: &str) -> (bool, bool) {
         ("networking.k8s.io", "Ingress") => (true, true),
         ("networking.k8s.io", "NetworkPolicy") => (false, true),
         ("apiextensions.k8s.io", "CustomResourceDefinition") => (true, true),
-        ("admissionregistration.k8s.io", "ValidatingWebhookConfiguration" | "MutatingWebhookConfiguration") => {
-            (false, true)
-        }
+        (
+            "admissionregistration.k8s.io",
+            "ValidatingWebhookConfiguration" | "MutatingWebhookConfiguration",
+        ) => (false, true),
         _ => (false, false),
     }
 }
@@ -147,11 +166,27 @@ fn builtin_merge_keys(kind: &str) -> &'static [(&'static str, &'static str)] {
         ("ownerReferences", "uid"),
         ("finalizers", ""),
     ];
-    const SERVICE: &[(&str, &str)] = &[("ports", "port"), ("conditions", "type"), ("ownerReferences", "uid")];
-    const ANY: &[(&str, &str)] = &[("conditions", "type"), ("ownerReferences", "uid")];
+    const SERVICE: &[(&str, &str)] = &[
+        ("ports", "port"),
+        ("conditions", "type"),
+        ("ownerReferences", "uid"),
+        ("finalizers", ""),
+    ];
+    const ANY: &[(&str, &str)] = &[
+        ("conditions", "type"),
+        ("ownerReferences", "uid"),
+        ("finalizers", ""),
+    ];
     match kind {
-        "Pod" | "Deployment" | "ReplicaSet" | "StatefulSet" | "DaemonSet" | "Job" | "CronJob"
-        | "ReplicationController" | "PodTemplate" => POD_LIKE,
+        "Pod"
+        | "Deployment"
+        | "ReplicaSet"
+        | "StatefulSet"
+        | "DaemonSet"
+        | "Job"
+        | "CronJob"
+        | "ReplicationController"
+        | "PodTemplate" => POD_LIKE,
         "Service" => SERVICE,
         _ => ANY,
     }
@@ -199,7 +234,11 @@ pub(crate) type ResourceId = usize;
 
 impl Registry {
     pub(crate) fn add(&mut self, resource: Resource) -> ResourceId {
-        if let Some(i) = self.resources.iter().position(|r| r.group == resource.group && r.plural == resource.plural) {
+        if let Some(i) = self
+            .resources
+            .iter()
+            .position(|r| r.group == resource.group && r.plural == resource.plural)
+        {
             self.resources[i] = resource;
             return i;
         }
@@ -217,21 +256,25 @@ impl Registry {
 
     /// The resource at `/apis/{group}/{version}/{plural}` (or `/api/v1/{plural}`).
     pub(crate) fn find(&self, group: &str, version: &str, plural: &str) -> Option<ResourceId> {
-        self.resources
-            .iter()
-            .position(|r| r.group == group && r.plural == plural && r.versions.iter().any(|v| v == version))
+        self.resources.iter().position(|r| {
+            r.group == group && r.plural == plural && r.versions.iter().any(|v| v == version)
+        })
     }
 
     /// The resource whose `apiVersion` and `kind` are these.
     pub(crate) fn by_kind(&self, api_version: &str, kind: &str) -> Option<ResourceId> {
         let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
-        self.resources
-            .iter()
-            .position(|r| r.group == group && r.kind == kind && r.versions.iter().any(|v| v == version))
+        self.resources.iter().position(|r| {
+            r.group == group && r.kind == kind && r.versions.iter().any(|v| v == version)
+        })
     }
 
     pub(crate) fn remove_versions(&mut self, group: &str, plural: &str) {
-        if let Some(r) = self.resources.iter_mut().find(|r| r.group == group && r.plural == plural) {
+        if let Some(r) = self
+            .resources
+            .iter_mut()
+            .find(|r| r.group == group && r.plural == plural)
+        {
             r.versions.clear();
         }
     }

@@ -83,7 +83,9 @@ fn is_subdomain(name: &str) -> bool {
 fn is_label(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 63
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !name.starts_with('-')
         && !name.ends_with('-')
 }
@@ -98,7 +100,11 @@ fn name_error(resource: &Resource, name: &str) -> ApiError {
             "Invalid value: \"{name}\": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
         )
     };
-    ApiError::invalid(resource, name, &[("metadata.name", "FieldValueInvalid", message)])
+    ApiError::invalid(
+        resource,
+        name,
+        &[("metadata.name", "FieldValueInvalid", message)],
+    )
 }
 
 /// An object without its metadata and status: what `metadata.generation` counts changes of.
@@ -131,7 +137,11 @@ impl Store {
     }
 
     fn key(t: &Target, name: &str) -> Key {
-        Key { resource: t.resource, namespace: t.namespace.clone().unwrap_or_default(), name: name.to_owned() }
+        Key {
+            resource: t.resource,
+            namespace: t.namespace.clone().unwrap_or_default(),
+            name: name.to_owned(),
+        }
     }
 
     /// An object as served at `version`.
@@ -143,7 +153,9 @@ impl Store {
 
     pub(crate) fn get_object(&self, t: &Target, name: &str) -> Result<Value, ApiError> {
         let r = self.resource(t.resource);
-        let object = self.get(&Self::key(t, name)).ok_or_else(|| ApiError::not_found(r, name))?;
+        let object = self
+            .get(&Self::key(t, name))
+            .ok_or_else(|| ApiError::not_found(r, name))?;
         Ok(self.shown(t.resource, &t.version, object))
     }
 
@@ -156,12 +168,18 @@ impl Store {
                 (rv, Some(start))
             }
             None => match (&o.resource_version, o.exact) {
-                (Some(v), true) => (v.parse().map_err(|_| ApiError::bad_request("invalid resource version"))?, None),
+                (Some(v), true) => (
+                    v.parse()
+                        .map_err(|_| ApiError::bad_request("invalid resource version"))?,
+                    None,
+                ),
                 _ => (self.rv, None),
             },
         };
         let objects: BTreeMap<Key, Arc<Value>> = if rv == self.rv {
-            self.of(t.resource, t.namespace.as_deref()).map(|(k, v)| (k.clone(), v.clone())).collect()
+            self.of(t.resource, t.namespace.as_deref())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
         } else {
             self.snapshot(t.resource, rv)?
                 .into_iter()
@@ -169,8 +187,11 @@ impl Store {
                 .collect()
         };
         let selected = objects.iter().filter(|(k, v)| {
-            start.as_ref().is_none_or(|s| (&k.namespace, &k.name) > (&s.0, &s.1))
-                && o.labels.matches(v.pointer("/metadata/labels").and_then(Value::as_object))
+            start
+                .as_ref()
+                .is_none_or(|s| (&k.namespace, &k.name) > (&s.0, &s.1))
+                && o.labels
+                    .matches(v.pointer("/metadata/labels").and_then(Value::as_object))
                 && o.fields.matches(v)
         });
         let mut items = Vec::new();
@@ -179,7 +200,9 @@ impl Store {
         for (k, v) in selected {
             if o.limit.is_some_and(|l| l > 0 && items.len() >= l) {
                 if more.is_none() {
-                    more = items.last().map(|(k, _): &(Key, Value)| (k.namespace.clone(), k.name.clone()));
+                    more = items
+                        .last()
+                        .map(|(k, _): &(Key, Value)| (k.namespace.clone(), k.name.clone()));
                 }
                 remaining += 1;
                 continue;
@@ -211,15 +234,19 @@ impl Store {
 
     /// Checks the namespace an object is written in exists and takes new objects.
     fn check_namespace(&self, r: &Resource, namespace: &str, name: &str) -> Result<(), ApiError> {
-        let Some(ns_id) = self.registry.find("", "v1", "namespaces") else { return Ok(()) };
-        let key = Key { resource: ns_id, namespace: String::new(), name: namespace.to_owned() };
+        let Some(ns_id) = self.registry.find("", "v1", "namespaces") else {
+            return Ok(());
+        };
+        let key = Key {
+            resource: ns_id,
+            namespace: String::new(),
+            name: namespace.to_owned(),
+        };
         match self.get(&key) {
             None => Err(ApiError::namespace_not_found(namespace)),
-            Some(ns) if meta_str(ns, "deletionTimestamp").is_some() => Err(ApiError::forbidden(
-                r,
-                name,
-                &format!("unable to create new content in namespace {namespace} because it is being terminated"),
-            )),
+            Some(ns) if meta_str(ns, "deletionTimestamp").is_some() => {
+                Err(ApiError::namespace_terminating(r, name, namespace))
+            }
             Some(_) => Ok(()),
         }
     }
@@ -245,9 +272,16 @@ impl Store {
         }
     }
 
-    pub(crate) fn create(&mut self, t: &Target, mut body: Value, o: &WriteOptions) -> Result<Value, ApiError> {
+    pub(crate) fn create(
+        &mut self,
+        t: &Target,
+        mut body: Value,
+        o: &WriteOptions,
+    ) -> Result<Value, ApiError> {
         if !body.is_object() {
-            return Err(ApiError::bad_request("the body of the request is not an object"));
+            return Err(ApiError::bad_request(
+                "the body of the request is not an object",
+            ));
         }
         self.check_kind(t, &body)?;
         let r = self.resource(t.resource).clone();
@@ -255,12 +289,12 @@ impl Store {
         let mut name = meta_str(&body, "name").map(str::to_owned);
         if r.namespaced {
             let ns = t.namespace.clone().unwrap_or_default();
-            if let Some(body_ns) = meta_str(&body, "namespace") {
-                if body_ns != ns {
-                    return Err(ApiError::bad_request(
-                        "the namespace of the provided object does not match the namespace sent on the request",
-                    ));
-                }
+            if let Some(body_ns) = meta_str(&body, "namespace")
+                && body_ns != ns
+            {
+                return Err(ApiError::bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                ));
             }
             meta_mut(&mut body).insert("namespace".into(), json!(ns));
         }
@@ -269,15 +303,24 @@ impl Store {
                 return Err(ApiError::invalid(
                     &r,
                     "",
-                    &[("metadata.name", "FieldValueRequired", "Required value: name or generateName is required".into())],
+                    &[(
+                        "metadata.name",
+                        "FieldValueRequired",
+                        "Required value: name or generateName is required".into(),
+                    )],
                 ));
             };
-            let suffix: String =
-                (0..5).map(|_| GENERATED_CHARS[self.rng.usize(..GENERATED_CHARS.len())] as char).collect();
+            let suffix: String = (0..5)
+                .map(|_| GENERATED_CHARS[self.rng.usize(..GENERATED_CHARS.len())] as char)
+                .collect();
             name = Some(format!("{prefix}{suffix}"));
         }
         let name = name.unwrap_or_default();
-        let valid = if r.plural == "namespaces" { is_label(&name) } else { is_subdomain(&name) };
+        let valid = if r.plural == "namespaces" {
+            is_label(&name)
+        } else {
+            is_subdomain(&name)
+        };
         if !valid {
             return Err(name_error(&r, &name));
         }
@@ -308,6 +351,7 @@ impl Store {
             body["spec"] = json!({"finalizers": ["kubernetes"]});
             body["status"] = json!({"phase": "Active"});
         }
+        shape(&r, &mut body);
         if o.dry_run {
             return Ok(self.shown(t.resource, &t.version, &body));
         }
@@ -333,38 +377,54 @@ impl Store {
 
     /// Writes `new` over the object at `t`/`name`: an update (PUT) or the result of a patch.
     /// `status` says it is the `/status` subresource.
-    pub(crate) fn update(&mut self, t: &Target, name: &str, mut new: Value, o: &WriteOptions) -> Result<Value, ApiError> {
+    pub(crate) fn update(
+        &mut self,
+        t: &Target,
+        name: &str,
+        mut new: Value,
+        o: &WriteOptions,
+    ) -> Result<Value, ApiError> {
         if !new.is_object() {
-            return Err(ApiError::bad_request("the body of the request is not an object"));
+            return Err(ApiError::bad_request(
+                "the body of the request is not an object",
+            ));
         }
         self.check_kind(t, &new)?;
         let r = self.resource(t.resource).clone();
+        if let Some(body_name) = meta_str(&new, "name")
+            && body_name != name
+        {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({body_name}) does not match the name on the URL ({name})"
+            )));
+        }
         let key = Self::key(t, name);
-        let old = self.get(&key).cloned().ok_or_else(|| ApiError::not_found(&r, name))?;
-        if let Some(body_name) = meta_str(&new, "name") {
-            if body_name != name {
-                return Err(ApiError::bad_request(format!(
-                    "the name of the object ({body_name}) does not match the name on the URL ({name})"
-                )));
-            }
+        let old = self
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(&r, name))?;
+        if r.namespaced
+            && let Some(body_ns) = meta_str(&new, "namespace")
+            && Some(body_ns) != t.namespace.as_deref()
+        {
+            return Err(ApiError::bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request",
+            ));
         }
-        if r.namespaced {
-            if let Some(body_ns) = meta_str(&new, "namespace") {
-                if Some(body_ns) != t.namespace.as_deref() {
-                    return Err(ApiError::bad_request(
-                        "the namespace of the provided object does not match the namespace sent on the request",
-                    ));
-                }
-            }
-        }
-        let old_rv = meta_str(&old, "resourceVersion").unwrap_or_default().to_owned();
+        let old_rv = meta_str(&old, "resourceVersion")
+            .unwrap_or_default()
+            .to_owned();
         match meta_str(&new, "resourceVersion") {
             Some(rv) if rv != old_rv => return Err(ApiError::modified(&r, name)),
             None if r.custom => {
                 return Err(ApiError::invalid(
                     &r,
                     name,
-                    &[("metadata.resourceVersion", "FieldValueInvalid", "Invalid value: 0x0: must be specified for an update".into())],
+                    &[(
+                        "metadata.resourceVersion",
+                        "FieldValueInvalid",
+                        "Invalid value: 0: must be specified for an update".into(),
+                    )],
                 ));
             }
             _ => {}
@@ -375,7 +435,9 @@ impl Store {
                 return Err(ApiError::conflict(
                     &r,
                     name,
-                    &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {old_uid}"),
+                    &format!(
+                        "Precondition failed: UID in precondition: {uid}, UID in object meta: {old_uid}"
+                    ),
                 ));
             }
         }
@@ -417,13 +479,19 @@ impl Store {
             if let Some(ns) = old_meta.get("namespace") {
                 m.insert("namespace".into(), ns.clone());
             }
-            if m.get("labels").is_some_and(|l| l.as_object().is_some_and(Map::is_empty)) {
+            if m.get("labels")
+                .is_some_and(|l| l.as_object().is_some_and(Map::is_empty))
+            {
                 m.remove("labels");
             }
-            if m.get("annotations").is_some_and(|l| l.as_object().is_some_and(Map::is_empty)) {
+            if m.get("annotations")
+                .is_some_and(|l| l.as_object().is_some_and(Map::is_empty))
+            {
                 m.remove("annotations");
             }
-            if m.get("finalizers").is_some_and(|l| l.as_array().is_some_and(Vec::is_empty)) {
+            if m.get("finalizers")
+                .is_some_and(|l| l.as_array().is_some_and(Vec::is_empty))
+            {
                 m.remove("finalizers");
             }
         }
@@ -441,16 +509,44 @@ impl Store {
         let deleting = old_meta.contains_key("deletionTimestamp");
         if deleting {
             let before: HashSet<String> = finalizers(&old).into_iter().collect();
-            if finalizers(&new).iter().any(|f| !before.contains(f)) {
-                return Err(ApiError::invalid(
+            let added: Vec<String> = finalizers(&new)
+                .into_iter()
+                .filter(|f| !before.contains(f))
+                .collect();
+            if !added.is_empty() {
+                let quoted: Vec<String> = added.iter().map(|f| format!("{f:?}")).collect();
+                let message = format!(
+                    "Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers []string{{{}}}",
+                    quoted.join(", ")
+                );
+                // The API server names the cause twice (two validations find it); its message once.
+                let mut e = ApiError::invalid(
                     &r,
                     name,
-                    &[("metadata.finalizers", "FieldValueForbidden", "Forbidden: no new finalizers can be added if the object is being deleted".into())],
-                ));
+                    &[(
+                        "metadata.finalizers",
+                        "FieldValueForbidden",
+                        message.clone(),
+                    )],
+                );
+                if let Some(causes) = e
+                    .details
+                    .as_mut()
+                    .and_then(|d| d.get_mut("causes"))
+                    .and_then(Value::as_array_mut)
+                {
+                    let again = causes[0].clone();
+                    causes.push(again);
+                }
+                return Err(e);
             }
         }
+        shape(&r, &mut new);
         if r.generation && spec_of(&new) != spec_of(&old) {
-            let g = old_meta.get("generation").and_then(Value::as_i64).unwrap_or(0);
+            let g = old_meta
+                .get("generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(0);
             meta_mut(&mut new).insert("generation".into(), json!(g + 1));
         }
         if new == *old {
@@ -462,57 +558,79 @@ impl Store {
         }
         let gone = deleting
             && finalizers(&new).is_empty()
-            && new.pointer("/spec/finalizers").and_then(Value::as_array).is_none_or(Vec::is_empty);
-        let stored = self.commit(key.clone(), Some(new)).map(|s| (*s).clone()).unwrap_or(Value::Null);
+            && new
+                .pointer("/spec/finalizers")
+                .and_then(Value::as_array)
+                .is_none_or(Vec::is_empty);
         if gone {
+            // The last finalizer of an object being deleted: the object is deleted instead of
+            // written (the answer shows it without the finalizer, at the version it had).
             self.commit(key, None);
+            self.after_write();
+            return Ok(self.shown(t.resource, &t.version, &new));
         }
+        let stored = self
+            .commit(key, Some(new))
+            .map(|s| (*s).clone())
+            .unwrap_or(Value::Null);
         self.after_write();
         Ok(self.shown(t.resource, &t.version, &stored))
     }
 
     /// Deletes the object at `t`/`name`: at once, or by marking it when finalizers hold it.
     /// Returns the answer's status code and body.
-    pub(crate) fn delete(&mut self, t: &Target, name: &str, o: &DeleteOptions) -> Result<(u16, Value), ApiError> {
+    pub(crate) fn delete(
+        &mut self,
+        t: &Target,
+        name: &str,
+        o: &DeleteOptions,
+    ) -> Result<(u16, Value), ApiError> {
         let r = self.resource(t.resource).clone();
         let key = Self::key(t, name);
-        let old = self.get(&key).cloned().ok_or_else(|| ApiError::not_found(&r, name))?;
+        let old = self
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(&r, name))?;
         if let Some(uid) = &o.uid {
             let old_uid = meta_str(&old, "uid").unwrap_or_default();
             if uid != old_uid {
-                return Err(ApiError::conflict(
-                    &r,
-                    name,
-                    &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {old_uid}"),
-                ));
+                return Err(ApiError::uid_precondition(&r, name, uid, old_uid));
             }
         }
         if let Some(rv) = &o.resource_version {
             let old_rv = meta_str(&old, "resourceVersion").unwrap_or_default();
             if rv != old_rv {
-                return Err(ApiError::conflict(
-                    &r,
-                    name,
-                    &format!("Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {old_rv}"),
-                ));
+                return Err(ApiError::rv_precondition(&r, name, rv, old_rv));
             }
         }
         let mut marked = (*old).clone();
         let mut holds = finalizers(&marked);
         match o.propagation.as_deref() {
-            Some("Foreground") if !holds.iter().any(|f| f == "foregroundDeletion") => holds.push("foregroundDeletion".into()),
+            Some("Foreground") if !holds.iter().any(|f| f == "foregroundDeletion") => {
+                holds.push("foregroundDeletion".into())
+            }
             Some("Orphan") if !holds.iter().any(|f| f == "orphan") => holds.push("orphan".into()),
             _ => {}
         }
         let namespace_spec_holds = r.plural == "namespaces"
-            && old.pointer("/spec/finalizers").and_then(Value::as_array).is_some_and(|a| !a.is_empty());
+            && old
+                .pointer("/spec/finalizers")
+                .and_then(Value::as_array)
+                .is_some_and(|a| !a.is_empty());
         if holds.is_empty() && !namespace_spec_holds {
             if !o.dry_run {
                 self.commit(key, None);
                 self.after_write();
             }
             let shown = self.shown(t.resource, &t.version, &old);
-            return Ok((200, if r.returns_deleted { shown } else { deleted_status(&r, name, &old) }));
+            return Ok((
+                200,
+                if r.returns_deleted {
+                    shown
+                } else {
+                    deleted_status(&r, name, &old)
+                },
+            ));
         }
         if meta_str(&old, "deletionTimestamp").is_some() && holds == finalizers(&old) {
             return Ok((200, self.shown(t.resource, &t.version, &old)));
@@ -521,7 +639,9 @@ impl Store {
             let m = meta_mut(&mut marked);
             if !m.contains_key("deletionTimestamp") {
                 m.insert("deletionTimestamp".into(), json!(now()));
-                m.insert("deletionGracePeriodSeconds".into(), json!(0));
+                if r.plural != "namespaces" {
+                    m.insert("deletionGracePeriodSeconds".into(), json!(0));
+                }
                 if r.generation {
                     let g = m.get("generation").and_then(Value::as_i64).unwrap_or(0);
                     m.insert("generation".into(), json!(g + 1));
@@ -538,17 +658,28 @@ impl Store {
         if o.dry_run {
             return Ok((200, self.shown(t.resource, &t.version, &marked)));
         }
-        let stored = self.commit(key, Some(marked)).map(|s| (*s).clone()).unwrap_or(Value::Null);
+        let stored = self
+            .commit(key, Some(marked))
+            .map(|s| (*s).clone())
+            .unwrap_or(Value::Null);
         self.after_write();
         Ok((200, self.shown(t.resource, &t.version, &stored)))
     }
 
     /// `PUT /api/v1/namespaces/{name}/finalize`: writes the namespace's spec (its finalizers);
     /// a namespace being deleted whose last finalizer goes is deleted.
-    pub(crate) fn finalize_namespace(&mut self, t: &Target, name: &str, spec: Value) -> Result<Value, ApiError> {
+    pub(crate) fn finalize_namespace(
+        &mut self,
+        t: &Target,
+        name: &str,
+        spec: Value,
+    ) -> Result<Value, ApiError> {
         let r = self.resource(t.resource).clone();
         let key = Self::key(t, name);
-        let old = self.get(&key).cloned().ok_or_else(|| ApiError::not_found(&r, name))?;
+        let old = self
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(&r, name))?;
         let mut new = (*old).clone();
         new["spec"] = spec;
         if new == *old {
@@ -556,8 +687,14 @@ impl Store {
         }
         let gone = meta_str(&new, "deletionTimestamp").is_some()
             && finalizers(&new).is_empty()
-            && new.pointer("/spec/finalizers").and_then(Value::as_array).is_none_or(Vec::is_empty);
-        let stored = self.commit(key.clone(), Some(new)).map(|s| (*s).clone()).unwrap_or(Value::Null);
+            && new
+                .pointer("/spec/finalizers")
+                .and_then(Value::as_array)
+                .is_none_or(Vec::is_empty);
+        let stored = self
+            .commit(key.clone(), Some(new))
+            .map(|s| (*s).clone())
+            .unwrap_or(Value::Null);
         if gone {
             self.commit(key, None);
         }
@@ -583,12 +720,25 @@ impl Store {
     /// The API server's own CRD handling: a CRD created or changed serves its kind and
     /// becomes `Established`; a CRD deleted stops serving it and its objects go.
     fn sync_crds(&mut self) {
-        let Some(crd_id) = self.registry.find("apiextensions.k8s.io", "v1", "customresourcedefinitions") else { return };
-        let crds: Vec<(Key, Arc<Value>)> = self.of(crd_id, None).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let Some(crd_id) =
+            self.registry
+                .find("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+        else {
+            return;
+        };
+        let crds: Vec<(Key, Arc<Value>)> = self
+            .of(crd_id, None)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let mut defined = HashSet::new();
         for (key, object) in crds {
-            let Ok(crd) = serde_json::from_value::<CustomResourceDefinition>((*object).clone()) else { continue };
-            let Some(resource) = Resource::from_crd(&crd) else { continue };
+            let Ok(crd) = serde_json::from_value::<CustomResourceDefinition>((*object).clone())
+            else {
+                continue;
+            };
+            let Some(resource) = Resource::from_crd(&crd) else {
+                continue;
+            };
             defined.insert((resource.group.clone(), resource.plural.clone()));
             let served = self.registry.iter().any(|(_, r)| *r == resource);
             if !served {
@@ -597,13 +747,14 @@ impl Store {
             let established = object
                 .pointer("/status/conditions")
                 .and_then(Value::as_array)
-                .is_some_and(|c| c.iter().any(|c| c["type"] == "Established" && c["status"] == "True"));
+                .is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c["type"] == "Established" && c["status"] == "True")
+                });
             if !established {
                 let mut v = (*object).clone();
                 let now = now();
-                let condition = |kind: &str, reason: &str, message: &str| {
-                    json!({"type": kind, "status": "True", "lastTransitionTime": now, "reason": reason, "message": message})
-                };
+                let condition = |kind: &str, reason: &str, message: &str| json!({"type": kind, "status": "True", "lastTransitionTime": now, "reason": reason, "message": message});
                 v["status"] = json!({
                     "conditions": [
                         condition("NamesAccepted", "NoConflicts", "no conflicts found"),
@@ -618,7 +769,11 @@ impl Store {
         let orphaned: Vec<(ResourceId, String, String)> = self
             .registry
             .iter()
-            .filter(|(_, r)| r.custom && !r.versions.is_empty() && !defined.contains(&(r.group.clone(), r.plural.clone())))
+            .filter(|(_, r)| {
+                r.custom
+                    && !r.versions.is_empty()
+                    && !defined.contains(&(r.group.clone(), r.plural.clone()))
+            })
             .map(|(id, r)| (id, r.group.clone(), r.plural.clone()))
             .collect();
         for (id, group, plural) in orphaned {
@@ -632,13 +787,18 @@ impl Store {
 
     /// One round of garbage collection and namespace clean-up; whether it did anything.
     fn controllers_round(&mut self) -> bool {
-        let uids: HashSet<String> =
-            self.objects.values().filter_map(|v| meta_str(v, "uid").map(str::to_owned)).collect();
+        let uids: HashSet<String> = self
+            .objects
+            .values()
+            .filter_map(|v| meta_str(v, "uid").map(str::to_owned))
+            .collect();
         let ns_id = self.registry.find("", "v1", "namespaces");
         let terminating: HashSet<String> = self
             .objects
             .iter()
-            .filter(|(k, v)| Some(k.resource) == ns_id && meta_str(v, "deletionTimestamp").is_some())
+            .filter(|(k, v)| {
+                Some(k.resource) == ns_id && meta_str(v, "deletionTimestamp").is_some()
+            })
             .map(|(k, _)| k.name.clone())
             .collect();
         for (key, object) in self.objects.clone() {
@@ -646,9 +806,14 @@ impl Store {
             let own_uid = meta_str(&object, "uid").unwrap_or_default().to_owned();
             // A namespace being deleted: its objects first, then its own finalizer.
             if Some(key.resource) == ns_id && deleting {
-                let has_content = self.objects.keys().any(|k| k.namespace == key.name && !k.namespace.is_empty());
-                let spec_holds =
-                    object.pointer("/spec/finalizers").and_then(Value::as_array).is_some_and(|a| !a.is_empty());
+                let has_content = self
+                    .objects
+                    .keys()
+                    .any(|k| k.namespace == key.name && !k.namespace.is_empty());
+                let spec_holds = object
+                    .pointer("/spec/finalizers")
+                    .and_then(Value::as_array)
+                    .is_some_and(|a| !a.is_empty());
                 if !has_content && spec_holds {
                     let mut v = (*object).clone();
                     v["spec"] = json!({});
@@ -669,7 +834,10 @@ impl Store {
             // Foreground deletion: the owner waits until its blocking dependents are gone.
             if deleting && held.iter().any(|f| f == "foregroundDeletion") {
                 let dependents: Vec<(Key, Arc<Value>)> = self.dependents_of(&own_uid);
-                if let Some((k, v)) = dependents.iter().find(|(_, v)| meta_str(v, "deletionTimestamp").is_none()) {
+                if let Some((k, v)) = dependents
+                    .iter()
+                    .find(|(_, v)| meta_str(v, "deletionTimestamp").is_none())
+                {
                     let (k, v) = (k.clone(), v.clone());
                     self.delete_by_controller(&k, &v);
                     return true;
@@ -683,8 +851,13 @@ impl Store {
             if deleting && held.iter().any(|f| f == "orphan") {
                 for (k, v) in self.dependents_of(&own_uid) {
                     let mut v = (*v).clone();
-                    if let Some(refs) = meta_mut(&mut v).get_mut("ownerReferences").and_then(Value::as_array_mut) {
-                        refs.retain(|r| r.get("uid").and_then(Value::as_str) != Some(own_uid.as_str()));
+                    if let Some(refs) = meta_mut(&mut v)
+                        .get_mut("ownerReferences")
+                        .and_then(Value::as_array_mut)
+                    {
+                        refs.retain(|r| {
+                            r.get("uid").and_then(Value::as_str) != Some(own_uid.as_str())
+                        });
                         if refs.is_empty() {
                             meta_mut(&mut v).remove("ownerReferences");
                         }
@@ -698,7 +871,12 @@ impl Store {
             let owners: Vec<String> = meta(&object)
                 .and_then(|m| m.get("ownerReferences"))
                 .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(|r| r.get("uid").and_then(Value::as_str)).map(str::to_owned).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|r| r.get("uid").and_then(Value::as_str))
+                        .map(str::to_owned)
+                        .collect()
+                })
                 .unwrap_or_default();
             if !deleting && !owners.is_empty() && owners.iter().all(|u| !uids.contains(u)) {
                 self.delete_by_controller(&key, &object);
@@ -715,7 +893,10 @@ impl Store {
                 meta(v)
                     .and_then(|m| m.get("ownerReferences"))
                     .and_then(Value::as_array)
-                    .is_some_and(|a| a.iter().any(|r| r.get("uid").and_then(Value::as_str) == Some(uid)))
+                    .is_some_and(|a| {
+                        a.iter()
+                            .any(|r| r.get("uid").and_then(Value::as_str) == Some(uid))
+                    })
             })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
@@ -740,18 +921,84 @@ impl Store {
 
     fn remove_finalizer(&mut self, key: &Key, object: &Value, finalizer: &str) {
         let mut v = object.clone();
-        let left: Vec<String> = finalizers(object).into_iter().filter(|f| f != finalizer).collect();
+        let left: Vec<String> = finalizers(object)
+            .into_iter()
+            .filter(|f| f != finalizer)
+            .collect();
         let m = meta_mut(&mut v);
         if left.is_empty() {
             m.remove("finalizers");
         } else {
             m.insert("finalizers".into(), json!(left));
         }
-        let spec_holds = v.pointer("/spec/finalizers").and_then(Value::as_array).is_some_and(|a| !a.is_empty());
+        let spec_holds = v
+            .pointer("/spec/finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty());
         let gone = left.is_empty() && !spec_holds;
         self.commit(key.clone(), Some(v));
         if gone {
             self.commit(key.clone(), None);
+        }
+    }
+}
+
+/// What the API server's encoding and defaulting make of a written object, for the kinds and
+/// fields the fake knows: empty metadata maps and lists dropped, a built-in kind's empty
+/// `data` dropped, a Secret's `stringData` folded into `data`, a namespace's name label.
+fn shape(r: &Resource, object: &mut Value) {
+    let name = meta_str(object, "name").unwrap_or_default().to_owned();
+    let m = meta_mut(object);
+    if r.plural == "namespaces" && r.group.is_empty() {
+        let labels = m.entry("labels").or_insert_with(|| json!({}));
+        if !labels.is_object() {
+            *labels = json!({});
+        }
+        labels["kubernetes.io/metadata.name"] = json!(name);
+    }
+    for field in ["labels", "annotations", "finalizers", "ownerReferences"] {
+        let empty = match m.get(field) {
+            Some(Value::Object(o)) => o.is_empty(),
+            Some(Value::Array(a)) => a.is_empty(),
+            Some(Value::Null) => true,
+            _ => false,
+        };
+        if empty {
+            m.remove(field);
+        }
+    }
+    if r.custom {
+        return;
+    }
+    let Some(top) = object.as_object_mut() else {
+        return;
+    };
+    if r.group.is_empty() && r.kind == "Secret" {
+        if let Some(Value::Object(strings)) = top.remove("stringData") {
+            let data = top.entry("data").or_insert_with(|| json!({}));
+            if let Value::Object(data) = data {
+                for (k, v) in strings {
+                    let text = v.as_str().unwrap_or_default();
+                    data.insert(
+                        k,
+                        json!(base64::engine::general_purpose::STANDARD.encode(text)),
+                    );
+                }
+            }
+        }
+        top.entry("type").or_insert_with(|| json!("Opaque"));
+    }
+    if r.group == "events.k8s.io" && r.kind == "Event" {
+        top.entry("deprecatedFirstTimestamp").or_insert(Value::Null);
+        top.entry("deprecatedLastTimestamp").or_insert(Value::Null);
+        top.entry("deprecatedSource").or_insert_with(|| json!({}));
+    }
+    for field in ["data", "binaryData"] {
+        if top
+            .get(field)
+            .is_some_and(|d| d.as_object().is_some_and(Map::is_empty) || d.is_null())
+        {
+            top.remove(field);
         }
     }
 }
@@ -768,7 +1015,8 @@ fn prepare_status_for_create(r: &Resource, body: &mut Value) {
 }
 
 fn deleted_status(r: &Resource, name: &str, old: &Value) -> Value {
-    let mut details = json!({"name": name, "kind": r.plural, "uid": meta_str(old, "uid").unwrap_or_default()});
+    let mut details =
+        json!({"name": name, "kind": r.plural, "uid": meta_str(old, "uid").unwrap_or_default()});
     if !r.group.is_empty() {
         details["group"] = json!(r.group);
     }
@@ -778,14 +1026,20 @@ fn deleted_status(r: &Resource, name: &str, old: &Value) -> Value {
 /// A continue token: the version of the first page and the (namespace, name) the next page
 /// starts after, written as the real server writes its key ("namespace/name" and a zero byte).
 fn encode_continue(rv: u64, after: &(String, String)) -> String {
-    let start = if after.0.is_empty() { format!("{}\u{0}", after.1) } else { format!("{}/{}\u{0}", after.0, after.1) };
+    let start = if after.0.is_empty() {
+        format!("{}\u{0}", after.1)
+    } else {
+        format!("{}/{}\u{0}", after.0, after.1)
+    };
     let token = json!({"v": "meta.k8s.io/v1", "rv": rv, "start": start});
     base64::engine::general_purpose::URL_SAFE.encode(token.to_string())
 }
 
 fn decode_continue(token: &str) -> Result<(u64, (String, String)), ApiError> {
     let bad = || ApiError::bad_request(format!("continue key is not valid: {token}"));
-    let bytes = base64::engine::general_purpose::URL_SAFE.decode(token).map_err(|_| bad())?;
+    let bytes = base64::engine::general_purpose::URL_SAFE
+        .decode(token)
+        .map_err(|_| bad())?;
     let v: Value = serde_json::from_slice(&bytes).map_err(|_| bad())?;
     let rv = v.get("rv").and_then(Value::as_u64).ok_or_else(bad)?;
     let start = v.get("start").and_then(Value::as_str).ok_or_else(bad)?;

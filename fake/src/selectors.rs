@@ -29,10 +29,13 @@ impl LabelSelector {
             if let Some(after) = rest.strip_prefix(',') {
                 rest = after.trim_start();
                 if rest.is_empty() {
-                    return Err(format!("unable to parse requirement: found '', expected: identifier in {text:?}"));
+                    return Err(format!("found '', expected: identifier in {text:?}"));
                 }
             } else if !rest.is_empty() {
-                return Err(format!("found '{}', expected: ',' or 'end of string'", rest.chars().next().unwrap_or(' ')));
+                return Err(format!(
+                    "found '{}', expected: ',' or 'end of string'",
+                    rest.chars().next().unwrap_or(' ')
+                ));
             }
         }
         Ok(LabelSelector(requirements))
@@ -59,7 +62,10 @@ fn is_key_char(c: char) -> bool {
 fn take_key(text: &str) -> Result<(String, &str), String> {
     let end = text.find(|c: char| !is_key_char(c)).unwrap_or(text.len());
     if end == 0 {
-        return Err(format!("unable to parse requirement: found '{}', expected: identifier", text.chars().next().unwrap_or(' ')));
+        return Err(format!(
+            "found '{}', expected: identifier",
+            text.chars().next().unwrap_or(' ')
+        ));
     }
     let key = &text[..end];
     validate_key(key)?;
@@ -67,17 +73,26 @@ fn take_key(text: &str) -> Result<(String, &str), String> {
 }
 
 fn validate_key(key: &str) -> Result<(), String> {
-    let (prefix, name) = key.rsplit_once('/').map_or((None, key), |(p, n)| (Some(p), n));
+    let (prefix, name) = key
+        .rsplit_once('/')
+        .map_or((None, key), |(p, n)| (Some(p), n));
     let name_ok = !name.is_empty()
         && name.len() <= 63
         && name.starts_with(|c: char| c.is_ascii_alphanumeric())
         && name.ends_with(|c: char| c.is_ascii_alphanumeric());
-    let prefix_ok = prefix.is_none_or(|p| !p.is_empty() && p.len() <= 253 && !p.contains('/') && !p.contains('_'));
-    if name_ok && prefix_ok { Ok(()) } else { Err(format!("unable to parse requirement: invalid label key {key:?}")) }
+    let prefix_ok = prefix
+        .is_none_or(|p| !p.is_empty() && p.len() <= 253 && !p.contains('/') && !p.contains('_'));
+    if name_ok && prefix_ok {
+        Ok(())
+    } else {
+        Err(format!("invalid label key {key:?}"))
+    }
 }
 
 fn take_value(text: &str) -> (String, &str) {
-    let end = text.find(|c: char| !is_key_char(c) || c == '/').unwrap_or(text.len());
+    let end = text
+        .find(|c: char| !is_key_char(c) || c == '/')
+        .unwrap_or(text.len());
     (text[..end].to_owned(), &text[end..])
 }
 
@@ -97,17 +112,26 @@ fn parse_requirement(text: &str) -> Result<(Requirement, &str), String> {
         return Ok((Requirement::NotEquals(key, value), r));
     }
     for (word, notin) in [("in", false), ("notin", true)] {
-        if let Some(r) = rest.strip_prefix(word).filter(|r| r.trim_start().starts_with('(')) {
+        if let Some(r) = rest
+            .strip_prefix(word)
+            .filter(|r| r.trim_start().starts_with('('))
+        {
             let r = r.trim_start()[1..].trim_start();
-            let close = r.find(')').ok_or_else(|| "found 'end of string', expected: ')'".to_owned())?;
-            let values: Vec<String> = r[..close]
-                .split(',')
-                .map(|v| v.trim().to_owned())
-                .collect();
+            if r.is_empty() {
+                return Err("found '', expected: ',', ')' or identifier".to_owned());
+            }
+            let close = r
+                .find(')')
+                .ok_or_else(|| "found 'end of string', expected: ')'".to_owned())?;
+            let values: Vec<String> = r[..close].split(',').map(|v| v.trim().to_owned()).collect();
             if values.iter().all(String::is_empty) && values.len() == 1 {
                 return Err("for 'in', 'notin' operators, values set can't be empty".to_owned());
             }
-            let requirement = if notin { Requirement::NotIn(key, values) } else { Requirement::In(key, values) };
+            let requirement = if notin {
+                Requirement::NotIn(key, values)
+            } else {
+                Requirement::In(key, values)
+            };
             return Ok((requirement, &r[close + 1..]));
         }
     }
@@ -119,8 +143,11 @@ fn parse_requirement(text: &str) -> Result<(Requirement, &str), String> {
 pub(crate) struct FieldSelector(Vec<(String, bool, String)>);
 
 impl FieldSelector {
-    /// Parses the selector and checks each field is one the kind supports (`supported`).
-    pub(crate) fn parse(text: &str, supported: &dyn Fn(&str) -> bool) -> Result<Self, String> {
+    /// Parses the selector and checks each field is one the kind supports (`supported`, the
+    /// fields besides `metadata.name` and `metadata.namespace`).
+    pub(crate) fn parse(text: &str, extra: &[&str]) -> Result<Self, String> {
+        let supported =
+            |f: &str| f == "metadata.name" || f == "metadata.namespace" || extra.contains(&f);
         let mut terms = Vec::new();
         for term in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
             let (field, equal, value) = if let Some((f, v)) = term.split_once("!=") {
@@ -128,11 +155,21 @@ impl FieldSelector {
             } else if let Some((f, v)) = term.split_once("==").or_else(|| term.split_once('=')) {
                 (f, true, v)
             } else {
-                return Err(format!("invalid selector: '{text}'; can't understand '{term}'"));
+                return Err(format!(
+                    "invalid selector: '{text}'; can't understand '{term}'"
+                ));
             };
             let field = field.trim();
             if !supported(field) {
-                return Err(format!("field label not supported: {field}"));
+                let known: Vec<String> = ["metadata.name", "metadata.namespace"]
+                    .iter()
+                    .chain(extra)
+                    .map(|f| format!("{f:?}"))
+                    .collect();
+                return Err(format!(
+                    "{field:?} is not a known field selector: only {}",
+                    known.join(", ")
+                ));
             }
             terms.push((field.to_owned(), equal, value.trim().to_owned()));
         }
@@ -212,14 +249,39 @@ mod tests {
     #[test]
     fn every_operator_selects_as_the_api_server_does() {
         let l = labels(json!({"app": "web", "tier": "front", "example.com/team": "a"}));
-        let yes = ["app=web", "app==web", "app!=db", "tier in (front, back)", "tier notin (back)", "app", "!missing",
-            "example.com/team=a,app", "missing notin (x)", "missing!=x", ""];
+        let yes = [
+            "app=web",
+            "app==web",
+            "app!=db",
+            "tier in (front, back)",
+            "tier notin (back)",
+            "app",
+            "!missing",
+            "example.com/team=a,app",
+            "missing notin (x)",
+            "missing!=x",
+            "",
+        ];
         for s in yes {
-            assert!(LabelSelector::parse(s).unwrap().matches(Some(&l)), "{s} should select");
+            assert!(
+                LabelSelector::parse(s).unwrap().matches(Some(&l)),
+                "{s} should select"
+            );
         }
-        let no = ["app=db", "app!=web", "tier in (back)", "tier notin (front)", "missing", "!app", "app=web,tier=x"];
+        let no = [
+            "app=db",
+            "app!=web",
+            "tier in (back)",
+            "tier notin (front)",
+            "missing",
+            "!app",
+            "app=web,tier=x",
+        ];
         for s in no {
-            assert!(!LabelSelector::parse(s).unwrap().matches(Some(&l)), "{s} should not select");
+            assert!(
+                !LabelSelector::parse(s).unwrap().matches(Some(&l)),
+                "{s} should not select"
+            );
         }
     }
 
@@ -232,10 +294,13 @@ mod tests {
 
     #[test]
     fn a_field_selector_reads_dotted_paths_and_refuses_unknown_fields() {
-        let supported = |f: &str| matches!(f, "metadata.name" | "status.phase");
-        let s = FieldSelector::parse("metadata.name=a,status.phase!=Failed", &supported).unwrap();
+        let s = FieldSelector::parse("metadata.name=a,status.phase!=Failed", &["status.phase"])
+            .unwrap();
         assert!(s.matches(&json!({"metadata": {"name": "a"}, "status": {"phase": "Running"}})));
         assert!(!s.matches(&json!({"metadata": {"name": "a"}, "status": {"phase": "Failed"}})));
-        assert_eq!(FieldSelector::parse("spec.x=1", &supported).unwrap_err(), "field label not supported: spec.x");
+        assert_eq!(
+            FieldSelector::parse("spec.x=1", &["status.phase"]).unwrap_err(),
+            r#""spec.x" is not a known field selector: only "metadata.name", "metadata.namespace", "status.phase""#
+        );
     }
 }

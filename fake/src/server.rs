@@ -88,7 +88,9 @@ pub struct ApiServer {
 
 impl std::fmt::Debug for ApiServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApiServer").field("name", &self.shared.name).finish_non_exhaustive()
+        f.debug_struct("ApiServer")
+            .field("name", &self.shared.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -176,7 +178,9 @@ impl ApiServerBuilder {
 
     /// Makes the server.
     pub fn build(self) -> ApiServer {
-        let behaviour = Behaviour { controllers: self.controllers };
+        let behaviour = Behaviour {
+            controllers: self.controllers,
+        };
         let store = Store::new(self.registry, self.history, self.seed, behaviour);
         let (answering, _) = watch::channel(Answering::Yes);
         let server = ApiServer {
@@ -189,7 +193,10 @@ impl ApiServerBuilder {
             }),
         };
         let mut namespaces: Vec<String> =
-            ["default", "kube-system", "kube-public", "kube-node-lease"].iter().map(|s| (*s).to_owned()).collect();
+            ["default", "kube-system", "kube-public", "kube-node-lease"]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect();
         namespaces.extend(self.namespaces);
         for o in &self.objects {
             if let Some(ns) = o.pointer("/metadata/namespace").and_then(Value::as_str) {
@@ -197,7 +204,8 @@ impl ApiServerBuilder {
             }
         }
         for ns in namespaces {
-            let _ = server.insert(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
+            let _ = server
+                .insert(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
         }
         for o in self.objects {
             let _ = server.insert(o);
@@ -246,21 +254,49 @@ impl ApiServer {
     /// as stored, or the `Status` of the refusal.
     pub fn insert(&self, object: Value) -> Result<Value, Value> {
         let mut store = self.shared.store();
-        let api_version = object.get("apiVersion").and_then(Value::as_str).unwrap_or_default().to_owned();
-        let kind = object.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let api_version = object
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let kind = object
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
         let resource = store
             .registry
             .by_kind(&api_version, &kind)
             .ok_or_else(|| json!({"message": format!("{api_version} {kind} is not served")}))?;
-        let version = api_version.rsplit('/').next().unwrap_or_default().to_owned();
-        let namespace = object.pointer("/metadata/namespace").and_then(Value::as_str).map(str::to_owned);
-        let t = Target { resource, version, namespace, name: None, subresource: None };
-        store.create(&t, object, &WriteOptions::default()).map_err(|e| e.to_status())
+        let version = api_version
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let namespace = object
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let t = Target {
+            resource,
+            version,
+            namespace,
+            name: None,
+            subresource: None,
+        };
+        store
+            .create(&t, object, &WriteOptions::default())
+            .map_err(|e| e.to_status())
     }
 
     /// Every object of every kind, as stored (a view for assertions and traces).
     pub fn objects(&self) -> Vec<Value> {
-        self.shared.store().objects.values().map(|v| (**v).clone()).collect()
+        self.shared
+            .store()
+            .objects
+            .values()
+            .map(|v| (**v).clone())
+            .collect()
     }
 
     /// The current resource version (it grows by one with every write).

@@ -28,16 +28,21 @@ impl ApiError {
         if let Some(details) = &self.details {
             status["details"] = details.clone();
         }
-        if self.reason.is_empty() {
-            if let Some(s) = status.as_object_mut() {
-                s.remove("reason");
-            }
+        if self.reason.is_empty()
+            && let Some(s) = status.as_object_mut()
+        {
+            s.remove("reason");
         }
         status
     }
 
     pub(crate) fn bad_request(message: impl Into<String>) -> Self {
-        ApiError { code: 400, reason: "BadRequest", message: message.into(), details: None }
+        ApiError {
+            code: 400,
+            reason: "BadRequest",
+            message: message.into(),
+            details: None,
+        }
     }
 
     pub(crate) fn not_found_path() -> Self {
@@ -80,7 +85,12 @@ impl ApiError {
         ApiError {
             code: 409,
             reason: "Conflict",
-            message: format!("Operation cannot be fulfilled on {} \"{}\": {}", resource.qualified(), name, why),
+            message: format!(
+                "Operation cannot be fulfilled on {} \"{}\": {}",
+                resource.qualified(),
+                name,
+                why
+            ),
             details: Some(details(resource, name)),
         }
     }
@@ -93,30 +103,99 @@ impl ApiError {
         )
     }
 
-    pub(crate) fn invalid(resource: &Resource, name: &str, causes: &[(&str, &str, String)]) -> Self {
-        let text: Vec<String> = causes.iter().map(|(field, _, message)| format!("{field}: {message}")).collect();
+    /// 422 Invalid. A built-in kind is named by its kind (`ConfigMap "x" is invalid`), a
+    /// custom resource by its qualified plural (`widgets.example.com "x" is invalid`).
+    pub(crate) fn invalid(
+        resource: &Resource,
+        name: &str,
+        causes: &[(&str, &str, String)],
+    ) -> Self {
+        let text: Vec<String> = causes
+            .iter()
+            .map(|(field, _, message)| format!("{field}: {message}"))
+            .collect();
         let causes: Vec<Value> = causes
             .iter()
             .map(|(field, reason, message)| json!({"reason": reason, "message": message, "field": field}))
             .collect();
-        let mut d = json!({"name": name, "kind": resource.kind, "causes": causes});
-        if !resource.group.is_empty() {
-            d["group"] = json!(resource.group);
-        }
-        let kind = if resource.group.is_empty() { resource.kind.clone() } else { format!("{}.{}", resource.kind, resource.group) };
+        let mut d = kind_details(resource, name);
+        d["causes"] = json!(causes);
         ApiError {
             code: 422,
             reason: "Invalid",
-            message: format!("{kind} \"{name}\" is invalid: {}", join_causes(&text)),
+            message: format!(
+                "{} \"{name}\" is invalid: {}",
+                kind_name(resource),
+                join_causes(&text)
+            ),
             details: Some(d),
         }
+    }
+
+    /// 409 Conflict of a delete whose uid precondition fails.
+    pub(crate) fn uid_precondition(
+        resource: &Resource,
+        name: &str,
+        given: &str,
+        held: &str,
+    ) -> Self {
+        ApiError {
+            code: 409,
+            reason: "Conflict",
+            message: format!(
+                "Operation cannot be fulfilled on {} \"{name}\": the UID in the precondition ({given}) does not match the UID in record ({held}). The object might have been deleted and then recreated",
+                kind_name(resource)
+            ),
+            details: Some(kind_details(resource, name)),
+        }
+    }
+
+    /// 409 Conflict of a delete whose resourceVersion precondition fails.
+    pub(crate) fn rv_precondition(
+        resource: &Resource,
+        name: &str,
+        given: &str,
+        held: &str,
+    ) -> Self {
+        ApiError {
+            code: 409,
+            reason: "Conflict",
+            message: format!(
+                "Operation cannot be fulfilled on {} \"{name}\": the ResourceVersion in the precondition ({given}) does not match the ResourceVersion in record ({held}). The object might have been modified",
+                kind_name(resource)
+            ),
+            details: Some(kind_details(resource, name)),
+        }
+    }
+
+    pub(crate) fn namespace_terminating(resource: &Resource, name: &str, namespace: &str) -> Self {
+        let mut e = Self::forbidden(
+            resource,
+            name,
+            &format!(
+                "unable to create new content in namespace {namespace} because it is being terminated"
+            ),
+        );
+        if let Some(d) = e.details.as_mut() {
+            d["causes"] = json!([{
+                "reason": "NamespaceTerminating",
+                "message": format!("namespace {namespace} is being terminated"),
+                "field": "metadata.namespace"
+            }]);
+        }
+        e
     }
 
     pub(crate) fn forbidden(resource: &Resource, name: &str, why: &str) -> Self {
         ApiError {
             code: 403,
             reason: "Forbidden",
-            message: format!("{} \"{}\" is forbidden: {}", resource.qualified(), name, why),
+            message: format!(
+                "{} \"{}\" is forbidden: {}",
+                resource.qualified(),
+                name,
+                why
+            ),
             details: Some(details(resource, name)),
         }
     }
@@ -134,13 +213,26 @@ impl ApiError {
         ApiError {
             code: 415,
             reason: "UnsupportedMediaType",
-            message: format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml; got {content_type}"),
-            details: None,
+            message: if content_type.starts_with("application/strategic-merge-patch+json") {
+                "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml".to_owned()
+            } else {
+                "415: Unsupported Media Type".to_owned()
+            },
+            details: if content_type.starts_with("application/strategic-merge-patch+json") {
+                None
+            } else {
+                Some(json!({}))
+            },
         }
     }
 
     pub(crate) fn expired(message: impl Into<String>) -> Self {
-        ApiError { code: 410, reason: "Expired", message: message.into(), details: None }
+        ApiError {
+            code: 410,
+            reason: "Expired",
+            message: message.into(),
+            details: None,
+        }
     }
 
     pub(crate) fn too_many_requests() -> Self {
@@ -153,16 +245,55 @@ impl ApiError {
     }
 
     pub(crate) fn internal(message: impl Into<String>) -> Self {
-        ApiError { code: 500, reason: "InternalError", message: message.into(), details: None }
+        ApiError {
+            code: 500,
+            reason: "InternalError",
+            message: message.into(),
+            details: None,
+        }
     }
 
-    pub(crate) fn unprocessable(message: impl Into<String>) -> Self {
-        ApiError { code: 422, reason: "UnprocessableEntity", message: message.into(), details: None }
+    /// A JSON patch whose operation fails (a `test` that does not hold, a path that is not there).
+    pub(crate) fn patch_rejected() -> Self {
+        ApiError {
+            code: 422,
+            reason: "Invalid",
+            message: "the server rejected our request due to an error in our request".to_owned(),
+            details: Some(json!({})),
+        }
     }
 }
 
 fn join_causes(text: &[String]) -> String {
-    if text.len() == 1 { text[0].clone() } else { format!("[{}]", text.join(", ")) }
+    if text.len() == 1 {
+        text[0].clone()
+    } else {
+        format!("[{}]", text.join(", "))
+    }
+}
+
+/// How validation names a kind: built-in kinds by kind, custom resources by qualified plural.
+fn kind_name(resource: &Resource) -> String {
+    if resource.custom {
+        resource.qualified()
+    } else {
+        resource.kind.clone()
+    }
+}
+
+fn kind_details(resource: &Resource, name: &str) -> Value {
+    let mut d = if resource.custom {
+        json!({"kind": resource.plural})
+    } else {
+        json!({"kind": resource.kind})
+    };
+    if !name.is_empty() {
+        d["name"] = json!(name);
+    }
+    if resource.custom && !resource.group.is_empty() {
+        d["group"] = json!(resource.group);
+    }
+    d
 }
 
 fn details(resource: &Resource, name: &str) -> Value {

@@ -53,24 +53,37 @@ pub(crate) struct Watcher {
 impl Watcher {
     pub(crate) fn selects(&self, key: &Key, object: &Value) -> bool {
         key.resource == self.resource
-            && self.namespace.as_ref().is_none_or(|ns| *ns == key.namespace)
+            && self
+                .namespace
+                .as_ref()
+                .is_none_or(|ns| *ns == key.namespace)
             && self.name.as_ref().is_none_or(|n| *n == key.name)
-            && self.labels.matches(object.pointer("/metadata/labels").and_then(Value::as_object))
+            && self.labels.matches(
+                object
+                    .pointer("/metadata/labels")
+                    .and_then(Value::as_object),
+            )
             && self.fields.matches(object)
     }
 
     /// The watch event `change` makes for this watch, if any.
     pub(crate) fn event(&self, change: &Change) -> Option<Bytes> {
-        let before = change.old.as_deref().filter(|o| self.selects(&change.key, o));
-        let after = change.new.as_deref().filter(|o| self.selects(&change.key, o));
+        let before = change
+            .old
+            .as_deref()
+            .filter(|o| self.selects(&change.key, o));
+        let after = change
+            .new
+            .as_deref()
+            .filter(|o| self.selects(&change.key, o));
         let (kind, object) = match (before, after) {
             (None, None) => return None,
             (None, Some(new)) => ("ADDED", new.clone()),
             (Some(_), Some(new)) => ("MODIFIED", new.clone()),
             (Some(old), None) => {
-                // An object that leaves the selection or is deleted is shown as it was, at the
-                // version of the change that removed it.
-                let mut shown = change.new.as_deref().cloned().unwrap_or_else(|| old.clone());
+                // An object that leaves the selection or is deleted is shown as it was before,
+                // at the version of the change that removed it.
+                let mut shown = old.clone();
                 set_rv(&mut shown, change.rv);
                 ("DELETED", shown)
             }
@@ -113,7 +126,12 @@ pub(crate) struct Store {
 }
 
 impl Store {
-    pub(crate) fn new(registry: Registry, history_limit: usize, seed: u64, behaviour: Behaviour) -> Self {
+    pub(crate) fn new(
+        registry: Registry,
+        history_limit: usize,
+        seed: u64,
+        behaviour: Behaviour,
+    ) -> Self {
         Store {
             registry,
             rv: 1,
@@ -144,7 +162,12 @@ impl Store {
             Some(v) => self.objects.insert(key.clone(), v.clone()),
             None => self.objects.remove(&key),
         };
-        let change = Change { rv, key, old, new: new.clone() };
+        let change = Change {
+            rv,
+            key,
+            old,
+            new: new.clone(),
+        };
         self.watchers.retain(|w| match w.event(&change) {
             Some(line) => w.tx.send(line).is_ok(),
             None => !w.tx.is_closed(),
@@ -170,13 +193,20 @@ impl Store {
     /// The changes after `rv`, or 410 when some of them are no longer kept.
     pub(crate) fn since(&self, rv: u64) -> Result<impl Iterator<Item = &Change>, ApiError> {
         if rv + 1 < self.oldest {
-            return Err(ApiError::expired(format!("too old resource version: {rv} ({})", self.oldest - 1)));
+            return Err(ApiError::expired(format!(
+                "too old resource version: {rv} ({})",
+                self.oldest - 1
+            )));
         }
         Ok(self.history.iter().filter(move |c| c.rv > rv))
     }
 
     /// The objects of `resource` as they were at `rv` (for a continue token or an exact list).
-    pub(crate) fn snapshot(&self, resource: ResourceId, rv: u64) -> Result<BTreeMap<Key, Arc<Value>>, ApiError> {
+    pub(crate) fn snapshot(
+        &self,
+        resource: ResourceId,
+        rv: u64,
+    ) -> Result<BTreeMap<Key, Arc<Value>>, ApiError> {
         if rv + 1 < self.oldest {
             return Err(ApiError::expired(
                 "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
@@ -184,7 +214,13 @@ impl Store {
         }
         let mut objects: BTreeMap<Key, Arc<Value>> = self
             .objects
-            .range(Key { resource, namespace: String::new(), name: String::new() }..)
+            .range(
+                Key {
+                    resource,
+                    namespace: String::new(),
+                    name: String::new(),
+                }..,
+            )
             .take_while(|(k, _)| k.resource == resource)
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
@@ -201,11 +237,19 @@ impl Store {
     }
 
     /// The objects of `resource` in `namespace` (all namespaces for `None`).
-    pub(crate) fn of(&self, resource: ResourceId, namespace: Option<&str>) -> impl Iterator<Item = (&Key, &Arc<Value>)> {
-        let start = Key { resource, namespace: namespace.unwrap_or("").to_owned(), name: String::new() };
-        self.objects
-            .range(start..)
-            .take_while(move |(k, _)| k.resource == resource && namespace.is_none_or(|ns| k.namespace == ns))
+    pub(crate) fn of(
+        &self,
+        resource: ResourceId,
+        namespace: Option<&str>,
+    ) -> impl Iterator<Item = (&Key, &Arc<Value>)> {
+        let start = Key {
+            resource,
+            namespace: namespace.unwrap_or("").to_owned(),
+            name: String::new(),
+        };
+        self.objects.range(start..).take_while(move |(k, _)| {
+            k.resource == resource && namespace.is_none_or(|ns| k.namespace == ns)
+        })
     }
 }
 
@@ -227,13 +271,21 @@ pub(crate) fn meta_mut(object: &mut Value) -> &mut Map<String, Value> {
 }
 
 pub(crate) fn meta_str<'a>(object: &'a Value, field: &str) -> Option<&'a str> {
-    meta(object).and_then(|m| m.get(field)).and_then(Value::as_str).filter(|s| !s.is_empty())
+    meta(object)
+        .and_then(|m| m.get(field))
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
 }
 
 pub(crate) fn finalizers(object: &Value) -> Vec<String> {
     meta(object)
         .and_then(|m| m.get("finalizers"))
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
         .unwrap_or_default()
 }

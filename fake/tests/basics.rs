@@ -22,8 +22,13 @@ async fn an_update_with_a_stale_version_is_refused_with_409() {
     let first = cms.create(&PostParams::default(), &cm("x")).await.unwrap();
     let mut changed = first.clone();
     changed.data = Some([("a".to_owned(), "2".to_owned())].into());
-    cms.replace("x", &PostParams::default(), &changed).await.unwrap();
-    let err = cms.replace("x", &PostParams::default(), &changed).await.unwrap_err();
+    cms.replace("x", &PostParams::default(), &changed)
+        .await
+        .unwrap();
+    let err = cms
+        .replace("x", &PostParams::default(), &changed)
+        .await
+        .unwrap_err();
     match err {
         kube::Error::Api(s) => {
             assert_eq!(s.code, 409);
@@ -43,7 +48,13 @@ async fn a_watcher_sees_writes_in_order_and_relists_after_410() {
     // Init, InitApply(a), InitDone
     while let Some(e) = events.try_next().await.unwrap() {
         let done = matches!(e, watcher::Event::InitDone);
-        seen.push(format!("{e:?}").split('(').next().unwrap_or_default().to_owned());
+        seen.push(
+            format!("{e:?}")
+                .split('(')
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+        );
         if done {
             break;
         }
@@ -60,8 +71,13 @@ async fn a_watcher_sees_writes_in_order_and_relists_after_410() {
     let mut relisted = Vec::new();
     let mut gone = false;
     loop {
-        match tokio::time::timeout(Duration::from_secs(10), events.next()).await.unwrap() {
-            Some(Ok(watcher::Event::InitApply(o))) => relisted.push(o.metadata.name.unwrap_or_default()),
+        match tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .unwrap()
+        {
+            Some(Ok(watcher::Event::InitApply(o))) => {
+                relisted.push(o.metadata.name.unwrap_or_default())
+            }
             Some(Ok(watcher::Event::InitDone)) => break,
             Some(Err(watcher::Error::WatchError(e))) => gone |= e.code == 410,
             Some(_) => {}
@@ -83,7 +99,9 @@ async fn a_finalizer_holds_a_deleted_object_until_it_is_removed() {
     let marked = cms.get("held").await.unwrap();
     assert!(marked.metadata.deletion_timestamp.is_some());
     let patch = serde_json::json!({"metadata": {"finalizers": null}});
-    cms.patch("held", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    cms.patch("held", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
     assert!(cms.get_opt("held").await.unwrap().is_none());
 }
 
@@ -95,7 +113,13 @@ async fn deleting_a_namespace_removes_what_it_holds() {
     let nss: Api<Namespace> = Api::all(server.client());
     nss.delete("team", &DeleteParams::default()).await.unwrap();
     assert!(nss.get_opt("team").await.unwrap().is_none());
-    assert!(cms.list(&ListParams::default()).await.unwrap().items.is_empty());
+    assert!(
+        cms.list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -103,8 +127,14 @@ async fn a_fault_answers_its_status_the_given_number_of_times() {
     let server = ApiServer::new("c0");
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
     server.inject(Fault::on(Verb::Create).status(429).times(1));
-    let e = cms.create(&PostParams::default(), &cm("x")).await.unwrap_err();
-    assert!(matches!(e, kube::Error::Api(ref s) if s.code == 429), "{e:?}");
+    let e = cms
+        .create(&PostParams::default(), &cm("x"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, kube::Error::Api(ref s) if s.code == 429),
+        "{e:?}"
+    );
     cms.create(&PostParams::default(), &cm("x")).await.unwrap();
 }
 

@@ -2,7 +2,7 @@
 # CI step, run in the background while the tests run: the minimum Rust version, the earliest
 # Kubernetes version, the operator image's build, then the fuzz targets' build.
 #
-# Both library crates build with the rust-version they state (rustup installs that
+# The library crates build with the rust-version they state (rustup installs that
 # toolchain), and neither picks a k8s-openapi version feature (two picks cannot build
 # together): each builds with the earliest Kubernetes version a user may pick, and only that
 # one. mcr is a binary: it picks its version itself. Then the Containerfile's cargo command,
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 msrv=$(sed -n 's/^rust-version = "\(.*\)"$/\1/p' Cargo.toml)
-for manifest in testenv/Cargo.toml cli/Cargo.toml; do
+for manifest in testenv/Cargo.toml cli/Cargo.toml fake/Cargo.toml; do
   grep -qx "rust-version = \"$msrv\"" "$manifest" || { echo "$manifest states another rust-version than $msrv"; exit 1; }
 done
 image_rust=$(sed -n 's|^FROM docker.io/library/rust:\([0-9.]*\)-[a-z-]* AS build$|\1|p' Containerfile)
@@ -27,7 +27,7 @@ fi
 # In a target directory of its own, so that no test waits for its build lock.
 export RUSTUP_TOOLCHAIN="$msrv" CARGO_TARGET_DIR="$PWD/target/msrv"
 set -x
-for package in multicluster-runtime multicluster-runtime-testenv; do
+for package in multicluster-runtime multicluster-runtime-testenv multicluster-runtime-fake; do
   cargo check --quiet -p "$package" --lib --all-features --features k8s-openapi/v1_33
 done
 cargo check --quiet -p multicluster-runtime-cli
