@@ -304,11 +304,18 @@ where
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    Ok(match serve(&shared, verb, &t, &q, content_type, &body) {
-        Ok(Served::Json(code, v)) => json_response(code, &v),
-        Ok(Served::Watch(w)) => watch_response(&shared, w, &q),
-        Err(e) => error_response(&e),
-    })
+    let user_agent = parts
+        .headers
+        .get(http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    Ok(
+        match serve(&shared, verb, &t, &q, (content_type, user_agent), &body) {
+            Ok(Served::Json(code, v)) => json_response(code, &v),
+            Ok(Served::Watch(w)) => watch_response(&shared, w, &q),
+            Err(e) => error_response(&e),
+        },
+    )
 }
 
 fn aggregated_response(body: &Value) -> Response<ResponseBody> {
@@ -353,9 +360,25 @@ fn selectors(
     Ok((labels, fields))
 }
 
-fn write_options(q: &Query) -> WriteOptions {
+fn write_options(q: &Query, user_agent: &str) -> WriteOptions {
     WriteOptions {
         dry_run: q.get("dryRun") == Some("All"),
+        manager: Some(manager_of(q, user_agent)),
+    }
+}
+
+/// The field manager of a write: the parameter, else the user agent up to its first `/`.
+fn manager_of(q: &Query, user_agent: &str) -> String {
+    match q.get("fieldManager").filter(|m| !m.is_empty()) {
+        Some(m) => m.to_owned(),
+        None => {
+            let ua = user_agent.split('/').next().unwrap_or_default();
+            if ua.is_empty() {
+                "unknown".to_owned()
+            } else {
+                ua.to_owned()
+            }
+        }
     }
 }
 
@@ -364,7 +387,7 @@ fn serve(
     verb: Verb,
     t: &Target,
     q: &Query,
-    content_type: &str,
+    (content_type, user_agent): (&str, &str),
     body: &[u8],
 ) -> Result<Served, ApiError> {
     let name = t.name.as_deref().unwrap_or_default();
@@ -393,7 +416,9 @@ fn serve(
             let body = parse_body(body)?;
             Ok(Served::Json(
                 201,
-                shared.store().create(t, body, &write_options(q))?,
+                shared
+                    .store()
+                    .create(t, body, &write_options(q, user_agent))?,
             ))
         }
         Verb::Update => {
@@ -411,7 +436,9 @@ fn serve(
             }
             Ok(Served::Json(
                 200,
-                shared.store().update(t, name, body, &write_options(q))?,
+                shared
+                    .store()
+                    .update(t, name, body, &write_options(q, user_agent))?,
             ))
         }
         Verb::Patch => {
@@ -419,7 +446,28 @@ fn serve(
                 .ok_or_else(|| ApiError::unsupported_media_type(content_type))?;
             let mut store = shared.store();
             if kind == PatchType::Apply {
-                return Err(ApiError::unsupported_media_type(content_type));
+                let Some(manager) = q.get("fieldManager").filter(|m| !m.is_empty()) else {
+                    return Err(ApiError {
+                        code: 422,
+                        reason: "Invalid",
+                        message: "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch".to_owned(),
+                        details: Some(json!({
+                            "group": "meta.k8s.io",
+                            "kind": "PatchOptions",
+                            "causes": [{"reason": "FieldValueRequired", "message": "Required value: is required for apply patch", "field": "fieldManager"}]
+                        })),
+                    });
+                };
+                let applied = parse_body(body)?;
+                let (code, v) = store.apply(
+                    t,
+                    name,
+                    applied,
+                    manager,
+                    q.flag("force"),
+                    q.get("dryRun") == Some("All"),
+                )?;
+                return Ok(Served::Json(code, v));
             }
             let current = store.get_object(t, name)?;
             let r = store.registry.get(t.resource).clone();
@@ -439,7 +487,7 @@ fn serve(
             }
             Ok(Served::Json(
                 200,
-                store.update(t, name, patched, &write_options(q))?,
+                store.update(t, name, patched, &write_options(q, user_agent))?,
             ))
         }
         Verb::Delete => {

@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
+mod apply;
 mod discovery;
 mod faults;
 mod http;

@@ -8,6 +8,7 @@ use base64::Engine as _;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::{Map, Value, json};
 
+use crate::apply;
 use crate::kinds::{Resource, ResourceId};
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
@@ -28,6 +29,9 @@ pub(crate) struct Target {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct WriteOptions {
     pub(crate) dry_run: bool,
+    /// Who writes: the `fieldManager` parameter, else the client's user agent, else
+    /// `unknown`. `None` leaves the managed fields as the body has them (an apply).
+    pub(crate) manager: Option<String>,
 }
 
 /// The options of a list.
@@ -336,7 +340,10 @@ impl Store {
         let uid = self.uid();
         let meta = meta_mut(&mut body);
         for field in SYSTEM_FIELDS {
-            meta.remove(*field);
+            // An apply that creates brings the managed fields it computed.
+            if *field != "managedFields" || o.manager.is_some() {
+                meta.remove(*field);
+            }
         }
         meta.insert("name".into(), json!(name));
         meta.insert("uid".into(), json!(uid));
@@ -347,11 +354,18 @@ impl Store {
         if r.status_subresource {
             prepare_status_for_create(&r, &mut body);
         }
+        shape(&r, &mut body);
+        // The writer owns what it wrote, not what the server adds after (a namespace's spec
+        // and phase).
+        if let Some(manager) = &o.manager {
+            let api_version = r.api_version(&t.version);
+            apply::record_update(&r, None, &mut body, manager, &api_version, false, &now());
+        }
         if r.plural == "namespaces" {
             body["spec"] = json!({"finalizers": ["kubernetes"]});
             body["status"] = json!({"phase": "Active"});
         }
-        shape(&r, &mut body);
+        defaults(&r, &mut body);
         if o.dry_run {
             return Ok(self.shown(t.resource, &t.version, &body));
         }
@@ -445,7 +459,15 @@ impl Store {
         if status_write {
             // The status subresource writes the status and nothing else.
             let status = new.get("status").cloned();
+            let computed = new.pointer("/metadata/managedFields").cloned();
             new = (*old).clone();
+            // An apply to the status brings the managed fields it computed.
+            if o.manager.is_none() {
+                match computed {
+                    Some(v) => meta_mut(&mut new).insert("managedFields".to_owned(), v),
+                    None => meta_mut(&mut new).remove("managedFields"),
+                };
+            }
             match status {
                 Some(s) => new["status"] = s,
                 None => {
@@ -468,8 +490,17 @@ impl Store {
         new["kind"] = json!(r.kind);
         let old_meta = meta(&old).cloned().unwrap_or_default();
         {
+            let given = new.pointer("/metadata/managedFields").cloned();
             let m = meta_mut(&mut new);
             for field in SYSTEM_FIELDS {
+                if *field == "managedFields" && o.manager.is_none() {
+                    // An apply computed them.
+                    match &given {
+                        Some(v) => m.insert("managedFields".to_owned(), v.clone()),
+                        None => m.remove("managedFields"),
+                    };
+                    continue;
+                }
                 match old_meta.get(*field) {
                     Some(v) => m.insert((*field).to_owned(), v.clone()),
                     None => m.remove(*field),
@@ -542,6 +573,19 @@ impl Store {
             }
         }
         shape(&r, &mut new);
+        if let Some(manager) = &o.manager {
+            let api_version = r.api_version(&t.version);
+            apply::record_update(
+                &r,
+                Some(&old),
+                &mut new,
+                manager,
+                &api_version,
+                status_write,
+                &now(),
+            );
+        }
+        defaults(&r, &mut new);
         if r.generation && spec_of(&new) != spec_of(&old) {
             let g = old_meta
                 .get("generation")
@@ -575,6 +619,83 @@ impl Store {
             .unwrap_or(Value::Null);
         self.after_write();
         Ok(self.shown(t.resource, &t.version, &stored))
+    }
+
+    /// Server-side apply of `applied` by `manager` to the object at `t`/`name`: creates it
+    /// when missing (201), else merges it in (200), or refuses with the conflicts.
+    pub(crate) fn apply(
+        &mut self,
+        t: &Target,
+        name: &str,
+        applied: Value,
+        manager: &str,
+        force: bool,
+        dry_run: bool,
+    ) -> Result<(u16, Value), ApiError> {
+        if !applied.is_object() {
+            return Err(ApiError::bad_request(
+                "the body of the request is not an object",
+            ));
+        }
+        self.check_kind(t, &applied)?;
+        let r = self.resource(t.resource).clone();
+        if let Some(body_name) = meta_str(&applied, "name")
+            && body_name != name
+        {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({body_name}) does not match the name on the URL ({name})"
+            )));
+        }
+        let api_version = r.api_version(&t.version);
+        let status = t.subresource.as_deref() == Some("status");
+        let existing = self.get(&Self::key(t, name)).cloned();
+        let live = match &existing {
+            Some(v) => (**v).clone(),
+            None => {
+                let mut fresh =
+                    json!({"apiVersion": api_version, "kind": r.kind, "metadata": {"name": name}});
+                if let Some(ns) = &t.namespace {
+                    fresh["metadata"]["namespace"] = json!(ns);
+                }
+                fresh
+            }
+        };
+        let merged = apply::apply(
+            &r,
+            &live,
+            &applied,
+            &apply::Writer {
+                manager,
+                api_version: &api_version,
+                status,
+                now: &now(),
+            },
+            force,
+        )
+        .map_err(|c| {
+            let (message, causes) = c.describe();
+            ApiError {
+                code: 409,
+                reason: "Conflict",
+                message,
+                details: Some(json!({"causes": causes})),
+            }
+        })?;
+        let o = WriteOptions {
+            dry_run,
+            manager: None,
+        };
+        match existing {
+            None => Ok((201, self.create(t, merged, &o)?)),
+            Some(_) => {
+                let mut merged = merged;
+                // The write is over the version the apply read.
+                if let Some(rv) = live.pointer("/metadata/resourceVersion") {
+                    meta_mut(&mut merged).insert("resourceVersion".to_owned(), rv.clone());
+                }
+                Ok((200, self.update(t, name, merged, &o)?))
+            }
+        }
     }
 
     /// Deletes the object at `t`/`name`: at once, or by marking it when finalizers hold it.
@@ -988,11 +1109,6 @@ fn shape(r: &Resource, object: &mut Value) {
         }
         top.entry("type").or_insert_with(|| json!("Opaque"));
     }
-    if r.group == "events.k8s.io" && r.kind == "Event" {
-        top.entry("deprecatedFirstTimestamp").or_insert(Value::Null);
-        top.entry("deprecatedLastTimestamp").or_insert(Value::Null);
-        top.entry("deprecatedSource").or_insert_with(|| json!({}));
-    }
     for field in ["data", "binaryData"] {
         if top
             .get(field)
@@ -1000,6 +1116,19 @@ fn shape(r: &Resource, object: &mut Value) {
         {
             top.remove(field);
         }
+    }
+}
+
+/// Fields the server's defaulting adds after it has recorded who wrote what (nobody owns
+/// them).
+fn defaults(r: &Resource, object: &mut Value) {
+    let Some(top) = object.as_object_mut() else {
+        return;
+    };
+    if r.group == "events.k8s.io" && r.kind == "Event" {
+        top.entry("deprecatedFirstTimestamp").or_insert(Value::Null);
+        top.entry("deprecatedLastTimestamp").or_insert(Value::Null);
+        top.entry("deprecatedSource").or_insert_with(|| json!({}));
     }
 }
 

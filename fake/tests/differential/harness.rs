@@ -29,6 +29,17 @@ impl Tokens {
     }
 }
 
+/// `fieldsV1` without its `.` entries (which say that a map or list itself is owned, as the
+/// schema's map and struct types decide): the layout the comparison leaves out.
+fn strip_markers(v: &mut Value) {
+    if let Value::Object(m) = v {
+        m.remove(".");
+        for child in m.values_mut() {
+            strip_markers(child);
+        }
+    }
+}
+
 /// An open watch: its body and the bytes of an unfinished line.
 struct Watch {
     body: Body,
@@ -69,7 +80,26 @@ impl Side {
     fn normalize(&mut self, v: &mut Value, field: Option<&str>) {
         match v {
             Value::Object(map) => {
-                map.remove("managedFields");
+                // Managed fields are compared by who wrote how (manager, operation,
+                // subresource) and which fields, not by their times or order.
+                if let Some(Value::Array(entries)) = map.remove("managedFields") {
+                    let mut shown: Vec<String> = entries
+                        .iter()
+                        .map(|e| {
+                            let mut fields = e["fieldsV1"].clone();
+                            strip_markers(&mut fields);
+                            format!(
+                                "{}/{}/{}:{}",
+                                e["manager"].as_str().unwrap_or_default(),
+                                e["operation"].as_str().unwrap_or_default(),
+                                e["subresource"].as_str().unwrap_or_default(),
+                                fields
+                            )
+                        })
+                        .collect();
+                    shown.sort();
+                    map.insert("managedFields".to_owned(), json!(shown));
+                }
                 for (k, child) in map.iter_mut() {
                     self.normalize(child, Some(k.as_str()));
                 }
@@ -295,6 +325,15 @@ impl Pair {
     pub async fn read_watch(&mut self, id: &str, until: &str) {
         self.real.read_watch(id, until).await;
         self.fake.read_watch(id, until).await;
+    }
+
+    /// The real server's transcript (shown with `MCR_DIFF_SHOW=<sequence>`).
+    pub fn show(&self) {
+        if std::env::var("MCR_DIFF_SHOW").is_ok_and(|s| s == self.name) {
+            for line in &self.real.transcript {
+                eprintln!("{line}");
+            }
+        }
     }
 
     /// How many requests and events were compared.

@@ -372,6 +372,88 @@ async fn status_and_generation(p: &mut Pair) {
         .await;
 }
 
+/// Server-side apply: creation, what a second apply removes, shared fields, conflicts with
+/// another applier and with an updater, force, the status subresource.
+async fn server_side_apply(p: &mut Pair) {
+    let apply = Some("application/apply-patch+yaml");
+    let a = |data: Value| cm("ssa", json!({"app": "x"}), data);
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-a"),
+        apply,
+        Some(a(json!({"one": "1", "two": "2"}))),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-a"),
+        apply,
+        Some(a(json!({"one": "1"}))),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-b"),
+        apply,
+        Some(cm("ssa", json!({}), json!({"one": "1", "three": "3"}))),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-b"),
+        apply,
+        Some(cm("ssa", json!({}), json!({"one": "changed"}))),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-b&force=true"),
+        apply,
+        Some(cm("ssa", json!({}), json!({"one": "changed"}))),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-u"),
+        Some("application/merge-patch+json"),
+        Some(json!({"data": {"four": "4"}})),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/ssa?fieldManager=test-a"),
+        apply,
+        Some(a(json!({"four": "four"}))),
+    )
+    .await;
+    p.req_typed("PATCH", &format!("{CMS}/ssa"), apply, Some(a(json!({}))))
+        .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/other?fieldManager=test-a"),
+        apply,
+        Some(a(json!({}))),
+    )
+    .await;
+    let mut w = widget("applied", json!({"size": 1}));
+    p.req_typed(
+        "PATCH",
+        &format!("{WIDGETS}/applied?fieldManager=test-a"),
+        apply,
+        Some(w.clone()),
+    )
+    .await;
+    w["status"] = json!({"ready": true});
+    p.req_typed(
+        "PATCH",
+        &format!("{WIDGETS}/applied/status?fieldManager=test-s"),
+        apply,
+        Some(w),
+    )
+    .await;
+    p.req("GET", &format!("{WIDGETS}/applied"), None).await;
+}
+
 /// Watches: from a listed version with a label selector (objects entering and leaving the
 /// selection), and from no version (the objects that exist, as ADDED).
 async fn watches(p: &mut Pair) {
@@ -552,6 +634,7 @@ async fn the_fake_answers_every_request_of_the_corpus_as_the_real_api_server_doe
             p.req("POST", "/api/v1/namespaces", Some(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "{ns}"}}))).await;
             $scenario(&mut p).await;
             compared += p.len();
+            p.show();
             if let Some(d) = p.difference() {
                 differences.push(d);
             }
@@ -563,11 +646,12 @@ async fn the_fake_answers_every_request_of_the_corpus_as_the_real_api_server_doe
         lists,
         deletion,
         status_and_generation,
+        server_side_apply,
         watches,
         namespaces,
         other_kinds
     );
-    eprintln!("compared {compared} requests and watch events in 8 sequences");
+    eprintln!("compared {compared} requests and watch events in 9 sequences");
     assert!(
         differences.is_empty(),
         "{} sequence(s) differ:\n{}",
