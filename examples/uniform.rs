@@ -25,13 +25,16 @@ use multicluster_runtime::{
 };
 use multicluster_runtime_testenv::{TestCluster, TestEnv};
 
+// The items below are `pub(crate)` so that the fake fleet's unit test
+// (fake/tests/examples.rs) can include this file and test its reconciler without a cluster.
+
 /// The policy every enforced namespace must carry.
-const POLICY: &str = "images-from=registry.internal; privileged=false";
+pub(crate) const POLICY: &str = "images-from=registry.internal; privileged=false";
 /// The field manager of the ConfigMaps this controller writes.
-const MANAGER: &str = "compliance-controller";
+pub(crate) const MANAGER: &str = "compliance-controller";
 
 #[derive(Debug, thiserror::Error)]
-enum Error {
+pub(crate) enum Error {
     #[error("namespace {0} has no uid yet")]
     NoUid(String),
     #[error(transparent)]
@@ -40,7 +43,10 @@ enum Error {
 
 // ANCHOR: reconcile
 /// The rule, for one namespace of one cluster.
-async fn reconcile<C: ClusterId>(ns: Arc<Namespace>, ctx: Context<C, ()>) -> Result<Action, Error> {
+pub(crate) async fn reconcile<C: ClusterId>(
+    ns: Arc<Namespace>,
+    ctx: Context<C, ()>,
+) -> Result<Action, Error> {
     let name = ns.name_any();
     let owner = ns
         .controller_owner_ref(&())
@@ -68,7 +74,11 @@ async fn reconcile<C: ClusterId>(ns: Arc<Namespace>, ctx: Context<C, ()>) -> Res
 }
 // ANCHOR_END: reconcile
 
-fn error_policy<C: ClusterId>(_: Arc<Namespace>, error: &Error, ctx: &Context<C, ()>) -> Action {
+pub(crate) fn error_policy<C: ClusterId>(
+    _: Arc<Namespace>,
+    error: &Error,
+    ctx: &Context<C, ()>,
+) -> Action {
     eprintln!("  {}: {error}", ctx.request());
     Action::requeue(Duration::from_secs(2))
 }

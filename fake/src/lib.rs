@@ -22,6 +22,7 @@
 mod apply;
 mod discovery;
 mod faults;
+mod fleet;
 mod http;
 mod kinds;
 mod ops;
@@ -32,6 +33,7 @@ mod status;
 mod store;
 
 pub use faults::{Fault, Verb};
+pub use fleet::FakeFleet;
 pub use http::ResponseBody;
 pub use kinds::{Resource, Scope};
 pub use server::{ApiServer, ApiServerBuilder, RequestRecord};

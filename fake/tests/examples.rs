@@ -1,0 +1,184 @@
+//! Unit tests of the shipped examples' reconcilers, on a fake fleet under paused time: no
+//! control plane, milliseconds per test.
+
+#[path = "../../examples/uniform.rs"]
+#[allow(dead_code)]
+mod uniform;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use multicluster_runtime::{Builder, Manager, watcher};
+use multicluster_runtime_fake::{ApiServer, FakeFleet, Verb};
+
+/// Namespaces `team-a` (enforced) and `sandbox` (exempt) in `server`.
+async fn namespaces(server: &ApiServer) {
+    for (name, enforced) in [("team-a", true), ("sandbox", false)] {
+        let mut ns = Namespace::default();
+        ns.metadata.name = Some(name.into());
+        if enforced {
+            ns.metadata.labels = Some(BTreeMap::from([("compliance".into(), "enforced".into())]));
+        }
+        Api::<Namespace>::all(server.client())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+    }
+}
+
+async fn policy_of(server: &ApiServer, namespace: &str) -> Option<String> {
+    let cm = Api::<ConfigMap>::namespaced(server.client(), namespace)
+        .get_opt("compliance")
+        .await
+        .ok()??;
+    cm.data?.get("policy").cloned()
+}
+
+/// Waits (in paused time, which moves only when every task waits) until `done` holds.
+async fn eventually<F, Fut>(what: &str, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    for _ in 0..600 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: not within 60 s of paused time");
+}
+
+fn start(
+    fleet: &FakeFleet,
+) -> (
+    Arc<Manager<multicluster_runtime::providers::Clusters>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let manager = Arc::new(Manager::new(fleet.provider()));
+    Builder::<_, Namespace>::new(
+        &manager,
+        watcher::Config::default().labels("compliance=enforced"),
+    )
+    .named("compliance")
+    .owns::<ConfigMap>(
+        watcher::Config::default().labels(&format!("managed-by={}", uniform::MANAGER)),
+    )
+    .start(uniform::reconcile, uniform::error_policy, Arc::new(()));
+    let run = tokio::spawn({
+        let manager = manager.clone();
+        async move { manager.run().await.unwrap() }
+    });
+    (manager, run)
+}
+
+#[tokio::test(start_paused = true)]
+async fn uniform_makes_every_enforced_namespace_of_three_clusters_compliant_and_repairs_drift() {
+    let fleet = FakeFleet::new();
+    let servers: Vec<ApiServer> = ["a", "b", "c"].iter().map(|n| fleet.add(n)).collect();
+    for s in &servers {
+        namespaces(s).await;
+    }
+    let (manager, run) = start(&fleet);
+    for s in &servers {
+        eventually(&format!("{}: team-a compliant", s.name()), || async {
+            policy_of(s, "team-a").await.as_deref() == Some(uniform::POLICY)
+        })
+        .await;
+    }
+    // A namespace enforced later is the sync point: once it is compliant, the initial lists
+    // (which held `sandbox`) have been handled.
+    for s in &servers {
+        let mut ns = Namespace::default();
+        ns.metadata.name = Some("team-b".into());
+        ns.metadata.labels = Some(BTreeMap::from([("compliance".into(), "enforced".into())]));
+        Api::<Namespace>::all(s.client())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+        eventually("team-b compliant", || async {
+            policy_of(s, "team-b").await.is_some()
+        })
+        .await;
+        assert_eq!(
+            policy_of(s, "sandbox").await,
+            None,
+            "{}: the exempt namespace got the ConfigMap",
+            s.name()
+        );
+    }
+    // Drift in b: deleted, then edited; both put back.
+    let b = &servers[1];
+    let cms = Api::<ConfigMap>::namespaced(b.client(), "team-a");
+    cms.delete("compliance", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the deleted ConfigMap restored", || async {
+        policy_of(b, "team-a").await.as_deref() == Some(uniform::POLICY)
+    })
+    .await;
+    cms.patch(
+        "compliance",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"data": {"policy": "anything"}})),
+    )
+    .await
+    .unwrap();
+    eventually("the edited ConfigMap restored", || async {
+        policy_of(b, "team-a").await.as_deref() == Some(uniform::POLICY)
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn uniform_writes_nothing_to_a_cluster_after_it_left_and_serves_it_again_when_it_returns() {
+    let fleet = FakeFleet::new();
+    let a = fleet.add("a");
+    let b = fleet.add("b");
+    namespaces(&a).await;
+    namespaces(&b).await;
+    let (manager, run) = start(&fleet);
+    for s in [&a, &b] {
+        eventually("compliant", || async {
+            policy_of(s, "team-a").await.is_some()
+        })
+        .await;
+    }
+    assert!(fleet.leave("b"));
+    let _ = b.take_requests();
+    // A change in b while it is away, and a change in a as the sync point: once a's is
+    // handled, the manager has had every chance to act on b's.
+    Api::<ConfigMap>::namespaced(b.client(), "team-a")
+        .delete("compliance", &DeleteParams::default())
+        .await
+        .unwrap();
+    Api::<ConfigMap>::namespaced(a.client(), "team-a")
+        .delete("compliance", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("a repaired", || async {
+        policy_of(&a, "team-a").await.is_some()
+    })
+    .await;
+    let writes: Vec<_> = b
+        .take_requests()
+        .into_iter()
+        .filter(|r| r.verb.writes())
+        .collect();
+    // The test's own delete is the only write b saw.
+    assert_eq!(writes.len(), 1, "writes to b after it left: {writes:?}");
+    assert_eq!(writes[0].verb, Verb::Delete);
+    fleet.rejoin("b");
+    eventually("b repaired after it returned", || async {
+        policy_of(&b, "team-a").await.is_some()
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
