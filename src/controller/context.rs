@@ -143,6 +143,61 @@ impl<C: ClusterId, S> Context<C, S> {
         ctx
     }
 
+    /// A context outside a running manager, for tests of a reconciler: the reconcile of
+    /// `request` (for `object`) in `cluster`, with `fleet` as the rest of the fleet and
+    /// `state` as the controller's state. Cancelling `engagement` is what a disengagement
+    /// does to a reconcile in flight ([`Context::is_cancelled`] turns true). Events report
+    /// as the controller `reconciler` of no replica.
+    ///
+    /// The fake crate's schedule checker makes its contexts with it; a plain unit test can
+    /// too.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use k8s_openapi::api::core::v1::ConfigMap;
+    /// use multicluster_runtime::{Cluster, ClusterName, Context, Fleet, Request};
+    /// use tokio_util::sync::CancellationToken;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # let client = kube::Client::new(tower::service_fn(|_: http::Request<kube::client::Body>| async {
+    /// #     Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::empty()))
+    /// # }), "default");
+    /// let fleet = Fleet::new();
+    /// let cluster = Cluster::new(ClusterName::from("a"), client);
+    /// let mut cm = ConfigMap::default();
+    /// cm.metadata.name = Some("x".into());
+    /// cm.metadata.namespace = Some("default".into());
+    /// let request = Request::new(ClusterName::from("a"), Some("default"), "x");
+    /// let ctx: Context<ClusterName, ()> =
+    ///     Context::detached(request, Arc::new(cm), cluster, &fleet, Arc::new(()), CancellationToken::new());
+    /// assert_eq!(ctx.request().name, "x");
+    /// assert!(!ctx.is_cancelled());
+    /// # }
+    /// ```
+    pub fn detached<K: Resource + Send + Sync + 'static>(
+        request: Request<C>,
+        object: Arc<K>,
+        cluster: Cluster<C>,
+        fleet: &crate::fleet::Fleet<C>,
+        state: Arc<S>,
+        engagement: CancellationToken,
+    ) -> Self {
+        let shared = Arc::new(ReconcileShared {
+            state,
+            fleet: FleetView::new(fleet.clone()),
+            local: None,
+            shutdown: CancellationToken::new(),
+            reporter: Reporter {
+                controller: "reconciler".into(),
+                instance: None,
+            },
+            abort: CancellationToken::new(),
+            tenure: Arc::new(crate::lease::tenure::Tenure::always()),
+            failures: super::Failures::new(super::FailureBackoff::default()),
+        });
+        Self::new(&request, object, cluster, engagement, shared)
+    }
+
     /// A context whose request is made from `object` when asked for (single-cluster mode).
     pub(crate) fn for_object<K: Resource + Send + Sync + 'static>(
         object: Arc<K>,
