@@ -289,14 +289,23 @@ where
         return Ok(error_response(&ApiError::method_not_allowed()));
     };
     let plural = shared.store().registry.get(t.resource).plural.clone();
-    shared.record(RequestRecord {
+    let record = RequestRecord {
         verb,
         resource: plural.clone(),
         namespace: t.namespace.clone(),
         name: t.name.clone(),
         subresource: t.subresource.clone(),
-    });
+    };
+    shared.record(record.clone());
     if let Some(code) = shared.faults().take(verb, &plural, t.name.as_deref()) {
+        return Ok(error_response(&fault_error(code)));
+    }
+    // A schedule checker decides when (and whether) a request goes through.
+    let gate = shared.gate();
+    if let Some(gate) = gate
+        && verb != Verb::Watch
+        && let Some(code) = gate.park(&shared.name, record).await
+    {
         return Ok(error_response(&fault_error(code)));
     }
     let content_type = parts

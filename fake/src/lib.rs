@@ -20,6 +20,7 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
 mod apply;
+mod check;
 mod discovery;
 mod faults;
 mod fleet;
@@ -32,6 +33,7 @@ mod server;
 mod status;
 mod store;
 
+pub use check::{Checker, Failure, Report, Violation, World};
 pub use faults::{Fault, Verb};
 pub use fleet::FakeFleet;
 pub use http::ResponseBody;

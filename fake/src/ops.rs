@@ -593,8 +593,9 @@ impl Store {
                 .unwrap_or(0);
             meta_mut(&mut new).insert("generation".into(), json!(g + 1));
         }
-        if new == *old {
-            // Nothing changed: nothing is written and the version stays.
+        if without_times(&new) == without_times(&old) {
+            // Nothing changed (but the times of managed fields): nothing is written and the
+            // version stays.
             return Ok(self.shown(t.resource, &t.version, &old));
         }
         if o.dry_run {
@@ -1062,6 +1063,22 @@ impl Store {
             self.commit(key.clone(), None);
         }
     }
+}
+
+/// An object with the times of its managed fields left out.
+fn without_times(object: &Value) -> Value {
+    let mut v = object.clone();
+    if let Some(entries) = v
+        .pointer_mut("/metadata/managedFields")
+        .and_then(Value::as_array_mut)
+    {
+        for e in entries {
+            if let Some(e) = e.as_object_mut() {
+                e.remove("time");
+            }
+        }
+    }
+    v
 }
 
 /// What the API server's encoding and defaulting make of a written object, for the kinds and

@@ -41,6 +41,62 @@ pub(crate) struct Shared {
     faults: Mutex<Faults>,
     pub(crate) answering: watch::Sender<Answering>,
     requests: Mutex<Vec<RequestRecord>>,
+    gate: Mutex<Option<Arc<Gate>>>,
+}
+
+/// A request held until a schedule checker lets it through (or answers it with an error).
+pub(crate) struct Parked {
+    pub(crate) server: String,
+    pub(crate) record: RequestRecord,
+    pub(crate) answer: tokio::sync::oneshot::Sender<Option<u16>>,
+}
+
+/// Where the requests of gated servers wait: one for all the servers of a checked fleet.
+#[derive(Default)]
+pub(crate) struct Gate {
+    pub(crate) parked: Mutex<Vec<Parked>>,
+}
+
+impl Gate {
+    /// Waits until the checker lets the request through: `None` to serve it, or a status
+    /// code to answer with instead.
+    pub(crate) async fn park(&self, server: &str, record: RequestRecord) -> Option<u16> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        lock(&self.parked).push(Parked {
+            server: server.to_owned(),
+            record,
+            answer: tx,
+        });
+        // A checker dropped with requests parked: serve them.
+        rx.await.unwrap_or(None)
+    }
+}
+
+/// Every parked request, taken out of the gate.
+pub(crate) fn lock_parked(gate: &Gate) -> Vec<Parked> {
+    std::mem::take(&mut *lock(&gate.parked))
+}
+
+/// Puts parked requests back (in their order).
+pub(crate) fn put_parked(gate: &Gate, parked: Vec<Parked>) {
+    let mut held = lock(&gate.parked);
+    let newer = std::mem::take(&mut *held);
+    *held = parked;
+    held.extend(newer);
+}
+
+/// The parked requests: (server, request), in the order they came.
+pub(crate) fn parked_records(gate: &Gate) -> Vec<(String, RequestRecord)> {
+    lock(&gate.parked)
+        .iter()
+        .map(|p| (p.server.clone(), p.record.clone()))
+        .collect()
+}
+
+/// The `i`-th parked request, taken out of the gate.
+pub(crate) fn take_parked(gate: &Gate, i: usize) -> Option<Parked> {
+    let mut held = lock(&gate.parked);
+    (i < held.len()).then(|| held.remove(i))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -59,6 +115,10 @@ impl Shared {
 
     pub(crate) fn record(&self, r: RequestRecord) {
         lock(&self.requests).push(r);
+    }
+
+    pub(crate) fn gate(&self) -> Option<Arc<Gate>> {
+        lock(&self.gate).clone()
     }
 }
 
@@ -190,6 +250,7 @@ impl ApiServerBuilder {
                 faults: Mutex::new(Faults::default()),
                 answering,
                 requests: Mutex::new(Vec::new()),
+                gate: Mutex::new(None),
             }),
         };
         let mut namespaces: Vec<String> =
@@ -365,6 +426,70 @@ impl ApiServer {
     pub fn refuse_connections(&self) {
         self.shared.answering.send_replace(Answering::Refuse);
         self.shared.store().watchers.clear();
+    }
+}
+
+/// One change, as the schedule checker reads it.
+pub(crate) struct ChangeView {
+    pub(crate) rv: u64,
+    pub(crate) api_version: String,
+    pub(crate) kind: String,
+    /// The object after the change; `None` when it was deleted.
+    pub(crate) new: Option<Value>,
+    pub(crate) old: Option<Value>,
+}
+
+/// What the schedule checker reads and sets directly, past the HTTP surface (and its gate).
+impl ApiServer {
+    pub(crate) fn set_gate(&self, gate: Option<Arc<Gate>>) {
+        *lock(&self.shared.gate) = gate;
+    }
+
+    /// The changes after `rv`, oldest first.
+    pub(crate) fn changes_after(&self, rv: u64) -> Vec<ChangeView> {
+        let store = self.shared.store();
+        let Ok(changes) = store.since(rv) else {
+            return Vec::new();
+        };
+        changes
+            .map(|c| {
+                let r = store.registry.get(c.key.resource);
+                ChangeView {
+                    rv: c.rv,
+                    api_version: r.api_version(r.storage_version()),
+                    kind: r.kind.clone(),
+                    new: c.new.as_deref().cloned(),
+                    old: c.old.as_deref().cloned(),
+                }
+            })
+            .collect()
+    }
+
+    /// Whether objects of this kind live in namespaces (`None` when it is not served).
+    pub(crate) fn namespaced(&self, api_version: &str, kind: &str) -> Option<bool> {
+        let store = self.shared.store();
+        store
+            .registry
+            .by_kind(api_version, kind)
+            .map(|id| store.registry.get(id).namespaced)
+    }
+
+    /// The object of this kind, namespace and name, as stored.
+    pub(crate) fn object(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Option<Value> {
+        let store = self.shared.store();
+        let resource = store.registry.by_kind(api_version, kind)?;
+        let key = crate::store::Key {
+            resource,
+            namespace: namespace.unwrap_or_default().to_owned(),
+            name: name.to_owned(),
+        };
+        store.get(&key).map(|v| (**v).clone())
     }
 }
 
