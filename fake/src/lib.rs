@@ -24,6 +24,9 @@ mod check;
 mod discovery;
 mod faults;
 mod fleet;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod http;
 mod kinds;
 mod ops;
