@@ -32,25 +32,38 @@ fn namespace(name: &str, enforced: bool) -> Namespace {
 }
 
 fn seeded(b: ApiServerBuilder) -> ApiServerBuilder {
-    b.object(&namespace("team-a", true)).object(&namespace("sandbox", false))
+    b.object(&namespace("team-a", true))
+        .object(&namespace("sandbox", false))
 }
 
 /// One unit test: 3 clusters, the manager, until all three are compliant.
 async fn unit_test() {
     let fleet = FakeFleet::new();
-    let servers: Vec<_> = ["a", "b", "c"].iter().map(|n| fleet.add_with(seeded(multicluster_runtime_fake::ApiServer::builder(*n)))).collect();
+    let servers: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|n| fleet.add_with(seeded(multicluster_runtime_fake::ApiServer::builder(*n))))
+        .collect();
     let manager = Arc::new(Manager::new(fleet.provider()));
-    Builder::<_, Namespace>::new(&manager, watcher::Config::default().labels("compliance=enforced"))
-        .named("compliance")
-        .owns::<ConfigMap>(watcher::Config::default().labels(&format!("managed-by={}", uniform::MANAGER)))
-        .start(uniform::reconcile, uniform::error_policy, Arc::new(()));
+    Builder::<_, Namespace>::new(
+        &manager,
+        watcher::Config::default().labels("compliance=enforced"),
+    )
+    .named("compliance")
+    .owns::<ConfigMap>(
+        watcher::Config::default().labels(&format!("managed-by={}", uniform::MANAGER)),
+    )
+    .start(uniform::reconcile, uniform::error_policy, Arc::new(()));
     let run = tokio::spawn({
         let manager = manager.clone();
         async move { manager.run().await }
     });
     for s in &servers {
         loop {
-            let cm = Api::<ConfigMap>::namespaced(s.client(), "team-a").get_opt("compliance").await.ok().flatten();
+            let cm = Api::<ConfigMap>::namespaced(s.client(), "team-a")
+                .get_opt("compliance")
+                .await
+                .ok()
+                .flatten();
             if cm.is_some() {
                 break;
             }
@@ -65,7 +78,11 @@ fn unit() {
     let mut times = Vec::new();
     for _ in 0..21 {
         let start = Instant::now();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().expect("a runtime");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("a runtime");
         rt.block_on(unit_test());
         drop(rt);
         times.push(start.elapsed());
@@ -99,7 +116,10 @@ fn checker() {
 }
 
 fn main() {
-    let what: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let what: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let all = what.is_empty();
     if all || what.iter().any(|w| w == "unit") {
         unit();

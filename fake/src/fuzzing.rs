@@ -50,10 +50,27 @@ pub fn sequences(mut data: &[u8]) {
     }
     let cm = registry.find("", "v1", "configmaps").unwrap_or_default();
     let ns_id = registry.find("", "v1", "namespaces").unwrap_or_default();
-    let mut store = Store::new(registry, 64, 0, Behaviour { controllers: byte(&mut data) & 1 == 1 });
+    let mut store = Store::new(
+        registry,
+        64,
+        0,
+        Behaviour {
+            controllers: byte(&mut data) & 1 == 1,
+        },
+    );
     for ns in ["n0", "n1"] {
-        let t = Target { resource: ns_id, version: "v1".into(), namespace: None, name: None, subresource: None };
-        let _ = store.create(&t, json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}), &WriteOptions::default());
+        let t = Target {
+            resource: ns_id,
+            version: "v1".into(),
+            namespace: None,
+            name: None,
+            subresource: None,
+        };
+        let _ = store.create(
+            &t,
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+            &WriteOptions::default(),
+        );
     }
     let mut models: Vec<Model> = Vec::new();
     let mut last_rv = store.rv;
@@ -64,13 +81,23 @@ pub fn sequences(mut data: &[u8]) {
         let ns = format!("n{}", byte(&mut data) % 2);
         let name = format!("o{}", byte(&mut data) % 4);
         let arg = byte(&mut data);
-        let t = Target { resource: cm, version: "v1".into(), namespace: Some(ns.clone()), name: None, subresource: None };
-        let writer = WriteOptions { dry_run: arg & 0x80 != 0 && op % 11 == 0, manager: Some(format!("m{}", arg % 3)) };
+        let t = Target {
+            resource: cm,
+            version: "v1".into(),
+            namespace: Some(ns.clone()),
+            name: None,
+            subresource: None,
+        };
+        let writer = WriteOptions {
+            dry_run: arg & 0x80 != 0 && op % 11 == 0,
+            manager: Some(format!("m{}", arg % 3)),
+        };
         let current_rv = |store: &Store| {
-            store
-                .get_object(&t, &name)
-                .ok()
-                .and_then(|o| o.pointer("/metadata/resourceVersion").and_then(Value::as_str).map(str::to_owned))
+            store.get_object(&t, &name).ok().and_then(|o| {
+                o.pointer("/metadata/resourceVersion")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
         };
         match op % 11 {
             0 => {
@@ -118,15 +145,31 @@ pub fn sequences(mut data: &[u8]) {
             }
             5 => {
                 let applied = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {format!("a{}", arg % 2): arg.to_string()}});
-                let _ = store.apply(&t, &name, applied, &format!("m{}", arg % 3), arg & 1 == 1, false);
+                let _ = store.apply(
+                    &t,
+                    &name,
+                    applied,
+                    &format!("m{}", arg % 3),
+                    arg & 1 == 1,
+                    false,
+                );
             }
             6 => check_pages(&store, &t, (arg % 4) as usize + 1),
             7 => {
                 // A watch from the version of a fresh list, in one namespace or all.
                 let namespace = (arg & 1 == 1).then(|| ns.clone());
-                let lt = Target { namespace: namespace.clone(), ..t.clone() };
-                let Ok(list) = store.list(&lt, &ListOptions::default()) else { continue };
-                let rv: u64 = list.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|v| v.parse().ok()).unwrap_or(0);
+                let lt = Target {
+                    namespace: namespace.clone(),
+                    ..t.clone()
+                };
+                let Ok(list) = store.list(&lt, &ListOptions::default()) else {
+                    continue;
+                };
+                let rv: u64 = list
+                    .pointer("/metadata/resourceVersion")
+                    .and_then(Value::as_str)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
                 let mut objects = BTreeMap::new();
                 for item in list["items"].as_array().into_iter().flatten() {
                     objects.insert(key_of(item), item.clone());
@@ -157,32 +200,71 @@ pub fn sequences(mut data: &[u8]) {
                 };
                 if opened {
                     store.watchers.push(watcher);
-                    models.push(Model { rx, namespace, objects, last_rv: rv, ended: false });
+                    models.push(Model {
+                        rx,
+                        namespace,
+                        objects,
+                        last_rv: rv,
+                        ended: false,
+                    });
                 }
             }
             8 => store.compact(),
             9 => {
-                let dt = Target { name: None, ..t.clone() };
+                let dt = Target {
+                    name: None,
+                    ..t.clone()
+                };
                 let labels = LabelSelector::parse(&format!("l={}", arg % 3)).unwrap_or_default();
-                let Ok(list) = store.list(&dt, &ListOptions { labels, ..ListOptions::default() }) else { continue };
+                let Ok(list) = store.list(
+                    &dt,
+                    &ListOptions {
+                        labels,
+                        ..ListOptions::default()
+                    },
+                ) else {
+                    continue;
+                };
                 for item in list["items"].as_array().cloned().unwrap_or_default() {
-                    let n = item.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+                    let n = item
+                        .pointer("/metadata/name")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned();
                     let _ = store.delete(&t, &n, &DeleteOptions::default());
                 }
             }
             _ => {
                 // A namespace deleted (and, with controllers, emptied).
-                let nt = Target { resource: ns_id, version: "v1".into(), namespace: None, name: None, subresource: None };
+                let nt = Target {
+                    resource: ns_id,
+                    version: "v1".into(),
+                    namespace: None,
+                    name: None,
+                    subresource: None,
+                };
                 if arg % 5 == 0 {
                     let _ = store.delete(&nt, &ns, &DeleteOptions::default());
                 }
             }
         }
-        assert!(store.rv >= last_rv, "the resource version went back: {last_rv} → {}", store.rv);
+        assert!(
+            store.rv >= last_rv,
+            "the resource version went back: {last_rv} → {}",
+            store.rv
+        );
         last_rv = store.rv;
         for (key, object) in &store.objects {
-            let rv: u64 = object.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|v| v.parse().ok()).unwrap_or(0);
-            assert!(rv <= store.rv && rv > 0, "{key:?} shows version {rv} beyond the server's {}", store.rv);
+            let rv: u64 = object
+                .pointer("/metadata/resourceVersion")
+                .and_then(Value::as_str)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            assert!(
+                rv <= store.rv && rv > 0,
+                "{key:?} shows version {rv} beyond the server's {}",
+                store.rv
+            );
         }
         for model in &mut models {
             drain(model);
@@ -193,9 +275,15 @@ pub fn sequences(mut data: &[u8]) {
                 .of(cm, model.namespace.as_deref())
                 .map(|(k, v)| ((k.namespace.clone(), k.name.clone()), shown(v)))
                 .collect();
-            let rebuilt: BTreeMap<(String, String), Value> =
-                model.objects.iter().map(|(k, v)| (k.clone(), shown(v))).collect();
-            assert_eq!(rebuilt, truth, "a watch's events did not rebuild the server's objects");
+            let rebuilt: BTreeMap<(String, String), Value> = model
+                .objects
+                .iter()
+                .map(|(k, v)| (k.clone(), shown(v)))
+                .collect();
+            assert_eq!(
+                rebuilt, truth,
+                "a watch's events did not rebuild the server's objects"
+            );
         }
     }
 }
@@ -211,22 +299,38 @@ fn shown(v: &Value) -> Value {
 }
 
 fn key_of(object: &Value) -> (String, String) {
-    let s = |p: &str| object.pointer(p).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let s = |p: &str| {
+        object
+            .pointer(p)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
     (s("/metadata/namespace"), s("/metadata/name"))
 }
 
 /// Applies the events a watch has received to its model.
 fn drain(model: &mut Model) {
     while let Ok(line) = model.rx.try_recv() {
-        let Ok(event) = serde_json::from_slice::<Value>(&line) else { panic!("a watch line is not JSON") };
+        let Ok(event) = serde_json::from_slice::<Value>(&line) else {
+            panic!("a watch line is not JSON")
+        };
         let kind = event["type"].as_str().unwrap_or_default();
         if kind == "ERROR" {
             model.ended = true;
             continue;
         }
         let object = &event["object"];
-        let rv: u64 = object.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|v| v.parse().ok()).unwrap_or(0);
-        assert!(rv > model.last_rv, "a watch event at {rv} after one at {}", model.last_rv);
+        let rv: u64 = object
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            rv > model.last_rv,
+            "a watch event at {rv} after one at {}",
+            model.last_rv
+        );
         model.last_rv = rv;
         match kind {
             "ADDED" | "MODIFIED" => {
@@ -246,24 +350,65 @@ fn drain(model: &mut Model) {
 
 /// Pages of `limit` followed to the end hold exactly the list at the first page's version.
 fn check_pages(store: &Store, t: &Target, limit: usize) {
-    let all_t = Target { namespace: None, ..t.clone() };
-    let Ok(first) = store.list(&all_t, &ListOptions { limit: Some(limit), ..ListOptions::default() }) else { return };
-    let rv: u64 = first.pointer("/metadata/resourceVersion").and_then(Value::as_str).and_then(|v| v.parse().ok()).unwrap_or(0);
-    let mut names: Vec<(String, String)> = first["items"].as_array().into_iter().flatten().map(key_of).collect();
-    let mut token = first.pointer("/metadata/continue").and_then(Value::as_str).map(str::to_owned);
+    let all_t = Target {
+        namespace: None,
+        ..t.clone()
+    };
+    let Ok(first) = store.list(
+        &all_t,
+        &ListOptions {
+            limit: Some(limit),
+            ..ListOptions::default()
+        },
+    ) else {
+        return;
+    };
+    let rv: u64 = first
+        .pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut names: Vec<(String, String)> = first["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(key_of)
+        .collect();
+    let mut token = first
+        .pointer("/metadata/continue")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
     let mut pages = 0;
     while let Some(c) = token.take() {
         pages += 1;
         assert!(pages < 100, "pages never end");
-        let Ok(page) = store.list(&all_t, &ListOptions { limit: Some(limit), continue_token: Some(c), ..ListOptions::default() }) else {
+        let Ok(page) = store.list(
+            &all_t,
+            &ListOptions {
+                limit: Some(limit),
+                continue_token: Some(c),
+                ..ListOptions::default()
+            },
+        ) else {
             return;
         };
         let items = page["items"].as_array().cloned().unwrap_or_default();
         assert!(items.len() <= limit, "a page longer than its limit");
         names.extend(items.iter().map(key_of));
-        token = page.pointer("/metadata/continue").and_then(Value::as_str).map(str::to_owned);
+        token = page
+            .pointer("/metadata/continue")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
     }
-    let Ok(snapshot) = store.snapshot(t.resource, rv) else { return };
-    let expected: Vec<(String, String)> = snapshot.keys().map(|k| (k.namespace.clone(), k.name.clone())).collect();
-    assert_eq!(names, expected, "the pages do not hold the list at their version");
+    let Ok(snapshot) = store.snapshot(t.resource, rv) else {
+        return;
+    };
+    let expected: Vec<(String, String)> = snapshot
+        .keys()
+        .map(|k| (k.namespace.clone(), k.name.clone()))
+        .collect();
+    assert_eq!(
+        names, expected,
+        "the pages do not hold the list at their version"
+    );
 }

@@ -10,6 +10,11 @@
 //! kinds a controller touches and for any CRD. Faults come on demand: latency, error
 //! answers, cut watches, forced 410, a server that stops answering.
 //!
+//! [`FakeFleet`] is a fleet of such servers with the provider that engages them, for a
+//! multicluster-runtime `Manager` under paused time. [`Checker`] runs a reconciler against
+//! the orderings a fleet can produce and reports a failing schedule as a seed to replay and a
+//! shrunk trace.
+//!
 //! It is not the real thing, and says where it differs: the repository's differential test
 //! runs the same requests against a real `kube-apiserver` and this server and compares what a
 //! client sees; the differences it knows of are listed in `docs/testing.md` of the
@@ -42,3 +47,9 @@ pub use fleet::FakeFleet;
 pub use http::ResponseBody;
 pub use kinds::{Resource, Scope};
 pub use server::{ApiServer, ApiServerBuilder, RequestRecord};
+
+/// The book's chapter on testing (`docs/testing.md`), its code samples compiled as this
+/// crate's doctests so the chapter stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/testing.md")]
+struct TestingChapterDoctests;

@@ -14,7 +14,8 @@ fn every_committed_fake_sequence_replays_cleanly() {
     assert!(!inputs.is_empty(), "no inputs in {}", dir.display());
     for input in inputs {
         let data = std::fs::read(&input).unwrap();
-        let replay = std::panic::catch_unwind(|| multicluster_runtime_fake::fuzzing::sequences(&data));
+        let replay =
+            std::panic::catch_unwind(|| multicluster_runtime_fake::fuzzing::sequences(&data));
         assert!(replay.is_ok(), "{} fails", input.display());
     }
 }
