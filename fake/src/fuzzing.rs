@@ -89,7 +89,7 @@ pub fn sequences(mut data: &[u8]) {
             subresource: None,
         };
         let writer = WriteOptions {
-            dry_run: arg & 0x80 != 0 && op % 11 == 0,
+            dry_run: arg & 0x80 != 0 && op.is_multiple_of(11),
             manager: Some(format!("m{}", arg % 3)),
         };
         let current_rv = |store: &Store| {
@@ -243,7 +243,7 @@ pub fn sequences(mut data: &[u8]) {
                     name: None,
                     subresource: None,
                 };
-                if arg % 5 == 0 {
+                if arg.is_multiple_of(5) {
                     let _ = store.delete(&nt, &ns, &DeleteOptions::default());
                 }
             }
