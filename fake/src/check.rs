@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::Resource;
-use multicluster_runtime::{Action, Cluster, ClusterName, Context, Fleet, Request};
+use multicluster_runtime::{Action, Cluster, ClusterId, ClusterName, Context, Fleet, Request};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -37,16 +37,13 @@ use tokio_util::sync::CancellationToken;
 use crate::selectors::LabelSelector;
 use crate::server::{ApiServer, ApiServerBuilder, Gate};
 
-type Reconcile<K, S> = Arc<
-    dyn Fn(
-            Arc<K>,
-            Context<ClusterName, S>,
-        ) -> Pin<Box<dyn Future<Output = Result<Action, String>> + Send>>
+type Reconcile<K, S, C> = Arc<
+    dyn Fn(Arc<K>, Context<C, S>) -> Pin<Box<dyn Future<Output = Result<Action, String>> + Send>>
         + Send
         + Sync,
 >;
 type Seeder = Arc<dyn Fn(ApiServerBuilder) -> ApiServerBuilder + Send + Sync>;
-type Mapper = Arc<dyn Fn(&str, &Value) -> Vec<Request<ClusterName>> + Send + Sync>;
+type Mapper<C> = Arc<dyn Fn(&str, &Value) -> Vec<Request<C>> + Send + Sync>;
 type Invariant = Arc<dyn Fn(&World) -> Result<(), String> + Send + Sync>;
 type ClusterFilter = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
@@ -103,13 +100,23 @@ impl World {
 }
 
 /// A kind whose changes make requests.
-#[derive(Clone)]
-struct Source {
+struct Source<C: ClusterId> {
     api_version: String,
     kind: String,
     selector: LabelSelector,
     /// `None`: the primary kind (its own request); `Some`: another kind, mapped.
-    map: Option<Mapper>,
+    map: Option<Mapper<C>>,
+}
+
+impl<C: ClusterId> Clone for Source<C> {
+    fn clone(&self) -> Self {
+        Source {
+            api_version: self.api_version.clone(),
+            kind: self.kind.clone(),
+            selector: self.selector.clone(),
+            map: self.map.clone(),
+        }
+    }
 }
 
 /// What a schedule may do besides delivering events and letting requests through.
@@ -232,11 +239,13 @@ pub struct Report {
 ///     .unwrap();
 /// assert_eq!(report.schedules, 20);
 /// ```
-pub struct Checker<K, S> {
-    reconcile: Reconcile<K, S>,
+pub struct Checker<K, S, C: ClusterId = ClusterName> {
+    reconcile: Reconcile<K, S, C>,
     state: Arc<dyn Fn() -> S + Send + Sync>,
     clusters: Vec<(String, Seeder)>,
-    sources: Vec<Source>,
+    /// The manager's local cluster, if the reconciler has one: not a fleet member.
+    local: Option<(String, Seeder)>,
+    sources: Vec<Source<C>>,
     watched_in: Option<ClusterFilter>,
     invariant: Option<Invariant>,
     budgets: Budgets,
@@ -245,16 +254,17 @@ pub struct Checker<K, S> {
     seed: u64,
 }
 
-impl<K, S> Checker<K, S>
+impl<K, S, C> Checker<K, S, C>
 where
     K: Resource<DynamicType = ()> + DeserializeOwned + Clone + Send + Sync + 'static,
     S: Send + Sync + 'static,
+    C: ClusterId,
 {
     /// A checker of `reconcile` (a reconciler as the runtime takes it), each schedule with a
     /// fresh copy of `state`.
     pub fn new<F, Fut, E>(reconcile: F, state: S) -> Self
     where
-        F: Fn(Arc<K>, Context<ClusterName, S>) -> Fut + Send + Sync + 'static,
+        F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Action, E>> + Send + 'static,
         E: fmt::Display,
         S: Clone,
@@ -267,6 +277,7 @@ where
             }),
             state: Arc::new(move || state.clone()),
             clusters: Vec::new(),
+            local: None,
             sources: vec![Source {
                 api_version: K::api_version(&()).into_owned(),
                 kind: K::kind(&()).into_owned(),
@@ -299,6 +310,19 @@ where
         self
     }
 
+    /// The manager's local (host) cluster: not a fleet member (it never leaves), reached
+    /// through `ctx.local()` and `ctx.cluster_by_id`, watched like the others unless
+    /// [`Checker::watched_in`] says otherwise.
+    #[must_use]
+    pub fn local(
+        mut self,
+        name: &str,
+        seed: impl Fn(ApiServerBuilder) -> ApiServerBuilder + Send + Sync + 'static,
+    ) -> Self {
+        self.local = Some((name.to_owned(), Arc::new(seed)));
+        self
+    }
+
     /// Only objects of the primary kind with these labels make requests (a watch's label
     /// selector, as `watcher::Config::labels` says it).
     #[must_use]
@@ -322,7 +346,7 @@ where
     pub fn owns<T: Resource<DynamicType = ()>>(mut self, selector: &str) -> Self {
         let (owner_version, owner_kind) =
             (K::api_version(&()).into_owned(), K::kind(&()).into_owned());
-        let map: Mapper = Arc::new(move |cluster: &str, object: &Value| {
+        let map: Mapper<C> = Arc::new(move |cluster: &str, object: &Value| {
             let refs = object
                 .pointer("/metadata/ownerReferences")
                 .and_then(Value::as_array);
@@ -337,7 +361,7 @@ where
                         && r["apiVersion"] == *owner_version
                 })
                 .filter_map(|r| r["name"].as_str())
-                .map(|owner| Request::new(ClusterName::from(cluster), namespace, owner))
+                .filter_map(|owner| Some(Request::new(C::parse(cluster).ok()?, namespace, owner)))
                 .collect()
         });
         self.sources.push(Source {
@@ -355,9 +379,9 @@ where
     pub fn maps<T, M>(mut self, map: M) -> Self
     where
         T: Resource<DynamicType = ()> + DeserializeOwned,
-        M: Fn(&str, &T) -> Vec<Request<ClusterName>> + Send + Sync + 'static,
+        M: Fn(&str, &T) -> Vec<Request<C>> + Send + Sync + 'static,
     {
-        let mapper: Mapper = Arc::new(move |cluster: &str, object: &Value| {
+        let mapper: Mapper<C> = Arc::new(move |cluster: &str, object: &Value| {
             match serde_json::from_value::<T>(object.clone()) {
                 Ok(o) => map(cluster, &o),
                 Err(_) => Vec::new(),
@@ -571,8 +595,8 @@ struct Outcome {
 }
 
 /// A reconcile in flight.
-struct InFlight {
-    request: Request<ClusterName>,
+struct InFlight<C: ClusterId> {
+    request: Request<C>,
     /// The step it started at.
     started: usize,
     task: tokio::task::JoinHandle<Result<Action, String>>,
@@ -600,24 +624,26 @@ enum Step {
 }
 
 /// The state of one schedule.
-struct Run<'c, K, S> {
-    checker: &'c Checker<K, S>,
+struct Run<'c, K, S, C: ClusterId> {
+    checker: &'c Checker<K, S, C>,
+    /// The local cluster's handle, if there is one.
+    local: Option<Cluster<C>>,
     choices: Choices,
     servers: BTreeMap<String, ApiServer>,
-    fleet: Fleet<ClusterName>,
+    fleet: Fleet<C>,
     engaged: BTreeMap<String, CancellationToken>,
     /// The clusters away, and the step each left at.
     away: BTreeMap<String, usize>,
     cursors: BTreeMap<String, u64>,
     pending: BTreeMap<String, VecDeque<Event>>,
-    queue: Vec<Request<ClusterName>>,
+    queue: Vec<Request<C>>,
     /// Requests a reconcile asked to see again later (`Action::requeue`): fired early, racing
     /// the events, within the budget; a quiet queue does not wait for them (the checks
     /// reconcile everything once more anyway).
-    requeues: Vec<Request<ClusterName>>,
+    requeues: Vec<Request<C>>,
     /// Requests whose reconcile failed: retried, also when everything else is quiet.
-    retries: Vec<Request<ClusterName>>,
-    in_flight: Vec<InFlight>,
+    retries: Vec<Request<C>>,
+    in_flight: Vec<InFlight<C>>,
     gate: Arc<Gate>,
     state: Arc<S>,
     budgets: Budgets,
@@ -626,14 +652,16 @@ struct Run<'c, K, S> {
     violation: Option<Violation>,
 }
 
-impl<'c, K, S> Run<'c, K, S>
+impl<'c, K, S, C> Run<'c, K, S, C>
 where
     K: Resource<DynamicType = ()> + DeserializeOwned + Clone + Send + Sync + 'static,
     S: Send + Sync + 'static,
+    C: ClusterId,
 {
-    fn new(checker: &'c Checker<K, S>, choices: Choices) -> Self {
+    fn new(checker: &'c Checker<K, S, C>, choices: Choices) -> Self {
         Run {
             checker,
+            local: None,
             choices,
             servers: BTreeMap::new(),
             fleet: Fleet::new(),
@@ -655,6 +683,15 @@ where
     }
 
     async fn go(mut self) -> Outcome {
+        if let Some((name, seed)) = &self.checker.local {
+            let server = seed(ApiServer::builder(name.as_str())).build();
+            server.set_gate(Some(self.gate.clone()));
+            if let Ok(id) = C::parse(name) {
+                self.local = Some(Cluster::new(id, server.client()));
+            }
+            self.servers.insert(name.clone(), server);
+            self.engage(name);
+        }
         for (name, seed) in &self.checker.clusters {
             let server = seed(ApiServer::builder(name.as_str())).build();
             server.set_gate(Some(self.gate.clone()));
@@ -701,10 +738,14 @@ where
             return;
         };
         let token = CancellationToken::new();
-        let _ = self.fleet.engage_until(
-            Cluster::new(ClusterName::from(name), server.client()),
-            token.clone(),
-        );
+        let Ok(id) = C::parse(name) else { return };
+        if self.local.as_ref().is_some_and(|l| *l.id() == id) {
+            // The local cluster is no fleet member: it is only watched.
+        } else {
+            let _ = self
+                .fleet
+                .engage_until(Cluster::new(id, server.client()), token.clone());
+        }
         self.engaged.insert(name.to_owned(), token);
         self.away.remove(name);
         // Engaging lists everything: each object is an event.
@@ -878,7 +919,11 @@ where
                     if self.budgets.relists > 0 {
                         steps.push(Step::Relist(cluster.clone()));
                     }
-                    if self.budgets.departures > 0 {
+                    let local = self
+                        .local
+                        .as_ref()
+                        .is_some_and(|l| l.id().to_string() == *cluster);
+                    if self.budgets.departures > 0 && !local {
                         steps.push(Step::Leave(cluster.clone()));
                     }
                 }
@@ -1023,12 +1068,14 @@ where
                 if let Some(token) = self.engaged.remove(&cluster) {
                     token.cancel();
                 }
-                self.fleet.disengage(&ClusterName::from(cluster.as_str()));
+                if let Ok(id) = C::parse(&cluster) {
+                    self.fleet.disengage(&id);
+                }
                 self.away.insert(cluster.clone(), self.trace.len());
                 self.pending.remove(&cluster);
-                self.queue.retain(|r| r.cluster.as_str() != cluster);
-                self.requeues.retain(|r| r.cluster.as_str() != cluster);
-                self.retries.retain(|r| r.cluster.as_str() != cluster);
+                self.queue.retain(|r| r.cluster.to_string() != cluster);
+                self.requeues.retain(|r| r.cluster.to_string() != cluster);
+                self.retries.retain(|r| r.cluster.to_string() != cluster);
             }
             Step::Rejoin(cluster) => self.engage(&cluster),
             Step::Requeue(i) => {
@@ -1048,7 +1095,7 @@ where
     }
 
     /// The requests an event makes.
-    fn requests_of(&self, cluster: &str, event: &Event) -> Vec<Request<ClusterName>> {
+    fn requests_of(&self, cluster: &str, event: &Event) -> Vec<Request<C>> {
         let mut out = Vec::new();
         for source in self
             .checker
@@ -1074,18 +1121,20 @@ where
                         .pointer("/metadata/name")
                         .and_then(Value::as_str)
                         .unwrap_or_default();
-                    out.push(Request::new(ClusterName::from(cluster), ns, name));
+                    if let Ok(id) = C::parse(cluster) {
+                        out.push(Request::new(id, ns, name));
+                    }
                 }
                 None => {}
                 Some(map) => out.extend(map(cluster, &event.object)),
             }
         }
-        out.retain(|r| self.engaged.contains_key(r.cluster.as_str()));
+        out.retain(|r| self.engaged.contains_key(&r.cluster.to_string()));
         // A cluster-scoped primary kind has no namespace in its requests (an owner reference
         // names no namespace; the child's is not the owner's).
         let primary = &self.checker.sources[0];
         for r in &mut out {
-            let server = self.servers.get(r.cluster.as_str());
+            let server = self.servers.get(&r.cluster.to_string());
             if server.and_then(|s| s.namespaced(&primary.api_version, &primary.kind)) == Some(false)
             {
                 r.namespace = None;
@@ -1096,8 +1145,8 @@ where
 
     /// Starts the reconcile of `request`, if its object exists and is selected (the runtime
     /// reconciles only what its cache holds).
-    fn start(&mut self, request: Request<ClusterName>) {
-        let cluster = request.cluster.as_str().to_owned();
+    fn start(&mut self, request: Request<C>) {
+        let cluster = request.cluster.to_string();
         let (Some(server), Some(token)) = (self.servers.get(&cluster), self.engaged.get(&cluster))
         else {
             return;
@@ -1120,7 +1169,8 @@ where
         let Ok(object) = serde_json::from_value::<K>(value) else {
             return;
         };
-        let Some(handle) = self.fleet.get(&request.cluster) else {
+        let local = self.local.clone().filter(|l| *l.id() == request.cluster);
+        let Some(handle) = local.or_else(|| self.fleet.get(&request.cluster)) else {
             return;
         };
         let ctx = Context::detached(
@@ -1128,6 +1178,7 @@ where
             Arc::new(object.clone()),
             handle,
             &self.fleet,
+            self.local.clone(),
             self.state.clone(),
             token.clone(),
         );
@@ -1184,7 +1235,8 @@ where
                     .and_then(Value::as_str)
                     .unwrap_or_default()
                     .to_owned();
-                let request = Request::new(ClusterName::from(cluster.as_str()), ns, name);
+                let Ok(id) = C::parse(cluster) else { continue };
+                let request = Request::new(id, ns, name);
                 let marks: BTreeMap<String, u64> = self
                     .servers
                     .iter()

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use multicluster_runtime::providers::Clusters;
-use multicluster_runtime::{Cluster, ClusterName};
+use multicluster_runtime::{Cluster, ClusterId, ClusterName};
 
 use crate::server::{ApiServer, ApiServerBuilder};
 
@@ -25,10 +25,30 @@ use crate::server::{ApiServer, ApiServerBuilder};
 /// # let _ = (a, manager);
 /// # }
 /// ```
-#[derive(Clone, Default)]
-pub struct FakeFleet {
-    clusters: Clusters<ClusterName>,
+///
+/// Cluster ids are made from the names given (`C::parse`, `ClusterName` by default); a name
+/// that is not a valid id of `C` is a mistake of the test, and panics.
+pub struct FakeFleet<C: ClusterId = ClusterName> {
+    clusters: Clusters<C>,
     servers: Arc<Mutex<BTreeMap<String, Member>>>,
+}
+
+impl<C: ClusterId> Clone for FakeFleet<C> {
+    fn clone(&self) -> Self {
+        FakeFleet {
+            clusters: self.clusters.clone(),
+            servers: self.servers.clone(),
+        }
+    }
+}
+
+impl<C: ClusterId> Default for FakeFleet<C> {
+    fn default() -> Self {
+        FakeFleet {
+            clusters: Clusters::new(),
+            servers: Arc::default(),
+        }
+    }
 }
 
 struct Member {
@@ -36,7 +56,7 @@ struct Member {
     engaged: bool,
 }
 
-impl std::fmt::Debug for FakeFleet {
+impl<C: ClusterId> std::fmt::Debug for FakeFleet<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_map()
             .entries(self.lock().iter().map(|(k, m)| (k.clone(), m.engaged)))
@@ -45,11 +65,13 @@ impl std::fmt::Debug for FakeFleet {
 }
 
 impl FakeFleet {
-    /// No clusters yet.
+    /// No clusters yet, with `ClusterName` ids (`FakeFleet::<YourId>::default()` for others).
     pub fn new() -> Self {
         Self::default()
     }
+}
 
+impl<C: ClusterId> FakeFleet<C> {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Member>> {
         self.servers
             .lock()
@@ -57,7 +79,7 @@ impl FakeFleet {
     }
 
     /// The provider to give the manager.
-    pub fn provider(&self) -> Clusters<ClusterName> {
+    pub fn provider(&self) -> Clusters<C> {
         self.clusters.clone()
     }
 
@@ -82,12 +104,20 @@ impl FakeFleet {
         server
     }
 
+    /// The id of cluster `name`.
+    pub fn id(name: &str) -> C {
+        match C::parse(name) {
+            Ok(id) => id,
+            Err(e) => panic!("FakeFleet: {name:?} is not a cluster id of this fleet: {e}"),
+        }
+    }
+
     fn engage(&self, name: &str, server: &ApiServer) {
         // Engaging a new name cannot be refused but for the local cluster's id, which a
         // fake fleet does not use.
         let _ = self
             .clusters
-            .add(Cluster::new(ClusterName::from(name), server.client()));
+            .add(Cluster::new(Self::id(name), server.client()));
     }
 
     /// The server of cluster `name`, engaged or not.
@@ -112,7 +142,7 @@ impl FakeFleet {
             Some(m) => std::mem::replace(&mut m.engaged, false),
             None => false,
         };
-        self.clusters.remove(&ClusterName::from(name));
+        self.clusters.remove(&Self::id(name));
         was
     }
 

@@ -144,8 +144,8 @@ impl<C: ClusterId, S> Context<C, S> {
     }
 
     /// A context outside a running manager, for tests of a reconciler: the reconcile of
-    /// `request` (for `object`) in `cluster`, with `fleet` as the rest of the fleet and
-    /// `state` as the controller's state. Cancelling `engagement` is what a disengagement
+    /// `request` (for `object`) in `cluster`, with `fleet` as the rest of the fleet, `local`
+    /// as the manager's local cluster and `state` as the controller's state. Cancelling `engagement` is what a disengagement
     /// does to a reconcile in flight ([`Context::is_cancelled`] turns true). Events report
     /// as the controller `reconciler` of no replica.
     ///
@@ -169,7 +169,7 @@ impl<C: ClusterId, S> Context<C, S> {
     /// cm.metadata.namespace = Some("default".into());
     /// let request = Request::new(ClusterName::from("a"), Some("default"), "x");
     /// let ctx: Context<ClusterName, ()> =
-    ///     Context::detached(request, Arc::new(cm), cluster, &fleet, Arc::new(()), CancellationToken::new());
+    ///     Context::detached(request, Arc::new(cm), cluster, &fleet, None, Arc::new(()), CancellationToken::new());
     /// assert_eq!(ctx.request().name, "x");
     /// assert!(!ctx.is_cancelled());
     /// # }
@@ -179,13 +179,14 @@ impl<C: ClusterId, S> Context<C, S> {
         object: Arc<K>,
         cluster: Cluster<C>,
         fleet: &crate::fleet::Fleet<C>,
+        local: Option<Cluster<C>>,
         state: Arc<S>,
         engagement: CancellationToken,
     ) -> Self {
         let shared = Arc::new(ReconcileShared {
             state,
             fleet: FleetView::new(fleet.clone()),
-            local: None,
+            local,
             shutdown: CancellationToken::new(),
             reporter: Reporter {
                 controller: "reconciler".into(),
