@@ -35,8 +35,11 @@ use multicluster_runtime::{
 use multicluster_runtime_testenv::{TestCluster, TestEnv};
 use serde::{Deserialize, Serialize};
 
+// The items below are `pub(crate)` so that the fake crate's unit tests
+// (fake/tests/federated.rs) can include this file and test its reconciler without a cluster.
+
 /// The CRD of `FederatedConfig`, installed on the host.
-const CRD: &str = r#"
+pub(crate) const CRD: &str = r#"
 apiVersion: apiextensions.k8s.io/v1
 kind: CustomResourceDefinition
 metadata:
@@ -67,26 +70,26 @@ spec:
 
 /// ConfigMap data to hold in every member cluster.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-struct FederatedConfig {
+pub(crate) struct FederatedConfig {
     #[serde(rename = "apiVersion")]
     api_version: String,
     kind: String,
-    metadata: ObjectMeta,
-    spec: FederatedConfigSpec,
+    pub(crate) metadata: ObjectMeta,
+    pub(crate) spec: FederatedConfigSpec,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    status: Option<FederatedConfigStatus>,
+    pub(crate) status: Option<FederatedConfigStatus>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
-struct FederatedConfigSpec {
-    data: BTreeMap<String, String>,
+pub(crate) struct FederatedConfigSpec {
+    pub(crate) data: BTreeMap<String, String>,
 }
 
 /// Each member's outcome (`Synced`, or what failed) and how many are synced.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-struct FederatedConfigStatus {
-    clusters: BTreeMap<String, String>,
-    synced: u32,
+pub(crate) struct FederatedConfigStatus {
+    pub(crate) clusters: BTreeMap<String, String>,
+    pub(crate) synced: u32,
 }
 
 impl k8s_openapi::Resource for FederatedConfig {
@@ -109,7 +112,7 @@ impl k8s_openapi::Metadata for FederatedConfig {
 }
 
 impl FederatedConfig {
-    fn new(name: &str, data: &[(&str, &str)]) -> Self {
+    pub(crate) fn new(name: &str, data: &[(&str, &str)]) -> Self {
         Self {
             api_version: <Self as k8s_openapi::Resource>::API_VERSION.into(),
             kind: <Self as k8s_openapi::Resource>::KIND.into(),
@@ -133,13 +136,13 @@ impl FederatedConfig {
 /// form that reads back can be a [`ClusterId`]; requests, logs, metrics and this example's
 /// status use the text form.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-struct Site {
+pub(crate) struct Site {
     region: String,
     name: String,
 }
 
 impl Site {
-    fn new(region: &str, name: &str) -> Self {
+    pub(crate) fn new(region: &str, name: &str) -> Self {
         Self {
             region: region.into(),
             name: name.into(),
@@ -165,12 +168,12 @@ impl ClusterId for Site {
 }
 
 /// Marks the member copies, naming the host object they come from.
-const FROM: &str = "demo.multicluster.example/federated-config";
+pub(crate) const FROM: &str = "demo.multicluster.example/federated-config";
 const FINALIZER: &str = "demo.multicluster.example/cleanup";
 const FIELD_MANAGER: &str = "federated-config";
 
 #[derive(Debug, thiserror::Error)]
-enum Error {
+pub(crate) enum Error {
     #[error(transparent)]
     Kube(#[from] kube::Error),
     #[error("finalizer: {0}")]
@@ -181,7 +184,10 @@ enum Error {
 
 // ANCHOR: reconcile
 /// The host object: fan out (or clean up), then write each member's outcome to its status.
-async fn reconcile(fc: Arc<FederatedConfig>, ctx: Context<Site, ()>) -> Result<Action, Error> {
+pub(crate) async fn reconcile(
+    fc: Arc<FederatedConfig>,
+    ctx: Context<Site, ()>,
+) -> Result<Action, Error> {
     let ns = fc.namespace().unwrap_or_default();
     let host = Api::<FederatedConfig>::namespaced(ctx.client(), &ns);
     let copies =
@@ -252,7 +258,11 @@ async fn fan_out(
 }
 // ANCHOR_END: reconcile
 
-fn error_policy(_: Arc<FederatedConfig>, error: &Error, ctx: &Context<Site, ()>) -> Action {
+pub(crate) fn error_policy(
+    _: Arc<FederatedConfig>,
+    error: &Error,
+    ctx: &Context<Site, ()>,
+) -> Action {
     println!("  {}: {error}; retrying in 1 s", ctx.request());
     Action::requeue(Duration::from_secs(1))
 }

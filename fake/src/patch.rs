@@ -52,7 +52,17 @@ pub(crate) fn apply(
             let patch: json_patch::Patch = serde_json::from_slice(patch)
                 .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
             let mut out = current.clone();
-            json_patch::patch(&mut out, &patch).map_err(|_| ApiError::patch_rejected())?;
+            for op in patch.0 {
+                // The API server's JSON patch passes a `test` for null on a path that is not
+                // there (kube-runtime's finalizer helper relies on it); RFC 6902 would fail it.
+                if let json_patch::PatchOperation::Test(t) = &op
+                    && t.value.is_null()
+                    && out.pointer(t.path.as_str()).is_none()
+                {
+                    continue;
+                }
+                json_patch::patch(&mut out, &[op]).map_err(|_| ApiError::patch_rejected())?;
+            }
             Ok(out)
         }
         PatchType::Strategic => {

@@ -132,6 +132,24 @@ async fn patches(p: &mut Pair) {
         Some(json!([{"op": "test", "path": "/data/m", "value": "nope"}])),
     )
     .await;
+    // kube-runtime's finalizer helper: a test for null on a missing path, then an add.
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/p"),
+        json_patch,
+        Some(json!([
+            {"op": "test", "path": "/metadata/annotations", "value": null},
+            {"op": "add", "path": "/metadata/annotations", "value": {"a": "1"}}
+        ])),
+    )
+    .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{CMS}/p"),
+        json_patch,
+        Some(json!([{"op": "test", "path": "/metadata/annotations", "value": null}])),
+    )
+    .await;
     p.req_typed(
         "PATCH",
         &format!("{CMS}/p"),
