@@ -44,10 +44,12 @@ use multicluster_runtime::{
     Manager, Metrics, Provider, RateLimit, Request, Sharding,
 };
 
-const COPY_LABEL: &str = "mcr.example.io/copy";
-const COPIED_TO: &str = "mcr.example.io/copied-to";
-const COPIED_FROM: &str = "mcr.example.io/copied-from";
-const FIELD_MANAGER: &str = "mcr-operator";
+// The items below are `pub(crate)` so that the fake crate's unit tests
+// (fake/tests/operator.rs) can include this file and check its reconciler without a cluster.
+pub(crate) const COPY_LABEL: &str = "mcr.example.io/copy";
+pub(crate) const COPIED_TO: &str = "mcr.example.io/copied-to";
+pub(crate) const COPIED_FROM: &str = "mcr.example.io/copied-from";
+pub(crate) const FIELD_MANAGER: &str = "mcr-operator";
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum ProviderKind {
@@ -133,7 +135,7 @@ struct Args {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum Error {
+pub(crate) enum Error {
     #[error("copying into {failed} of {clusters} clusters failed: {first}")]
     Copy {
         failed: usize,
@@ -144,11 +146,11 @@ enum Error {
     Host(#[from] kube::Error),
 }
 
-struct State {
-    target_namespace: Option<String>,
-    resync: Duration,
+pub(crate) struct State {
+    pub(crate) target_namespace: Option<String>,
+    pub(crate) resync: Duration,
     /// Sharded: this replica's identity, and the share last reported for each original.
-    shard: Option<(String, std::sync::Mutex<BTreeMap<String, String>>)>,
+    pub(crate) shard: Option<(String, std::sync::Mutex<BTreeMap<String, String>>)>,
 }
 
 #[tokio::main]
@@ -292,7 +294,7 @@ async fn operate<P: Provider<Id = ClusterName>>(
 }
 
 /// Copies `original` into every engaged cluster and reports where it landed.
-async fn reconcile(
+pub(crate) async fn reconcile(
     original: Arc<ConfigMap>,
     ctx: Context<ClusterName, State>,
 ) -> Result<Action, Error> {

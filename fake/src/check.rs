@@ -247,6 +247,8 @@ pub struct Checker<K, S, C: ClusterId = ClusterName> {
     local: Option<(String, Seeder)>,
     sources: Vec<Source<C>>,
     watched_in: Option<ClusterFilter>,
+    /// Every primary object again when a cluster leaves or comes back.
+    on_fleet_events: bool,
     invariant: Option<Invariant>,
     budgets: Budgets,
     concurrency: usize,
@@ -261,7 +263,7 @@ where
     C: ClusterId,
 {
     /// A checker of `reconcile` (a reconciler as the runtime takes it), each schedule with a
-    /// fresh copy of `state`.
+    /// fresh clone of `state`.
     pub fn new<F, Fut, E>(reconcile: F, state: S) -> Self
     where
         F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
@@ -269,13 +271,27 @@ where
         E: fmt::Display,
         S: Clone,
     {
+        Self::with_state(reconcile, move || state.clone())
+    }
+
+    /// A checker of `reconcile`, each schedule with the state `state` makes (for a state
+    /// that is not `Clone`, or that must start empty).
+    pub fn with_state<F, Fut, E>(
+        reconcile: F,
+        state: impl Fn() -> S + Send + Sync + 'static,
+    ) -> Self
+    where
+        F: Fn(Arc<K>, Context<C, S>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Action, E>> + Send + 'static,
+        E: fmt::Display,
+    {
         let reconcile = Arc::new(reconcile);
         Checker {
             reconcile: Arc::new(move |object, ctx| {
                 let fut = reconcile(object, ctx);
                 Box::pin(async move { fut.await.map_err(|e| e.to_string()) })
             }),
-            state: Arc::new(move || state.clone()),
+            state: Arc::new(state),
             clusters: Vec::new(),
             local: None,
             sources: vec![Source {
@@ -285,6 +301,7 @@ where
                 map: None,
             }],
             watched_in: None,
+            on_fleet_events: false,
             invariant: None,
             budgets: Budgets {
                 faults: 1,
@@ -393,6 +410,14 @@ where
             selector: LabelSelector::default(),
             map: Some(mapper),
         });
+        self
+    }
+
+    /// Every selected object of the primary kind is requested again when a cluster leaves or
+    /// comes back (`Builder::reconcile_all_on` with the fleet's events).
+    #[must_use]
+    pub fn reconcile_all_on_fleet_events(mut self) -> Self {
+        self.on_fleet_events = true;
         self
     }
 
@@ -1072,12 +1097,16 @@ where
                     self.fleet.disengage(&id);
                 }
                 self.away.insert(cluster.clone(), self.trace.len());
+                self.reconcile_all();
                 self.pending.remove(&cluster);
                 self.queue.retain(|r| r.cluster.to_string() != cluster);
                 self.requeues.retain(|r| r.cluster.to_string() != cluster);
                 self.retries.retain(|r| r.cluster.to_string() != cluster);
             }
-            Step::Rejoin(cluster) => self.engage(&cluster),
+            Step::Rejoin(cluster) => {
+                self.engage(&cluster);
+                self.reconcile_all();
+            }
             Step::Requeue(i) => {
                 self.budgets.requeues = self.budgets.requeues.saturating_sub(1);
                 let request = self.requeues.remove(i);
@@ -1087,6 +1116,49 @@ where
             }
             Step::Retry(i) => {
                 let request = self.retries.remove(i);
+                if !self.queue.contains(&request) {
+                    self.queue.push(request);
+                }
+            }
+        }
+    }
+
+    /// With `reconcile_all_on_fleet_events`, every selected primary object of the watched,
+    /// engaged clusters is queued.
+    fn reconcile_all(&mut self) {
+        if !self.checker.on_fleet_events {
+            return;
+        }
+        let primary = self.checker.sources[0].clone();
+        let clusters: Vec<String> = self
+            .engaged
+            .keys()
+            .filter(|c| self.watched(c))
+            .cloned()
+            .collect();
+        for cluster in clusters {
+            let Some(server) = self.servers.get(&cluster) else {
+                continue;
+            };
+            let Ok(id) = C::parse(&cluster) else { continue };
+            for object in server.objects() {
+                let labels = object
+                    .pointer("/metadata/labels")
+                    .and_then(Value::as_object);
+                if object["apiVersion"] != *primary.api_version
+                    || object["kind"] != *primary.kind
+                    || !primary.selector.matches(labels)
+                {
+                    continue;
+                }
+                let ns = object
+                    .pointer("/metadata/namespace")
+                    .and_then(Value::as_str);
+                let name = object
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let request = Request::new(id.clone(), ns, name);
                 if !self.queue.contains(&request) {
                     self.queue.push(request);
                 }
