@@ -9,32 +9,20 @@
 //!
 //!     cargo bench -p multicluster-runtime-fake --bench fake -- [unit|checker]
 
+#[path = "../tests/support/mod.rs"]
+mod support;
 #[path = "../../examples/uniform.rs"]
 #[allow(dead_code)]
 mod uniform;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::Api;
 use multicluster_runtime::{Builder, ClusterName, Manager, watcher};
-use multicluster_runtime_fake::{ApiServerBuilder, Checker, FakeFleet};
-
-fn namespace(name: &str, enforced: bool) -> Namespace {
-    let mut ns = Namespace::default();
-    ns.metadata.name = Some(name.into());
-    if enforced {
-        ns.metadata.labels = Some(BTreeMap::from([("compliance".into(), "enforced".into())]));
-    }
-    ns
-}
-
-fn seeded(b: ApiServerBuilder) -> ApiServerBuilder {
-    b.object(&namespace("team-a", true))
-        .object(&namespace("sandbox", false))
-}
+use multicluster_runtime_fake::{Checker, FakeFleet};
+use support::seeded;
 
 /// One unit test: 3 clusters, the manager, until all three are compliant.
 async fn unit_test() {

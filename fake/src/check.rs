@@ -1064,9 +1064,7 @@ where
                     return;
                 };
                 for request in self.requests_of(&cluster, &event) {
-                    if !self.queue.contains(&request) {
-                        self.queue.push(request);
-                    }
+                    self.enqueue(request);
                 }
             }
             Step::Start(i) => {
@@ -1110,16 +1108,19 @@ where
             Step::Requeue(i) => {
                 self.budgets.requeues = self.budgets.requeues.saturating_sub(1);
                 let request = self.requeues.remove(i);
-                if !self.queue.contains(&request) {
-                    self.queue.push(request);
-                }
+                self.enqueue(request);
             }
             Step::Retry(i) => {
                 let request = self.retries.remove(i);
-                if !self.queue.contains(&request) {
-                    self.queue.push(request);
-                }
+                self.enqueue(request);
             }
+        }
+    }
+
+    /// Queues `request` unless it is queued already (requests coalesce, as in the runtime).
+    fn enqueue(&mut self, request: Request<C>) {
+        if !self.queue.contains(&request) {
+            self.queue.push(request);
         }
     }
 
@@ -1158,10 +1159,7 @@ where
                     .pointer("/metadata/name")
                     .and_then(Value::as_str)
                     .unwrap_or_default();
-                let request = Request::new(id.clone(), ns, name);
-                if !self.queue.contains(&request) {
-                    self.queue.push(request);
-                }
+                self.enqueue(Request::new(id.clone(), ns, name));
             }
         }
     }

@@ -165,11 +165,7 @@ pub fn sequences(mut data: &[u8]) {
                 let Ok(list) = store.list(&lt, &ListOptions::default()) else {
                     continue;
                 };
-                let rv: u64 = list
-                    .pointer("/metadata/resourceVersion")
-                    .and_then(Value::as_str)
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0);
+                let rv = rv_of(&list);
                 let mut objects = BTreeMap::new();
                 for item in list["items"].as_array().into_iter().flatten() {
                     objects.insert(key_of(item), item.clone());
@@ -255,11 +251,7 @@ pub fn sequences(mut data: &[u8]) {
         );
         last_rv = store.rv;
         for (key, object) in &store.objects {
-            let rv: u64 = object
-                .pointer("/metadata/resourceVersion")
-                .and_then(Value::as_str)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
+            let rv = rv_of(object);
             assert!(
                 rv <= store.rv && rv > 0,
                 "{key:?} shows version {rv} beyond the server's {}",
@@ -298,6 +290,15 @@ fn shown(v: &Value) -> Value {
     v
 }
 
+/// The resource version an object (or a list) shows, 0 when none.
+fn rv_of(object: &Value) -> u64 {
+    object
+        .pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 fn key_of(object: &Value) -> (String, String) {
     let s = |p: &str| {
         object
@@ -321,11 +322,7 @@ fn drain(model: &mut Model) {
             continue;
         }
         let object = &event["object"];
-        let rv: u64 = object
-            .pointer("/metadata/resourceVersion")
-            .and_then(Value::as_str)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
+        let rv = rv_of(object);
         assert!(
             rv > model.last_rv,
             "a watch event at {rv} after one at {}",
@@ -363,11 +360,7 @@ fn check_pages(store: &Store, t: &Target, limit: usize) {
     ) else {
         return;
     };
-    let rv: u64 = first
-        .pointer("/metadata/resourceVersion")
-        .and_then(Value::as_str)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let rv = rv_of(&first);
     let mut names: Vec<(String, String)> = first["items"]
         .as_array()
         .into_iter()

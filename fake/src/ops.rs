@@ -276,6 +276,25 @@ impl Store {
         }
     }
 
+    /// Checks the body of a write to the object `name`: an object, of the URL's kind, naming
+    /// the URL's object if it names one. Returns the resource.
+    fn check_body(&self, t: &Target, name: &str, body: &Value) -> Result<Resource, ApiError> {
+        if !body.is_object() {
+            return Err(ApiError::bad_request(
+                "the body of the request is not an object",
+            ));
+        }
+        self.check_kind(t, body)?;
+        if let Some(body_name) = meta_str(body, "name")
+            && body_name != name
+        {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({body_name}) does not match the name on the URL ({name})"
+            )));
+        }
+        Ok(self.resource(t.resource).clone())
+    }
+
     pub(crate) fn create(
         &mut self,
         t: &Target,
@@ -398,20 +417,7 @@ impl Store {
         mut new: Value,
         o: &WriteOptions,
     ) -> Result<Value, ApiError> {
-        if !new.is_object() {
-            return Err(ApiError::bad_request(
-                "the body of the request is not an object",
-            ));
-        }
-        self.check_kind(t, &new)?;
-        let r = self.resource(t.resource).clone();
-        if let Some(body_name) = meta_str(&new, "name")
-            && body_name != name
-        {
-            return Err(ApiError::bad_request(format!(
-                "the name of the object ({body_name}) does not match the name on the URL ({name})"
-            )));
-        }
+        let r = self.check_body(t, name, &new)?;
         let key = Self::key(t, name);
         let old = self
             .get(&key)
@@ -633,20 +639,7 @@ impl Store {
         force: bool,
         dry_run: bool,
     ) -> Result<(u16, Value), ApiError> {
-        if !applied.is_object() {
-            return Err(ApiError::bad_request(
-                "the body of the request is not an object",
-            ));
-        }
-        self.check_kind(t, &applied)?;
-        let r = self.resource(t.resource).clone();
-        if let Some(body_name) = meta_str(&applied, "name")
-            && body_name != name
-        {
-            return Err(ApiError::bad_request(format!(
-                "the name of the object ({body_name}) does not match the name on the URL ({name})"
-            )));
-        }
+        let r = self.check_body(t, name, &applied)?;
         let api_version = r.api_version(&t.version);
         let status = t.subresource.as_deref() == Some("status");
         let existing = self.get(&Self::key(t, name)).cloned();

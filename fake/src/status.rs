@@ -139,15 +139,14 @@ impl ApiError {
         given: &str,
         held: &str,
     ) -> Self {
-        ApiError {
-            code: 409,
-            reason: "Conflict",
-            message: format!(
-                "Operation cannot be fulfilled on {} \"{name}\": the UID in the precondition ({given}) does not match the UID in record ({held}). The object might have been deleted and then recreated",
-                kind_name(resource)
-            ),
-            details: Some(kind_details(resource, name)),
-        }
+        Self::precondition(
+            resource,
+            name,
+            "UID",
+            given,
+            held,
+            "deleted and then recreated",
+        )
     }
 
     /// 409 Conflict of a delete whose resourceVersion precondition fails.
@@ -157,11 +156,22 @@ impl ApiError {
         given: &str,
         held: &str,
     ) -> Self {
+        Self::precondition(resource, name, "ResourceVersion", given, held, "modified")
+    }
+
+    fn precondition(
+        resource: &Resource,
+        name: &str,
+        field: &str,
+        given: &str,
+        held: &str,
+        maybe: &str,
+    ) -> Self {
         ApiError {
             code: 409,
             reason: "Conflict",
             message: format!(
-                "Operation cannot be fulfilled on {} \"{name}\": the ResourceVersion in the precondition ({given}) does not match the ResourceVersion in record ({held}). The object might have been modified",
+                "Operation cannot be fulfilled on {} \"{name}\": the {field} in the precondition ({given}) does not match the {field} in record ({held}). The object might have been {maybe}",
                 kind_name(resource)
             ),
             details: Some(kind_details(resource, name)),

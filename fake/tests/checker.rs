@@ -2,6 +2,7 @@
 //! every schedule tried; three broken variants of it are each caught, with a seed that
 //! replays the failure.
 
+mod support;
 #[path = "../../examples/uniform.rs"]
 #[allow(dead_code)]
 mod uniform;
@@ -14,21 +15,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::ResourceExt;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use multicluster_runtime::{Action, ClusterName, Context};
-use multicluster_runtime_fake::{ApiServerBuilder, Checker, Violation, World};
-
-fn namespace(name: &str, enforced: bool) -> Namespace {
-    let mut ns = Namespace::default();
-    ns.metadata.name = Some(name.into());
-    if enforced {
-        ns.metadata.labels = Some(BTreeMap::from([("compliance".into(), "enforced".into())]));
-    }
-    ns
-}
-
-fn seeded(b: ApiServerBuilder) -> ApiServerBuilder {
-    b.object(&namespace("team-a", true))
-        .object(&namespace("sandbox", false))
-}
+use multicluster_runtime_fake::{Checker, Violation, World};
+use support::seeded;
 
 /// Every enforced namespace of every engaged cluster carries the policy; no exempt one has
 /// the ConfigMap.
@@ -95,18 +83,26 @@ fn the_uniform_reconciler_passes_every_schedule_of_one_cluster_without_faults() 
     assert!(report.exhausted, "{report:?}");
 }
 
-/// Broken: counts its applies in an audit ConfigMap beside the policy, so every reconcile
-/// writes.
-async fn counting(
-    ns: Arc<Namespace>,
-    ctx: Context<ClusterName, ()>,
+/// The uniform example's reconcile, its error as a kube error.
+async fn comply(
+    ns: &Arc<Namespace>,
+    ctx: &Context<ClusterName, ()>,
 ) -> Result<Action, kube::Error> {
     uniform::reconcile(ns.clone(), ctx.clone())
         .await
         .map_err(|e| match e {
             uniform::Error::Kube(k) => k,
             other => kube::Error::Service(other.to_string().into()),
-        })?;
+        })
+}
+
+/// Broken: counts its applies in an audit ConfigMap beside the policy, so every reconcile
+/// writes.
+async fn counting(
+    ns: Arc<Namespace>,
+    ctx: Context<ClusterName, ()>,
+) -> Result<Action, kube::Error> {
+    comply(&ns, &ctx).await?;
     let api = Api::<ConfigMap>::namespaced(ctx.client(), &ns.name_any());
     let count: u64 = match api.get_opt("compliance-audit").await? {
         Some(audit) => audit
@@ -178,12 +174,7 @@ async fn reporting(
     if ctx.cluster_id().as_str() == "hub" {
         return Ok(Action::await_change());
     }
-    uniform::reconcile(ns.clone(), ctx.clone())
-        .await
-        .map_err(|e| match e {
-            uniform::Error::Kube(k) => k,
-            other => kube::Error::Service(other.to_string().into()),
-        })?;
+    comply(&ns, &ctx).await?;
     let hub = ctx
         .cluster_by_id(&ClusterName::from("hub"))
         .map(|c| c.client())

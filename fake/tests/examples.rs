@@ -1,14 +1,13 @@
 //! Unit tests of the shipped examples' reconcilers, on a fake fleet under paused time: no
 //! control plane, milliseconds per test.
 
+mod support;
 #[path = "../../examples/uniform.rs"]
 #[allow(dead_code)]
 mod uniform;
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -36,21 +35,6 @@ async fn policy_of(server: &ApiServer, namespace: &str) -> Option<String> {
         .await
         .ok()??;
     cm.data?.get("policy").cloned()
-}
-
-/// Waits (in paused time, which moves only when every task waits) until `done` holds.
-async fn eventually<F, Fut>(what: &str, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    for _ in 0..600 {
-        if done().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{what}: not within 60 s of paused time");
 }
 
 fn start(
@@ -85,7 +69,7 @@ async fn uniform_makes_every_enforced_namespace_of_three_clusters_compliant_and_
     }
     let (manager, run) = start(&fleet);
     for s in &servers {
-        eventually(&format!("{}: team-a compliant", s.name()), || async {
+        support::eventually(&format!("{}: team-a compliant", s.name()), || async {
             policy_of(s, "team-a").await.as_deref() == Some(uniform::POLICY)
         })
         .await;
@@ -100,7 +84,7 @@ async fn uniform_makes_every_enforced_namespace_of_three_clusters_compliant_and_
             .create(&PostParams::default(), &ns)
             .await
             .unwrap();
-        eventually("team-b compliant", || async {
+        support::eventually("team-b compliant", || async {
             policy_of(s, "team-b").await.is_some()
         })
         .await;
@@ -117,7 +101,7 @@ async fn uniform_makes_every_enforced_namespace_of_three_clusters_compliant_and_
     cms.delete("compliance", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the deleted ConfigMap restored", || async {
+    support::eventually("the deleted ConfigMap restored", || async {
         policy_of(b, "team-a").await.as_deref() == Some(uniform::POLICY)
     })
     .await;
@@ -128,7 +112,7 @@ async fn uniform_makes_every_enforced_namespace_of_three_clusters_compliant_and_
     )
     .await
     .unwrap();
-    eventually("the edited ConfigMap restored", || async {
+    support::eventually("the edited ConfigMap restored", || async {
         policy_of(b, "team-a").await.as_deref() == Some(uniform::POLICY)
     })
     .await;
@@ -145,7 +129,7 @@ async fn uniform_writes_nothing_to_a_cluster_after_it_left_and_serves_it_again_w
     namespaces(&b).await;
     let (manager, run) = start(&fleet);
     for s in [&a, &b] {
-        eventually("compliant", || async {
+        support::eventually("compliant", || async {
             policy_of(s, "team-a").await.is_some()
         })
         .await;
@@ -162,7 +146,7 @@ async fn uniform_writes_nothing_to_a_cluster_after_it_left_and_serves_it_again_w
         .delete("compliance", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("a repaired", || async {
+    support::eventually("a repaired", || async {
         policy_of(&a, "team-a").await.is_some()
     })
     .await;
@@ -175,7 +159,7 @@ async fn uniform_writes_nothing_to_a_cluster_after_it_left_and_serves_it_again_w
     assert_eq!(writes.len(), 1, "writes to b after it left: {writes:?}");
     assert_eq!(writes[0].verb, Verb::Delete);
     fleet.rejoin("b");
-    eventually("b repaired after it returned", || async {
+    support::eventually("b repaired after it returned", || async {
         policy_of(&b, "team-a").await.is_some()
     })
     .await;

@@ -5,10 +5,9 @@
 #[path = "../../examples/federated.rs"]
 #[allow(dead_code)]
 mod federated;
+mod support;
 
-use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use federated::{FROM, FederatedConfig, Site};
 use futures::StreamExt as _;
@@ -25,20 +24,6 @@ fn crd() -> CustomResourceDefinition {
 
 fn host_builder() -> ApiServerBuilder {
     ApiServer::builder("global.host").crd(crd())
-}
-
-async fn eventually<F, Fut>(what: &str, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    for _ in 0..600 {
-        if done().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{what}: not within 60 s of paused time");
 }
 
 async fn copy_is(server: &ApiServer, value: &str) -> bool {
@@ -109,9 +94,9 @@ async fn federated_fans_out_to_members_repairs_them_serves_a_late_one_and_cleans
         .await
         .unwrap();
     for m in [&m1, &m2] {
-        eventually("the copy in a member", || copy_is(m, "world")).await;
+        support::eventually("the copy in a member", || copy_is(m, "world")).await;
     }
-    eventually("status: 2 synced", || async {
+    support::eventually("status: 2 synced", || async {
         synced(&host).await == Some(2)
     })
     .await;
@@ -120,11 +105,11 @@ async fn federated_fans_out_to_members_repairs_them_serves_a_late_one_and_cleans
         .delete("greeting", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the deleted copy restored", || copy_is(&m1, "world")).await;
+    support::eventually("the deleted copy restored", || copy_is(&m1, "world")).await;
 
     let late = fleet.add("us.m3");
-    eventually("the copy in the late member", || copy_is(&late, "world")).await;
-    eventually("status: 3 synced", || async {
+    support::eventually("the copy in the late member", || copy_is(&late, "world")).await;
+    support::eventually("status: 3 synced", || async {
         synced(&host).await == Some(3)
     })
     .await;
@@ -133,7 +118,7 @@ async fn federated_fans_out_to_members_repairs_them_serves_a_late_one_and_cleans
         .delete("greeting", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the host object gone", || async {
+    support::eventually("the host object gone", || async {
         host_api.get_opt("greeting").await.ok().flatten().is_none()
     })
     .await;
