@@ -153,3 +153,179 @@ async fn a_server_that_stops_answering_holds_requests_until_healed() {
     server.heal();
     pending.await.unwrap().unwrap();
 }
+
+fn owned_by(name: &str, owner: &ConfigMap) -> ConfigMap {
+    let mut child = cm(name);
+    child.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "ConfigMap".into(),
+            name: owner.metadata.name.clone().unwrap_or_default(),
+            uid: owner.metadata.uid.clone().unwrap_or_default(),
+            block_owner_deletion: Some(true),
+            controller: Some(true),
+        },
+    ]);
+    child
+}
+
+#[tokio::test]
+async fn deleting_an_owner_collects_its_dependents_in_the_background_and_in_the_foreground() {
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    for (owner, policy) in [
+        ("bg", DeleteParams::background()),
+        ("fg", DeleteParams::foreground()),
+    ] {
+        let o = cms
+            .create(&PostParams::default(), &cm(owner))
+            .await
+            .unwrap();
+        let child = format!("{owner}-child");
+        cms.create(&PostParams::default(), &owned_by(&child, &o))
+            .await
+            .unwrap();
+        cms.delete(owner, &policy).await.unwrap();
+        assert!(
+            cms.get_opt(owner).await.unwrap().is_none(),
+            "{owner} should be gone"
+        );
+        assert!(
+            cms.get_opt(&child).await.unwrap().is_none(),
+            "{child} should be collected"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_orphaning_delete_leaves_the_dependent_without_its_owner_reference() {
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let o = cms
+        .create(&PostParams::default(), &cm("owner"))
+        .await
+        .unwrap();
+    cms.create(&PostParams::default(), &owned_by("child", &o))
+        .await
+        .unwrap();
+    cms.delete("owner", &DeleteParams::orphan()).await.unwrap();
+    assert!(cms.get_opt("owner").await.unwrap().is_none());
+    let child = cms.get("child").await.unwrap();
+    assert!(child.metadata.owner_references.is_none(), "{child:?}");
+}
+
+#[tokio::test]
+async fn a_dependent_whose_owner_uid_the_cluster_does_not_hold_is_collected() {
+    // The cross-cluster ownerReference trap: an owner uid from another cluster.
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let mut elsewhere = cm("owner-in-another-cluster");
+    elsewhere.metadata.uid = Some("00000000-0000-4000-8000-000000000001".into());
+    cms.create(&PostParams::default(), &owned_by("child", &elsewhere))
+        .await
+        .unwrap();
+    assert!(cms.get_opt("child").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn kubes_discovery_finds_the_served_kinds_and_a_crd_created_at_run_time() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let server = ApiServer::new("c0");
+    let discovery = kube::Discovery::new(server.client()).run().await.unwrap();
+    assert!(discovery.has_group("apps"));
+    let crd: CustomResourceDefinition = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                 "versions": [{"name": "v1", "served": true, "storage": true,
+                               "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}
+    }))
+    .unwrap();
+    Api::<CustomResourceDefinition>::all(server.client())
+        .create(&PostParams::default(), &crd)
+        .await
+        .unwrap();
+    let established = Api::<CustomResourceDefinition>::all(server.client())
+        .get("widgets.example.com")
+        .await
+        .unwrap();
+    let conditions = established
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default();
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True"),
+        "{conditions:?}"
+    );
+    let discovery = kube::Discovery::new(server.client())
+        .run_aggregated()
+        .await
+        .unwrap();
+    let (resource, _) = discovery
+        .resolve_gvk(&kube::api::GroupVersionKind::gvk(
+            "example.com",
+            "v1",
+            "Widget",
+        ))
+        .expect("the new kind is discovered");
+    assert_eq!(resource.plural, "widgets");
+}
+
+#[tokio::test(start_paused = true)]
+async fn latency_delays_every_answer_by_the_time_set() {
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    server.set_latency(Duration::from_secs(3));
+    let start = tokio::time::Instant::now();
+    cms.list(&ListParams::default()).await.unwrap();
+    assert!(
+        start.elapsed() >= Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_cut_watch_ends_and_a_watcher_resumes_without_losing_a_write() {
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    let mut events = watcher(cms.clone(), watcher::Config::default()).boxed();
+    while !matches!(
+        events.try_next().await.unwrap(),
+        Some(watcher::Event::InitDone)
+    ) {}
+    server.cut_watches();
+    cms.create(&PostParams::default(), &cm("after-the-cut"))
+        .await
+        .unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .unwrap()
+        {
+            Some(Ok(watcher::Event::Apply(o))) => {
+                assert_eq!(o.metadata.name.as_deref(), Some("after-the-cut"));
+                break;
+            }
+            Some(_) => {}
+            None => panic!("the watcher ended"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_refuses_connections_fails_requests_at_once_until_healed() {
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    server.refuse_connections();
+    let e = cms.list(&ListParams::default()).await.unwrap_err();
+    assert!(
+        !matches!(e, kube::Error::Api(_)),
+        "a refused connection is no API answer: {e:?}"
+    );
+    server.heal();
+    cms.list(&ListParams::default()).await.unwrap();
+}
