@@ -47,7 +47,7 @@ pub(crate) fn fields_of(r: &Resource, object: &Value, status: bool) -> FieldSet 
     for (k, v) in top {
         match k.as_str() {
             "apiVersion" | "kind" => {}
-            "status" if !status => {}
+            "status" if !status && r.status_subresource => {}
             _ if status && k != "status" => {}
             "metadata" => {
                 if let Some(m) = v.as_object() {
@@ -111,6 +111,18 @@ fn walk(r: &Resource, field: &str, value: &Value, path: &mut Path, out: &mut Fie
         }
     }
     path.pop();
+}
+
+/// Whether the field at `path` differs between `before` and `after`. A keyed item's `.` leaf
+/// says only that the item exists: it changes when the item comes or goes, not when a field
+/// inside it does (those fields are paths of their own).
+fn differs(before: &Value, after: &Value, path: &[String]) -> bool {
+    match path.split_last() {
+        Some((last, item)) if last == "." => {
+            value_at(before, item).is_some() != value_at(after, item).is_some()
+        }
+        _ => value_at(before, path) != value_at(after, path),
+    }
 }
 
 /// The value at a path, if the object has it.
@@ -411,7 +423,7 @@ pub(crate) fn apply(
     let mut conflicts = Vec::new();
     let mut changed: FieldSet = FieldSet::new();
     for path in &applied_fields {
-        if value_at(live, path) != value_at(applied, path) {
+        if differs(live, applied, path) {
             changed.insert(path.clone());
         }
     }
@@ -494,7 +506,7 @@ pub(crate) fn record_update(
     let empty = Value::Null;
     let changed: FieldSet = after
         .iter()
-        .filter(|p| value_at(old.unwrap_or(&empty), p) != value_at(new, p))
+        .filter(|p| differs(old.unwrap_or(&empty), new, p))
         .cloned()
         .collect();
     let removed: FieldSet = before.difference(&after).cloned().collect();
@@ -570,6 +582,47 @@ mod tests {
         record_update(&r, Some(&first), &mut other, "n", "v1", false, "t");
         let second = apply(&r, &other, &obj(json!({"a": "1"})), &M, false).unwrap();
         assert_eq!(second["data"], json!({"a": "1", "c": "3"}));
+    }
+
+    fn pod() -> Resource {
+        Resource::of::<k8s_openapi::api::core::v1::Pod>()
+    }
+
+    fn pod_with(container: Value) -> Value {
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "d"}, "spec": {"containers": [container]}})
+    }
+
+    #[test]
+    fn two_appliers_of_different_fields_of_one_keyed_item_share_it_without_conflict() {
+        let r = pod();
+        let live = pod_with(json!({"name": "app"}));
+        let a = apply(
+            &r,
+            &live,
+            &pod_with(json!({"name": "app", "image": "x"})),
+            &M,
+            false,
+        )
+        .unwrap();
+        let b = apply(
+            &r,
+            &a,
+            &pod_with(json!({"name": "app", "resources": {"limits": {"cpu": "1"}}})),
+            &O,
+            false,
+        )
+        .expect("no conflict: the managers set different fields of the item");
+        assert_eq!(b["spec"]["containers"][0]["image"], "x");
+        // The second applier stops applying the container: the first one's fields stay.
+        let c = apply(
+            &r,
+            &b,
+            &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}),
+            &O,
+            false,
+        )
+        .unwrap();
+        assert_eq!(c["spec"]["containers"][0]["image"], "x", "{c}");
     }
 
     #[test]

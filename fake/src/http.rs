@@ -84,7 +84,11 @@ fn percent_decode(s: &str) -> String {
     while i < bytes.len() {
         match bytes[i] {
             b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
+            // Two hex digits, no sign (`from_str_radix` would take "+1").
+            b'%' if i + 2 < bytes.len()
+                && bytes[i + 1].is_ascii_hexdigit()
+                && bytes[i + 2].is_ascii_hexdigit() =>
+            {
                 match u8::from_str_radix(
                     std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"),
                     16,
@@ -194,7 +198,11 @@ fn route(shared: &Shared, path: &str) -> Result<Route, ApiError> {
         Some(_) => false,
     };
     if !allowed {
-        return Err(ApiError::not_found_path());
+        // A custom resource's missing subresource reads as its object not being there.
+        return Err(match name {
+            Some(name) if r.custom => ApiError::not_found(r, name),
+            _ => ApiError::not_found_path(),
+        });
     }
     Ok(Route::Objects(Target {
         resource,
@@ -653,7 +661,7 @@ fn watch_response(
         .get("timeoutSeconds")
         .and_then(|s| s.parse::<u64>().ok())
         .map(Duration::from_secs);
-    let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+    let deadline = timeout.and_then(|t| tokio::time::Instant::now().checked_add(t));
     let shared = shared.clone();
     let stream = futures::stream::unfold((rx, shared), move |(mut rx, shared)| async move {
         let next = async {
@@ -718,5 +726,6 @@ mod tests {
             "app=web,tier in (a)"
         );
         assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%+1x"), "% 1x");
     }
 }

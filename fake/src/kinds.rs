@@ -23,8 +23,10 @@ impl Scope for ClusterResourceScope {
 pub struct Resource {
     /// The API group, empty for the core group.
     pub group: String,
-    /// The versions served, the storage version first.
+    /// The versions served, the storage version first; none once a CRD is deleted.
     pub versions: Vec<String>,
+    /// The version objects are kept in (kept when the versions stop being served).
+    pub storage: String,
     /// The kind, as in `kind:`.
     pub kind: String,
     /// The plural, as in the URL.
@@ -59,7 +61,7 @@ impl Resource {
 
     /// The storage version.
     pub fn storage_version(&self) -> &str {
-        &self.versions[0]
+        &self.storage
     }
 
     /// The name used in error messages: `configmaps`, `deployments.apps`.
@@ -81,6 +83,7 @@ impl Resource {
         Resource {
             group: K::GROUP.to_owned(),
             versions: vec![K::VERSION.to_owned()],
+            storage: K::VERSION.to_owned(),
             kind: K::KIND.to_owned(),
             plural: K::URL_PATH_SEGMENT.to_owned(),
             singular: K::KIND.to_ascii_lowercase(),
@@ -107,6 +110,7 @@ impl Resource {
         Some(Resource {
             group: spec.group.clone(),
             versions: versions.iter().map(|v| v.name.clone()).collect(),
+            storage: first.name.clone(),
             kind: spec.names.kind.clone(),
             plural: spec.names.plural.clone(),
             singular: spec

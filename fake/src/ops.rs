@@ -111,12 +111,16 @@ fn name_error(resource: &Resource, name: &str) -> ApiError {
     )
 }
 
-/// An object without its metadata and status: what `metadata.generation` counts changes of.
-fn spec_of(object: &Value) -> Value {
+/// What `metadata.generation` counts changes of: the object but its metadata (and its status,
+/// when that has a subresource of its own).
+fn spec_of(object: &Value, status_subresource: bool) -> Value {
     let mut v = object.clone();
     if let Some(o) = v.as_object_mut() {
         o.remove("metadata");
-        o.remove("status");
+        // Without a status subresource, the status is part of what the generation counts.
+        if status_subresource {
+            o.remove("status");
+        }
         o.remove("apiVersion");
         o.remove("kind");
     }
@@ -180,6 +184,9 @@ impl Store {
                 _ => (self.rv, None),
             },
         };
+        if rv > self.rv {
+            return Err(ApiError::too_large_resource_version(rv, self.rv));
+        }
         let objects: BTreeMap<Key, Arc<Value>> = if rv == self.rv {
             self.of(t.resource, t.namespace.as_deref())
                 .map(|(k, v)| (k.clone(), v.clone()))
@@ -592,7 +599,9 @@ impl Store {
             );
         }
         defaults(&r, &mut new);
-        if r.generation && spec_of(&new) != spec_of(&old) {
+        if r.generation
+            && spec_of(&new, r.status_subresource) != spec_of(&old, r.status_subresource)
+        {
             let g = old_meta
                 .get("generation")
                 .and_then(Value::as_i64)
@@ -643,6 +652,10 @@ impl Store {
         let api_version = r.api_version(&t.version);
         let status = t.subresource.as_deref() == Some("status");
         let existing = self.get(&Self::key(t, name)).cloned();
+        if existing.is_none() && status {
+            // An apply to the status of an object that is not there creates nothing.
+            return Err(ApiError::not_found(&r, name));
+        }
         let live = match &existing {
             Some(v) => (**v).clone(),
             None => {

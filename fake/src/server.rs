@@ -507,3 +507,43 @@ impl tower_service::Service<Request<kube::client::Body>> for ApiServer {
         Box::pin(handle(shared, req))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Api, DeleteParams, PostParams};
+
+    #[tokio::test]
+    async fn the_changes_of_a_deleted_crds_objects_are_read_without_a_panic() {
+        let server = ApiServer::new("c0");
+        let crd: CustomResourceDefinition = serde_json::from_value(json!({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "widgets.example.com"},
+            "spec": {"group": "example.com", "scope": "Namespaced",
+                     "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                     "versions": [{"name": "v1", "served": true, "storage": true,
+                                   "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}
+        }))
+        .unwrap();
+        let crds = Api::<CustomResourceDefinition>::all(server.client());
+        crds.create(&PostParams::default(), &crd).await.unwrap();
+        server
+            .insert(json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w", "namespace": "default"}}))
+            .unwrap();
+        crds.delete("widgets.example.com", &DeleteParams::default())
+            .await
+            .unwrap();
+        let changes = server.changes_after(0);
+        let widget = changes
+            .iter()
+            .filter(|c| c.kind == "Widget")
+            .map(|c| c.api_version.as_str())
+            .collect::<Vec<_>>();
+        assert_eq!(
+            widget,
+            ["example.com/v1", "example.com/v1"],
+            "created, then deleted with its CRD"
+        );
+    }
+}

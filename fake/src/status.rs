@@ -245,6 +245,19 @@ impl ApiError {
         }
     }
 
+    /// A list at a version the server has not reached.
+    pub(crate) fn too_large_resource_version(asked: u64, current: u64) -> Self {
+        ApiError {
+            code: 504,
+            reason: "Timeout",
+            message: format!("Too large resource version: {asked}, current: {current}"),
+            details: Some(json!({
+                "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                "retryAfterSeconds": 1
+            })),
+        }
+    }
+
     pub(crate) fn too_many_requests() -> Self {
         ApiError {
             code: 429,

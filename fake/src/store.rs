@@ -192,7 +192,7 @@ impl Store {
 
     /// The changes after `rv`, or 410 when some of them are no longer kept.
     pub(crate) fn since(&self, rv: u64) -> Result<impl Iterator<Item = &Change>, ApiError> {
-        if rv + 1 < self.oldest {
+        if rv.saturating_add(1) < self.oldest {
             return Err(ApiError::expired(format!(
                 "too old resource version: {rv} ({})",
                 self.oldest - 1
@@ -207,7 +207,7 @@ impl Store {
         resource: ResourceId,
         rv: u64,
     ) -> Result<BTreeMap<Key, Arc<Value>>, ApiError> {
-        if rv + 1 < self.oldest {
+        if rv.saturating_add(1) < self.oldest {
             return Err(ApiError::expired(
                 "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
             ));

@@ -329,3 +329,29 @@ async fn a_server_that_refuses_connections_fails_requests_at_once_until_healed()
     server.heal();
     cms.list(&ListParams::default()).await.unwrap();
 }
+
+#[tokio::test]
+async fn absurd_versions_tokens_and_timeouts_are_answered_never_a_panic() {
+    use base64::Engine as _;
+    let server = ApiServer::new("c0");
+    let client = server.client();
+    let max = u64::MAX;
+    let token = base64::engine::general_purpose::URL_SAFE.encode(format!(
+        r#"{{"v":"meta.k8s.io/v1","rv":{max},"start":"a\u0000"}}"#
+    ));
+    for query in [
+        format!("watch=true&resourceVersion={max}"),
+        format!("resourceVersion={max}&resourceVersionMatch=Exact"),
+        format!("limit=1&continue={token}"),
+        format!("watch=true&timeoutSeconds={max}"),
+        "labelSelector=a%+1".to_owned(),
+    ] {
+        let req = http::Request::get(format!("/api/v1/namespaces/default/configmaps?{query}"))
+            .body(kube::client::Body::empty())
+            .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(5), client.send(req)).await;
+        // Answered (a watch: its head came), with a status, not a failure of the server.
+        let res = answer.expect("an answer").expect("no transport error");
+        assert_ne!(res.status().as_u16(), 500, "{query}");
+    }
+}

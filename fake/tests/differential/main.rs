@@ -36,6 +36,19 @@ fn crd() -> Value {
     })
 }
 
+/// A CRD without a status subresource: its status is written with the rest.
+fn plain_crd() -> Value {
+    let mut c = crd();
+    c["metadata"]["name"] = json!("gadgets.diff.example.com");
+    c["spec"]["names"] = json!({"plural": "gadgets", "singular": "gadget", "kind": "Gadget", "listKind": "GadgetList"});
+    if let Some(v) = c["spec"]["versions"][0].as_object_mut() {
+        v.remove("subresources");
+    }
+    c
+}
+
+const GADGETS: &str = "/apis/diff.example.com/v1/namespaces/{ns}/gadgets";
+
 fn cm(name: &str, labels: Value, data: Value) -> Value {
     json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "labels": labels}, "data": data})
 }
@@ -388,6 +401,21 @@ async fn status_and_generation(p: &mut Pair) {
     p.req("GET", &format!("{WIDGETS}/s"), None).await;
     p.req("GET", &format!("{WIDGETS}/missing/status"), None)
         .await;
+    p.req_typed(
+        "PATCH",
+        &format!("{WIDGETS}/missing/status?fieldManager=test-s"),
+        Some("application/apply-patch+yaml"),
+        Some(json!({"apiVersion": "diff.example.com/v1", "kind": "Widget", "metadata": {"name": "missing"}, "status": {"ready": true}})),
+    )
+    .await;
+    // Without a status subresource, a change of the status counts in the generation.
+    let mut g = json!({"apiVersion": "diff.example.com/v1", "kind": "Gadget", "metadata": {"name": "g"}, "spec": {"size": 1}});
+    p.req("POST", GADGETS, Some(g.clone())).await;
+    p.capture("rv_g", "/metadata/resourceVersion");
+    g["status"] = json!({"ready": true});
+    g["metadata"]["resourceVersion"] = json!("{rv_g}");
+    p.req("PUT", &format!("{GADGETS}/g"), Some(g)).await;
+    p.req("GET", &format!("{GADGETS}/g/status"), None).await;
 }
 
 /// Server-side apply: creation, what a second apply removes, shared fields, conflicts with
@@ -634,14 +662,17 @@ async fn the_fake_answers_every_request_of_the_corpus_as_the_real_api_server_doe
         .await
         .expect("a test control plane");
     let cluster = env.cluster(0).expect("one cluster");
-    cluster
-        .install_crds(&crd().to_string())
-        .await
-        .expect("the CRD installs");
+    for c in [crd(), plain_crd()] {
+        cluster
+            .install_crds(&c.to_string())
+            .await
+            .expect("the CRD installs");
+    }
     let real = cluster.client().expect("a client");
     let fake = ApiServer::builder("fake")
         .controllers(false)
         .crd(serde_json::from_value(crd()).expect("a CRD"))
+        .crd(serde_json::from_value(plain_crd()).expect("a CRD"))
         .build();
 
     let mut differences = Vec::new();
