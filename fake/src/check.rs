@@ -119,6 +119,15 @@ impl<C: ClusterId> Clone for Source<C> {
     }
 }
 
+/// A selector a test gave; one that does not parse is the test's mistake (it would select
+/// everything, silently).
+fn parse_selector(what: &str, selector: &str) -> LabelSelector {
+    match LabelSelector::parse(selector) {
+        Ok(s) => s,
+        Err(e) => panic!("{what}: {selector:?} is not a label selector: {e}"),
+    }
+}
+
 /// What a schedule may do besides delivering events and letting requests through.
 #[derive(Clone, Copy, Debug)]
 struct Budgets {
@@ -169,23 +178,32 @@ impl fmt::Display for Violation {
 /// steps that lead there, shrunk.
 #[derive(Clone, Debug)]
 pub struct Failure {
-    /// The seed of the schedule.
+    /// The seed of the schedule (random schedules; for an exhaustive search, its number).
     pub seed: u64,
     /// What went wrong.
     pub violation: Violation,
     /// The steps of the shortest schedule found that fails the same way.
     pub trace: Vec<String>,
+    /// The choice taken at each step of the failing schedule, as it ran (before shrinking):
+    /// [`Checker::replay_choices`] runs it again.
+    pub choices: Vec<usize>,
+    /// Whether the schedule came from [`Checker::exhaustive`] (replayed by its choices only).
+    exhaustive: bool,
 }
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "schedule {} fails: {}", self.seed, self.violation)?;
-        writeln!(
-            f,
-            "replay it with Checker::replay({}); the steps, shrunk to {}:",
-            self.seed,
-            self.trace.len()
-        )?;
+        if self.exhaustive {
+            writeln!(
+                f,
+                "replay it with Checker::replay_choices(&{:?});",
+                self.choices
+            )?;
+        } else {
+            writeln!(f, "replay it with Checker::replay({});", self.seed)?;
+        }
+        writeln!(f, "the steps, shrunk to {}:", self.trace.len())?;
         for (i, step) in self.trace.iter().enumerate() {
             writeln!(f, "  {:>3}. {step}", i + 1)?;
         }
@@ -344,7 +362,7 @@ where
     /// selector, as `watcher::Config::labels` says it).
     #[must_use]
     pub fn labels(mut self, selector: &str) -> Self {
-        self.sources[0].selector = LabelSelector::parse(selector).unwrap_or_default();
+        self.sources[0].selector = parse_selector("Checker::labels", selector);
         self
     }
 
@@ -384,7 +402,7 @@ where
         self.sources.push(Source {
             api_version: T::api_version(&()).into_owned(),
             kind: T::kind(&()).into_owned(),
-            selector: LabelSelector::parse(selector).unwrap_or_default(),
+            selector: parse_selector("Checker::owns", selector),
             map: Some(map),
         });
         self
@@ -492,7 +510,8 @@ where
             report.schedules += 1;
             report.steps += outcome.trace.len();
             if let Some(violation) = outcome.violation {
-                return Err(self.shrink(seed, violation, outcome.trace));
+                let choices = outcome.taken.iter().map(|(c, _)| *c).collect();
+                return Err(self.shrink(seed, violation, outcome.trace, choices, false));
             }
         }
         Ok(report)
@@ -509,9 +528,8 @@ where
             report.steps += outcome.trace.len();
             if let Some(violation) = outcome.violation {
                 let seed = report.schedules as u64 - 1;
-                let mut f = self.shrink(seed, violation, outcome.trace);
-                f.seed = seed;
-                return Err(f);
+                let choices = outcome.taken.iter().map(|(c, _)| *c).collect();
+                return Err(self.shrink(seed, violation, outcome.trace, choices, true));
             }
             // The next schedule: the deepest step with a choice not tried yet.
             let mut taken = outcome.taken;
@@ -533,15 +551,30 @@ where
         Ok(report)
     }
 
-    /// Runs the random schedule `seed` again and returns how it ended (`Ok` when it passes).
+    /// Runs the random schedule `seed` again and returns how it ended (`Ok` with its steps
+    /// when it passes).
     pub fn replay(&self, seed: u64) -> Result<Vec<String>, Failure> {
         let outcome = self.run_one(Choices::Random(fastrand::Rng::with_seed(seed)));
+        Self::ended(seed, outcome, false)
+    }
+
+    /// Runs the schedule that takes these choices (a [`Failure`]'s `choices`, from either
+    /// kind of search) again; after them, the first choice at each step.
+    pub fn replay_choices(&self, choices: &[usize]) -> Result<Vec<String>, Failure> {
+        let outcome = self.run_one(Choices::Script(choices.to_vec(), Vec::new()));
+        Self::ended(0, outcome, true)
+    }
+
+    fn ended(seed: u64, outcome: Outcome, exhaustive: bool) -> Result<Vec<String>, Failure> {
+        let choices = outcome.taken.iter().map(|(c, _)| *c).collect();
         match outcome.violation {
             None => Ok(outcome.trace),
             Some(violation) => Err(Failure {
                 seed,
                 violation,
                 trace: outcome.trace,
+                choices,
+                exhaustive,
             }),
         }
     }
@@ -549,7 +582,14 @@ where
     /// The shortest schedule found that fails as `violation` did: steps of `trace` taken out
     /// a chunk at a time, kept out while the schedule (finished by the default choices) still
     /// fails the same way.
-    fn shrink(&self, seed: u64, violation: Violation, trace: Vec<String>) -> Failure {
+    fn shrink(
+        &self,
+        seed: u64,
+        violation: Violation,
+        trace: Vec<String>,
+        choices: Vec<usize>,
+        exhaustive: bool,
+    ) -> Failure {
         let same = |v: &Violation| std::mem::discriminant(v) == std::mem::discriminant(&violation);
         let mut best = trace;
         let mut chunk = best.len().div_ceil(2).max(1);
@@ -581,11 +621,33 @@ where
             seed,
             violation,
             trace: best,
+            choices,
+            exhaustive,
         }
     }
 
     /// One schedule, on a fresh fleet, in a runtime of its own with paused time.
     fn run_one(&self, choices: Choices) -> Outcome {
+        // Called from async code (a `#[tokio::test]`): the schedule gets a thread of its own,
+        // since a runtime cannot block inside another.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return std::thread::scope(|scope| {
+                match scope.spawn(|| self.run_here(choices)).join() {
+                    Ok(outcome) => outcome,
+                    Err(_) => Outcome {
+                        violation: Some(Violation::Panicked(
+                            "the schedule's thread panicked".into(),
+                        )),
+                        trace: Vec::new(),
+                        taken: Vec::new(),
+                    },
+                }
+            });
+        }
+        self.run_here(choices)
+    }
+
+    fn run_here(&self, choices: Choices) -> Outcome {
         let runtime = match tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .start_paused(true)
@@ -646,6 +708,8 @@ enum Step {
     Rejoin(String),
     Requeue(usize),
     Retry(usize),
+    /// Reconciles are in flight but none waits at the gate (a timer, say): time passes.
+    Wait,
 }
 
 /// The state of one schedule.
@@ -888,7 +952,11 @@ where
         let mut keep = Vec::new();
         for p in parked {
             let left_at = self.away.get(&p.server).copied();
-            let stale = left_at.is_some_and(|at| self.in_flight.iter().all(|f| f.started > at));
+            // Only when some reconcile is in flight and every one started after the departure
+            // is the write surely stale (a request is not traced to its reconcile).
+            let stale = left_at.is_some_and(|at| {
+                !self.in_flight.is_empty() && self.in_flight.iter().all(|f| f.started > at)
+            });
             if stale && p.record.verb.writes() && self.violation.is_none() {
                 let r = &p.record;
                 self.violation = Some(Violation::WroteAfterLeaving(format!(
@@ -956,6 +1024,9 @@ where
         }
         for cluster in self.away.keys() {
             steps.push(Step::Rejoin(cluster.clone()));
+        }
+        if steps.is_empty() && !self.in_flight.is_empty() {
+            steps.push(Step::Wait);
         }
         steps
     }
@@ -1025,11 +1096,26 @@ where
                     .map(ToString::to_string)
                     .unwrap_or_default()
             ),
+            Step::Wait => "time passes (1 s)".to_owned(),
         }
     }
 
     fn choose(&mut self, steps: &[Step]) -> Option<Step> {
-        let labels: Vec<String> = steps.iter().map(|s| self.label(s)).collect();
+        // Two steps alike (two reconciles asking the same, say) are told apart by their order,
+        // so a script of labels replays the same one.
+        let mut labels: Vec<String> = Vec::with_capacity(steps.len());
+        for step in steps {
+            let label = self.label(step);
+            let seen = labels
+                .iter()
+                .filter(|l| l.split(" #").next() == Some(label.as_str()))
+                .count();
+            labels.push(if seen == 0 {
+                label
+            } else {
+                format!("{label} #{}", seen + 1)
+            });
+        }
         let at = match &mut self.choices {
             Choices::Random(rng) => rng.usize(..steps.len()),
             Choices::Script(indices, names) => {
@@ -1114,6 +1200,7 @@ where
                 let request = self.retries.remove(i);
                 self.enqueue(request);
             }
+            Step::Wait => tokio::time::sleep(Duration::from_secs(1)).await,
         }
     }
 
@@ -1313,7 +1400,13 @@ where
                     .map(|(k, s)| (k.clone(), s.resource_version()))
                     .collect();
                 self.start(request.clone());
+                let mut rounds = 0;
                 while !self.in_flight.is_empty() {
+                    rounds += 1;
+                    if rounds > 100_000 {
+                        self.violation = Some(Violation::Livelock(rounds));
+                        return;
+                    }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     for p in crate::server::lock_parked(&self.gate) {
                         let _ = p.answer.send(None);

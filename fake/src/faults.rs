@@ -120,7 +120,7 @@ impl Fault {
         self
     }
 
-    /// Only the next `n` matching requests, then the fault is gone.
+    /// Only the next `n` matching requests, then the fault is gone (`0`: none).
     pub fn times(mut self, n: usize) -> Self {
         self.times = Some(n);
         self
@@ -155,6 +155,8 @@ pub(crate) struct Faults {
 impl Faults {
     /// The status a request answers with, if a fault takes it (counting the fault down).
     pub(crate) fn take(&mut self, verb: Verb, resource: &str, name: Option<&str>) -> Option<u16> {
+        // A fault for zero more requests is spent: it takes none.
+        self.rules.retain(|f| f.times != Some(0));
         let at = self
             .rules
             .iter()

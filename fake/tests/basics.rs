@@ -355,3 +355,11 @@ async fn absurd_versions_tokens_and_timeouts_are_answered_never_a_panic() {
         assert_ne!(res.status().as_u16(), 500, "{query}");
     }
 }
+
+#[tokio::test]
+async fn a_fault_for_zero_requests_takes_none() {
+    let server = ApiServer::new("c0");
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    server.inject(Fault::on(Verb::Create).status(500).times(0));
+    cms.create(&PostParams::default(), &cm("x")).await.unwrap();
+}

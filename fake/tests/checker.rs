@@ -345,3 +345,52 @@ fn a_reconciler_that_writes_through_a_departed_clusters_kept_client_is_caught() 
     );
     assert_replays(&c, &failure);
 }
+
+/// Waits ten seconds (a backoff, say) before it applies.
+async fn slow(ns: Arc<Namespace>, ctx: Context<ClusterName, ()>) -> Result<Action, kube::Error> {
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    comply(&ns, &ctx).await
+}
+
+#[test]
+fn a_reconcile_waiting_on_a_timer_is_waited_for_not_judged_half_way() {
+    checker(slow)
+        .budgets(0, 0, 0, 0)
+        .random(20)
+        .unwrap_or_else(|f| panic!("{f}"));
+}
+
+#[test]
+fn the_checker_runs_inside_an_async_test_too() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        checker(uniform::reconcile::<ClusterName>)
+            .budgets(0, 0, 0, 0)
+            .random(5)
+            .unwrap_or_else(|f| panic!("{f}"));
+    });
+}
+
+#[test]
+fn an_exhaustive_failure_replays_from_its_choices() {
+    let c = checker(counting).budgets(0, 0, 0, 0);
+    let failure = c
+        .exhaustive(1_000)
+        .expect_err("the checker should catch it");
+    assert!(
+        matches!(failure.violation, Violation::NotIdempotent(_)),
+        "{failure}"
+    );
+    assert!(failure.to_string().contains("replay_choices"), "{failure}");
+    let again = c
+        .replay_choices(&failure.choices)
+        .expect_err("the choices should fail again");
+    assert_eq!(
+        std::mem::discriminant(&again.violation),
+        std::mem::discriminant(&failure.violation),
+        "{again}"
+    );
+}
