@@ -91,6 +91,7 @@ pub fn sequences(mut data: &[u8]) {
         let writer = WriteOptions {
             dry_run: arg & 0x80 != 0 && op.is_multiple_of(11),
             manager: Some(format!("m{}", arg % 3)),
+            keep_uid: false,
         };
         let current_rv = |store: &Store| {
             store.get_object(&t, &name).ok().and_then(|o| {

@@ -381,6 +381,7 @@ fn write_options(q: &Query, user_agent: &str) -> WriteOptions {
     WriteOptions {
         dry_run: q.get("dryRun") == Some("All"),
         manager: Some(manager_of(q, user_agent)),
+        keep_uid: false,
     }
 }
 

@@ -32,6 +32,9 @@ pub(crate) struct WriteOptions {
     /// Who writes: the `fieldManager` parameter, else the client's user agent, else
     /// `unknown`. `None` leaves the managed fields as the body has them (an apply).
     pub(crate) manager: Option<String>,
+    /// Keep the uid the body gives (objects a test puts in place, so that owner references
+    /// among them hold).
+    pub(crate) keep_uid: bool,
 }
 
 /// The options of a list.
@@ -363,7 +366,13 @@ impl Store {
         }
         body["apiVersion"] = json!(r.api_version(r.storage_version()));
         body["kind"] = json!(r.kind);
-        let uid = self.uid();
+        let given_uid = meta_str(&body, "uid")
+            .map(str::to_owned)
+            .filter(|_| o.keep_uid);
+        let uid = match given_uid {
+            Some(uid) => uid,
+            None => self.uid(),
+        };
         let meta = meta_mut(&mut body);
         for field in SYSTEM_FIELDS {
             // An apply that creates brings the managed fields it computed.
@@ -691,6 +700,7 @@ impl Store {
         let o = WriteOptions {
             dry_run,
             manager: None,
+            keep_uid: false,
         };
         match existing {
             None => Ok((201, self.create(t, merged, &o)?)),

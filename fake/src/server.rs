@@ -311,8 +311,8 @@ impl ApiServer {
         kube::Client::new(self.clone(), "default")
     }
 
-    /// Creates an object as a client would (any kind the server serves). Returns the object
-    /// as stored, or the `Status` of the refusal.
+    /// Creates an object as a client would (any kind the server serves), keeping a uid it
+    /// gives. Returns the object as stored, or the `Status` of the refusal.
     pub fn insert(&self, object: Value) -> Result<Value, Value> {
         let mut store = self.shared.store();
         let api_version = object
@@ -345,9 +345,12 @@ impl ApiServer {
             name: None,
             subresource: None,
         };
-        store
-            .create(&t, object, &WriteOptions::default())
-            .map_err(|e| e.to_status())
+        // A uid the test gives is kept, so that owner references among its objects hold.
+        let o = WriteOptions {
+            keep_uid: true,
+            ..WriteOptions::default()
+        };
+        store.create(&t, object, &o).map_err(|e| e.to_status())
     }
 
     /// Every object of every kind, as stored (a view for assertions and traces).

@@ -363,3 +363,25 @@ async fn a_fault_for_zero_requests_takes_none() {
     server.inject(Fault::on(Verb::Create).status(500).times(0));
     cms.create(&PostParams::default(), &cm("x")).await.unwrap();
 }
+
+#[tokio::test]
+async fn objects_put_in_place_by_the_test_keep_their_uids_so_owner_references_among_them_hold() {
+    let mut owner = cm("owner");
+    owner.metadata.namespace = Some("default".into());
+    owner.metadata.uid = Some("00000000-0000-4000-8000-00000000000a".into());
+    let mut child = owned_by("child", &owner);
+    child.metadata.namespace = Some("default".into());
+    let server = ApiServer::builder("c0")
+        .object(&owner)
+        .object(&child)
+        .build();
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
+    assert_eq!(
+        cms.get("owner").await.unwrap().metadata.uid,
+        owner.metadata.uid
+    );
+    assert!(
+        cms.get_opt("child").await.unwrap().is_some(),
+        "the child's owner is there: no collection"
+    );
+}
