@@ -24,14 +24,17 @@ use multicluster_runtime::providers::Clusters;
 use multicluster_runtime::{Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager};
 use multicluster_runtime_testenv::TestEnv;
 
+// The items below are `pub(crate)` so that the fake crate's unit tests
+// (fake/tests/examples.rs) can include this file and test its controller without a cluster.
+
 /// Reconciles seen, per cluster.
 #[derive(Default)]
-struct Tally {
+pub(crate) struct Tally {
     per_cluster: Mutex<BTreeMap<String, usize>>,
 }
 
 impl Tally {
-    fn count(&self, cluster: &str) -> usize {
+    pub(crate) fn count(&self, cluster: &str) -> usize {
         self.per_cluster
             .lock()
             .map(|m| m.get(cluster).copied().unwrap_or(0))
@@ -67,7 +70,7 @@ fn error_policy<C: ClusterId>(_: Arc<ConfigMap>, error: &Error, ctx: &Context<C,
     Action::backoff()
 }
 
-fn greeting(name: &str, text: &str) -> ConfigMap {
+pub(crate) fn greeting(name: &str, text: &str) -> ConfigMap {
     ConfigMap {
         metadata: ObjectMeta {
             name: Some(name.into()),
@@ -114,7 +117,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// The controller on a manager for `clusters`.
-fn manager_with_controller(clusters: &Clusters, tally: &Arc<Tally>) -> Arc<Manager<Clusters>> {
+pub(crate) fn manager_with_controller(
+    clusters: &Clusters,
+    tally: &Arc<Tally>,
+) -> Arc<Manager<Clusters>> {
     let manager = Arc::new(Manager::new(clusters.clone()));
     Builder::<_, ConfigMap>::new(
         &manager,

@@ -1,6 +1,9 @@
 //! Unit tests of the shipped examples' reconcilers, on a fake fleet under paused time: no
 //! control plane, milliseconds per test.
 
+#[path = "../../examples/quickstart.rs"]
+#[allow(dead_code)]
+mod quickstart;
 mod support;
 #[path = "../../examples/uniform.rs"]
 #[allow(dead_code)]
@@ -163,6 +166,70 @@ async fn uniform_writes_nothing_to_a_cluster_after_it_left_and_serves_it_again_w
         policy_of(&b, "team-a").await.is_some()
     })
     .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn quickstart_reconciles_each_clusters_configmaps_a_late_cluster_and_none_of_a_removed_one() {
+    let fleet = FakeFleet::new();
+    let servers: Vec<ApiServer> = ["c0", "c1", "c2"].iter().map(|n| fleet.add(n)).collect();
+    let tally = Arc::new(quickstart::Tally::default());
+    let manager = quickstart::manager_with_controller(&fleet.provider(), &tally);
+    let run = tokio::spawn({
+        let manager = manager.clone();
+        async move { manager.run().await.unwrap() }
+    });
+    for s in &servers {
+        let cms = Api::<ConfigMap>::default_namespaced(s.client());
+        cms.create(
+            &PostParams::default(),
+            &quickstart::greeting("hello", "world"),
+        )
+        .await
+        .unwrap();
+        let name = s.name().to_owned();
+        support::eventually("the first reconcile", || {
+            let tally = tally.clone();
+            let name = name.clone();
+            async move { tally.count(&name) >= 1 }
+        })
+        .await;
+    }
+    let late = fleet.add("c3");
+    Api::<ConfigMap>::default_namespaced(late.client())
+        .create(
+            &PostParams::default(),
+            &quickstart::greeting("hello", "late"),
+        )
+        .await
+        .unwrap();
+    support::eventually("the late cluster's reconcile", || {
+        let tally = tally.clone();
+        async move { tally.count("c3") >= 1 }
+    })
+    .await;
+    // c1 leaves; a change there and one in c0 (the sync point: once c0's is reconciled, c1's
+    // had every chance to be).
+    assert!(fleet.leave("c1"));
+    let before = tally.count("c1");
+    let c0_before = tally.count("c0");
+    for (s, text) in [(&servers[1], "unseen"), (&servers[0], "seen")] {
+        Api::<ConfigMap>::default_namespaced(s.client())
+            .patch(
+                "hello",
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"data": {"greeting": text}})),
+            )
+            .await
+            .unwrap();
+    }
+    support::eventually("c0's change reconciled", || {
+        let tally = tally.clone();
+        async move { tally.count("c0") > c0_before }
+    })
+    .await;
+    assert_eq!(tally.count("c1"), before, "c1 was reconciled after it left");
     manager.shutdown();
     run.await.unwrap();
 }
