@@ -355,6 +355,31 @@ async fn deletion(p: &mut Pair) {
     p.req("DELETE", &format!("{CMS}?labelSelector=batch%3Dyes"), None)
         .await;
     p.req("GET", CMS, None).await;
+    // Propagation policies: without a garbage collector (the test control plane runs none,
+    // the fake runs without its controllers here) the object keeps the policy's finalizer;
+    // a resourceVersion precondition that does not hold is refused.
+    for (name, policy) in [
+        ("fg", "Foreground"),
+        ("orphaned", "Orphan"),
+        ("bg", "Background"),
+    ] {
+        p.req("POST", CMS, Some(cm(name, json!({}), json!({}))))
+            .await;
+        p.req(
+            "DELETE",
+            &format!("{CMS}/{name}"),
+            Some(json!({"propagationPolicy": policy})),
+        )
+        .await;
+    }
+    p.req("POST", CMS, Some(cm("pre", json!({}), json!({}))))
+        .await;
+    p.req(
+        "DELETE",
+        &format!("{CMS}/pre"),
+        Some(json!({"preconditions": {"resourceVersion": "1"}})),
+    )
+    .await;
     p.req("POST", CMS, Some(cm("zz-sentinel", json!({}), json!({}))))
         .await;
     p.read_watch("deletion", "zz-sentinel").await;
