@@ -267,6 +267,39 @@ pub(crate) fn error_policy(
     Action::requeue(Duration::from_secs(1))
 }
 
+/// The controller, on `manager` whose local cluster is `hub` (the fake crate's unit tests
+/// start it the same way).
+pub(crate) fn start_controller(manager: &Arc<Manager<Clusters<Site>>>, hub: Site) {
+    // ANCHOR: builder
+    // Every host object again whenever a member joins (or comes back replaced).
+    let joined = manager.fleet().events().filter_map(|event| {
+        std::future::ready(
+            matches!(
+                event,
+                ClusterEvent::Engaged { .. } | ClusterEvent::Replaced { .. }
+            )
+            .then_some(()),
+        )
+    });
+    Builder::<_, FederatedConfig>::new(manager, watcher::Config::default())
+        .named("federated-config")
+        .engage_local(true)
+        .engage_provider(false)
+        // A member copy that changes or goes reconciles its host object.
+        .watches_from(
+            manager.fleet(),
+            watcher::Config::default().labels(FROM),
+            move |_: &Site, cm: &ConfigMap| {
+                let from = cm.labels().get(FROM).cloned();
+                let ns = cm.namespace();
+                from.map(|name| Request::new(hub.clone(), ns, name))
+            },
+        )
+        .reconcile_all_on(joined)
+        .start(reconcile, error_policy, Arc::new(()));
+    // ANCHOR_END: builder
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
@@ -288,34 +321,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let hub = Site::new("global", "host");
     let host_cluster = Cluster::from_config(hub.clone(), host.config())?;
     let manager = Arc::new(Manager::new(fleet.clone()).with_local(host_cluster));
-    // ANCHOR: builder
-    // Every host object again whenever a member joins (or comes back replaced).
-    let joined = manager.fleet().events().filter_map(|event| {
-        std::future::ready(
-            matches!(
-                event,
-                ClusterEvent::Engaged { .. } | ClusterEvent::Replaced { .. }
-            )
-            .then_some(()),
-        )
-    });
-    Builder::<_, FederatedConfig>::new(&manager, watcher::Config::default())
-        .named("federated-config")
-        .engage_local(true)
-        .engage_provider(false)
-        // A member copy that changes or goes reconciles its host object.
-        .watches_from(
-            manager.fleet(),
-            watcher::Config::default().labels(FROM),
-            move |_: &Site, cm: &ConfigMap| {
-                let from = cm.labels().get(FROM).cloned();
-                let ns = cm.namespace();
-                from.map(|name| Request::new(hub.clone(), ns, name))
-            },
-        )
-        .reconcile_all_on(joined)
-        .start(reconcile, error_policy, Arc::new(()));
-    // ANCHOR_END: builder
+    start_controller(&manager, hub);
     let run = {
         let manager = manager.clone();
         tokio::spawn(async move { manager.run().await })

@@ -83,6 +83,20 @@ pub(crate) fn error_policy<C: ClusterId>(
     Action::requeue(Duration::from_secs(2))
 }
 
+/// The controller, on `manager` (the fake crate's unit tests start it the same way).
+pub(crate) fn start_controller(manager: &Arc<Manager<Clusters<ClusterName>>>) {
+    // ANCHOR: builder
+    Builder::<_, Namespace>::new(
+        manager,
+        watcher::Config::default().labels("compliance=enforced"),
+    )
+    .named("compliance")
+    // A deleted or edited ConfigMap reconciles its namespace again.
+    .owns::<ConfigMap>(watcher::Config::default().labels(&format!("managed-by={MANAGER}")))
+    .start(reconcile, error_policy, Arc::new(()));
+    // ANCHOR_END: builder
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
@@ -94,16 +108,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("started 3 local control planes");
     let clusters = Clusters::<ClusterName>::new();
     let manager = Arc::new(Manager::new(clusters.clone()));
-    // ANCHOR: builder
-    Builder::<_, Namespace>::new(
-        &manager,
-        watcher::Config::default().labels("compliance=enforced"),
-    )
-    .named("compliance")
-    // A deleted or edited ConfigMap reconciles its namespace again.
-    .owns::<ConfigMap>(watcher::Config::default().labels(&format!("managed-by={MANAGER}")))
-    .start(reconcile, error_policy, Arc::new(()));
-    // ANCHOR_END: builder
+    start_controller(&manager);
     let run = {
         let manager = manager.clone();
         tokio::spawn(async move { manager.run().await })

@@ -18,9 +18,9 @@ mod uniform;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
-use multicluster_runtime::{Builder, ClusterName, Manager, watcher};
+use multicluster_runtime::{ClusterName, Manager};
 use multicluster_runtime_fake::{Checker, FakeFleet};
 use support::seeded;
 
@@ -32,15 +32,7 @@ async fn unit_test() {
         .map(|n| fleet.add_with(seeded(multicluster_runtime_fake::ApiServer::builder(*n))))
         .collect();
     let manager = Arc::new(Manager::new(fleet.provider()));
-    Builder::<_, Namespace>::new(
-        &manager,
-        watcher::Config::default().labels("compliance=enforced"),
-    )
-    .named("compliance")
-    .owns::<ConfigMap>(
-        watcher::Config::default().labels(&format!("managed-by={}", uniform::MANAGER)),
-    )
-    .start(uniform::reconcile, uniform::error_policy, Arc::new(()));
+    uniform::start_controller(&manager);
     let run = tokio::spawn({
         let manager = manager.clone();
         async move { manager.run().await }

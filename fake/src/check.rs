@@ -1031,8 +1031,8 @@ where
         steps
     }
 
-    fn label(&self, step: &Step) -> String {
-        let parked = crate::server::parked_records(&self.gate);
+    /// How a step reads in a trace (`parked`: the requests at the gate, in order).
+    fn label(&self, step: &Step, parked: &[(String, crate::server::RequestRecord)]) -> String {
         let request = |i: usize| {
             parked.get(i).map_or_else(String::new, |(server, r)| {
                 let ns = r.namespace.as_deref();
@@ -1103,9 +1103,10 @@ where
     fn choose(&mut self, steps: &[Step]) -> Option<Step> {
         // Two steps alike (two reconciles asking the same, say) are told apart by their order,
         // so a script of labels replays the same one.
+        let parked = crate::server::parked_records(&self.gate);
         let mut labels: Vec<String> = Vec::with_capacity(steps.len());
         for step in steps {
-            let label = self.label(step);
+            let label = self.label(step, &parked);
             let seen = labels
                 .iter()
                 .filter(|l| l.split(" #").next() == Some(label.as_str()))

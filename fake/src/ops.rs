@@ -774,17 +774,8 @@ impl Store {
             return Ok((200, self.shown(t.resource, &t.version, &old)));
         }
         {
+            mark_deleting(&r, &mut marked);
             let m = meta_mut(&mut marked);
-            if !m.contains_key("deletionTimestamp") {
-                m.insert("deletionTimestamp".into(), json!(now()));
-                if r.plural != "namespaces" {
-                    m.insert("deletionGracePeriodSeconds".into(), json!(0));
-                }
-                if r.generation {
-                    let g = m.get("generation").and_then(Value::as_i64).unwrap_or(0);
-                    m.insert("generation".into(), json!(g + 1));
-                }
-            }
             m.insert("finalizers".into(), json!(holds));
             if holds.is_empty() {
                 m.remove("finalizers");
@@ -1045,14 +1036,7 @@ impl Store {
             self.commit(key.clone(), None);
         } else {
             let mut v = object.clone();
-            let generation = self.resource(key.resource).generation;
-            let m = meta_mut(&mut v);
-            m.insert("deletionTimestamp".into(), json!(now()));
-            m.insert("deletionGracePeriodSeconds".into(), json!(0));
-            if generation {
-                let g = m.get("generation").and_then(Value::as_i64).unwrap_or(0);
-                m.insert("generation".into(), json!(g + 1));
-            }
+            mark_deleting(self.resource(key.resource), &mut v);
             self.commit(key.clone(), Some(v));
         }
     }
@@ -1078,6 +1062,23 @@ impl Store {
         if gone {
             self.commit(key.clone(), None);
         }
+    }
+}
+
+/// Marks an object as being deleted (once): its deletion time, a grace period of 0 (but for
+/// a namespace) and, for a kind that counts it, a new generation.
+fn mark_deleting(r: &Resource, object: &mut Value) {
+    let m = meta_mut(object);
+    if m.contains_key("deletionTimestamp") {
+        return;
+    }
+    m.insert("deletionTimestamp".into(), json!(now()));
+    if r.plural != "namespaces" {
+        m.insert("deletionGracePeriodSeconds".into(), json!(0));
+    }
+    if r.generation {
+        let g = m.get("generation").and_then(Value::as_i64).unwrap_or(0);
+        m.insert("generation".into(), json!(g + 1));
     }
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use multicluster_runtime::{Builder, Manager, watcher};
+use multicluster_runtime::Manager;
 use multicluster_runtime_fake::{ApiServer, FakeFleet, Verb};
 
 /// Namespaces `team-a` (enforced) and `sandbox` (exempt) in `server`.
@@ -47,15 +47,7 @@ fn start(
     tokio::task::JoinHandle<()>,
 ) {
     let manager = Arc::new(Manager::new(fleet.provider()));
-    Builder::<_, Namespace>::new(
-        &manager,
-        watcher::Config::default().labels("compliance=enforced"),
-    )
-    .named("compliance")
-    .owns::<ConfigMap>(
-        watcher::Config::default().labels(&format!("managed-by={}", uniform::MANAGER)),
-    )
-    .start(uniform::reconcile, uniform::error_policy, Arc::new(()));
+    uniform::start_controller(&manager);
     let run = tokio::spawn({
         let manager = manager.clone();
         async move { manager.run().await.unwrap() }

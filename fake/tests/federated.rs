@@ -10,12 +10,11 @@ mod support;
 use std::sync::Arc;
 
 use federated::{FROM, FederatedConfig, Site};
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
-use multicluster_runtime::{Builder, Cluster, ClusterEvent, Manager, Request, watcher};
+use multicluster_runtime::{Cluster, Manager, Request};
 use multicluster_runtime_fake::{ApiServer, ApiServerBuilder, Checker, FakeFleet, World};
 
 fn crd() -> CustomResourceDefinition {
@@ -56,30 +55,7 @@ async fn federated_fans_out_to_members_repairs_them_serves_a_late_one_and_cleans
     let manager = Arc::new(
         Manager::new(fleet.provider()).with_local(Cluster::new(hub.clone(), host.client())),
     );
-    // The example's builder.
-    let joined = manager.fleet().events().filter_map(|event| {
-        std::future::ready(
-            matches!(
-                event,
-                ClusterEvent::Engaged { .. } | ClusterEvent::Replaced { .. }
-            )
-            .then_some(()),
-        )
-    });
-    Builder::<_, FederatedConfig>::new(&manager, watcher::Config::default())
-        .named("federated-config")
-        .engage_local(true)
-        .engage_provider(false)
-        .watches_from(
-            manager.fleet(),
-            watcher::Config::default().labels(FROM),
-            move |_: &Site, cm: &ConfigMap| {
-                let from = cm.labels().get(FROM).cloned();
-                from.map(|name| Request::new(hub.clone(), cm.namespace(), name))
-            },
-        )
-        .reconcile_all_on(joined)
-        .start(federated::reconcile, federated::error_policy, Arc::new(()));
+    federated::start_controller(&manager, hub);
     let run = tokio::spawn({
         let manager = manager.clone();
         async move { manager.run().await.unwrap() }
