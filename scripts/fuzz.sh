@@ -15,7 +15,7 @@ seconds=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(request_text cluster_names queue kubeconfig namespace_scope object_decoding access_providers webhook_review fake_sequences)
+  targets=(request_text cluster_names queue kubeconfig namespace_scope object_decoding access_providers webhook_review fake_sequences owner_records)
 fi
 jobs=${MCR_FUZZ_JOBS:-$(nproc)}
 sanitizer=${MCR_FUZZ_SANITIZER:-address}

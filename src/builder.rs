@@ -35,6 +35,8 @@ use futures::StreamExt;
 pub struct Builder<'m, P: Provider, K: Watchable> {
     manager: &'m Manager<P>,
     spec: Spec<K, P::Id>,
+    /// The fleet collectors of `owns_in_fleet` relations, run beside the controller.
+    collectors: Vec<crate::run::component::ControllerFactory<P::Id>>,
 }
 
 impl<'m, P: Provider, K: Watchable> Builder<'m, P, K>
@@ -85,6 +87,7 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
                 observer: None,
                 leader_only: false,
             },
+            collectors: Vec::new(),
         }
     }
 
@@ -179,6 +182,65 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         Child::DynamicType: Default,
     {
         self.owns::<PartialObjectMeta<Child>>(watcher_config)
+    }
+
+    /// Also reconciles a `K` when a `Child` it owns across the fleet changes or is deleted:
+    /// a child in any engaged cluster whose owner record
+    /// ([`Context::own`](crate::Context::own)) names a `K`, in whatever cluster the owner is.
+    /// Only objects with the owner label are watched (added to `watcher_config`'s selector).
+    ///
+    /// `gc` says whether the children go when their owner does ([`FleetGc`]): off, nothing
+    /// is deleted; in the background, or in the foreground (the owner held by a finalizer
+    /// until they are gone). Children are deleted only after the owner was read gone from
+    /// its cluster's API server, or its cluster left the fleet for good
+    /// ([`Fleet::disengage`](crate::Fleet::disengage)): never while that cluster is only
+    /// unreachable or paused.
+    ///
+    /// [`FleetGc`]: crate::ownership::FleetGc
+    pub fn owns_in_fleet<Child: Watchable>(
+        self,
+        watcher_config: watcher::Config,
+        gc: crate::ownership::FleetGc,
+    ) -> Self
+    where
+        Child::DynamicType: Default,
+    {
+        self.owns_in_fleet_with::<Child>(Child::DynamicType::default(), watcher_config, gc)
+    }
+
+    /// [`owns_in_fleet`](Self::owns_in_fleet) for a child kind known at run time, of dynamic
+    /// type `dt`.
+    pub fn owns_in_fleet_with<Child: Watchable>(
+        mut self,
+        dt: Child::DynamicType,
+        watcher_config: watcher::Config,
+        gc: crate::ownership::FleetGc,
+    ) -> Self {
+        let config = crate::ownership::gc::child_config(watcher_config);
+        let owner_dt = self.spec.dt.clone();
+        if gc != crate::ownership::FleetGc::Off {
+            let collector = Arc::new(crate::ownership::gc::Collector::<P::Id, K, Child>::new(
+                self.spec.name.clone(),
+                gc,
+                self.spec.dt.clone(),
+                self.spec.watcher_config.clone(),
+                dt.clone(),
+                config.clone(),
+            ));
+            self.collectors.push(Arc::new(move |env: Env<P::Id>| {
+                Box::pin(collector.clone().run(env))
+            }));
+        }
+        self.watches_relation(dt, config, None, move |_: &P::Id, child: &Child| {
+            match crate::ownership::FleetOwner::<P::Id>::of_child(child) {
+                Some(Ok(owner)) if owner.is_kind::<K>(&owner_dt) => Some(Request::new(
+                    owner.cluster,
+                    owner.namespace.as_deref(),
+                    &owner.name,
+                )),
+                _ => None,
+            }
+        })
     }
 
     /// Also reconciles the requests `mapper` returns when an `Other` changes. The mapper is
@@ -521,14 +583,22 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
     {
         let env = self.manager.env();
         let single = self.manager.provider().single();
-        run(
+        let collectors: Vec<_> = self
+            .collectors
+            .iter()
+            .map(|collector| collector(self.manager.env()))
+            .collect();
+        let controller = run(
             Arc::new(self.spec),
             env,
             single,
             Arc::new(reconcile),
             Arc::new(error_policy),
             state,
-        )
+        );
+        async move {
+            futures::join!(controller, futures::future::join_all(collectors));
+        }
     }
 
     /// Builds the controller and runs it with the manager: in its current run, if any, and
@@ -542,6 +612,9 @@ impl<'m, P: Provider, K: Watchable> Builder<'m, P, K> {
         EP: Fn(Arc<K>, &E, &Context<P::Id, S>) -> Action + Send + Sync + 'static,
     {
         let manager = self.manager;
+        for collector in self.collectors {
+            manager.add_controller(self.spec.leader_only, collector);
+        }
         let spec = Arc::new(self.spec);
         let single = manager.provider().single();
         let (reconcile, error_policy) = (Arc::new(reconcile), Arc::new(error_policy));

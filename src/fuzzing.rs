@@ -18,7 +18,7 @@ use crate::controller::{FleetQueue, ReconcileReason};
 use crate::providers::{ApiPath, File, Multi, Target, Trust};
 
 /// The names of the targets, as in `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
-pub const TARGETS: [&str; 8] = [
+pub const TARGETS: [&str; 9] = [
     "request_text",
     "cluster_names",
     "queue",
@@ -27,6 +27,7 @@ pub const TARGETS: [&str; 8] = [
     "object_decoding",
     "access_providers",
     "webhook_review",
+    "owner_records",
 ];
 
 /// Runs the target called `name` on `data`; false for an unknown name.
@@ -40,6 +41,7 @@ pub fn run(name: &str, data: &[u8]) -> bool {
         "object_decoding" => object_decoding(data),
         "access_providers" => access_providers(data),
         "webhook_review" => webhook_review(data),
+        "owner_records" => owner_records(data),
         _ => return false,
     }
     true
@@ -801,6 +803,71 @@ pub fn webhook_review(data: &[u8]) {
                 .and_then(|r| r.get("object").cloned())
                 .expect("a patch has an object to change");
             json_patch::patch(&mut object, &patch).expect("the patch applies to the object");
+        }
+    }
+}
+
+/// 9. Owner records across clusters ([`crate::ownership`]): any bytes read as an annotation
+///    parse or are refused, never a panic, and a refusal never quotes them; an owner built
+///    from any parts (cluster ids with any characters) survives its annotation, and its label
+///    value is a valid label value, equal for every uid of the same name.
+pub fn owner_records(data: &[u8]) {
+    use crate::ownership::FleetOwner;
+    if let Ok(text) = std::str::from_utf8(data) {
+        match FleetOwner::<ClusterName>::parse(text) {
+            Ok(owner) => {
+                let again = FleetOwner::<ClusterName>::parse(&owner.annotation())
+                    .expect("a parsed owner's annotation parses");
+                assert_eq!(again, owner);
+            }
+            Err(error) => {
+                let message = error.to_string();
+                // Errors hold no double quote: a text with one cannot be in the fixed words.
+                if text.contains('"') {
+                    assert!(!message.contains(text), "{message:?} quotes the annotation");
+                }
+            }
+        }
+    }
+    let [cluster, api_version, kind, namespace, name, uid, flag] =
+        <[String; 7]>::try_from(fields(data, 7)).expect("7");
+    let owner = FleetOwner {
+        cluster: ClusterName::from(cluster),
+        api_version,
+        kind,
+        namespace: (!flag.is_empty()).then_some(namespace),
+        name,
+        uid,
+    };
+    let label = owner.label_value();
+    assert!(
+        label.len() <= 63 && label.chars().all(|c| c.is_ascii_alphanumeric()),
+        "{label:?} is not a label value"
+    );
+    let other = FleetOwner {
+        uid: format!("{}x", owner.uid),
+        ..owner.clone()
+    };
+    assert_eq!(other.label_value(), label);
+    // What parses back is exactly the owner; an owner the parser refuses has a field it
+    // refuses (empty, too long, a control character) and the refusal names no value.
+    match FleetOwner::<ClusterName>::parse(&owner.annotation()) {
+        Ok(again) => assert_eq!(again, owner),
+        Err(error) => {
+            let fields = [
+                owner.cluster.to_string(),
+                owner.api_version.clone(),
+                owner.kind.clone(),
+                owner.name.clone(),
+                owner.uid.clone(),
+            ];
+            assert!(
+                fields
+                    .iter()
+                    .chain(owner.namespace.iter())
+                    .any(|f| f.is_empty() || f.len() > 63 || f.chars().any(char::is_control)),
+                "{owner:?} refused: {error}"
+            );
         }
     }
 }

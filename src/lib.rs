@@ -50,6 +50,7 @@ pub mod fuzzing;
 mod lease;
 mod manager;
 mod metrics;
+pub mod ownership;
 mod provider;
 pub mod providers;
 mod run;

@@ -126,6 +126,8 @@ struct Requests {
 pub(crate) struct ClientState {
     limit: Mutex<Limit>,
     requests: Mutex<Option<Requests>>,
+    /// The check of native owner references (`crate::ownership::guard`).
+    pub(crate) owners: crate::ownership::guard::OwnerCheck,
 }
 
 impl fmt::Debug for ClientState {
@@ -272,12 +274,14 @@ impl<S: Clone> Clone for Limited<S> {
 
 impl<S, B> tower_service::Service<Request<Body>> for Limited<S>
 where
-    S: tower_service::Service<Request<Body>, Response = Response<B>>,
+    S: tower_service::Service<Request<Body>, Response = Response<B>> + Clone + Send + 'static,
     S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    B: Send + 'static,
 {
     type Response = Response<B>;
     type Error = BoxError;
-    type Future = Counted<S::Future>;
+    type Future = Guarded<S::Future, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         if !self.granted {
@@ -296,12 +300,53 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    fn call(&mut self, request: Request<Body>) -> Counted<S::Future> {
+    fn call(&mut self, request: Request<Body>) -> Guarded<S::Future, B> {
         self.granted = false;
-        Counted {
-            method: request.method().clone(),
+        let method = request.method().clone();
+        if let Some(pending) = self.state.owners.needs_check(&request) {
+            // The ready service goes with the request; a clone takes its place here.
+            let clone = self.inner.clone();
+            let mut ready = std::mem::replace(&mut self.inner, clone);
+            let state = self.state.clone();
+            return Guarded::Checking(Box::pin(async move {
+                if let Err(refused) = state.owners.verify(pending).await {
+                    tracing::warn!(cluster = %refused.cluster, owner = %refused.owner, kind = %refused.kind, holder = ?refused.holder, "refused a native ownerReference the cluster cannot resolve");
+                    return Err(Box::new(refused) as BoxError);
+                }
+                Counted {
+                    future: ready.call(request),
+                    method,
+                    state,
+                }
+                .await
+            }));
+        }
+        Guarded::Sent(Counted {
+            method,
             future: self.inner.call(request),
             state: self.state.clone(),
+        })
+    }
+}
+
+/// A request on its way: sent at once, or after its owner references were checked.
+#[pin_project::pin_project(project = GuardedProj)]
+pub(crate) enum Guarded<F, B> {
+    Sent(#[pin] Counted<F>),
+    Checking(Pin<Box<dyn Future<Output = Result<Response<B>, BoxError>> + Send>>),
+}
+
+impl<F, B, E> Future for Guarded<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<Response<B>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            GuardedProj::Sent(sent) => sent.poll(cx),
+            GuardedProj::Checking(checking) => checking.as_mut().poll(cx),
         }
     }
 }

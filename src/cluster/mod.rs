@@ -226,7 +226,10 @@ impl<C: ClusterId> Cluster<C> {
             None => {
                 // secrets-lint: from_config passes the error through redact_kube.
                 let builder = kube::client::ClientBuilder::try_from(config.clone())?;
-                let builder = builder.with_layer(&layer);
+                // A buffer makes kube's stack cloneable, for the owner reference check.
+                let builder = builder
+                    .with_layer(&tower::buffer::BufferLayer::new(1024))
+                    .with_layer(&layer);
                 (Box::new(move || builder.build()), None, None)
             }
         })
@@ -243,6 +246,7 @@ impl<C: ClusterId> Cluster<C> {
     ) -> Self
     where
         S: tower_service::Service<http::Request<kube::client::Body>, Response = http::Response<B>>
+            + Clone
             + Send
             + 'static,
         S::Future: Send + 'static,
@@ -278,19 +282,42 @@ impl<C: ClusterId> Cluster<C> {
         config: Option<kube::Config>,
         source: Option<Arc<dyn WatchSource>>,
     ) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                id,
-                client,
-                client_state,
-                config,
-                indexers: Mutex::new(Vec::new()),
-                source,
-                attachment: Mutex::new(Attachment::default()),
-                recorders: Mutex::new(HashMap::new()),
-                identity: Mutex::new(None),
-            }),
-        }
+        let inner = Arc::new(Inner {
+            id,
+            client,
+            client_state,
+            config,
+            indexers: Mutex::new(Vec::new()),
+            source,
+            attachment: Mutex::new(Attachment::default()),
+            recorders: Mutex::new(HashMap::new()),
+            identity: Mutex::new(None),
+        });
+        // The owner reference check reads through the cluster's own client; a weak handle,
+        // since the client's layer holds the check.
+        let weak = Arc::downgrade(&inner);
+        crate::ownership::guard::OwnerCheck::attach(
+            &inner.client_state,
+            &ClusterField(&inner.id).to_string(),
+            Box::new(move || weak.upgrade().map(|inner| Cluster { inner }.client())),
+        );
+        Self { inner }
+    }
+
+    /// Whether this cluster's client refuses a write whose object has a native
+    /// `ownerReferences` entry naming a uid the cluster does not hold (the garbage collector
+    /// would delete the object): on by default. An error naming the cluster (and the cluster
+    /// of the fleet that holds the uid, when this process has seen it) is returned in place
+    /// of the write, which is never sent. Off, such writes go as they are.
+    pub fn with_owner_reference_check(self, on: bool) -> Self {
+        self.inner.client_state.owners.set(on);
+        self
+    }
+
+    /// Tells the owner reference check that the cluster holds an object of `uid` (the object
+    /// a reconcile is for).
+    pub(crate) fn holds_uid(&self, uid: &str) {
+        self.inner.client_state.owners.know(uid);
     }
 
     /// Limits the requests of this cluster's client (every request: the controllers'
@@ -752,6 +779,19 @@ impl<C: ClusterId> Cluster<C> {
         let watch = self.watch::<K>(dt, config)?;
         watch.synced().await?;
         Ok(Cache::new(watch))
+    }
+
+    /// The changes of the shared watch of `K` objects matching `config` (started on first
+    /// use), from every object it holds now on.
+    pub(crate) fn changes<K: Watchable>(
+        &self,
+        dt: &K::DynamicType,
+        config: &watcher::Config,
+    ) -> Result<
+        impl futures::Stream<Item = crate::cache::watch::Change<K>> + Send + use<K, C>,
+        CacheError,
+    > {
+        Ok(self.watch::<K>(dt, config)?.subscribe())
     }
 
     /// The shared watch of `K` objects matching `config` in the current engagement.

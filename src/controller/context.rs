@@ -135,6 +135,10 @@ impl<C: ClusterId, S> Context<C, S> {
         let own_key = request.cluster == *cluster.id()
             && request.namespace == meta.namespace
             && request.name == meta.name.as_deref().unwrap_or_default();
+        // The cluster holds the object: a native owner reference to it there needs no check.
+        if let Some(uid) = &meta.uid {
+            cluster.holds_uid(uid);
+        }
         let mut ctx = Self::for_object(object, cluster, shared);
         ctx.engagement = Some(engagement);
         if !own_key {
@@ -273,6 +277,64 @@ impl<C: ClusterId, S> Context<C, S> {
     /// The tenure the reconcile runs under.
     pub(crate) fn shared_tenure(&self) -> &crate::lease::tenure::Tenure {
         &self.shared.tenure
+    }
+
+    /// Records `owner`, an object of this reconcile's cluster, as the owner of `child` (which
+    /// may go to any cluster of the fleet): an annotation naming the owner's cluster, kind,
+    /// namespace, name and uid, and a label that finds the owner's children. A controller
+    /// built with [`Builder::owns_in_fleet`](crate::Builder::owns_in_fleet) reconciles the
+    /// owner when the child changes and, when asked, deletes the child when the owner goes.
+    ///
+    /// Use it in place of a native `ownerReferences` entry whenever the child is written to
+    /// another cluster than the owner's: there, the garbage collector would delete it (the
+    /// cluster clients of this crate refuse to send such a write). Fails for an owner without
+    /// a uid (one not read from its server).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use k8s_openapi::api::core::v1::ConfigMap;
+    /// # use kube::api::{Api, Patch, PatchParams};
+    /// # use multicluster_runtime::{Action, ClusterName, Context};
+    /// async fn reconcile(
+    ///     hub: Arc<ConfigMap>,
+    ///     ctx: Context<ClusterName, ()>,
+    /// ) -> Result<Action, Box<dyn std::error::Error + Send + Sync>> {
+    ///     let mut copy = ConfigMap::default();
+    ///     copy.metadata.name = hub.metadata.name.clone();
+    ///     copy.data = hub.data.clone();
+    ///     ctx.own(&mut copy, hub.as_ref())?;
+    ///     for member in ctx.fleet().clusters() {
+    ///         let api: Api<ConfigMap> = Api::namespaced(member.client(), "default");
+    ///         let name = copy.metadata.name.clone().unwrap_or_default();
+    ///         api.patch(&name, &PatchParams::apply("copier").force(), &Patch::Apply(&copy))
+    ///             .await?;
+    ///     }
+    ///     Ok(Action::await_change())
+    /// }
+    /// ```
+    pub fn own<Child: Resource, Owner: Resource>(
+        &self,
+        child: &mut Child,
+        owner: &Owner,
+    ) -> Result<(), crate::ownership::OwnerError>
+    where
+        Owner::DynamicType: Default,
+    {
+        self.own_in(self.cluster_id(), child, owner)
+    }
+
+    /// [`Context::own`] for an owner of another cluster, `cluster`.
+    pub fn own_in<Child: Resource, Owner: Resource>(
+        &self,
+        cluster: &C,
+        child: &mut Child,
+        owner: &Owner,
+    ) -> Result<(), crate::ownership::OwnerError>
+    where
+        Owner::DynamicType: Default,
+    {
+        crate::ownership::FleetOwner::of(cluster, owner)?.record(child);
+        Ok(())
     }
 
     /// What is being reconciled: the cluster's id and the object's key.
