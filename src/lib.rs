@@ -143,6 +143,8 @@ mod book {
     struct AdvancedEvents;
     #[doc = include_str!("../docs/advanced/mapping.md")]
     struct AdvancedMapping;
+    #[doc = include_str!("../docs/advanced/ownership.md")]
+    struct AdvancedOwnership;
     #[doc = include_str!("../docs/advanced/authentication.md")]
     struct AdvancedAuthentication;
     #[doc = include_str!("../docs/advanced/identity.md")]

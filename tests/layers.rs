@@ -25,6 +25,7 @@ const FLOORS: &[&[&str]] = &[
     &["cluster"],
     &["fleet", "lease"],
     &["run", "provider"],
+    &["ownership"],
     &["controller", "providers"],
     &["serve"],
     &["webhook", "shard"],

@@ -126,8 +126,8 @@ struct Requests {
 pub(crate) struct ClientState {
     limit: Mutex<Limit>,
     requests: Mutex<Option<Requests>>,
-    /// The check of native owner references (`crate::ownership::guard`).
-    pub(crate) owners: crate::ownership::guard::OwnerCheck,
+    /// The check of native owner references (`owners.rs`).
+    pub(crate) owners: crate::client::owners::OwnerCheck,
 }
 
 impl fmt::Debug for ClientState {

@@ -9,6 +9,7 @@ pub(crate) mod endpoint;
 pub(crate) mod exec_cert;
 pub(crate) mod exec_plugin;
 pub(crate) mod layer;
+pub(crate) mod owners;
 pub(crate) mod reauth;
 pub(crate) mod redact;
 pub(crate) mod requester;

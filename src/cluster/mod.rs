@@ -296,7 +296,7 @@ impl<C: ClusterId> Cluster<C> {
         // The owner reference check reads through the cluster's own client; a weak handle,
         // since the client's layer holds the check.
         let weak = Arc::downgrade(&inner);
-        crate::ownership::guard::OwnerCheck::attach(
+        crate::client::owners::OwnerCheck::attach(
             &inner.client_state,
             &ClusterField(&inner.id).to_string(),
             Box::new(move || weak.upgrade().map(|inner| Cluster { inner }.client())),

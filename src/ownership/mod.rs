@@ -17,7 +17,6 @@
 //! owner's cluster cannot be reached.
 
 pub(crate) mod gc;
-pub(crate) mod guard;
 
 use std::fmt;
 
@@ -26,8 +25,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::ClusterId;
 
+pub use crate::client::owners::OwnerReferenceRefused;
 pub use gc::FleetGc;
-pub use guard::OwnerReferenceRefused;
 
 /// The annotation that records a child's owner in the fleet (JSON: cluster, apiVersion, kind,
 /// namespace, name, uid).
