@@ -38,6 +38,7 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod bootstrap;
 mod builder;
 mod cache;
 mod client;
@@ -145,6 +146,8 @@ mod book {
     struct AdvancedMapping;
     #[doc = include_str!("../docs/advanced/ownership.md")]
     struct AdvancedOwnership;
+    #[doc = include_str!("../docs/advanced/bootstrap.md")]
+    struct AdvancedBootstrap;
     #[doc = include_str!("../docs/advanced/authentication.md")]
     struct AdvancedAuthentication;
     #[doc = include_str!("../docs/advanced/identity.md")]

@@ -25,7 +25,7 @@ const FLOORS: &[&[&str]] = &[
     &["cluster"],
     &["fleet", "lease"],
     &["run", "provider"],
-    &["ownership"],
+    &["ownership", "bootstrap"],
     &["controller", "providers"],
     &["serve"],
     &["webhook", "shard"],

@@ -39,6 +39,9 @@ pub(crate) struct WatchSettings {
     /// A watch that has not listed within this long is reported (a WARN line, its
     /// [`CacheStatus::overdue`](crate::CacheStatus::overdue), a metric); `None`: never.
     pub(crate) sync_timeout: Option<std::time::Duration>,
+    /// The CRDs (`<plural>.<group>`) whose kinds' watches wait until the CRD is `Established`
+    /// before listing: those a bundle installs (`Manager::install`).
+    pub(crate) established: Arc<std::sync::RwLock<std::collections::BTreeSet<String>>>,
 }
 
 /// A watch that stopped for good because user code panicked inside it (a field index

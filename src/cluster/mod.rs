@@ -841,14 +841,30 @@ impl<C: ClusterId> Cluster<C> {
                     trim: transform.as_ref().is_some_and(transform::Transform::strips),
                     cluster: cluster.clone(),
                 };
-                Either::Left(listing::shared(
+                let events = listing::shared(
                     listing::Target::<K>::all(self.requester(), dt),
                     namespaces,
                     config.clone(),
                     &options,
                     &session.settings.backoff,
                     transform,
-                ))
+                );
+                // A kind whose CRD a bundle installs lists once the CRD is established,
+                // rather than failing (and warning) until it is.
+                let crd = format!("{}.{}", K::plural(dt), K::group(dt));
+                let waits = !K::group(dt).is_empty()
+                    && session
+                        .settings
+                        .established
+                        .read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .contains(&crd);
+                let gate =
+                    waits.then(|| established(self.client(), cluster.clone(), crd, stop.clone()));
+                let gate = futures::stream::iter(gate)
+                    .then(|wait| wait)
+                    .filter_map(|()| std::future::ready(None));
+                Either::Left(gate.chain(events))
             }
             Some(source) => Either::Right(
                 source::events_from::<K>(
@@ -881,6 +897,50 @@ impl<C: ClusterId> Cluster<C> {
         watches.insert(key, watch.clone());
         Ok(watch)
     }
+}
+
+/// Completes once the CRD `name` is `Established` in the cluster of `client`, when `stop` is
+/// cancelled, or at once when the CRD cannot be read (forbidden: the watch then finds out by
+/// itself whether its kind is served).
+async fn established(
+    client: Client,
+    cluster: Arc<str>,
+    name: String,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let path = format!("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}");
+    let mut said = false;
+    loop {
+        let Ok(request) = http::Request::get(&path).body(Vec::new()) else {
+            return;
+        };
+        match client.request::<serde_json::Value>(request).await {
+            Ok(crd) if crd_established(&crd) => return,
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 401 || status.code == 403 => return,
+            Err(_) => {}
+        }
+        if !said {
+            tracing::debug!(%cluster, crd = %name, "watch waits for its CRD to be established");
+            said = true;
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(std::time::Duration::from_millis(500)) => {}
+        }
+    }
+}
+
+/// Whether a CRD (as JSON) says `Established=True`.
+pub(crate) fn crd_established(crd: &serde_json::Value) -> bool {
+    crd.pointer("/status/conditions")
+        .and_then(|c| c.as_array())
+        .is_some_and(|conditions| {
+            conditions.iter().any(|c| {
+                c.get("type").and_then(|t| t.as_str()) == Some("Established")
+                    && c.get("status").and_then(|s| s.as_str()) == Some("True")
+            })
+        })
 }
 
 /// A non-owning [`Cluster`] handle; see [`Cluster::downgrade`].

@@ -77,6 +77,8 @@ pub struct Manager<P: Provider> {
     transforms: Arc<crate::cache::Transforms>,
     /// The namespaces each kind is watched in.
     namespaces: Arc<crate::cache::namespaces::NamespaceScopes>,
+    /// The CRDs installed bundles bring, whose kinds' watches wait for them.
+    established: Arc<std::sync::RwLock<std::collections::BTreeSet<String>>>,
     /// Watches list in pages, never by streaming lists.
     paged_lists: bool,
     /// A watch not listed within this long is reported.
@@ -198,6 +200,7 @@ impl<P: Provider> Manager<P> {
             rate_limit: None,
             transforms: Arc::default(),
             namespaces: Arc::default(),
+            established: Arc::default(),
             paged_lists: false,
             cache_sync_timeout: DEFAULT_CACHE_SYNC_TIMEOUT,
             served_at: Arc::default(),
@@ -621,6 +624,33 @@ impl<P: Provider> Manager<P> {
             None => task,
         };
         lock(&self.pending).push(task);
+    }
+
+    /// Installs `bundle` in every cluster of the fleet: in each engaged cluster, and in each
+    /// new one as it is engaged. Its CRDs are applied first; the watches of their kinds, in
+    /// that cluster, wait until they are `Established` instead of failing until they are.
+    /// Then its other objects are applied. An object changed or deleted by anyone is applied
+    /// again at once (its watch sees it), and the whole bundle every
+    /// [`reapply_every`](crate::bootstrap::Bundle::reapply_every). When a cluster leaves for
+    /// good, the bundle's objects are removed from it only if
+    /// [`remove_on_departure`](crate::bootstrap::Bundle::remove_on_departure) says so.
+    ///
+    /// It writes to members, so nothing is installed unless called. Like controllers, it runs
+    /// on the leader only when leader election is on (with sharding, on the replica that owns
+    /// the cluster). The identity needs, in each member: get, list, watch, create and patch
+    /// of the bundle's kinds (CRDs included), and delete of them for removal. A cluster where
+    /// an apply fails is tried again (1 s, doubling to a minute) with a WARN line naming it;
+    /// the other clusters go on. The book's chapter "Bootstrapping members" says more.
+    pub fn install(&self, bundle: crate::bootstrap::Bundle) {
+        self.established
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(bundle.crd_names());
+        let installer = Arc::new(crate::bootstrap::Installer::new(bundle));
+        self.add_controller(
+            false,
+            Arc::new(move |env| Box::pin(installer.clone().run(env))),
+        );
     }
 
     /// Adds a controller: started in the current run (if any) and in every later one.

@@ -201,6 +201,7 @@ impl<'a, P: Provider> Run<'a, P> {
             paged_lists: manager.paged_lists,
             namespaces: manager.namespaces.clone(),
             sync_timeout: Some(manager.cache_sync_timeout),
+            established: manager.established.clone(),
         };
         manager.fleet.open(
             settings.clone(),
