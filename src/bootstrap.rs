@@ -276,12 +276,27 @@ impl Installer {
         }
         let mut full = tokio::time::interval(self.bundle.reapply);
         full.reset();
+        // A full apply after a failure (1 s, doubling to a minute), or soon after a repair
+        // that came too quickly after the last one (a field another manager fights over).
+        let mut again: Option<(tokio::time::Instant, Duration)> = None;
+        let mut repaired: HashMap<String, tokio::time::Instant> = HashMap::new();
         loop {
+            let due = again.map(|(at, _)| at);
             tokio::select! {
                 () = until.cancelled() => return,
                 _ = full.tick() => {
                     if let Err(reason) = self.apply_all(&cluster, &mut served, &until).await {
                         tracing::warn!(bundle = %name, cluster = %cluster.id(), %reason, "bundle not applied again");
+                        again = Some(later(again));
+                    }
+                }
+                () = sleep_until(due), if due.is_some() => {
+                    match self.apply_all(&cluster, &mut served, &until).await {
+                        Ok(()) => again = None,
+                        Err(reason) => {
+                            tracing::warn!(bundle = %name, cluster = %cluster.id(), %reason, "bundle not applied again");
+                            again = Some(later(again));
+                        }
                     }
                 }
                 change = changes.next(), if !changes.is_empty() => {
@@ -296,6 +311,13 @@ impl Installer {
                             && o.metadata.namespace == object.metadata.namespace
                     });
                     let Some(wanted) = wanted else { continue };
+                    let key = format!("{:?}/{:?}/{:?}", wanted.types, wanted.metadata.namespace, wanted.metadata.name);
+                    let now = tokio::time::Instant::now();
+                    if repaired.get(&key).is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1)) {
+                        again.get_or_insert((now + Duration::from_secs(1), Duration::from_secs(1)));
+                        continue;
+                    }
+                    repaired.insert(key, now);
                     match self.apply(&cluster, &mut served, wanted).await {
                         Ok(()) => {
                             if change.deleted {
@@ -304,6 +326,7 @@ impl Installer {
                         }
                         Err(reason) => {
                             tracing::warn!(bundle = %name, cluster = %cluster.id(), %reason, "bundle object not repaired");
+                            again = Some(later(again));
                         }
                     }
                 }
@@ -479,6 +502,23 @@ impl Installer {
                 }
             }
         }
+    }
+}
+
+/// The next full apply after a failure: 1 s after the first, doubling to a minute.
+fn later(again: Option<(tokio::time::Instant, Duration)>) -> (tokio::time::Instant, Duration) {
+    let wait = match again {
+        Some((_, wait)) => (wait * 2).min(Duration::from_secs(60)),
+        None => Duration::from_secs(1),
+    };
+    (tokio::time::Instant::now() + wait, wait)
+}
+
+/// Sleeps until `at` (forever for `None`, a branch its caller turns off then).
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

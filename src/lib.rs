@@ -78,7 +78,9 @@ pub use cache::{
 };
 #[doc(hidden)]
 pub use client::transport_keepalive;
-pub use client::{CredentialError, InvalidRateLimit, RateLimit};
+pub use client::{
+    CredentialError, CredentialExpiry, CredentialSource, InvalidRateLimit, RateLimit,
+};
 pub use cluster::{
     CacheStatus, Cluster, ClusterId, ClusterIdentity, ClusterName, DiscoveryError,
     InvalidClusterId, SingleCluster, WeakCluster,
@@ -93,7 +95,10 @@ pub use fleet::{
     Engaged, Fleet, FleetApi, FleetApiError, FleetView, Members, PerCluster,
 };
 pub use lease::{InvalidLeaderElection, LeaderElection, LeaseTiming, OnLoss};
-pub use manager::{DEFAULT_CACHE_SYNC_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, Manager, ManagerError};
+pub use manager::{
+    DEFAULT_CACHE_SYNC_TIMEOUT, DEFAULT_CREDENTIAL_LEAD, DEFAULT_GRACEFUL_TIMEOUT, Manager,
+    ManagerError,
+};
 pub use metrics::Metrics;
 pub use provider::{Provider, ProviderError};
 pub use serve::{Check, Endpoints, Handler};

@@ -67,6 +67,7 @@ async fn a_native_owner_reference_to_another_clusters_object_is_refused_before_i
     for client in [&a, &b] {
         create_namespace(client, NS).await;
     }
+    create_namespace(&a, "fleet-own-other").await;
     let hub = Api::<ConfigMap>::namespaced(a.clone(), NS)
         .create(
             &PostParams::default(),
@@ -95,6 +96,20 @@ async fn a_native_owner_reference_to_another_clusters_object_is_refused_before_i
                         &Patch::Apply(&child),
                     )
                     .await?;
+                // The same child in another namespace of the owner's cluster: its collector
+                // looks for the owner in the child's namespace, and does not find it there.
+                let mut elsewhere = child.clone();
+                elsewhere.metadata.namespace = Some("fleet-own-other".into());
+                if let Err(error) = Api::<ConfigMap>::namespaced(ctx.client(), "fleet-own-other")
+                    .patch(
+                        "child",
+                        &PatchParams::apply("guard-test").force(),
+                        &Patch::Apply(&elsewhere),
+                    )
+                    .await
+                {
+                    errors.lock().unwrap().push(error.to_string());
+                }
                 let Some(member) = ctx.cluster_by_id(&name("guard-b")) else {
                     return Ok(Action::requeue(Duration::from_millis(200)));
                 };
@@ -127,12 +142,35 @@ async fn a_native_owner_reference_to_another_clusters_object_is_refused_before_i
     assert_eq!(refused.holder.as_deref(), Some("guard-a"));
     assert_eq!(refused.owner, format!("{NS}/source"));
     assert_eq!(refused.uid, hub.metadata.uid.clone().unwrap());
-    let message = errors.lock().unwrap()[0].clone();
+    let message = errors
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|e| e.contains("cluster guard-b:"))
+        .unwrap()
+        .clone();
     assert!(
         message.contains("cluster guard-b")
             && message.contains("cluster guard-a")
             && message.contains("Context::own"),
         "{message}"
+    );
+    // The other namespace's write was refused too, saying why.
+    assert!(
+        errors
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.contains("another namespace of cluster guard-a")),
+        "{:?}",
+        errors.lock().unwrap()
+    );
+    assert!(
+        Api::<ConfigMap>::namespaced(a.clone(), "fleet-own-other")
+            .get_opt("child")
+            .await
+            .unwrap()
+            .is_none()
     );
     // Never sent: the child is in a (same cluster, allowed) and not in b.
     assert!(get(&a, "child").await.is_some());

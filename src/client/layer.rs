@@ -304,9 +304,10 @@ where
         self.granted = false;
         let method = request.method().clone();
         if let Some(pending) = self.state.owners.needs_check(&request) {
-            // The ready service goes with the request; a clone takes its place here.
-            let clone = self.inner.clone();
-            let mut ready = std::mem::replace(&mut self.inner, clone);
+            // Sent after the check through a clone made ready then: the ready service stays
+            // here for the next request (a buffer's slot it reserved is not held through the
+            // check, whose own reads need slots of the same buffer).
+            let service = self.inner.clone();
             let state = self.state.clone();
             return Guarded::Checking(Box::pin(async move {
                 if let Err(refused) = state.owners.verify(pending).await {
@@ -314,7 +315,7 @@ where
                     return Err(Box::new(refused) as BoxError);
                 }
                 Counted {
-                    future: ready.call(request),
+                    future: tower::ServiceExt::oneshot(service, request),
                     method,
                     state,
                 }

@@ -8,6 +8,7 @@
 pub(crate) mod endpoint;
 pub(crate) mod exec_cert;
 pub(crate) mod exec_plugin;
+pub(crate) mod expiry;
 pub(crate) mod layer;
 pub(crate) mod owners;
 pub(crate) mod reauth;
@@ -15,6 +16,7 @@ pub(crate) mod redact;
 pub(crate) mod requester;
 pub(crate) mod transport;
 
+pub use expiry::{CredentialExpiry, CredentialSource};
 pub use layer::{InvalidRateLimit, RateLimit};
 pub use redact::CredentialError;
 pub(crate) use redact::{Shown, describe_client};

@@ -64,15 +64,18 @@ pub(crate) struct OwnerCheck {
     client: OnceLock<Box<dyn Fn() -> Option<kube::Client> + Send + Sync>>,
 }
 
+/// Uids the cluster holds, with the namespace of their object (`None`: cluster-scoped): the
+/// collector finds an owner in its dependent's namespace only.
 #[derive(Default)]
 struct Known {
-    uids: HashSet<Box<str>>,
-    order: VecDeque<Box<str>>,
+    uids: HashSet<(Option<Box<str>>, Box<str>)>,
+    order: VecDeque<(Option<Box<str>>, Box<str>)>,
 }
 
 impl Known {
-    fn insert(&mut self, uid: &str) {
-        if self.uids.contains(uid) {
+    fn insert(&mut self, namespace: Option<&str>, uid: &str) {
+        let key = (namespace.map(Box::from), Box::from(uid));
+        if self.uids.contains(&key) {
             return;
         }
         if self.order.len() >= KNOWN
@@ -80,8 +83,14 @@ impl Known {
         {
             self.uids.remove(&oldest);
         }
-        self.uids.insert(uid.into());
-        self.order.push_back(uid.into());
+        self.uids.insert(key.clone());
+        self.order.push_back(key);
+    }
+
+    fn contains(&self, namespace: Option<&str>, uid: &str) -> bool {
+        let uid: Box<str> = Box::from(uid);
+        self.uids.contains(&(None, uid.clone()))
+            || namespace.is_some_and(|ns| self.uids.contains(&(Some(Box::from(ns)), uid)))
     }
 }
 
@@ -125,13 +134,20 @@ impl OwnerCheck {
         self.on.load(Ordering::Relaxed)
     }
 
-    /// Remembers that the cluster holds an object of `uid`.
-    pub(crate) fn know(&self, uid: &str) {
-        lock(&self.known).insert(uid);
+    /// Remembers that the cluster holds an object of `uid` in `namespace` (`None`:
+    /// cluster-scoped).
+    pub(crate) fn know(&self, namespace: Option<&str>, uid: &str) {
+        lock(&self.known).insert(namespace, uid);
     }
 
-    fn knows(&self, uid: &str) -> bool {
-        lock(&self.known).uids.contains(uid)
+    /// Whether an owner of `uid` is known to be where a write to `namespace` finds it.
+    fn knows(&self, namespace: Option<&str>, uid: &str) -> bool {
+        lock(&self.known).contains(namespace, uid)
+    }
+
+    /// Whether an object of `uid` is known in any namespace of the cluster.
+    fn knows_anywhere(&self, uid: &str) -> bool {
+        lock(&self.known).uids.iter().any(|(_, u)| &**u == uid)
     }
 
     /// The owner references of `request` that need a check: none for a read, a write
@@ -161,14 +177,12 @@ impl OwnerCheck {
         } else {
             references_of(value.pointer("/metadata/ownerReferences"), &mut refs);
         }
-        refs.retain(|r| !self.knows(&r.uid));
+        let namespace = namespace_of(request.uri().path());
+        refs.retain(|r| !self.knows(namespace.as_deref(), &r.uid));
         if refs.is_empty() {
             return None;
         }
-        Some(Pending {
-            refs,
-            namespace: namespace_of(request.uri().path()),
-        })
+        Some(Pending { refs, namespace })
     }
 
     /// Reads each reference's owner back from the cluster; the first that is not there is
@@ -188,6 +202,16 @@ impl OwnerCheck {
                 holder,
                 why,
             };
+            if !is_path_safe_name(&reference.name)
+                || !is_api_version(&reference.api_version)
+                || reference.kind.is_empty()
+                || !reference.kind.chars().all(|c| c.is_ascii_alphanumeric())
+            {
+                return Err(refused(
+                    "the reference cannot be checked: its apiVersion, kind or name is not one an object can have, or a JSON patch changes a part of it alone; write the whole entry".into(),
+                    None,
+                ));
+            }
             let Some(client) = &client else {
                 return Err(refused(
                     "it could not be checked (the cluster's client is gone)".into(),
@@ -198,11 +222,17 @@ impl OwnerCheck {
                 .holds(client, &reference, pending.namespace.as_deref())
                 .await
             {
-                Ok(true) => self.know(&reference.uid),
-                Ok(false) => {
+                Ok(Some(namespaced)) => self.know(
+                    pending.namespace.as_deref().filter(|_| namespaced),
+                    &reference.uid,
+                ),
+                Ok(None) => {
                     let holder = holder_of(&reference.uid, &cluster);
                     let why = match &holder {
                         Some(holder) => format!("that uid is of an object in cluster {holder}"),
+                        None if self.knows_anywhere(&reference.uid) => format!(
+                            "that uid is of an object in another namespace of cluster {cluster}, where the collector does not look"
+                        ),
                         None => format!("cluster {cluster} holds no object of that uid"),
                     };
                     return Err(refused(why, holder));
@@ -215,16 +245,17 @@ impl OwnerCheck {
         Ok(())
     }
 
-    /// Whether the cluster holds the reference's owner with its uid.
+    /// Whether the cluster holds the reference's owner with its uid where the collector
+    /// looks for it: `Some(namespaced)` if it does.
     async fn holds(
         &self,
         client: &kube::Client,
         reference: &OwnerRef,
         namespace: Option<&str>,
-    ) -> Result<bool, String> {
+    ) -> Result<Option<bool>, String> {
         let (plural, namespaced) = self.resource(client, reference).await?;
         let Some((plural, namespaced)) = plural.zip(Some(namespaced)) else {
-            return Ok(false);
+            return Ok(None);
         };
         let base = match reference.api_version.contains('/') {
             true => format!("/apis/{}", reference.api_version),
@@ -233,16 +264,17 @@ impl OwnerCheck {
         let path = match (namespaced, namespace) {
             (true, Some(ns)) => format!("{base}/namespaces/{ns}/{plural}/{}", reference.name),
             // A namespaced owner of a cluster-scoped object is not found by the collector.
-            (true, None) => return Ok(false),
+            (true, None) => return Ok(None),
             (false, _) => format!("{base}/{plural}/{}", reference.name),
         };
         let request = http::Request::get(path)
             .body(Vec::new())
             .map_err(|e| e.to_string())?;
         match client.request::<serde_json::Value>(request).await {
-            Ok(object) => Ok(object.pointer("/metadata/uid").and_then(|u| u.as_str())
-                == Some(reference.uid.as_str())),
-            Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+            Ok(object) => Ok((object.pointer("/metadata/uid").and_then(|u| u.as_str())
+                == Some(reference.uid.as_str()))
+            .then_some(namespaced)),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(None),
             Err(error) => Err(crate::client::redact::safe_text(&error)),
         }
     }
@@ -291,6 +323,31 @@ impl OwnerCheck {
     }
 }
 
+/// Whether `name` can be an object's name in a request path: not empty, not `.` or `..`,
+/// and only letters, digits and `-._:@~+` (no `/`, `?`, `#`, `%` or space, which would
+/// change the path or the query).
+pub(crate) fn is_path_safe_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-._:@~+".contains(c))
+}
+
+/// Whether `api_version` is `<version>` or `<group>/<version>` of letters, digits, `-` and
+/// (in the group) `.`.
+pub(crate) fn is_api_version(api_version: &str) -> bool {
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    !version.is_empty()
+        && version.chars().all(|c| c.is_ascii_alphanumeric())
+        && group
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+        && (group.is_empty() || !group.starts_with('.'))
+}
+
 /// References waiting for their check, and the namespace of the write.
 pub(crate) struct Pending {
     refs: Vec<OwnerRef>,
@@ -310,7 +367,7 @@ fn holder_of(uid: &str, except: &str) -> Option<String> {
     let checks: Vec<_> = lock(&CHECKS).iter().filter_map(Weak::upgrade).collect();
     checks.into_iter().find_map(|state| {
         let name = lock(&state.owners.name).clone();
-        (&*name != except && state.owners.knows(uid)).then(|| name.to_string())
+        (&*name != except && state.owners.knows_anywhere(uid)).then(|| name.to_string())
     })
 }
 
@@ -359,10 +416,19 @@ fn references_of_patch(patch: &serde_json::Value, out: &mut Vec<OwnerRef>) {
             "/metadata" => references_of(value.get("ownerReferences"), out),
             "/metadata/ownerReferences" => references_of(Some(value), out),
             _ => {
-                if let Some(rest) = path.strip_prefix("/metadata/ownerReferences/")
-                    && !rest.contains('/')
-                {
-                    references_of(Some(value), out);
+                if let Some(rest) = path.strip_prefix("/metadata/ownerReferences/") {
+                    if !rest.contains('/') {
+                        references_of(Some(value), out);
+                    } else {
+                        // A part of an entry alone (its uid, its name): it cannot be checked
+                        // without the rest, so it is refused as unresolvable.
+                        out.push(OwnerRef {
+                            api_version: String::new(),
+                            kind: String::new(),
+                            name: String::new(),
+                            uid: value.as_str().unwrap_or_default().to_string(),
+                        });
+                    }
                 }
             }
         }
@@ -418,6 +484,9 @@ mod tests {
             serde_json::json!([{"op": "add", "path": "/metadata/ownerReferences/-", "value": reference("u1")}]),
             serde_json::json!([{"op": "replace", "path": "/metadata", "value": {"ownerReferences": [reference("u1")]}}]),
             serde_json::json!([{"op": "replace", "path": "", "value": object.clone()}]),
+            // A part of an entry alone cannot be checked: it is held for the check (which
+            // refuses it).
+            serde_json::json!([{"op": "replace", "path": "/metadata/ownerReferences/0/uid", "value": "u1"}]),
         ] {
             let request = write(
                 Method::PATCH,
@@ -447,7 +516,7 @@ mod tests {
             serde_json::json!({"metadata": {"name": "c"}}),
         );
         assert!(check.needs_check(&plain).is_none());
-        check.know("u1");
+        check.know(Some("ns"), "u1");
         let request = write(
             Method::POST,
             "/api/v1/namespaces/ns/configmaps",
@@ -483,10 +552,15 @@ mod tests {
     fn the_set_of_known_uids_is_bounded() {
         let mut known = Known::default();
         for i in 0..KNOWN + 10 {
-            known.insert(&i.to_string());
+            known.insert(None, &i.to_string());
         }
         assert_eq!(known.uids.len(), KNOWN);
-        assert!(!known.uids.contains("0"));
-        assert!(known.uids.contains(&(KNOWN + 9).to_string()[..]));
+        assert!(!known.contains(None, "0"));
+        assert!(known.contains(Some("any"), &(KNOWN + 9).to_string()));
+        // A namespaced owner is known in its own namespace only.
+        known.insert(Some("a"), "u");
+        assert!(known.contains(Some("a"), "u"));
+        assert!(!known.contains(Some("b"), "u"));
+        assert!(!known.contains(None, "u"));
     }
 }

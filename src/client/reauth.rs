@@ -107,6 +107,14 @@ impl ReauthLayer {
 }
 
 impl Credentials {
+    /// When the credential held ends, as the plugin said (`expirationTimestamp`); `None`
+    /// before the plugin ran, and for a credential without an end.
+    pub(crate) fn expires(&self) -> Option<SystemTime> {
+        let current = lock(&self.0.current).clone()?;
+        let left = current.expires?.checked_duration_since(Instant::now())?;
+        Some(SystemTime::now() + left)
+    }
+
     /// Has the plugin run (unless a credential is held and valid); the error says what
     /// failed, in words that hold nothing of the plugin's command line or output.
     pub(crate) async fn ready(&self) -> Result<(), String> {

@@ -314,10 +314,34 @@ impl<C: ClusterId> Cluster<C> {
         self
     }
 
+    /// When the cluster's credential ends, where the crate can read it: the credential an
+    /// exec plugin gave last (its `expirationTimestamp`), else the earliest of the bearer
+    /// token's `exp` (a JWT's claim, `token` or `tokenFile`) and the client certificate's
+    /// `notAfter`. `None` for a cluster made from a client ([`Cluster::new`]), a credential
+    /// without an end the crate can read, or an exec plugin that has not run yet.
+    pub fn credential_expiry(&self) -> Option<crate::client::CredentialExpiry> {
+        if let ClientSlot::Deferred {
+            credentials: Some(credentials),
+            ..
+        } = &self.inner.client
+        {
+            return credentials
+                .expires()
+                .map(|at| crate::client::CredentialExpiry {
+                    at,
+                    source: crate::client::CredentialSource::Exec,
+                });
+        }
+        self.inner
+            .config
+            .as_ref()
+            .and_then(crate::client::expiry::of_config)
+    }
+
     /// Tells the owner reference check that the cluster holds an object of `uid` (the object
     /// a reconcile is for).
-    pub(crate) fn holds_uid(&self, uid: &str) {
-        self.inner.client_state.owners.know(uid);
+    pub(crate) fn holds_uid(&self, namespace: Option<&str>, uid: &str) {
+        self.inner.client_state.owners.know(namespace, uid);
     }
 
     /// Limits the requests of this cluster's client (every request: the controllers'
@@ -910,6 +934,8 @@ async fn established(
 ) {
     let path = format!("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}");
     let mut said = false;
+    // Twice a second at first, then less often, up to every 5 s.
+    let mut wait = std::time::Duration::from_millis(500);
     loop {
         let Ok(request) = http::Request::get(&path).body(Vec::new()) else {
             return;
@@ -926,8 +952,9 @@ async fn established(
         }
         tokio::select! {
             () = stop.cancelled() => return,
-            () = tokio::time::sleep(std::time::Duration::from_millis(500)) => {}
+            () = tokio::time::sleep(wait) => {}
         }
+        wait = (wait * 2).min(std::time::Duration::from_secs(5));
     }
 }
 

@@ -137,7 +137,7 @@ impl<C: ClusterId, S> Context<C, S> {
             && request.name == meta.name.as_deref().unwrap_or_default();
         // The cluster holds the object: a native owner reference to it there needs no check.
         if let Some(uid) = &meta.uid {
-            cluster.holds_uid(uid);
+            cluster.holds_uid(meta.namespace.as_deref(), uid);
         }
         let mut ctx = Self::for_object(object, cluster, shared);
         ctx.engagement = Some(engagement);

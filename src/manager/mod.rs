@@ -79,6 +79,8 @@ pub struct Manager<P: Provider> {
     namespaces: Arc<crate::cache::namespaces::NamespaceScopes>,
     /// The CRDs installed bundles bring, whose kinds' watches wait for them.
     established: Arc<std::sync::RwLock<std::collections::BTreeSet<String>>>,
+    /// How long before a cluster's credential ends it is warned about.
+    credential_lead: Arc<Mutex<Duration>>,
     /// Watches list in pages, never by streaming lists.
     paged_lists: bool,
     /// A watch not listed within this long is reported.
@@ -178,11 +180,18 @@ pub const DEFAULT_GRACEFUL_TIMEOUT: Duration = Duration::from_secs(30);
 /// `CacheSyncTimeout` default); see [`Manager::cache_sync_timeout`].
 pub const DEFAULT_CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How long before a cluster's credential ends a WARN line says so, by default; see
+/// [`Manager::credential_warning`].
+pub const DEFAULT_CREDENTIAL_LEAD: Duration = Duration::from_secs(7 * 24 * 3600);
+
 impl<P: Provider> Manager<P> {
     /// A manager for `provider`, with no local cluster, a graceful-shutdown bound of
     /// [`DEFAULT_GRACEFUL_TIMEOUT`] and the default [`WatchBackoff`].
     pub fn new(provider: P) -> Self {
-        Self {
+        let credential_lead = Arc::new(Mutex::new(DEFAULT_CREDENTIAL_LEAD));
+        let lead = credential_lead.clone();
+        let manager = Self {
+            credential_lead,
             provider: Arc::new(provider),
             fleet: Fleet::new(),
             local: None,
@@ -207,7 +216,16 @@ impl<P: Provider> Manager<P> {
             webhooks: None,
             webhooks_at: Arc::default(),
             leading: tokio::sync::watch::Sender::new(None),
-        }
+        };
+        // The credentials' ends, shown in every run (a gauge, a WARN line).
+        manager.add_controller(
+            false,
+            Arc::new(move |env| {
+                let lead = *lock(&lead);
+                Box::pin(crate::run::credentials::watch(env, lead))
+            }),
+        );
+        manager
     }
 
     /// Runs controllers only while this replica holds the Lease `election` names (on the
@@ -624,6 +642,16 @@ impl<P: Provider> Manager<P> {
             None => task,
         };
         lock(&self.pending).push(task);
+    }
+
+    /// How long before an engaged cluster's credential ends a WARN line names the cluster
+    /// and when ([`DEFAULT_CREDENTIAL_LEAD`], a week, by default). The end is read where the
+    /// crate can ([`Cluster::credential_expiry`](crate::Cluster::credential_expiry)) at each
+    /// engagement and every minute, and shown with
+    /// [`metrics`](Self::metrics) as `multicluster_runtime_credential_expiry_seconds`.
+    pub fn credential_warning(self, lead: Duration) -> Self {
+        *lock(&self.credential_lead) = lead;
+        self
     }
 
     /// Installs `bundle` in every cluster of the fleet: in each engaged cluster, and in each

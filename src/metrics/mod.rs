@@ -85,6 +85,11 @@ struct WebhookCodeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -413,6 +418,7 @@ struct Inner {
     webhook_refused: Family<ReasonLabels, Counter>,
     webhook_throttled: Family<With<ReasonLabels>, Counter>,
     webhook_install_failures: Family<ClusterLabel, Counter>,
+    credential_expiry: Family<With<SourceLabels>, Gauge>,
 }
 
 /// A sharding group's series.
@@ -482,6 +488,7 @@ impl Metrics {
             webhook_refused: Family::default(),
             webhook_throttled: Family::default(),
             webhook_install_failures: Family::default(),
+            credential_expiry: Family::default(),
         };
         registry.register_collector(Box::new(inner.watches.clone()));
         registry.register_collector(Box::new(inner.in_flight.clone()));
@@ -654,6 +661,11 @@ impl Metrics {
             "Failed attempts to install (or remove) the webhook configurations, per cluster",
             inner.webhook_install_failures.clone(),
         );
+        registry.register(
+            "multicluster_runtime_credential_expiry_seconds",
+            "When each engaged cluster's credential ends, in seconds since the Unix epoch, per cluster and source (token: a bearer token's exp; client_certificate: its notAfter; exec: the plugin's expirationTimestamp); without the cluster label, the earliest of the fleet per source",
+            inner.credential_expiry.clone(),
+        );
     }
 
     /// The series of sharding group `group`.
@@ -708,6 +720,23 @@ impl Metrics {
             .webhook_throttled
             .get_or_create(&(ReasonLabels { reason }, self.cluster(cluster)))
             .inc();
+    }
+
+    /// The ends of the engaged clusters' credentials, `(cluster, source, Unix seconds)`, in
+    /// place of those set before (clusters gone or without a readable end lose theirs).
+    pub(crate) fn credential_expiries(&self, ends: &[(String, &'static str, i64)]) {
+        let mut earliest: std::collections::HashMap<With<SourceLabels>, i64> =
+            std::collections::HashMap::new();
+        for (cluster, source, at) in ends {
+            let key = (SourceLabels { source }, self.cluster(cluster));
+            let entry = earliest.entry(key).or_insert(*at);
+            *entry = (*entry).min(*at);
+        }
+        let family = &self.inner.credential_expiry;
+        family.clear();
+        for (key, at) in earliest {
+            family.get_or_create(&key).set(at);
+        }
     }
 
     pub(crate) fn webhook_install_failed(&self, cluster: &str) {

@@ -52,6 +52,10 @@ pub enum FleetGc {
 /// most.
 const RETRY: (Duration, Duration) = (Duration::from_secs(2), Duration::from_secs(120));
 
+/// How long one check may wait for its cluster's API server: a server that holds a request
+/// delays the other owners' checks no longer than this.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// An owner, by where it is and its name (every incarnation of the name).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct OwnerKey<C> {
@@ -80,6 +84,9 @@ struct Child {
     uid: String,
     /// The uid of the owner it records.
     owner_uid: String,
+    /// Its resourceVersion when indexed: deleted only as it was then (a child that records
+    /// another owner since keeps its uid, not its version).
+    version: Option<String>,
 }
 
 struct State<C> {
@@ -91,6 +98,8 @@ struct State<C> {
     departed: HashSet<C>,
     /// How many times in a row each owner's check could not decide.
     retries: HashMap<OwnerKey<C>, u32>,
+    /// Owners whose next check waits on a timer.
+    waiting: HashSet<OwnerKey<C>>,
 }
 
 impl<C: ClusterId> Default for State<C> {
@@ -102,6 +111,7 @@ impl<C: ClusterId> Default for State<C> {
             queued: HashSet::new(),
             departed: HashSet::new(),
             retries: HashMap::new(),
+            waiting: HashSet::new(),
         }
     }
 }
@@ -191,6 +201,7 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
     pub(crate) async fn run(self: Arc<Self>, env: Env<C>) {
         let fleet = env.fleet.clone();
         let shutdown = env.shutdown.clone();
+        let tenure = env.tenure.clone();
         *lock(&self.state) = State::default();
         let this = self.clone();
         let task = crate::run::cluster_task::boxed(move |cluster: Cluster<C>, until| {
@@ -199,7 +210,7 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
         let name: Arc<str> = Arc::from(format!("{} fleet collector", self.name));
         let clusters = crate::run::cluster_task::run(env, name, task);
         let departures = self.clone().departures(fleet.clone(), shutdown.clone());
-        let checks = self.clone().checks(fleet, shutdown);
+        let checks = self.clone().checks(fleet, shutdown, tenure);
         tokio::join!(clusters, departures, checks);
     }
 
@@ -305,6 +316,7 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
                 Child {
                     uid,
                     owner_uid: owner.uid,
+                    version: meta.resource_version.clone(),
                 },
             );
             state.owner_of.insert(key, owner_key.clone());
@@ -351,7 +363,12 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
     }
 
     /// Works through the queued owners, one at a time.
-    async fn checks(self: Arc<Self>, fleet: crate::fleet::Fleet<C>, shutdown: CancellationToken) {
+    async fn checks(
+        self: Arc<Self>,
+        fleet: crate::fleet::Fleet<C>,
+        shutdown: CancellationToken,
+        tenure: Arc<crate::lease::tenure::Tenure>,
+    ) {
         loop {
             let next = {
                 let mut state = lock(&self.state);
@@ -367,22 +384,36 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
                     () = self.wake.notified() => continue,
                 }
             };
+            // Deletions and finalizer changes only while this replica's tenure holds.
+            while !tenure.holds() {
+                let mut changed = tenure.subscribe();
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    _ = changed.changed() => {}
+                }
+            }
             if let Err(reason) = self.check(&fleet, &key).await {
                 let tries = {
                     let mut state = lock(&self.state);
+                    if !state.waiting.insert(key.clone()) {
+                        continue;
+                    }
                     let tries = state.retries.entry(key.clone()).or_default();
                     *tries += 1;
                     *tries
                 };
                 let delay = RETRY.0.saturating_mul(1 << tries.min(6)).min(RETRY.1);
-                tracing::info!(collector = %self.name, owner = %key.name, cluster = %key.cluster, %reason, retry_in = ?delay, "fleet collector keeps the owner's children: the owner could not be read");
+                tracing::info!(collector = %self.name, owner = %key.name, cluster = %key.cluster, %reason, retry_in = ?delay, "fleet collector keeps the owner's children for now: the check did not decide");
                 let this = self.clone();
                 let stop = shutdown.clone();
                 tokio::spawn(async move {
                     tokio::select! {
                         () = stop.cancelled() => {}
                         () = tokio::time::sleep(delay) => {
-                            lock(&this.state).enqueue(key);
+                            let mut state = lock(&this.state);
+                            state.waiting.remove(&key);
+                            state.enqueue(key);
+                            drop(state);
                             this.wake.notify_one();
                         }
                     }
@@ -396,12 +427,17 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
     /// Reads the owner and acts: deletes the children of a gone owner (or of a previous
     /// incarnation), holds or lets go a present one. `Err` when it could not decide.
     async fn check(&self, fleet: &crate::fleet::Fleet<C>, key: &OwnerKey<C>) -> Result<(), String> {
-        let owner = self.read(fleet, key).await;
+        // The children as indexed before the owner is read: one indexed later (for a new
+        // owner of the name, say) waits for a check of its own.
         let children: Vec<(ChildKey<C>, Child)> = lock(&self.state)
             .children
             .get(key)
             .map(|c| c.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
             .unwrap_or_default();
+        let owner = match tokio::time::timeout(CHECK_TIMEOUT, self.read(fleet, key)).await {
+            Ok(owner) => owner,
+            Err(_) => Owner::Unknown(format!("no answer within {CHECK_TIMEOUT:?}")),
+        };
         match owner {
             Owner::Unknown(reason) => Err(reason),
             Owner::Gone => {
@@ -426,7 +462,9 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
                 }
                 let own = children.len() - stale.len();
                 match self.mode {
-                    FleetGc::Foreground if deleting && held => {
+                    // Held (in this mode, or an earlier one of this controller) and being
+                    // deleted: the children first, then the owner let go.
+                    _ if deleting && held => {
                         if own > 0 {
                             let mine: Vec<_> = children
                                 .into_iter()
@@ -500,7 +538,7 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
             let params = DeleteParams {
                 preconditions: Some(Preconditions {
                     uid: Some(record.uid.clone()),
-                    resource_version: None,
+                    resource_version: record.version.clone(),
                 }),
                 // In the background whatever the mode: the child's own dependents are its
                 // cluster's collector's; the owner waits for the child, not for them.
@@ -515,8 +553,16 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
                 Ok(_) => {
                     tracing::info!(collector = %self.name, owner = %key.name, owner_cluster = %key.cluster, child = %child.name, cluster = %child.cluster, "deleted a child whose owner is gone");
                 }
-                // Gone already, or another object under the name now.
-                Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+                // Gone already.
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                // Changed since it was indexed (or another object under the name): its
+                // change is being indexed; the owner is checked again then.
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    failed = Some(format!(
+                        "child {} in cluster {} changed since it was read",
+                        child.name, child.cluster
+                    ));
+                }
                 Err(error) => {
                     failed = Some(format!(
                         "deleting child {} in cluster {}: {}",
@@ -587,6 +633,12 @@ impl<C: ClusterId, K: Watchable, Ch: Watchable> Collector<C, K, Ch> {
                 Ok(())
             }
             Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+            // Changed since it was read: checked again at once.
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                lock(&self.state).enqueue(key.clone());
+                self.wake.notify_one();
+                Ok(())
+            }
             Err(error) => Err(crate::client::redact::safe_text(&error)),
         }
     }
@@ -606,7 +658,13 @@ where
         .map_err(kube::Error::BuildRequest)?;
     match client.request::<R>(request).await {
         Ok(object) => Ok(Some(object)),
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(None),
+        // Not found, naming the object; a 404 for a kind not served (now) is an error.
+        Err(kube::Error::Api(status))
+            if status.code == 404
+                && status.details.as_ref().is_some_and(|d| d.name == key.name) =>
+        {
+            Ok(None)
+        }
         Err(error) => Err(error),
     }
 }

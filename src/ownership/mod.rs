@@ -189,6 +189,32 @@ impl<C: ClusterId> FleetOwner<C> {
         if let Some(namespace) = &record.namespace {
             field("namespace", namespace, 63)?;
         }
+        // The collector puts these in request paths: only what an object can have, so that
+        // no record changes a path or adds a query.
+        use crate::client::owners::{is_api_version, is_path_safe_name};
+        let shape = |name: &str, ok: bool| -> Result<(), OwnerError> {
+            if ok {
+                Ok(())
+            } else {
+                Err(malformed(format!(
+                    "its {name} is not one an object can have"
+                )))
+            }
+        };
+        shape("apiVersion", is_api_version(&record.api_version))?;
+        shape(
+            "kind",
+            record.kind.chars().all(|c| c.is_ascii_alphanumeric()),
+        )?;
+        shape("name", is_path_safe_name(&record.name))?;
+        if let Some(namespace) = &record.namespace {
+            shape(
+                "namespace",
+                namespace
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+            )?;
+        }
         let cluster = C::parse(&record.cluster)
             .map_err(|_| malformed("its cluster is not a valid cluster id".into()))?;
         Ok(Self {
@@ -326,6 +352,19 @@ mod tests {
                 "{{\"cluster\":\"a\",\"apiVersion\":\"v1\",\"kind\":\"K\",\"name\":\"{secret}\",\"uid\":\"\"}}"
             ),
             "x".repeat(MAX_ANNOTATION + 1),
+            // Names that would change the collector's request path or query.
+            format!(
+                "{{\"cluster\":\"a\",\"apiVersion\":\"v1\",\"kind\":\"K\",\"name\":\"{secret}?watch=true\",\"uid\":\"u\"}}"
+            ),
+            format!(
+                "{{\"cluster\":\"a\",\"apiVersion\":\"v1\",\"kind\":\"K\",\"name\":\"{secret}/status\",\"uid\":\"u\"}}"
+            ),
+            format!(
+                "{{\"cluster\":\"a\",\"apiVersion\":\"v1\",\"kind\":\"K\",\"namespace\":\"../{secret}\",\"name\":\"n\",\"uid\":\"u\"}}"
+            ),
+            format!(
+                "{{\"cluster\":\"a\",\"apiVersion\":\"v1/../{secret}\",\"kind\":\"K\",\"name\":\"n\",\"uid\":\"u\"}}"
+            ),
         ] {
             let error = FleetOwner::<ClusterName>::parse(&text).unwrap_err();
             assert!(!error.to_string().contains(secret), "{error}");

@@ -4,6 +4,7 @@
 
 pub(crate) mod cluster_task;
 pub(crate) mod component;
+pub(crate) mod credentials;
 
 use std::sync::Arc;
 use std::time::Duration;
