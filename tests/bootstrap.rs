@@ -82,23 +82,39 @@ async fn config_map(client: &kube::Client, name: &str) -> Option<ConfigMap> {
         .unwrap()
 }
 
+/// A manager over `env`'s two clusters, named `<prefix>-a` and `<prefix>-b`, and their
+/// clients.
+fn two_members(
+    env: &TestEnv,
+    prefix: &str,
+) -> (
+    Arc<Manager<multicluster_runtime::providers::Clusters<ClusterName>>>,
+    Vec<kube::Client>,
+) {
+    let clients: Vec<_> = env.clusters().iter().map(|c| c.client().unwrap()).collect();
+    let manager = Arc::new(Manager::new(clusters_of([
+        (format!("{prefix}-a"), clients[0].clone()),
+        (format!("{prefix}-b"), clients[1].clone()),
+    ])));
+    (manager, clients)
+}
+
+/// A bundle named `plural` of the CRD of `kind` and the ConfigMap `settings`.
+fn bundle_of(kind: &str, plural: &str, settings_name: &str) -> Bundle {
+    Bundle::new(plural)
+        .unwrap()
+        .with_dynamic(crd(kind, plural))
+        .unwrap()
+        .with(&settings(settings_name))
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_member_without_the_crd_gets_it_and_reconciles_and_a_deleted_crd_comes_back() {
     let logs = Logs::capture();
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
-    let clients: Vec<_> = env.clusters().iter().map(|c| c.client().unwrap()).collect();
-    let manager = Arc::new(Manager::new(clusters_of([
-        ("boot-a", clients[0].clone()),
-        ("boot-b", clients[1].clone()),
-    ])));
-    manager.install(
-        Bundle::new("widgets")
-            .unwrap()
-            .with_dynamic(crd("Widget", "widgets"))
-            .unwrap()
-            .with(&settings("widget-settings"))
-            .unwrap(),
-    );
+    let (manager, clients) = two_members(&env, "boot");
+    manager.install(bundle_of("Widget", "widgets", "widget-settings"));
     let widgets = resource("Widget", "widgets");
     let seen = Arc::new(Mutex::new(BTreeSet::<String>::new()));
     let record = seen.clone();
@@ -206,20 +222,8 @@ async fn a_member_without_the_crd_gets_it_and_reconciles_and_a_deleted_crd_comes
 async fn a_bundle_leaves_a_departed_member_only_when_it_says_so() {
     let logs = Logs::capture();
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
-    let clients: Vec<_> = env.clusters().iter().map(|c| c.client().unwrap()).collect();
-    let manager = Arc::new(Manager::new(clusters_of([
-        ("dep-a", clients[0].clone()),
-        ("dep-b", clients[1].clone()),
-    ])));
-    manager.install(
-        Bundle::new("gadgets")
-            .unwrap()
-            .with_dynamic(crd("Gadget", "gadgets"))
-            .unwrap()
-            .with(&settings("gadget-settings"))
-            .unwrap()
-            .remove_on_departure(true),
-    );
+    let (manager, clients) = two_members(&env, "dep");
+    manager.install(bundle_of("Gadget", "gadgets", "gadget-settings").remove_on_departure(true));
     manager.install(
         Bundle::new("notes")
             .unwrap()

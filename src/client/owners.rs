@@ -8,7 +8,7 @@
 //! before) is let through at once; any other is read back from the cluster first (one GET,
 //! and one discovery request per group version), then remembered.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -57,25 +57,25 @@ pub(crate) struct OwnerCheck {
     /// The cluster's id, for errors.
     name: Mutex<Arc<str>>,
     known: Mutex<Known>,
-    /// `(apiVersion, kind)` → `(plural, namespaced)`, from the cluster's discovery.
-    kinds: Mutex<HashMap<(String, String), (String, bool)>>,
+    /// `(apiVersion, kind)` → `(resource, namespaced)`, from the cluster's discovery.
+    kinds: Mutex<HashMap<(String, String), (kube::api::ApiResource, bool)>>,
     /// The cluster's client, for the reads of a check (through this same layer: reads are
     /// not checked).
     client: OnceLock<Box<dyn Fn() -> Option<kube::Client> + Send + Sync>>,
 }
 
-/// Uids the cluster holds, with the namespace of their object (`None`: cluster-scoped): the
-/// collector finds an owner in its dependent's namespace only.
+/// Uids the cluster holds, each with the namespace of its object (`None`: cluster-scoped;
+/// a uid is one object's): the collector finds an owner in its dependent's namespace only.
+/// Looked up by `&str`, so the reconcile that notes its object again allocates nothing.
 #[derive(Default)]
 struct Known {
-    uids: HashSet<(Option<Box<str>>, Box<str>)>,
-    order: VecDeque<(Option<Box<str>>, Box<str>)>,
+    uids: HashMap<Box<str>, Option<Box<str>>>,
+    order: VecDeque<Box<str>>,
 }
 
 impl Known {
     fn insert(&mut self, namespace: Option<&str>, uid: &str) {
-        let key = (namespace.map(Box::from), Box::from(uid));
-        if self.uids.contains(&key) {
+        if self.uids.contains_key(uid) {
             return;
         }
         if self.order.len() >= KNOWN
@@ -83,14 +83,16 @@ impl Known {
         {
             self.uids.remove(&oldest);
         }
-        self.uids.insert(key.clone());
-        self.order.push_back(key);
+        self.uids.insert(uid.into(), namespace.map(Box::from));
+        self.order.push_back(uid.into());
     }
 
     fn contains(&self, namespace: Option<&str>, uid: &str) -> bool {
-        let uid: Box<str> = Box::from(uid);
-        self.uids.contains(&(None, uid.clone()))
-            || namespace.is_some_and(|ns| self.uids.contains(&(Some(Box::from(ns)), uid)))
+        match self.uids.get(uid) {
+            Some(None) => true,
+            Some(Some(held)) => namespace == Some(&**held),
+            None => false,
+        }
     }
 }
 
@@ -147,7 +149,7 @@ impl OwnerCheck {
 
     /// Whether an object of `uid` is known in any namespace of the cluster.
     fn knows_anywhere(&self, uid: &str) -> bool {
-        lock(&self.known).uids.iter().any(|(_, u)| &**u == uid)
+        lock(&self.known).uids.contains_key(uid)
     }
 
     /// The owner references of `request` that need a check: none for a read, a write
@@ -253,73 +255,50 @@ impl OwnerCheck {
         reference: &OwnerRef,
         namespace: Option<&str>,
     ) -> Result<Option<bool>, String> {
-        let (plural, namespaced) = self.resource(client, reference).await?;
-        let Some((plural, namespaced)) = plural.zip(Some(namespaced)) else {
+        let Some((resource, namespaced)) = self.resource(client, reference).await? else {
             return Ok(None);
         };
-        let base = match reference.api_version.contains('/') {
-            true => format!("/apis/{}", reference.api_version),
-            false => format!("/api/{}", reference.api_version),
-        };
-        let path = match (namespaced, namespace) {
-            (true, Some(ns)) => format!("{base}/namespaces/{ns}/{plural}/{}", reference.name),
+        let api: kube::Api<kube::api::DynamicObject> = match (namespaced, namespace) {
+            (true, Some(ns)) => kube::Api::namespaced_with(client.clone(), ns, &resource),
             // A namespaced owner of a cluster-scoped object is not found by the collector.
             (true, None) => return Ok(None),
-            (false, _) => format!("{base}/{plural}/{}", reference.name),
+            (false, _) => kube::Api::all_with(client.clone(), &resource),
         };
-        let request = http::Request::get(path)
-            .body(Vec::new())
-            .map_err(|e| e.to_string())?;
-        match client.request::<serde_json::Value>(request).await {
-            Ok(object) => Ok((object.pointer("/metadata/uid").and_then(|u| u.as_str())
-                == Some(reference.uid.as_str()))
-            .then_some(namespaced)),
-            Err(kube::Error::Api(status)) if status.code == 404 => Ok(None),
+        match api.get_opt(&reference.name).await {
+            Ok(object) => Ok(object
+                .is_some_and(|o| o.metadata.uid.as_deref() == Some(reference.uid.as_str()))
+                .then_some(namespaced)),
             Err(error) => Err(crate::client::redact::safe_text(&error)),
         }
     }
 
-    /// The plural of the reference's kind and whether it is namespaced; `None` for a kind the
-    /// cluster does not serve.
+    /// The resource of the reference's kind and whether it is namespaced (kube's discovery,
+    /// remembered per kind); `None` for a kind the cluster does not serve.
     async fn resource(
         &self,
         client: &kube::Client,
         reference: &OwnerRef,
-    ) -> Result<(Option<String>, bool), String> {
+    ) -> Result<Option<(kube::api::ApiResource, bool)>, String> {
         let key = (reference.api_version.clone(), reference.kind.clone());
-        if let Some((plural, namespaced)) = lock(&self.kinds).get(&key) {
-            return Ok((Some(plural.clone()), *namespaced));
+        if let Some(found) = lock(&self.kinds).get(&key) {
+            return Ok(Some(found.clone()));
         }
-        let path = match reference.api_version.contains('/') {
-            true => format!("/apis/{}", reference.api_version),
-            false => format!("/api/{}", reference.api_version),
-        };
-        let request = http::Request::get(path)
-            .body(Vec::new())
-            .map_err(|e| e.to_string())?;
-        let list = match client
-            .request::<k8s_openapi::apimachinery::pkg::apis::meta::v1::APIResourceList>(request)
-            .await
-        {
-            Ok(list) => list,
-            Err(kube::Error::Api(status)) if status.code == 404 => return Ok((None, false)),
+        let (group, version) = reference
+            .api_version
+            .rsplit_once('/')
+            .unwrap_or(("", &reference.api_version));
+        let gvk = kube::api::GroupVersionKind::gvk(group, version, &reference.kind);
+        let found = match kube::discovery::pinned_kind(client, &gvk).await {
+            Ok((resource, capabilities)) => (
+                resource,
+                capabilities.scope == kube::discovery::Scope::Namespaced,
+            ),
+            Err(kube::Error::Discovery(_)) => return Ok(None),
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
             Err(error) => return Err(crate::client::redact::safe_text(&error)),
         };
-        let mut kinds = lock(&self.kinds);
-        let mut found = None;
-        for resource in list.resources.iter().filter(|r| !r.name.contains('/')) {
-            kinds.insert(
-                (reference.api_version.clone(), resource.kind.clone()),
-                (resource.name.clone(), resource.namespaced),
-            );
-            if resource.kind == reference.kind {
-                found = Some((resource.name.clone(), resource.namespaced));
-            }
-        }
-        Ok(match found {
-            Some((plural, namespaced)) => (Some(plural), namespaced),
-            None => (None, false),
-        })
+        lock(&self.kinds).insert(key, found.clone());
+        Ok(Some(found))
     }
 }
 

@@ -239,10 +239,7 @@ impl<C: ClusterId> FleetOwner<C> {
     /// every incarnation of a name are found together), in hex. A label value is at most 63
     /// characters of a restricted set; a digest fits whatever the ids hold.
     pub fn label_value(&self) -> String {
-        let group = self
-            .api_version
-            .rsplit_once('/')
-            .map_or("", |(group, _)| group);
+        let group = group_of(&self.api_version);
         let key = serde_json::json!([
             self.cluster.to_string(),
             group,
@@ -271,13 +268,13 @@ impl<C: ClusterId> FleetOwner<C> {
 
     /// Whether the owner is of the kind `K` (same group and kind, any version).
     pub(crate) fn is_kind<K: Resource>(&self, dt: &K::DynamicType) -> bool {
-        let group = |api_version: &str| {
-            api_version
-                .rsplit_once('/')
-                .map_or(String::new(), |(g, _)| g.to_string())
-        };
-        self.kind == K::kind(dt) && group(&self.api_version) == group(&K::api_version(dt))
+        self.kind == K::kind(dt) && group_of(&self.api_version) == K::group(dt)
     }
+}
+
+/// The group of an `apiVersion` (empty for the core group's `v1`).
+fn group_of(api_version: &str) -> &str {
+    api_version.rsplit_once('/').map_or("", |(group, _)| group)
 }
 
 impl<C: ClusterId> fmt::Display for FleetOwner<C> {

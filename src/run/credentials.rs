@@ -40,7 +40,8 @@ pub(crate) async fn watch<C: ClusterId>(env: Env<C>, lead: Duration) {
                 );
             }
         }
-        warned.retain(|id, _| clusters.iter().any(|c| c.id() == id));
+        let engaged: std::collections::HashSet<&C> = clusters.iter().map(|c| c.id()).collect();
+        warned.retain(|id, _| engaged.contains(id));
         if let Some(metrics) = &env.metrics {
             metrics.credential_expiries(&ends);
         }
