@@ -79,7 +79,8 @@ pub use cache::{
 #[doc(hidden)]
 pub use client::transport_keepalive;
 pub use client::{
-    CredentialError, CredentialExpiry, CredentialSource, InvalidRateLimit, RateLimit,
+    CredentialError, CredentialExpiry, CredentialHolder, CredentialSource, InvalidRateLimit,
+    RateLimit,
 };
 pub use cluster::{
     CacheStatus, Cluster, ClusterId, ClusterIdentity, ClusterName, DiscoveryError,

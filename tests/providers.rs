@@ -807,28 +807,41 @@ async fn a_kubeconfig_secrets_token_about_to_expire_is_said_ahead_of_time() {
             .await
             .unwrap();
     }
-    let manager = Arc::new(Manager::new(KubeconfigSecrets::new(hc.clone(), "expiring")));
+    // Warned 30 days ahead: b-soon is within, a-later is not.
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = multicluster_runtime::Metrics::new(&mut registry);
+    let manager = Arc::new(
+        Manager::new(KubeconfigSecrets::new(hc.clone(), "expiring"))
+            .metrics(metrics)
+            .credential_warning(std::time::Duration::from_secs(30 * 24 * 3600)),
+    );
     let run = spawn_manager(&manager);
-    eventually(30, "the coming expiry said on b-soon", async || {
-        has_event(
-            &hc,
-            "expiring",
-            "TokenExpiring",
-            "b-soon",
-            "expires in 9 days",
+    let shown = |cluster: &str| {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        sample(
+            &text,
+            "multicluster_runtime_credential_expiry_seconds",
+            &[("cluster", cluster), ("source", "annotation")],
         )
-        .await
-            || has_event(
+        .is_some()
+    };
+    // Sync point: both ends are in the gauge, so both were weighed (the Event of a
+    // credential within the lead is recorded before the gauge is set).
+    eventually(30, "the coming end said on b-soon", async || {
+        shown("a-later")
+            && shown("b-soon")
+            && has_event(
                 &hc,
                 "expiring",
-                "TokenExpiring",
+                "CredentialExpiring",
                 "b-soon",
-                "expires in 10 days",
+                "cluster b-soon ends in",
             )
             .await
     })
     .await;
-    assert!(!has_event(&hc, "expiring", "TokenExpiring", "a-later", "").await);
+    assert!(!has_event(&hc, "expiring", "CredentialExpiring", "a-later", "").await);
     manager.shutdown();
     run.await.unwrap();
 }

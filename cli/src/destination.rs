@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result, anyhow, bail};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
-use multicluster_runtime::providers::{KUBECONFIG_SECRET_KEY, KUBECONFIG_SECRET_LABEL};
+use multicluster_runtime::providers::{
+    KUBECONFIG_SECRET_KEY, KUBECONFIG_SECRET_LABEL, TOKEN_RENEWAL_ANNOTATION,
+};
 
 use crate::kubeconfig::{self, Held};
 use crate::{FIELD_MANAGER, JOINED_AS};
@@ -94,6 +96,7 @@ impl Destination {
                     member_uid: get(MEMBER_UID),
                     service_account: get(SERVICE_ACCOUNT),
                     expires: get(TOKEN_EXPIRES),
+                    renewal: get(TOKEN_RENEWAL_ANNOTATION),
                 }))
             }
             Self::File(path) => {
@@ -134,6 +137,7 @@ impl Destination {
                             MEMBER_UID: note.member_uid,
                             SERVICE_ACCOUNT: note.service_account,
                             TOKEN_EXPIRES: note.expires,
+                            TOKEN_RENEWAL_ANNOTATION: note.renewal,
                         },
                     },
                     "type": "Opaque",

@@ -26,6 +26,9 @@ pub struct Held {
     pub service_account: Option<String>,
     /// When the token expires, RFC 3339.
     pub expires: Option<String>,
+    /// With `--renewable`: the destination's key, which lets the operator renew the token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal: Option<String>,
 }
 
 /// The context extension in which a written kubeconfig says what it holds.

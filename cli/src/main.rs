@@ -141,6 +141,12 @@ struct Join {
     /// Copy the context's `proxy-url` into the credential (refused without).
     #[arg(long)]
     keep_proxy: bool,
+    /// Let the operator renew the token before it ends (`KubeconfigSecrets::
+    /// renew_join_tokens`): a Role in the identity's namespace lets the identity request
+    /// tokens for itself, create Secrets there and read and delete its token anchors. Only
+    /// with --host-context.
+    #[arg(long)]
+    renewable: bool,
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -373,6 +379,11 @@ async fn run_join(join: Join) -> Result<()> {
         None,
         carry,
     )?;
+    if join.renewable && common.output_file.is_some() {
+        bail!(
+            "--renewable needs --host-context: the operator renews tokens it reads from host Secrets"
+        );
+    }
     let (member, _) = client_for(&kubeconfig, member_context, "member").await?;
     let member_uid = member::Member::fingerprint(&member).await?;
     let dest = destination(common, &kubeconfig, &name).await?;
@@ -386,6 +397,7 @@ async fn run_join(join: Join) -> Result<()> {
             &roles,
             join.token_ttl,
             &dest.key(),
+            join.renewable,
         )
         .await
         .with_context(|| format!("joining the member context {member_context:?} as {name}"))?;
@@ -395,6 +407,7 @@ async fn run_join(join: Join) -> Result<()> {
         member_uid: Some(member_uid),
         service_account: Some(common.service_account.clone()),
         expires: Some(issued.expires.clone()),
+        renewal: join.renewable.then(|| dest.key()),
     };
     let written = kubeconfig::for_token(
         &kubeconfig,

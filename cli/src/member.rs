@@ -19,7 +19,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, anyhow, bail};
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{
     Api, DeleteParams, DynamicObject, GroupVersionKind, ListParams, ObjectMeta, Patch, PatchParams,
     PostParams, Preconditions,
@@ -34,6 +34,8 @@ const TOKEN_FOR: &str = "multicluster-runtime.sigs.k8s.io/token-for";
 /// On the bindings of `--cluster-role` and `--role`, beside `JOINED_AS` (the manifests' own
 /// bindings carry `JOINED_AS` too, and are not `bind`'s to remove).
 const BINDING: &str = "multicluster-runtime.sigs.k8s.io/join-binding";
+/// The `--role`-like name of the renewal's Role and binding (`mcr-join:<name>:renewal`).
+const RENEWAL: &str = "renewal";
 /// On records, beside `JOINED_AS`.
 const RECORD: &str = "multicluster-runtime.sigs.k8s.io/join-record";
 /// The record's data key.
@@ -199,6 +201,7 @@ impl Member {
         roles: &[(&str, &str)],
         ttl: Duration,
         token_for: &str,
+        renewable: bool,
     ) -> Result<Issued> {
         let mut made = self.record().await?;
         let ns = self.sa_namespace.clone();
@@ -315,8 +318,61 @@ impl Member {
             .await?;
         }
 
-        self.bind(cluster_roles, roles).await?;
-        self.issue(ttl, token_for).await
+        self.bind(cluster_roles, roles, renewable).await?;
+        let issued = self.issue(ttl, token_for).await?;
+        if renewable && let Err(error) = self.grant_renewal(token_for, &issued.anchor).await {
+            self.drop_anchor(&issued.anchor).await;
+            return Err(error);
+        }
+        Ok(issued)
+    }
+
+    /// The Role (and its binding) that lets the operator renew the token of `token_for`,
+    /// anchored by `anchor`: tokens for the identity itself, Secrets created in its namespace,
+    /// and only the anchors (this one and the two renewals alternate between) read and
+    /// deleted.
+    async fn grant_renewal(&self, token_for: &str, anchor: &str) -> Result<()> {
+        let name = self.binding_name(RENEWAL);
+        let mut labels = self.labels();
+        labels.insert(BINDING.to_string(), "true".to_string());
+        let mut anchors = vec![anchor.to_string()];
+        anchors.extend(multicluster_runtime::providers::renewal_anchors(
+            &self.name, token_for,
+        ));
+        let role = serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": { "name": name, "namespace": self.sa_namespace, "labels": labels },
+            "rules": [
+                { "apiGroups": [""], "resources": ["serviceaccounts/token"], "verbs": ["create"], "resourceNames": [self.sa_name] },
+                { "apiGroups": [""], "resources": ["secrets"], "verbs": ["create"] },
+                { "apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "delete"], "resourceNames": anchors },
+            ],
+        });
+        Api::<Role>::namespaced(self.client.clone(), &self.sa_namespace)
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&role),
+            )
+            .await
+            .context("granting the token's renewal (a Role)")?;
+        let binding = serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": { "name": name, "namespace": self.sa_namespace, "labels": labels },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name },
+            "subjects": [{ "kind": "ServiceAccount", "name": self.sa_name, "namespace": self.sa_namespace }],
+        });
+        Api::<RoleBinding>::namespaced(self.client.clone(), &self.sa_namespace)
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&binding),
+            )
+            .await
+            .context("granting the token's renewal (a RoleBinding)")?;
+        Ok(())
     }
 
     /// The API of `object`'s kind, and its record entry.
@@ -370,7 +426,12 @@ impl Member {
     }
 
     /// The bindings asked for, and none other of this cluster's.
-    async fn bind(&self, cluster_roles: &[String], roles: &[(&str, &str)]) -> Result<()> {
+    async fn bind(
+        &self,
+        cluster_roles: &[String],
+        roles: &[(&str, &str)],
+        renewable: bool,
+    ) -> Result<()> {
         let subject = serde_json::json!([{
             "kind": "ServiceAccount",
             "name": self.sa_name,
@@ -418,6 +479,9 @@ impl Member {
                 .with_context(|| format!("binding the Role {namespace}/{role}"))?;
             wanted.push((Some(namespace.to_string()), name));
         }
+        if renewable {
+            wanted.push((Some(self.sa_namespace.clone()), self.binding_name(RENEWAL)));
+        }
         self.remove_bindings(|key| !wanted.contains(key)).await?;
         Ok(())
     }
@@ -442,6 +506,16 @@ impl Member {
             if stale(&(Some(namespace.clone()), name.clone())) {
                 let api: Api<RoleBinding> = Api::namespaced(self.client.clone(), &namespace);
                 removed += delete(&api, &name, None).await?;
+            }
+        }
+        // The renewal's Role goes with its binding.
+        let renewal = (Some(self.sa_namespace.clone()), self.binding_name(RENEWAL));
+        if stale(&renewal) {
+            let api: Api<Role> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+            for role in api.list(&self.bindings_selector()).await? {
+                if role.metadata.name.as_ref() == Some(&renewal.1) {
+                    removed += delete(&api, &renewal.1, role.metadata.uid).await?;
+                }
             }
         }
         Ok(removed)

@@ -20,6 +20,10 @@ pub enum CredentialSource {
     ClientCertificate,
     /// The exec plugin's `expirationTimestamp` (the credential it gave last).
     Exec,
+    /// What the object holding the credential says of its end (the annotation
+    /// `multicluster-runtime.sigs.k8s.io/token-expires` that `mcr join` writes), given by the
+    /// provider with [`CredentialHolder::ends_at`].
+    Annotation,
 }
 
 impl CredentialSource {
@@ -29,6 +33,7 @@ impl CredentialSource {
             Self::Token => "token",
             Self::ClientCertificate => "client_certificate",
             Self::Exec => "exec",
+            Self::Annotation => "annotation",
         }
     }
 }
@@ -56,6 +61,48 @@ impl CredentialExpiry {
             Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
             Err(e) => -i64::try_from(e.duration().as_secs()).unwrap_or(i64::MAX),
         }
+    }
+}
+
+/// Where a cluster's credential is kept, when it is kept in an object: a kubeconfig Secret of
+/// a host cluster, say. A provider gives it with [`Cluster::with_credential_holder`]; the
+/// manager then records its Warning Event `CredentialExpiring` on that object (through
+/// `client`) when the credential comes within [`Manager::credential_warning`] of its end.
+///
+/// [`Cluster::with_credential_holder`]: crate::Cluster::with_credential_holder
+/// [`Manager::credential_warning`]: crate::Manager::credential_warning
+#[derive(Clone)]
+pub struct CredentialHolder {
+    pub(crate) client: kube::Client,
+    pub(crate) object: k8s_openapi::api::core::v1::ObjectReference,
+    pub(crate) end: Option<SystemTime>,
+}
+
+impl std::fmt::Debug for CredentialHolder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CredentialHolder")
+            .field("object", &self.object)
+            .field("end", &self.end)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CredentialHolder {
+    /// The credential is kept in `object`, of the cluster `client` reaches.
+    pub fn new(client: kube::Client, object: k8s_openapi::api::core::v1::ObjectReference) -> Self {
+        Self {
+            client,
+            object,
+            end: None,
+        }
+    }
+
+    /// The object states the credential's end (source [`CredentialSource::Annotation`]): it
+    /// counts beside the ends read from the credential itself, the earliest first.
+    #[must_use]
+    pub fn ends_at(mut self, end: Option<SystemTime>) -> Self {
+        self.end = end;
+        self
     }
 }
 

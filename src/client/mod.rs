@@ -16,7 +16,7 @@ pub(crate) mod redact;
 pub(crate) mod requester;
 pub(crate) mod transport;
 
-pub use expiry::{CredentialExpiry, CredentialSource};
+pub use expiry::{CredentialExpiry, CredentialHolder, CredentialSource};
 pub use layer::{InvalidRateLimit, RateLimit};
 pub use redact::CredentialError;
 pub(crate) use redact::{Shown, describe_client};

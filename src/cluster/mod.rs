@@ -67,6 +67,8 @@ struct Inner<C: ClusterId> {
     recorders: Mutex<HashMap<Reporter, Recorder>>,
     /// What the cluster says it is, where a provider reads it.
     identity: Mutex<Option<ClusterIdentity>>,
+    /// Where its credential is kept, when a provider says so.
+    credential_holder: Mutex<Option<crate::client::CredentialHolder>>,
 }
 
 /// A cluster's client: built with its layer, made on first use from its configuration, or
@@ -292,6 +294,7 @@ impl<C: ClusterId> Cluster<C> {
             attachment: Mutex::new(Attachment::default()),
             recorders: Mutex::new(HashMap::new()),
             identity: Mutex::new(None),
+            credential_holder: Mutex::new(None),
         });
         // The owner reference check reads through the cluster's own client; a weak handle,
         // since the client's layer holds the check.
@@ -317,25 +320,55 @@ impl<C: ClusterId> Cluster<C> {
     /// When the cluster's credential ends, where the crate can read it: the credential an
     /// exec plugin gave last (its `expirationTimestamp`), else the earliest of the bearer
     /// token's `exp` (a JWT's claim, `token` or `tokenFile`) and the client certificate's
-    /// `notAfter`. `None` for a cluster made from a client ([`Cluster::new`]), a credential
+    /// `notAfter`; and, earlier still, the end its holder states
+    /// ([`CredentialHolder::ends_at`](crate::CredentialHolder::ends_at)). `None` for a
+    /// cluster made from a client ([`Cluster::new`]) with no holder's end, a credential
     /// without an end the crate can read, or an exec plugin that has not run yet.
     pub fn credential_expiry(&self) -> Option<crate::client::CredentialExpiry> {
-        if let ClientSlot::Deferred {
+        let read = if let ClientSlot::Deferred {
             credentials: Some(credentials),
             ..
         } = &self.inner.client
         {
-            return credentials
+            credentials
                 .expires()
                 .map(|at| crate::client::CredentialExpiry {
                     at,
                     source: crate::client::CredentialSource::Exec,
-                });
-        }
-        self.inner
-            .config
+                })
+        } else {
+            self.inner
+                .config
+                .as_ref()
+                .and_then(crate::client::expiry::of_config)
+        };
+        let stated = lock(&self.inner.credential_holder)
             .as_ref()
-            .and_then(crate::client::expiry::of_config)
+            .and_then(|h| h.end)
+            .map(|at| crate::client::CredentialExpiry {
+                at,
+                source: crate::client::CredentialSource::Annotation,
+            });
+        [read, stated].into_iter().flatten().min_by_key(|e| e.at)
+    }
+
+    /// Says where the cluster's credential is kept (and the end that object states), for
+    /// its Warning Event as the end comes near; see [`CredentialHolder`](crate::CredentialHolder).
+    pub fn with_credential_holder(self, holder: crate::client::CredentialHolder) -> Self {
+        *lock(&self.inner.credential_holder) = Some(holder);
+        self
+    }
+
+    /// Where the cluster's credential is kept, if a provider said.
+    pub(crate) fn credential_holder(&self) -> Option<crate::client::CredentialHolder> {
+        lock(&self.inner.credential_holder).clone()
+    }
+
+    /// The end the holder states changed (the provider read its object again).
+    pub(crate) fn restate_credential_end(&self, end: Option<std::time::SystemTime>) {
+        if let Some(holder) = lock(&self.inner.credential_holder).as_mut() {
+            holder.end = end;
+        }
     }
 
     /// Tells the owner reference check that the cluster holds an object of `uid` (the object

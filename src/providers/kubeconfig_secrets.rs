@@ -14,7 +14,9 @@ use kube_runtime::events::{Recorder, Reporter};
 use kube_runtime::watcher::{self, Event as WatchEvent};
 use tokio_util::sync::CancellationToken;
 
+use super::join_renewal::{self, JoinRenewal};
 use super::kubeconfig::version_of;
+use crate::client::CredentialHolder;
 use crate::cluster::{Cluster, ClusterName};
 use crate::fleet::Fleet;
 use crate::provider::{Provider, ProviderError};
@@ -52,6 +54,7 @@ pub struct KubeconfigSecrets {
     label: String,
     key: String,
     trust: Trust,
+    renewal: Option<JoinRenewal>,
 }
 
 impl std::fmt::Debug for KubeconfigSecrets {
@@ -62,6 +65,7 @@ impl std::fmt::Debug for KubeconfigSecrets {
             .field("key", &self.key)
             .field("allow_exec", &self.trust.exec)
             .field("allow_local_files", &self.trust.local_files)
+            .field("renewal", &self.renewal)
             .finish_non_exhaustive()
     }
 }
@@ -75,6 +79,7 @@ impl KubeconfigSecrets {
             label: DEFAULT_LABEL.to_string(),
             key: DEFAULT_KEY.to_string(),
             trust: Trust::default(),
+            renewal: None,
         }
     }
 
@@ -111,6 +116,20 @@ impl KubeconfigSecrets {
         self
     }
 
+    /// Renews the tokens `mcr join --renewable` wrote before they end (off by default: it
+    /// writes to members and to these Secrets). With the member's current token, a new token
+    /// is requested for the member's ServiceAccount, bound to a new anchor Secret there; the
+    /// kubeconfig Secret gets it (with its end and anchor in its annotations), and once the
+    /// cluster is engaged with the new token the old one is revoked by deleting its anchor.
+    /// A failed renewal is logged (WARN) and recorded as a Warning Event
+    /// `TokenRenewalFailed` on the Secret, and retried. The provider's host identity then
+    /// needs `patch` on these Secrets. See [`JoinRenewal`].
+    #[must_use]
+    pub fn renew_join_tokens(mut self, renewal: JoinRenewal) -> Self {
+        self.renewal = Some(renewal);
+        self
+    }
+
     /// The cluster a Secret describes, or why it cannot be used.
     async fn cluster(&self, secret: &Secret) -> Result<Cluster<ClusterName>, String> {
         let name = secret.name_any();
@@ -120,33 +139,12 @@ impl KubeconfigSecrets {
             .and_then(|d| d.get(&self.key))
             .ok_or_else(|| format!("no data key {:?}", self.key))?;
         let kubeconfig = parse_kubeconfig(&data.0, self.trust)?;
-        super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await
-    }
-
-    /// Says (a WARN line and a Warning Event `TokenExpiring` on the Secret), once per
-    /// expiry, that the token of `entry` ends within 30 days or has ended.
-    async fn warn_expiry(&self, recorder: &Recorder, name: &str, entry: &mut Known) {
-        let Some((expires, reference, said)) = entry.expires.as_mut() else {
-            return;
-        };
-        if *said {
-            return;
-        }
-        let Some(note) = expiring(*expires, std::time::SystemTime::now()) else {
-            return;
-        };
-        *said = true;
-        tracing::warn!(cluster = %name, namespace = %self.namespace, "{note}");
-        let event = kube_runtime::events::Event {
-            type_: kube_runtime::events::EventType::Warning,
-            reason: "TokenExpiring".into(),
-            note: Some(note),
-            action: "Engage".into(),
-            secondary: None,
-        };
-        if let Err(error) = recorder.publish(&event, reference).await {
-            tracing::debug!(cluster = %name, error = %crate::client::Shown(&error), "could not record the token's coming expiry");
-        }
+        let cluster =
+            super::cluster_from_kubeconfig(ClusterName::from(name), kubeconfig, None).await?;
+        // The Secret holds the credential: its coming end is recorded there.
+        let holder = CredentialHolder::new(self.host.clone(), secret.object_ref(&()))
+            .ends_at(token_expiry(secret));
+        Ok(cluster.with_credential_holder(holder))
     }
 
     async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {
@@ -178,7 +176,7 @@ impl Provider for KubeconfigSecrets {
             self.host.clone(),
             Reporter::from("multicluster-runtime-kubeconfig-secrets"),
         );
-        let mut events = pin!(watcher::watcher(api, selector).default_backoff());
+        let mut events = pin!(watcher::watcher(api.clone(), selector).default_backoff());
         // The Secrets of a listing in progress, to forget those that vanished meanwhile.
         let mut listing: BTreeSet<String> = BTreeSet::new();
         let mut known: BTreeMap<String, Known> = BTreeMap::new();
@@ -186,9 +184,8 @@ impl Provider for KubeconfigSecrets {
         let mut building = FuturesUnordered::new();
         let mut inflight = super::InFlight::default();
         let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
-        // Expiries come closer without any change to their Secrets: looked at again hourly.
-        let mut expiries = tokio::time::interval(std::time::Duration::from_secs(3600));
-        expiries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Renewals of `mcr join` tokens, and revocations of the tokens they replaced.
+        let mut renewing = FuturesUnordered::new();
         loop {
             while building.len() < BUILDS_AT_ONCE
                 && let Some((version, secret)) = waiting.pop_front()
@@ -200,11 +197,28 @@ impl Provider for KubeconfigSecrets {
                     }));
                 }
             }
+            // The next renewal due (looked at again within the hour: the wall clock may jump).
+            let next_due = known
+                .values()
+                .filter_map(|k| k.renewal.as_ref())
+                .filter(|r| !r.running)
+                .map(|r| r.due)
+                .min()
+                .map(|due| {
+                    due.duration_since(std::time::SystemTime::now())
+                        .unwrap_or_default()
+                })
+                .unwrap_or(HOUR)
+                .min(HOUR);
             let event = tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
-                _ = expiries.tick() => {
-                    for (name, entry) in &mut known {
-                        self.warn_expiry(&recorder, name, entry).await;
+                () = tokio::time::sleep(next_due), if self.renewal.is_some() => {
+                    self.start_renewals(&fleet, &api, &mut known, &mut renewing);
+                    continue;
+                }
+                Some(done) = renewing.next(), if !renewing.is_empty() => {
+                    if let Some(revoke) = self.renewal_done(done, &recorder, &fleet, &mut known).await {
+                        renewing.push(revoke);
                     }
                     continue;
                 }
@@ -221,10 +235,14 @@ impl Provider for KubeconfigSecrets {
                     };
                     entry.wanted = None;
                     match cluster {
-                        Ok(cluster) => match fleet.engage(cluster) {
+                        Ok(cluster) => match fleet.engage(cluster.clone()) {
                             Ok(_) => {
                                 entry.refused = None;
                                 entry.engaged = Some(version);
+                                // Engaged with a renewed token: the one it replaced goes.
+                                if let Some(revoke) = revocation(entry, version, &cluster) {
+                                    renewing.push(revoke);
+                                }
                             }
                             Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
                         },
@@ -276,12 +294,15 @@ impl Provider for KubeconfigSecrets {
             let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
             let version = version_of(&data.map(|b| b.0.as_slice()));
             let entry = known.entry(name).or_default();
-            // A token `mcr join` wrote says when it ends: said ahead of time, once per
-            // expiry, rather than found out when every member joined the same week drops out.
             let expires = token_expiry(&secret);
-            if expires != entry.expires.as_ref().map(|(at, _, _)| *at) {
-                entry.expires = expires.map(|at| (at, secret.object_ref(&()), false));
-                self.warn_expiry(&recorder, &secret.name_any(), entry).await;
+            if let Some(renewal) = self.renewal {
+                entry.note_for_renewal(&secret, expires, renewal);
+            }
+            // The end the Secret states may change alone (the kubeconfig did not).
+            if entry.engaged == Some(version)
+                && let Some(cluster) = fleet.get(&ClusterName::from(secret.name_any()))
+            {
+                cluster.restate_credential_end(expires);
             }
             // Unchanged (another field of the Secret changed, or a relist): nothing to do,
             // and a refusal is not repeated.
@@ -304,44 +325,226 @@ struct Known {
     refused: Option<u64>,
     /// The version whose client is being built or waits to be.
     wanted: Option<u64>,
-    /// When its token ends (`mcr join`'s annotation), as last read; the Secret; whether
-    /// that was said.
-    expires: Option<(i64, k8s_openapi::api::core::v1::ObjectReference, bool)>,
+    /// Its token's renewal, when renewal is on and the Secret allows it.
+    renewal: Option<Renewal>,
+}
+
+/// Where the renewal of one Secret's `mcr join` token stands.
+struct Renewal {
+    /// The Secret as last seen (what is renewed).
+    secret: Secret,
+    /// When to renew next (before the end; after a failure, once backed off).
+    due: std::time::SystemTime,
+    /// Failed attempts since the last success.
+    failures: u32,
+    running: bool,
+    /// Once the version (of the renewed kubeconfig) is engaged: the anchor of the token it
+    /// replaced, in the identity's namespace, to delete.
+    revoke: Option<(u64, String, String)>,
+}
+
+/// How a renewal or a revocation ended.
+enum Outcome {
+    Renewed {
+        name: String,
+        renewed: Result<join_renewal::Renewed, String>,
+    },
+    Revoked {
+        name: String,
+        old: String,
+        revoked: Result<(), String>,
+    },
+}
+
+/// The revocation of the token `entry`'s renewal replaced, once `version` (the renewed
+/// kubeconfig) is engaged as `cluster`.
+fn revocation(
+    entry: &mut Known,
+    version: u64,
+    cluster: &Cluster<ClusterName>,
+) -> Option<futures::future::BoxFuture<'static, Outcome>> {
+    let (_, sa_namespace, old) = entry.renewal.as_mut()?.revoke.take_if(|r| r.0 == version)?;
+    let client = cluster.client().clone();
+    let name = cluster.id().to_string();
+    Some(Box::pin(async move {
+        let revoked = join_renewal::revoke(client, &sa_namespace, &old).await;
+        Outcome::Revoked { name, old, revoked }
+    }))
+}
+
+/// The longest the provider sleeps between looks at the renewals due.
+const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+
+impl Known {
+    /// Takes `secret` (its token ending at `expires`) as what renewal works on.
+    fn note_for_renewal(
+        &mut self,
+        secret: &Secret,
+        expires: Option<std::time::SystemTime>,
+        renewal: JoinRenewal,
+    ) {
+        let plan = join_renewal::plan(secret);
+        let (Ok(Some(_)), Some(end)) = (&plan, expires) else {
+            if let Err(reason) = plan {
+                tracing::warn!(cluster = %secret.name_any(), %reason, "the Secret asks for its token's renewal in a form mcr join does not write: not renewed");
+            }
+            self.renewal = None;
+            return;
+        };
+        let due = join_renewal::due(end, renewal.ahead);
+        match &mut self.renewal {
+            Some(current) => {
+                // A new token (renewed, or joined again): its own schedule, failures forgotten.
+                if current.secret.annotations().get(TOKEN_EXPIRES_ANNOTATION)
+                    != secret.annotations().get(TOKEN_EXPIRES_ANNOTATION)
+                {
+                    current.due = due;
+                    current.failures = 0;
+                }
+                current.secret = secret.clone();
+            }
+            None => {
+                self.renewal = Some(Renewal {
+                    secret: secret.clone(),
+                    due,
+                    failures: 0,
+                    running: false,
+                    revoke: None,
+                })
+            }
+        }
+    }
+}
+
+impl KubeconfigSecrets {
+    /// Starts the renewals due whose clusters are engaged here (with sharding, the replica
+    /// that holds a cluster renews its token).
+    fn start_renewals<'a>(
+        &'a self,
+        fleet: &Fleet<ClusterName>,
+        api: &'a Api<Secret>,
+        known: &mut BTreeMap<String, Known>,
+        renewing: &mut FuturesUnordered<futures::future::BoxFuture<'a, Outcome>>,
+    ) {
+        let Some(settings) = self.renewal else {
+            return;
+        };
+        let now = std::time::SystemTime::now();
+        for (name, entry) in known.iter_mut() {
+            let engaged = entry.engaged;
+            let Some(renewal) = entry
+                .renewal
+                .as_mut()
+                .filter(|r| !r.running && r.due <= now)
+            else {
+                continue;
+            };
+            let secret = renewal.secret.clone();
+            let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
+            let current = engaged == Some(version_of(&data.map(|b| b.0.as_slice())));
+            let cluster = fleet.get(&ClusterName::from(name.clone()));
+            let (Some(cluster), true) = (cluster, current) else {
+                // Not engaged here with this Secret's token: looked at again in a minute.
+                renewal.due = now + std::time::Duration::from_secs(60);
+                continue;
+            };
+            let Ok(Some(plan)) = join_renewal::plan(&secret) else {
+                entry.renewal = None;
+                continue;
+            };
+            renewal.running = true;
+            let name = name.clone();
+            let key = self.key.clone();
+            renewing.push(Box::pin(async move {
+                let renewed = join_renewal::renew(
+                    api,
+                    &key,
+                    &secret,
+                    &plan,
+                    cluster.client().clone(),
+                    settings.valid_for,
+                )
+                .await;
+                Outcome::Renewed { name, renewed }
+            }));
+        }
+    }
+
+    /// Takes in how a renewal or a revocation ended; the revocation to run now, if the
+    /// renewed token is engaged already.
+    async fn renewal_done(
+        &self,
+        done: Outcome,
+        recorder: &Recorder,
+        fleet: &Fleet<ClusterName>,
+        known: &mut BTreeMap<String, Known>,
+    ) -> Option<futures::future::BoxFuture<'static, Outcome>> {
+        match done {
+            Outcome::Renewed { name, renewed } => {
+                let entry = known.get_mut(&name)?;
+                let engaged = entry.engaged;
+                let renewal = entry.renewal.as_mut()?;
+                renewal.running = false;
+                match renewed {
+                    Ok(renewed) => {
+                        let until = k8s_openapi::jiff::Timestamp::try_from(renewed.expires)
+                            .map(|t| t.to_string())
+                            .unwrap_or_default();
+                        tracing::info!(cluster = %name, until, "renewed the cluster's mcr join token");
+                        renewal.failures = 0;
+                        // Due again once the Secret with the new token is seen.
+                        renewal.due = std::time::SystemTime::now() + HOUR;
+                        let version = renewed.version;
+                        renewal.revoke = Some((version, renewed.sa_namespace, renewed.old));
+                        // The Secret's new version may have been engaged before this ended.
+                        if engaged == Some(version)
+                            && let Some(cluster) = fleet.get(&ClusterName::from(name.clone()))
+                        {
+                            return revocation(entry, version, &cluster);
+                        }
+                    }
+                    Err(reason) => {
+                        renewal.failures += 1;
+                        renewal.due =
+                            std::time::SystemTime::now() + join_renewal::backoff(renewal.failures);
+                        tracing::warn!(cluster = %name, %reason, failures = renewal.failures, "could not renew the cluster's mcr join token; retrying");
+                        let event = kube_runtime::events::Event {
+                            type_: kube_runtime::events::EventType::Warning,
+                            reason: "TokenRenewalFailed".into(),
+                            note: Some(reason),
+                            action: "Renew".into(),
+                            secondary: None,
+                        };
+                        let reference = renewal.secret.object_ref(&());
+                        if let Err(error) = recorder.publish(&event, &reference).await {
+                            tracing::debug!(cluster = %name, error = %crate::client::Shown(&error), "could not record the failed renewal");
+                        }
+                    }
+                }
+            }
+            Outcome::Revoked { name, old, revoked } => match revoked {
+                Ok(()) => {
+                    tracing::info!(cluster = %name, anchor = %old, "revoked the cluster's replaced mcr join token")
+                }
+                Err(reason) => {
+                    tracing::warn!(cluster = %name, anchor = %old, %reason, "could not revoke the replaced mcr join token: delete its anchor Secret in the member")
+                }
+            },
+        }
+        None
+    }
 }
 
 /// The annotation `mcr join` writes: when the token in the kubeconfig ends (RFC 3339).
 pub const TOKEN_EXPIRES_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
 
-/// How long before its token ends a Secret is warned about.
-const EXPIRY_WARNING: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
-
-/// When `secret`'s token ends (Unix seconds), if `mcr join` said so.
-fn token_expiry(secret: &Secret) -> Option<i64> {
+/// When `secret`'s token ends, if `mcr join` said so.
+fn token_expiry(secret: &Secret) -> Option<std::time::SystemTime> {
     let text = secret.annotations().get(TOKEN_EXPIRES_ANNOTATION)?;
     let time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time =
         serde_json::from_value(serde_json::Value::String(text.clone())).ok()?;
-    Some(time.0.as_second())
-}
-
-/// What to say of a token ending at `expires` (Unix seconds), seen at `now`: nothing before
-/// [`EXPIRY_WARNING`] of its end.
-fn expiring(expires: i64, now: std::time::SystemTime) -> Option<String> {
-    let now = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-    let left = expires - now;
-    let warn_within = i64::try_from(EXPIRY_WARNING.as_secs()).unwrap_or(i64::MAX);
-    if left > warn_within {
-        return None;
-    }
-    Some(if left <= 0 {
-        "the token in this kubeconfig has expired: the cluster cannot be reached with it; run `mcr join` again to issue a new one".to_string()
-    } else {
-        format!(
-            "the token in this kubeconfig expires in {} days: run `mcr join` again before then to rotate it",
-            left / 86_400
-        )
-    })
+    let seconds = u64::try_from(time.0.as_second()).ok()?;
+    std::time::SystemTime::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(seconds))
 }
 
 impl Known {

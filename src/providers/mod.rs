@@ -23,6 +23,7 @@ mod clusters;
 #[cfg(feature = "file")]
 mod file;
 mod hub;
+mod join_renewal;
 #[cfg(feature = "kind")]
 mod kind;
 mod kubeconfig;
@@ -44,13 +45,17 @@ pub use cluster_inventory::{
 pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
+pub use join_renewal::{
+    JOINED_AS_LABEL, JoinRenewal, SERVICE_ACCOUNT_ANNOTATION, TOKEN_ANCHOR_ANNOTATION,
+    TOKEN_FOR_LABEL, TOKEN_RENEWAL_ANNOTATION, renewal_anchors,
+};
 #[cfg(feature = "kind")]
 pub use kind::Kind;
 #[cfg(feature = "fuzzing")]
 pub(crate) use kubeconfig::describe_client;
 pub use kubeconfig_secrets::{
     DEFAULT_KEY as KUBECONFIG_SECRET_KEY, DEFAULT_LABEL as KUBECONFIG_SECRET_LABEL,
-    KubeconfigSecrets,
+    KubeconfigSecrets, TOKEN_EXPIRES_ANNOTATION,
 };
 #[cfg(feature = "fuzzing")]
 pub(crate) use kubeconfig_secrets::{Trust, parse_kubeconfig};

@@ -890,6 +890,47 @@ impl TestCluster {
         self.add_user_with(name, groups, None)
     }
 
+    /// A token for the ServiceAccount `namespace/account` (its `uid`), bound to the Secret
+    /// `bound` (name, uid) if given, that ends `valid_for` from now: signed with the cluster's
+    /// service-account key, as the apiserver signs its TokenRequests, so the apiserver takes
+    /// it as its own (and refuses it once the ServiceAccount or the bound Secret is deleted).
+    /// Unlike a TokenRequest, which lasts at least ten minutes, it may be short: to test
+    /// tokens reaching their end.
+    pub fn service_account_token(
+        &self,
+        namespace: &str,
+        account: (&str, &str),
+        bound: Option<(&str, &str)>,
+        valid_for: Duration,
+    ) -> Result<String, Error> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let issuer = format!("{}/", self.server);
+        let mut private = serde_json::json!({
+            "namespace": namespace,
+            "serviceaccount": { "name": account.0, "uid": account.1 },
+        });
+        if let Some((name, uid)) = bound {
+            private["secret"] = serde_json::json!({ "name": name, "uid": uid });
+        }
+        let claims = serde_json::json!({
+            "iss": issuer,
+            "aud": [issuer],
+            "sub": format!("system:serviceaccount:{namespace}:{}", account.0),
+            "iat": now,
+            "nbf": now,
+            "exp": now + valid_for.as_secs(),
+            "kubernetes.io": private,
+        });
+        self.pki
+            .sign_service_account_jwt(&claims)
+            .map_err(|source| Error::Certificate {
+                cluster: self.name.clone(),
+                source,
+            })
+    }
+
     /// As [`TestCluster::add_user`], with a certificate that expires `valid_for` from now:
     /// to test credentials that rotate.
     pub fn add_user_valid_for(

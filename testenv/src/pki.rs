@@ -165,3 +165,77 @@ mod tests {
             .unwrap()
     }
 }
+
+impl ClusterPki {
+    /// Signs the JWT `claims` (ES256) with the service-account key, as the apiserver signs
+    /// the tokens of its TokenRequests (no `kid`: the apiserver then tries every key it has).
+    pub(crate) fn sign_service_account_jwt(
+        &self,
+        claims: &serde_json::Value,
+    ) -> Result<String, rcgen::Error> {
+        use base64::Engine as _;
+        use rcgen::SigningKey as _;
+        let b64 = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+        let header = serde_json::json!({"alg": "ES256", "typ": "JWT"});
+        let input = format!(
+            "{}.{}",
+            b64(header.to_string().as_bytes()),
+            b64(claims.to_string().as_bytes())
+        );
+        let key = KeyPair::from_pem(&self.service_account_key_pem)?;
+        let der = key.sign(input.as_bytes())?;
+        let raw = ecdsa_der_to_raw(&der).ok_or(rcgen::Error::CouldNotParseKeyPair)?;
+        Ok(format!("{input}.{}", b64(&raw)))
+    }
+}
+
+/// An ECDSA P-256 signature as DER (`SEQUENCE { INTEGER r, INTEGER s }`) made the 64 bytes
+/// `r || s` a JWT carries.
+fn ecdsa_der_to_raw(der: &[u8]) -> Option<[u8; 64]> {
+    let (&tag, rest) = der.split_first()?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (&len, mut rest) = rest.split_first()?;
+    if usize::from(len) != rest.len() {
+        return None;
+    }
+    let mut raw = [0u8; 64];
+    for half in raw.chunks_mut(32) {
+        let (&tag, after) = rest.split_first()?;
+        let (&len, after) = after.split_first()?;
+        let len = usize::from(len);
+        if tag != 0x02 || after.len() < len {
+            return None;
+        }
+        let (int, after) = after.split_at(len);
+        let int = match int {
+            [0, tail @ ..] => tail,
+            int => int,
+        };
+        if int.len() > 32 {
+            return None;
+        }
+        half[32 - int.len()..].copy_from_slice(int);
+        rest = after;
+    }
+    rest.is_empty().then_some(raw)
+}
+
+#[cfg(test)]
+mod jwt_tests {
+    use super::ecdsa_der_to_raw;
+
+    #[test]
+    fn der_signatures_become_r_and_s_padded_to_32_bytes() {
+        // r = 0x00 0x80.. (a leading zero for the sign bit), s = 0x01 (short).
+        let mut der = vec![0x30, 0x26, 0x02, 0x21, 0x00];
+        der.extend([0x80; 32]);
+        der.extend([0x02, 0x01, 0x01]);
+        let raw = ecdsa_der_to_raw(&der).unwrap();
+        assert_eq!(&raw[..32], &[0x80; 32]);
+        assert_eq!(&raw[32..63], &[0; 31]);
+        assert_eq!(raw[63], 1);
+        assert_eq!(ecdsa_der_to_raw(&der[..der.len() - 1]), None);
+    }
+}
