@@ -38,7 +38,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Resource, ResourceExt};
 use kube_runtime::events::{Event, EventType, Recorder};
 use kube_runtime::watcher;
-use multicluster_runtime::providers::{KubeconfigSecrets, Namespaces};
+use multicluster_runtime::providers::{JoinRenewal, KubeconfigSecrets, Namespaces};
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterName, Context, Endpoints, LeaderElection, LeaseTiming,
     Manager, Metrics, Provider, RateLimit, Request, Sharding,
@@ -81,6 +81,10 @@ struct Args {
     /// Label selector of the namespaces that are clusters (`--provider namespaces`).
     #[arg(long, default_value = "mcr.example.io/member=true")]
     namespace_labels: String,
+    /// Renew the tokens of members joined with `mcr join --renewable` 30 days before they
+    /// end (`--provider secrets`; the host Role then needs `patch` on Secrets).
+    #[arg(long)]
+    renew_join_tokens: bool,
     /// Namespace of the copies in each cluster (default: the cluster's default namespace).
     #[arg(long)]
     target_namespace: Option<String>,
@@ -183,7 +187,10 @@ async fn main() -> anyhow::Result<()> {
     let host = local.client();
     match args.provider {
         ProviderKind::Secrets => {
-            let provider = KubeconfigSecrets::new(host.clone(), args.namespace.clone());
+            let mut provider = KubeconfigSecrets::new(host.clone(), args.namespace.clone());
+            if args.renew_join_tokens {
+                provider = provider.renew_join_tokens(JoinRenewal::new());
+            }
             operate(provider, local, &args).await
         }
         ProviderKind::Namespaces => {

@@ -433,6 +433,41 @@ async fn a_renewable_join_token_of_two_minutes_is_renewed_and_the_cluster_reconc
     assert!(fleet_has(&manager, "renewed"));
     manager.shutdown();
     run.await.unwrap();
+
+    // unjoin finds what the renewal made: the renewed token's anchor, and the Role.
+    mcr(
+        &mcr_bin,
+        &[
+            "unjoin",
+            member_tc.name(),
+            "--host-context",
+            host_tc.name(),
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--name",
+            "renewed",
+        ],
+    );
+    let roles: Api<k8s_openapi::api::rbac::v1::Role> =
+        Api::namespaced(member.clone(), "mcr-system");
+    assert!(
+        roles
+            .get_opt("mcr-join:renewed:renewal")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        Api::<Secret>::namespaced(member.clone(), "mcr-system")
+            .get_opt(&first_renewal)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    eventually(30, "the renewed token revoked by unjoin", async || {
+        who_is(&member_tc, &new_token).await.is_none()
+    })
+    .await;
 }
 
 fn config_map(name: &str) -> k8s_openapi::api::core::v1::ConfigMap {

@@ -137,6 +137,8 @@ pub(crate) struct Renewed {
     pub(crate) expires: SystemTime,
     pub(crate) sa_namespace: String,
     pub(crate) old: String,
+    /// The new token's anchor.
+    pub(crate) anchor: String,
 }
 
 /// An anchor older than this, found where a renewal would make its own, was left by a
@@ -221,6 +223,7 @@ pub(crate) async fn renew(
             expires,
             sa_namespace: plan.sa_namespace.clone(),
             old: plan.anchor.clone(),
+            anchor: plan.next.clone(),
         }),
         Err(error) => {
             // The new token is not used: revoked with its anchor.

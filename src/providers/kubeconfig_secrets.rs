@@ -492,8 +492,16 @@ impl KubeconfigSecrets {
                             .unwrap_or_default();
                         tracing::info!(cluster = %name, until, "renewed the cluster's mcr join token");
                         renewal.failures = 0;
-                        // Due again once the Secret with the new token is seen.
-                        renewal.due = std::time::SystemTime::now() + HOUR;
+                        // Due again once the Secret with the new token is seen (unless it
+                        // was seen already, and its due time set from its end).
+                        if renewal
+                            .secret
+                            .annotations()
+                            .get(join_renewal::TOKEN_ANCHOR_ANNOTATION)
+                            != Some(&renewed.anchor)
+                        {
+                            renewal.due = std::time::SystemTime::now() + HOUR;
+                        }
                         let version = renewed.version;
                         renewal.revoke = Some((version, renewed.sa_namespace, renewed.old));
                         // The Secret's new version may have been engaged before this ended.
