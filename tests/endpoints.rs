@@ -539,10 +539,33 @@ async fn every_series_has_controller_runtime_s_name_type_and_labels_with_the_clu
                 "{mode}: {name}'s label sets"
             );
         }
+        // Prometheus' standard process series (controller-runtime's registry has them too),
+        // unlabelled, and the runtime's.
+        for (name, kind) in [
+            ("process_cpu_seconds_total", "counter"),
+            ("process_start_time_seconds", "gauge"),
+            ("process_resident_memory_bytes", "gauge"),
+            ("process_virtual_memory_bytes", "gauge"),
+            ("process_open_fds", "gauge"),
+            ("process_max_fds", "gauge"),
+            ("process_threads", "gauge"),
+            ("multicluster_runtime_tokio_workers", "gauge"),
+            ("multicluster_runtime_tokio_busy_seconds_total", "counter"),
+        ] {
+            let found = ours
+                .get(&(name.to_string(), kind.to_string()))
+                .unwrap_or_else(|| panic!("{mode}: no {kind} {name} in\n{text}"));
+            assert_eq!(
+                found.iter().collect::<Vec<_>>(),
+                [&Vec::<String>::new()],
+                "{mode}: {name}"
+            );
+        }
         // Nothing else but this crate's own series.
         for (name, _) in ours.keys() {
             assert!(
                 name.starts_with("multicluster_runtime_")
+                    || name.starts_with("process_")
                     || CONTROLLER_RUNTIME.iter().any(|(n, _, _)| n == name),
                 "{mode}: {name} is neither controller-runtime's nor this crate's"
             );

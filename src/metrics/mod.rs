@@ -16,6 +16,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+mod process;
+
 /// The `cluster` label, added to controller-runtime's label sets: absent when `None` (without
 /// the cluster label, or on a histogram kept per controller), so those sets are exactly
 /// controller-runtime's.
@@ -492,6 +494,9 @@ impl Metrics {
         };
         registry.register_collector(Box::new(inner.watches.clone()));
         registry.register_collector(Box::new(inner.in_flight.clone()));
+        registry.register_collector(Box::new(process::Process {
+            runtime: tokio::runtime::Handle::try_current().ok(),
+        }));
         // prometheus-client adds `_total` to counters' names.
         Self::register_controllers(registry, &inner);
         Self::register_queues(registry, &inner);
