@@ -349,6 +349,100 @@ async fn endpoints_speak_https_and_serve_metrics_detail_and_handlers_only_to_aut
     run.await.unwrap();
 }
 
+/// A reconcile that keeps a worker busy for about 20 ms: the function a profile must name.
+#[cfg(feature = "profiling")]
+#[inline(never)]
+fn busy_reconcile_marker() -> u64 {
+    let until = std::time::Instant::now() + Duration::from_millis(20);
+    let mut x = 1u64;
+    while std::time::Instant::now() < until {
+        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+    }
+    x
+}
+
+#[cfg(feature = "profiling")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cpu_profile_is_served_to_authorized_tokens_only_and_names_the_reconcile() {
+    use pprof::protos::Message as _;
+    let logs = Logs::capture();
+    let env = TestEnv::start().await.unwrap();
+    let admin = env.cluster(0).unwrap().client().unwrap();
+    let profiler = account_token(&admin, "profiler").await;
+    grant_urls(&admin, "profiler", &["/debug/pprof/profile"]).await;
+    let nobody = account_token(&admin, "nobody").await;
+    let endpoints = multicluster_runtime::Endpoints::new("127.0.0.1:0".parse().unwrap())
+        .authorize_with(admin.clone())
+        .profiling(true);
+    let manager = Arc::new(Manager::new(clusters_of([("member", admin.clone())])).serve(endpoints));
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default())
+        .named("profiled")
+        .start(
+            |_, _: Context<ClusterName, ()>| async {
+                std::hint::black_box(busy_reconcile_marker());
+                Ok::<_, kube::Error>(Action::requeue(Duration::from_millis(1)))
+            },
+            |_, _: &kube::Error, _: &Context<ClusterName, ()>| Action::await_change(),
+            Arc::new(()),
+        );
+    let run = spawn_manager(&manager);
+    Api::<ConfigMap>::namespaced(admin.clone(), "default")
+        .create(
+            &Default::default(),
+            &ConfigMap {
+                metadata: kube::api::ObjectMeta {
+                    name: Some("profiled".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    eventually(30, "serving", async || manager.served_at().is_some()).await;
+    let addr = manager.served_at().unwrap();
+    let path = "/debug/pprof/profile?seconds=5";
+
+    assert_eq!(https_get_bytes(addr, path, None).await.0, 401);
+    assert_eq!(https_get_bytes(addr, path, Some(&nobody)).await.0, 403);
+    let taken = tokio::spawn({
+        let profiler = profiler.clone();
+        async move { https_get_bytes(addr, path, Some(&profiler)).await }
+    });
+    // One at a time: a second request while the first samples (for five seconds, from the
+    // line that says it began) is refused.
+    eventually(10, "the profile begun", async || {
+        !logs.lines(&["taking a CPU profile"]).is_empty()
+    })
+    .await;
+    assert_eq!(
+        https_get_bytes(addr, "/debug/pprof/profile?seconds=1", Some(&profiler))
+            .await
+            .0,
+        409
+    );
+    let (status, body) = taken.await.unwrap();
+    assert_eq!(status, 200);
+    let profile = pprof::protos::Profile::decode(body.as_slice()).unwrap();
+    assert!(!profile.sample.is_empty(), "no samples");
+    assert!(
+        profile
+            .string_table
+            .iter()
+            .any(|name| name.contains("busy_reconcile_marker")),
+        "the reconcile's function is not named in the profile"
+    );
+    assert_eq!(
+        https_get_bytes(addr, "/debug/pprof/profile?seconds=0", Some(&profiler))
+            .await
+            .0,
+        400
+    );
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
 #[tokio::test]
 async fn the_serving_certificate_is_read_again_when_its_files_change() {
     let logs = Logs::capture();

@@ -4,6 +4,8 @@
 
 mod auth;
 mod component;
+#[cfg(feature = "profiling")]
+mod profile;
 pub(crate) mod slots;
 mod tls;
 
@@ -215,6 +217,23 @@ impl Endpoints {
     ) -> Self {
         self.readyz.push((name.into(), Arc::new(check)));
         self
+    }
+
+    /// Serves a CPU profile of the process at `/debug/pprof/profile?seconds=N` (30 s by
+    /// default, 300 at most), in the pprof format that `go tool pprof` and other viewers
+    /// read: behind the same authentication and authorization as `/metrics` (`get` on that
+    /// path), one profile at a time (a second request meanwhile is answered 409). Off by
+    /// default; with [`Endpoints::plain_http`] anyone who can connect may take one. The
+    /// profiler samples with `SIGPROF` at 99 Hz while a profile is taken, and not otherwise.
+    #[cfg(feature = "profiling")]
+    #[must_use]
+    pub fn profiling(mut self, on: bool) -> Self {
+        if on {
+            self.handler(profile::PATH, profile::cpu)
+        } else {
+            self.handlers.remove(profile::PATH);
+            self
+        }
     }
 
     /// Serves `handler` at `path` (exactly; a path the endpoints serve themselves is not
