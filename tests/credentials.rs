@@ -190,8 +190,9 @@ fn rfc3339(unix: i64) -> String {
 async fn a_renewable_join_token_of_two_minutes_is_renewed_and_the_cluster_reconciles_past_its_end()
 {
     use multicluster_runtime::providers::{
-        JoinRenewal, KubeconfigSecrets, SERVICE_ACCOUNT_ANNOTATION, TOKEN_ANCHOR_ANNOTATION,
-        TOKEN_EXPIRES_ANNOTATION, TOKEN_RENEWAL_ANNOTATION, renewal_anchors,
+        JoinRenewal, KubeconfigSecrets, PREVIOUS_ANCHOR_ANNOTATION, SERVICE_ACCOUNT_ANNOTATION,
+        TOKEN_ANCHOR_ANNOTATION, TOKEN_EXPIRES_ANNOTATION, TOKEN_RENEWAL_ANNOTATION,
+        renewal_anchors,
     };
     use multicluster_runtime::{Action, Builder, Context};
     let logs = Logs::capture();
@@ -274,10 +275,32 @@ async fn a_renewable_join_token_of_two_minutes_is_renewed_and_the_cluster_reconc
         .unwrap();
     let identity = "system:serviceaccount:mcr-system:mcr-member";
     assert_eq!(who_is(&member_tc, &short).await.as_deref(), Some(identity));
+    // The member granted renewal to this destination alone.
+    let roles: Api<k8s_openapi::api::rbac::v1::Role> =
+        Api::namespaced(member.clone(), "mcr-system");
+    let renewal_role = format!("mcr-join:renewed:renewal-{key}");
+    assert!(roles.get_opt(&renewal_role).await.unwrap().is_some());
+    // A hostile writer of the host Secret names a Secret that is not one of this join's
+    // anchors (one of the renewal names, unlabelled) as a replaced token's anchor: it is left
+    // alone, and said.
+    let [first_renewal, second_renewal] = renewal_anchors("renewed", &key);
+    let member_secrets = Api::<Secret>::namespaced(member.clone(), "mcr-system");
+    let decoy: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": second_renewal},
+        "type": "Opaque",
+    }))
+    .unwrap();
+    member_secrets
+        .create(&PostParams::default(), &decoy)
+        .await
+        .unwrap();
     // The annotation says a little less than the token: the end shown is the annotation's.
     let stated_end = minted + 115;
     let patch = serde_json::json!({
-        "metadata": {"annotations": {TOKEN_EXPIRES_ANNOTATION: rfc3339(stated_end)}},
+        "metadata": {"annotations": {
+            TOKEN_EXPIRES_ANNOTATION: rfc3339(stated_end),
+            PREVIOUS_ANCHOR_ANNOTATION: second_renewal,
+        }},
         "stringData": {"kubeconfig": with_token(&joined, &short)},
     });
     secrets
@@ -375,8 +398,26 @@ async fn a_renewable_join_token_of_two_minutes_is_renewed_and_the_cluster_reconc
     })
     .await;
 
+    eventually(30, "the decoy refused as an anchor", async || {
+        has_event(
+            &host,
+            "mcr-system",
+            "TokenRevocationRefused",
+            "renewed",
+            "is not an anchor",
+        )
+        .await
+    })
+    .await;
+    assert!(
+        member_secrets
+            .get_opt(&second_renewal)
+            .await
+            .unwrap()
+            .is_some()
+    );
+
     // Renewed before the end: a token of an hour, bound to the first renewal anchor.
-    let [first_renewal, _] = renewal_anchors("renewed", &key);
     let mut renewed = None;
     eventually(60, "the token renewed", async || {
         let secret = secrets.get("renewed").await.unwrap();
@@ -414,6 +455,17 @@ async fn a_renewable_join_token_of_two_minutes_is_renewed_and_the_cluster_reconc
         "the old token is still taken; logs:\n{}",
         logs.lines(&["renewed"]).join("\n")
     );
+    eventually(
+        30,
+        "the revoked anchor's name taken off the Secret",
+        async || {
+            let secret = secrets.get("renewed").await.unwrap();
+            !secret
+                .annotations()
+                .contains_key(PREVIOUS_ANCHOR_ANNOTATION)
+        },
+    )
+    .await;
     eventually(30, "the new end in the gauge", async || {
         [shown("token"), shown("annotation")]
             .into_iter()
@@ -448,15 +500,7 @@ async fn a_renewable_join_token_of_two_minutes_is_renewed_and_the_cluster_reconc
             "renewed",
         ],
     );
-    let roles: Api<k8s_openapi::api::rbac::v1::Role> =
-        Api::namespaced(member.clone(), "mcr-system");
-    assert!(
-        roles
-            .get_opt("mcr-join:renewed:renewal")
-            .await
-            .unwrap()
-            .is_none()
-    );
+    assert!(roles.get_opt(&renewal_role).await.unwrap().is_none());
     assert!(
         Api::<Secret>::namespaced(member.clone(), "mcr-system")
             .get_opt(&first_renewal)

@@ -34,8 +34,9 @@ const TOKEN_FOR: &str = "multicluster-runtime.sigs.k8s.io/token-for";
 /// On the bindings of `--cluster-role` and `--role`, beside `JOINED_AS` (the manifests' own
 /// bindings carry `JOINED_AS` too, and are not `bind`'s to remove).
 const BINDING: &str = "multicluster-runtime.sigs.k8s.io/join-binding";
-/// The `--role`-like name of the renewal's Role and binding (`mcr-join:<name>:renewal`).
-const RENEWAL: &str = "renewal";
+/// The renewal's Role and binding are `mcr-join:<name>:renewal-<destination key>`: one per
+/// destination, so that joining another destination leaves this one's renewal as it is.
+const RENEWAL: &str = "renewal-";
 /// On records, beside `JOINED_AS`.
 const RECORD: &str = "multicluster-runtime.sigs.k8s.io/join-record";
 /// The record's data key.
@@ -318,7 +319,13 @@ impl Member {
             .await?;
         }
 
-        self.bind(cluster_roles, roles, renewable).await?;
+        self.bind(
+            cluster_roles,
+            roles,
+            renewable.then_some(token_for),
+            token_for,
+        )
+        .await?;
         let issued = self.issue(ttl, token_for).await?;
         if renewable && let Err(error) = self.grant_renewal(token_for, &issued.anchor).await {
             self.drop_anchor(&issued.anchor).await;
@@ -332,7 +339,7 @@ impl Member {
     /// and only the anchors (this one and the two renewals alternate between) read and
     /// deleted.
     async fn grant_renewal(&self, token_for: &str, anchor: &str) -> Result<()> {
-        let name = self.binding_name(RENEWAL);
+        let name = self.renewal_name(token_for);
         let mut labels = self.labels();
         labels.insert(BINDING.to_string(), "true".to_string());
         let mut anchors = vec![anchor.to_string()];
@@ -421,6 +428,10 @@ impl Member {
         }))
     }
 
+    fn renewal_name(&self, token_for: &str) -> String {
+        self.binding_name(&format!("{RENEWAL}{token_for}"))
+    }
+
     fn binding_name(&self, role: &str) -> String {
         format!("mcr-join:{}:{role}", self.name)
     }
@@ -430,7 +441,8 @@ impl Member {
         &self,
         cluster_roles: &[String],
         roles: &[(&str, &str)],
-        renewable: bool,
+        renewable: Option<&str>,
+        token_for: &str,
     ) -> Result<()> {
         let subject = serde_json::json!([{
             "kind": "ServiceAccount",
@@ -479,10 +491,19 @@ impl Member {
                 .with_context(|| format!("binding the Role {namespace}/{role}"))?;
             wanted.push((Some(namespace.to_string()), name));
         }
-        if renewable {
-            wanted.push((Some(self.sa_namespace.clone()), self.binding_name(RENEWAL)));
+        if let Some(token_for) = renewable {
+            wanted.push((
+                Some(self.sa_namespace.clone()),
+                self.renewal_name(token_for),
+            ));
         }
-        self.remove_bindings(|key| !wanted.contains(key)).await?;
+        // Other destinations' renewals are theirs to keep or drop.
+        let renewals = self.binding_name(RENEWAL);
+        let this_renewal = self.renewal_name(token_for);
+        self.remove_bindings(|key| {
+            !wanted.contains(key) && (!key.1.starts_with(&renewals) || key.1 == this_renewal)
+        })
+        .await?;
         Ok(())
     }
 
@@ -508,14 +529,15 @@ impl Member {
                 removed += delete(&api, &name, None).await?;
             }
         }
-        // The renewal's Role goes with its binding.
-        let renewal = (Some(self.sa_namespace.clone()), self.binding_name(RENEWAL));
-        if stale(&renewal) {
-            let api: Api<Role> = Api::namespaced(self.client.clone(), &self.sa_namespace);
-            for role in api.list(&self.bindings_selector()).await? {
-                if role.metadata.name.as_ref() == Some(&renewal.1) {
-                    removed += delete(&api, &renewal.1, role.metadata.uid).await?;
-                }
+        // A renewal's Role goes with its binding.
+        let renewals = self.binding_name(RENEWAL);
+        let api: Api<Role> = Api::namespaced(self.client.clone(), &self.sa_namespace);
+        for role in api.list(&self.bindings_selector()).await? {
+            let name = role.metadata.name.clone().unwrap_or_default();
+            if name.starts_with(&renewals)
+                && stale(&(Some(self.sa_namespace.clone()), name.clone()))
+            {
+                removed += delete(&api, &name, role.metadata.uid).await?;
             }
         }
         Ok(removed)
@@ -628,6 +650,9 @@ impl Member {
     /// bindings and what join made. Returns what it removed, and what it kept and why.
     pub async fn unjoin(&self, token_for: &str) -> Result<(usize, Vec<String>)> {
         let mut removed = self.revoke_tokens(token_for, &[]).await?;
+        // This destination's renewal, whatever else stays.
+        let renewal = self.renewal_name(token_for);
+        removed += self.remove_bindings(|key| key.1 == renewal).await?;
         let mut kept = Vec::new();
         if self.other_destinations(token_for).await? {
             kept.push(format!(

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource as _, ResourceExt};
 
 use crate::client::Shown;
 use crate::client::owners::is_path_safe_name;
@@ -26,6 +26,10 @@ pub const TOKEN_FOR_LABEL: &str = "multicluster-runtime.sigs.k8s.io/token-for";
 pub const TOKEN_ANCHOR_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/token-anchor";
 /// On the host Secret: the member identity, `NAMESPACE/NAME`.
 pub const SERVICE_ACCOUNT_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/service-account";
+/// On the host Secret, written with a renewed token: the anchor of the token it replaced,
+/// until that anchor is deleted (so a revocation survives a restart of the operator).
+pub const PREVIOUS_ANCHOR_ANNOTATION: &str =
+    "multicluster-runtime.sigs.k8s.io/token-previous-anchor";
 /// On the host Secret, written by `mcr join --renewable`: the destination's key (the anchors'
 /// `token-for`). Its presence says the member granted renewal.
 pub const TOKEN_RENEWAL_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/token-renewal";
@@ -88,6 +92,8 @@ pub(crate) struct Plan {
     sa_name: String,
     anchor: String,
     next: String,
+    /// The anchor of the token a renewal replaced, not yet revoked.
+    previous: Option<String>,
 }
 
 /// The renewal `secret` allows: `Ok(None)` when it does not (no renewal annotation, or not a
@@ -117,6 +123,15 @@ pub(crate) fn plan(secret: &Secret) -> Result<Option<Plan>, String> {
         .get(TOKEN_ANCHOR_ANNOTATION)
         .filter(|a| is_path_safe_name(a))
         .ok_or_else(|| format!("{TOKEN_ANCHOR_ANNOTATION} is not a Secret's name"))?;
+    let previous = match annotations.get(PREVIOUS_ANCHOR_ANNOTATION) {
+        Some(p) if is_path_safe_name(p) => (p != anchor).then(|| p.clone()),
+        Some(_) => {
+            return Err(format!(
+                "{PREVIOUS_ANCHOR_ANNOTATION} is not a Secret's name"
+            ));
+        }
+        None => None,
+    };
     let [first, second] = renewal_anchors(&join, token_for);
     let next = if *anchor == first { second } else { first };
     Ok(Some(Plan {
@@ -126,19 +141,14 @@ pub(crate) fn plan(secret: &Secret) -> Result<Option<Plan>, String> {
         sa_name: sa_name.to_string(),
         anchor: anchor.clone(),
         next,
+        previous,
     }))
 }
 
-/// A renewal written to the host Secret.
+/// A renewal written to the host Secret: when the new token ends.
 #[derive(Debug)]
 pub(crate) struct Renewed {
-    /// The version (hash) of the kubeconfig written: once it is engaged, `old` is revoked.
-    pub(crate) version: u64,
     pub(crate) expires: SystemTime,
-    pub(crate) sa_namespace: String,
-    pub(crate) old: String,
-    /// The new token's anchor.
-    pub(crate) anchor: String,
 }
 
 /// An anchor older than this, found where a renewal would make its own, was left by a
@@ -182,7 +192,9 @@ pub(crate) async fn renew(
             .status
             .ok_or("the member answered the token request without a token")?;
         let (Some(token), Some(end)) = (status.token, status.expiration_timestamp) else {
-            return Err("the member answered the token request without a token or its end".to_string());
+            return Err(Unwritten(
+                "the member answered the token request without a token or its end".to_string(),
+            ));
         };
         let expires_text = serde_json::to_value(&end)
             .ok()
@@ -191,7 +203,6 @@ pub(crate) async fn renew(
         let expires = SystemTime::UNIX_EPOCH
             + Duration::from_secs(u64::try_from(end.0.as_second()).unwrap_or(0));
         let kubeconfig = with_token(secret, key, &token)?;
-        let version = super::kubeconfig::version_of(&Some(kubeconfig.as_slice()));
         let encoded = {
             use base64::Engine as _;
             base64::engine::general_purpose::STANDARD.encode(&kubeconfig)
@@ -201,37 +212,66 @@ pub(crate) async fn renew(
                 "resourceVersion": secret.resource_version(),
                 "annotations": {
                     TOKEN_ANCHOR_ANNOTATION: plan.next,
+                    PREVIOUS_ANCHOR_ANNOTATION: plan.anchor,
                     super::kubeconfig_secrets::TOKEN_EXPIRES_ANNOTATION: expires_text,
                 },
             },
             "data": { key: encoded },
         });
-        host.patch(&secret.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(|e| match e {
-                kube::Error::Api(s) if s.code == 409 => {
-                    "the Secret changed while the token was renewed (it is renewed again from what it holds now)".to_string()
+        let written = host
+            .patch(&secret.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
+        match written {
+            Ok(_) => Ok::<_, Failed>(expires),
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Err(Unwritten(
+                "the Secret changed while the token was renewed (it is renewed again from what it holds now)".to_string(),
+            )),
+            // No answer, or an error after the write may have landed: the anchor stays
+            // unless the Secret is seen without it (deleting it would kill the token in use).
+            Err(e) => {
+                let reason = format!("writing the renewed kubeconfig to the Secret: {}", Shown(&e));
+                match host.get_opt(&secret.name_any()).await {
+                    Ok(Some(now)) if now.annotations().get(TOKEN_ANCHOR_ANNOTATION) == Some(&plan.next) => Ok(expires),
+                    Ok(_) => Err(Unwritten(reason)),
+                    Err(_) => Err(Unsure(reason)),
                 }
-                e => format!("writing the renewed kubeconfig to the Secret: {}", Shown(&e)),
-            })?;
-        Ok::<_, String>((version, expires))
+            }
+        }
     }
     .await;
     match written {
-        Ok((version, expires)) => Ok(Renewed {
-            version,
-            expires,
-            sa_namespace: plan.sa_namespace.clone(),
-            old: plan.anchor.clone(),
-            anchor: plan.next.clone(),
-        }),
-        Err(error) => {
+        Ok(expires) => Ok(Renewed { expires }),
+        Err(Unwritten(error)) => {
             // The new token is not used: revoked with its anchor.
             if let Err(e) = delete_anchor(&anchors, &plan.next, uid).await {
                 tracing::debug!(anchor = %plan.next, error = %e, "could not delete an unused anchor");
             }
             Err(error)
         }
+        Err(Unsure(error)) => Err(format!(
+            "{error} (whether it was written is unknown: its anchor {} is kept)",
+            plan.next
+        )),
+    }
+}
+
+/// Why a renewal's write failed: it surely did not happen (the new anchor goes), or it may
+/// have (the new anchor stays: it may hold the token in use).
+enum Failed {
+    Unwritten(String),
+    Unsure(String),
+}
+use Failed::{Unsure, Unwritten};
+
+impl From<String> for Failed {
+    fn from(reason: String) -> Self {
+        Unwritten(reason)
+    }
+}
+
+impl From<&str> for Failed {
+    fn from(reason: &str) -> Self {
+        Unwritten(reason.to_string())
     }
 }
 
@@ -313,9 +353,67 @@ async fn delete_anchor(
     }
 }
 
-/// Revokes the token anchored by `old` (in `sa_namespace` of the member `member` reaches).
-pub(crate) async fn revoke(member: Client, sa_namespace: &str, old: &str) -> Result<(), String> {
-    delete_anchor(&Api::namespaced(member, sa_namespace), old, None).await
+/// What became of the anchor a renewal replaced.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Revoked {
+    /// Deleted: its token is refused from now on.
+    Deleted,
+    /// Gone already.
+    Gone,
+    /// The name is not one of this join's anchors (its labels differ): left alone.
+    NotAnAnchor,
+}
+
+/// Revokes the token of `plan`'s previous anchor (in the member `member` reaches): deleted
+/// only if it carries this join's and destination's labels, and as read (its uid); then
+/// the annotation that named it is taken off the host Secret (under its resourceVersion).
+pub(crate) async fn revoke_previous(
+    host: &Api<Secret>,
+    secret: &Secret,
+    plan: &Plan,
+    member: Client,
+) -> Result<Revoked, String> {
+    let Some(previous) = &plan.previous else {
+        return Ok(Revoked::Gone);
+    };
+    let anchors: Api<Secret> = Api::namespaced(member, &plan.sa_namespace);
+    let found = anchors
+        .get_opt(previous)
+        .await
+        .map_err(|e| format!("reading the replaced anchor {previous}: {}", Shown(&e)))?;
+    let revoked = match found {
+        None => Revoked::Gone,
+        Some(anchor) => {
+            let labels = anchor.labels();
+            if labels.get(JOINED_AS_LABEL) != Some(&plan.join)
+                || labels.get(TOKEN_FOR_LABEL) != Some(&plan.token_for)
+            {
+                Revoked::NotAnAnchor
+            } else {
+                delete_anchor(&anchors, previous, anchor.metadata.uid.clone()).await?;
+                Revoked::Deleted
+            }
+        }
+    };
+    let patch = serde_json::json!({
+        "metadata": {
+            "resourceVersion": secret.resource_version(),
+            "annotations": { PREVIOUS_ANCHOR_ANNOTATION: null },
+        },
+    });
+    host.patch(
+        &secret.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map_err(|e| {
+        format!(
+            "taking the revoked anchor's name off the Secret: {}",
+            Shown(&e)
+        )
+    })?;
+    Ok(revoked)
 }
 
 /// The kubeconfig of `secret`'s data key `key`, its current user's token made `token` (as
@@ -354,9 +452,16 @@ fn with_token(secret: &Secret, key: &str, token: &str) -> Result<Vec<u8>, String
         .map_err(|_| "the renewed kubeconfig could not be written".to_string())
 }
 
-/// When the renewal of a token ending at `end` is due, `ahead` before it.
-pub(crate) fn due(end: SystemTime, ahead: Duration) -> SystemTime {
-    end.checked_sub(ahead).unwrap_or(SystemTime::UNIX_EPOCH)
+/// When the renewal of a token ending at `end` is due, seen at `now`: `ahead` before its
+/// end, but not before half of what is left of it has passed (at most an hour), so a token
+/// shorter than `ahead` (the member's API server may cap them) is renewed at its half-life
+/// rather than again and again.
+pub(crate) fn due(end: SystemTime, ahead: Duration, now: SystemTime) -> SystemTime {
+    let left = end.duration_since(now).unwrap_or_default();
+    let floor = now + (left / 2).min(Duration::from_secs(3600));
+    end.checked_sub(ahead)
+        .unwrap_or(SystemTime::UNIX_EPOCH)
+        .max(floor)
 }
 
 /// How long to wait after `failures` failed renewals: a minute, doubling up to an hour.
@@ -366,6 +471,316 @@ pub(crate) fn backoff(failures: u32) -> Duration {
             .saturating_mul(1u64 << failures.saturating_sub(1).min(6))
             .min(3600),
     )
+}
+
+/// How a renewal or a revocation ended, for the entry of `generation`.
+pub(crate) enum Outcome {
+    Renewed {
+        name: String,
+        generation: u64,
+        /// The Secret's resourceVersion it started from.
+        from: Option<String>,
+        renewed: Result<Renewed, String>,
+    },
+    Revoked {
+        name: String,
+        generation: u64,
+        anchor: String,
+        revoked: Result<Revoked, String>,
+    },
+}
+
+/// One renewable Secret's state.
+struct Entry {
+    /// The Secret as last seen.
+    secret: Secret,
+    plan: Plan,
+    /// A new entry for a Secret deleted and made again: outcomes of the old one are ignored.
+    generation: u64,
+    due: SystemTime,
+    failures: u32,
+    running: bool,
+    revoke_due: SystemTime,
+    revoke_failures: u32,
+    revoking: bool,
+}
+
+/// The renewals of a provider's Secrets: when each is due, and the revocations of the
+/// tokens they replaced (named by the Secret's `token-previous-anchor` until done).
+pub(crate) struct Renewals {
+    settings: JoinRenewal,
+    host: Api<Secret>,
+    key: String,
+    recorder: kube_runtime::events::Recorder,
+    entries: std::collections::BTreeMap<String, Entry>,
+    generations: u64,
+}
+
+/// The longest wait between looks at what is due (the wall clock may jump).
+const LOOK_AGAIN: Duration = Duration::from_secs(3600);
+/// A cluster not engaged here with the Secret's kubeconfig is looked at again after this.
+const NOT_HERE: Duration = Duration::from_secs(60);
+
+impl Renewals {
+    pub(crate) fn new(
+        settings: JoinRenewal,
+        host: Api<Secret>,
+        key: String,
+        recorder: kube_runtime::events::Recorder,
+    ) -> Self {
+        Self {
+            settings,
+            host,
+            key,
+            recorder,
+            entries: Default::default(),
+            generations: 0,
+        }
+    }
+
+    /// The Secret was seen (its token ending at `expires`).
+    pub(crate) fn seen(&mut self, secret: &Secret, expires: Option<SystemTime>) {
+        let name = secret.name_any();
+        let plan = match plan(secret) {
+            Ok(Some(plan)) => plan,
+            Ok(None) => {
+                self.entries.remove(&name);
+                return;
+            }
+            Err(reason) => {
+                tracing::warn!(cluster = %name, %reason, "the Secret asks for its token's renewal in a form mcr join does not write: not renewed");
+                self.entries.remove(&name);
+                return;
+            }
+        };
+        let Some(end) = expires else {
+            self.entries.remove(&name);
+            return;
+        };
+        let now = SystemTime::now();
+        let due = due(end, self.settings.ahead, now);
+        match self.entries.get_mut(&name) {
+            Some(entry) => {
+                // A new token (renewed, or joined again): its own schedule, failures forgotten.
+                if entry
+                    .secret
+                    .annotations()
+                    .get(super::kubeconfig_secrets::TOKEN_EXPIRES_ANNOTATION)
+                    != secret
+                        .annotations()
+                        .get(super::kubeconfig_secrets::TOKEN_EXPIRES_ANNOTATION)
+                {
+                    entry.due = due;
+                    entry.failures = 0;
+                }
+                entry.secret = secret.clone();
+                entry.plan = plan;
+            }
+            None => {
+                self.generations += 1;
+                self.entries.insert(
+                    name,
+                    Entry {
+                        secret: secret.clone(),
+                        plan,
+                        generation: self.generations,
+                        due,
+                        failures: 0,
+                        running: false,
+                        revoke_due: now,
+                        revoke_failures: 0,
+                        revoking: false,
+                    },
+                );
+            }
+        }
+    }
+
+    /// The Secret is gone (or no longer selected).
+    pub(crate) fn forget(&mut self, name: &str) {
+        self.entries.remove(name);
+    }
+
+    /// The cluster `name` was engaged (with a new kubeconfig): a replaced token is revoked now.
+    pub(crate) fn engaged(&mut self, name: &str) {
+        if let Some(entry) = self.entries.get_mut(name) {
+            entry.revoke_due = SystemTime::now();
+            entry.revoke_failures = 0;
+        }
+    }
+
+    /// How long until something is due.
+    pub(crate) fn next_due(&self) -> Duration {
+        let now = SystemTime::now();
+        self.entries
+            .values()
+            .flat_map(|e| {
+                let renew = (!e.running && e.plan.previous.is_none()).then_some(e.due);
+                let revoke = (!e.revoking && e.plan.previous.is_some()).then_some(e.revoke_due);
+                [renew, revoke]
+            })
+            .flatten()
+            .min()
+            .map_or(LOOK_AGAIN, |at| at.duration_since(now).unwrap_or_default())
+            .min(LOOK_AGAIN)
+    }
+
+    /// Starts what is due, for the clusters engaged here with their Secret's current
+    /// kubeconfig (`engaged` gives the version the provider engaged a Secret's cluster from).
+    /// With sharding, the replica that holds a cluster renews its token.
+    pub(crate) fn start(
+        &mut self,
+        fleet: &crate::fleet::Fleet<crate::cluster::ClusterName>,
+        engaged: impl Fn(&str) -> Option<u64>,
+    ) -> Vec<futures::future::BoxFuture<'static, Outcome>> {
+        let now = SystemTime::now();
+        let mut started = Vec::new();
+        for (name, entry) in &mut self.entries {
+            let revoke =
+                entry.plan.previous.is_some() && !entry.revoking && entry.revoke_due <= now;
+            // A replaced token is revoked before the next renewal.
+            let renew_due = entry.plan.previous.is_none() && !entry.running && entry.due <= now;
+            if !revoke && !renew_due {
+                continue;
+            }
+            let data = entry.secret.data.as_ref().and_then(|d| d.get(&self.key));
+            let current =
+                engaged(name) == Some(super::kubeconfig::version_of(&data.map(|b| b.0.as_slice())));
+            let cluster = fleet.get(&crate::cluster::ClusterName::from(name.clone()));
+            let (Some(cluster), true) = (cluster, current) else {
+                if revoke {
+                    entry.revoke_due = now + NOT_HERE;
+                } else {
+                    entry.due = now + NOT_HERE;
+                }
+                continue;
+            };
+            let client = cluster.client().clone();
+            let (host, secret, plan, name, generation) = (
+                self.host.clone(),
+                entry.secret.clone(),
+                entry.plan.clone(),
+                name.clone(),
+                entry.generation,
+            );
+            if revoke {
+                entry.revoking = true;
+                let anchor = plan.previous.clone().unwrap_or_default();
+                started.push(Box::pin(async move {
+                    let revoked = revoke_previous(&host, &secret, &plan, client).await;
+                    Outcome::Revoked {
+                        name,
+                        generation,
+                        anchor,
+                        revoked,
+                    }
+                })
+                    as futures::future::BoxFuture<'static, Outcome>);
+            } else {
+                entry.running = true;
+                let (key, valid_for) = (self.key.clone(), self.settings.valid_for);
+                started.push(Box::pin(async move {
+                    let from = secret.resource_version();
+                    let renewed = renew(&host, &key, &secret, &plan, client, valid_for).await;
+                    Outcome::Renewed {
+                        name,
+                        generation,
+                        from,
+                        renewed,
+                    }
+                }));
+            }
+        }
+        started
+    }
+
+    /// Takes in how a renewal or a revocation ended.
+    pub(crate) async fn done(&mut self, outcome: Outcome) {
+        let (name, generation) = match &outcome {
+            Outcome::Renewed {
+                name, generation, ..
+            }
+            | Outcome::Revoked {
+                name, generation, ..
+            } => (name.clone(), *generation),
+        };
+        // For a Secret since deleted (and perhaps made again): nothing to update.
+        let Some(entry) = self
+            .entries
+            .get_mut(&name)
+            .filter(|e| e.generation == generation)
+        else {
+            return;
+        };
+        let now = SystemTime::now();
+        let failure = match outcome {
+            Outcome::Renewed { renewed, from, .. } => {
+                entry.running = false;
+                match renewed {
+                    Ok(renewed) => {
+                        let until = k8s_openapi::jiff::Timestamp::try_from(renewed.expires)
+                            .map(|t| t.to_string())
+                            .unwrap_or_default();
+                        tracing::info!(cluster = %name, until, "renewed the cluster's mcr join token");
+                        entry.failures = 0;
+                        // Due again once the Secret with the new token is seen (unless it
+                        // was seen already and set it).
+                        if entry.secret.resource_version() == from {
+                            entry.due = now + LOOK_AGAIN;
+                        }
+                        None
+                    }
+                    Err(reason) => {
+                        entry.failures += 1;
+                        // A Secret written meanwhile set its own schedule.
+                        if entry.secret.resource_version() == from {
+                            entry.due = now + backoff(entry.failures);
+                        }
+                        tracing::warn!(cluster = %name, %reason, failures = entry.failures, "could not renew the cluster's mcr join token; retrying");
+                        Some(("TokenRenewalFailed", "Renew", reason))
+                    }
+                }
+            }
+            Outcome::Revoked {
+                revoked, anchor, ..
+            } => {
+                entry.revoking = false;
+                match revoked {
+                    Ok(Revoked::Deleted | Revoked::Gone) => {
+                        tracing::info!(cluster = %name, %anchor, "revoked the cluster's replaced mcr join token");
+                        entry.revoke_failures = 0;
+                        None
+                    }
+                    Ok(Revoked::NotAnAnchor) => {
+                        let reason = format!(
+                            "{anchor} is not an anchor of this join's tokens (its labels differ): left alone"
+                        );
+                        tracing::warn!(cluster = %name, %reason, "the Secret named a replaced token's anchor that is not one");
+                        Some(("TokenRevocationRefused", "Revoke", reason))
+                    }
+                    Err(reason) => {
+                        entry.revoke_failures += 1;
+                        entry.revoke_due = now + backoff(entry.revoke_failures);
+                        tracing::warn!(cluster = %name, %anchor, %reason, "could not revoke the cluster's replaced mcr join token; retrying");
+                        Some(("TokenRevocationFailed", "Revoke", reason))
+                    }
+                }
+            }
+        };
+        if let Some((reason, action, note)) = failure {
+            let event = kube_runtime::events::Event {
+                type_: kube_runtime::events::EventType::Warning,
+                reason: reason.into(),
+                note: Some(note),
+                action: action.into(),
+                secondary: None,
+            };
+            let reference = entry.secret.object_ref(&());
+            if let Err(error) = self.recorder.publish(&event, &reference).await {
+                tracing::debug!(cluster = %name, error = %Shown(&error), "could not record a renewal's failure");
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -422,6 +837,26 @@ mod tests {
         let mut other = secret(&good);
         other.metadata.labels = None;
         assert_eq!(plan(&other).unwrap(), None);
+    }
+
+    #[test]
+    fn a_renewal_is_due_ahead_of_the_end_but_never_again_at_once() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let days = |n: u64| Duration::from_secs(n * 24 * 3600);
+        // 90 days left, 30 ahead: at 60 days.
+        assert_eq!(due(now + days(90), days(30), now), now + days(60));
+        // A token of a day (capped by the member), 30 days ahead: an hour on, not now.
+        assert_eq!(
+            due(now + days(1), days(30), now),
+            now + Duration::from_secs(3600)
+        );
+        // 2 minutes left, 80 s ahead: in 60 s (half of what is left), not in 40 s.
+        assert_eq!(
+            due(now + Duration::from_secs(120), Duration::from_secs(80), now),
+            now + Duration::from_secs(60)
+        );
+        // Ended: now.
+        assert_eq!(due(now - Duration::from_secs(5), days(30), now), now);
     }
 
     #[test]

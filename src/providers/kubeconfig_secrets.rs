@@ -185,6 +185,9 @@ impl Provider for KubeconfigSecrets {
         let mut inflight = super::InFlight::default();
         let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
         // Renewals of `mcr join` tokens, and revocations of the tokens they replaced.
+        let mut renewals = self.renewal.map(|settings| {
+            join_renewal::Renewals::new(settings, api.clone(), self.key.clone(), recorder.clone())
+        });
         let mut renewing = FuturesUnordered::new();
         loop {
             while building.len() < BUILDS_AT_ONCE
@@ -197,28 +200,21 @@ impl Provider for KubeconfigSecrets {
                     }));
                 }
             }
-            // The next renewal due (looked at again within the hour: the wall clock may jump).
-            let next_due = known
-                .values()
-                .filter_map(|k| k.renewal.as_ref())
-                .filter(|r| !r.running)
-                .map(|r| r.due)
-                .min()
-                .map(|due| {
-                    due.duration_since(std::time::SystemTime::now())
-                        .unwrap_or_default()
-                })
-                .unwrap_or(HOUR)
-                .min(HOUR);
+            let next_due = renewals
+                .as_ref()
+                .map_or(HOUR, join_renewal::Renewals::next_due);
             let event = tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
-                () = tokio::time::sleep(next_due), if self.renewal.is_some() => {
-                    self.start_renewals(&fleet, &api, &mut known, &mut renewing);
+                () = tokio::time::sleep(next_due), if renewals.is_some() => {
+                    if let Some(renewals) = &mut renewals {
+                        let engaged = |name: &str| known.get(name).and_then(|k| k.engaged);
+                        renewing.extend(renewals.start(&fleet, engaged));
+                    }
                     continue;
                 }
                 Some(done) = renewing.next(), if !renewing.is_empty() => {
-                    if let Some(revoke) = self.renewal_done(done, &recorder, &fleet, &mut known).await {
-                        renewing.push(revoke);
+                    if let Some(renewals) = &mut renewals {
+                        renewals.done(done).await;
                     }
                     continue;
                 }
@@ -235,13 +231,13 @@ impl Provider for KubeconfigSecrets {
                     };
                     entry.wanted = None;
                     match cluster {
-                        Ok(cluster) => match fleet.engage(cluster.clone()) {
+                        Ok(cluster) => match fleet.engage(cluster) {
                             Ok(_) => {
                                 entry.refused = None;
                                 entry.engaged = Some(version);
                                 // Engaged with a renewed token: the one it replaced goes.
-                                if let Some(revoke) = revocation(entry, version, &cluster) {
-                                    renewing.push(revoke);
+                                if let Some(renewals) = &mut renewals {
+                                    renewals.engaged(&name);
                                 }
                             }
                             Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
@@ -269,6 +265,9 @@ impl Provider for KubeconfigSecrets {
                     // Secrets gone while the watch was away: forgotten, their clusters leave.
                     known.retain(|name, _| {
                         listing.contains(name) || {
+                            if let Some(renewals) = &mut renewals {
+                                renewals.forget(name);
+                            }
                             inflight.cancel(name);
                             fleet.disengage(&ClusterName::from(name.clone()));
                             false
@@ -280,6 +279,9 @@ impl Provider for KubeconfigSecrets {
                     // Deleted, or the label was removed (it left the selection).
                     let name = secret.name_any();
                     known.remove(&name);
+                    if let Some(renewals) = &mut renewals {
+                        renewals.forget(&name);
+                    }
                     inflight.cancel(&name);
                     fleet.disengage(&ClusterName::from(name));
                     continue;
@@ -295,8 +297,8 @@ impl Provider for KubeconfigSecrets {
             let version = version_of(&data.map(|b| b.0.as_slice()));
             let entry = known.entry(name).or_default();
             let expires = token_expiry(&secret);
-            if let Some(renewal) = self.renewal {
-                entry.note_for_renewal(&secret, expires, renewal);
+            if let Some(renewals) = &mut renewals {
+                renewals.seen(&secret, expires);
             }
             // The end the Secret states may change alone (the kubeconfig did not).
             if entry.engaged == Some(version)
@@ -325,226 +327,13 @@ struct Known {
     refused: Option<u64>,
     /// The version whose client is being built or waits to be.
     wanted: Option<u64>,
-    /// Its token's renewal, when renewal is on and the Secret allows it.
-    renewal: Option<Renewal>,
-}
-
-/// Where the renewal of one Secret's `mcr join` token stands.
-struct Renewal {
-    /// The Secret as last seen (what is renewed).
-    secret: Secret,
-    /// When to renew next (before the end; after a failure, once backed off).
-    due: std::time::SystemTime,
-    /// Failed attempts since the last success.
-    failures: u32,
-    running: bool,
-    /// Once the version (of the renewed kubeconfig) is engaged: the anchor of the token it
-    /// replaced, in the identity's namespace, to delete.
-    revoke: Option<(u64, String, String)>,
-}
-
-/// How a renewal or a revocation ended.
-enum Outcome {
-    Renewed {
-        name: String,
-        renewed: Result<join_renewal::Renewed, String>,
-    },
-    Revoked {
-        name: String,
-        old: String,
-        revoked: Result<(), String>,
-    },
-}
-
-/// The revocation of the token `entry`'s renewal replaced, once `version` (the renewed
-/// kubeconfig) is engaged as `cluster`.
-fn revocation(
-    entry: &mut Known,
-    version: u64,
-    cluster: &Cluster<ClusterName>,
-) -> Option<futures::future::BoxFuture<'static, Outcome>> {
-    let (_, sa_namespace, old) = entry.renewal.as_mut()?.revoke.take_if(|r| r.0 == version)?;
-    let client = cluster.client().clone();
-    let name = cluster.id().to_string();
-    Some(Box::pin(async move {
-        let revoked = join_renewal::revoke(client, &sa_namespace, &old).await;
-        Outcome::Revoked { name, old, revoked }
-    }))
-}
-
-/// The longest the provider sleeps between looks at the renewals due.
-const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
-
-impl Known {
-    /// Takes `secret` (its token ending at `expires`) as what renewal works on.
-    fn note_for_renewal(
-        &mut self,
-        secret: &Secret,
-        expires: Option<std::time::SystemTime>,
-        renewal: JoinRenewal,
-    ) {
-        let plan = join_renewal::plan(secret);
-        let (Ok(Some(_)), Some(end)) = (&plan, expires) else {
-            if let Err(reason) = plan {
-                tracing::warn!(cluster = %secret.name_any(), %reason, "the Secret asks for its token's renewal in a form mcr join does not write: not renewed");
-            }
-            self.renewal = None;
-            return;
-        };
-        let due = join_renewal::due(end, renewal.ahead);
-        match &mut self.renewal {
-            Some(current) => {
-                // A new token (renewed, or joined again): its own schedule, failures forgotten.
-                if current.secret.annotations().get(TOKEN_EXPIRES_ANNOTATION)
-                    != secret.annotations().get(TOKEN_EXPIRES_ANNOTATION)
-                {
-                    current.due = due;
-                    current.failures = 0;
-                }
-                current.secret = secret.clone();
-            }
-            None => {
-                self.renewal = Some(Renewal {
-                    secret: secret.clone(),
-                    due,
-                    failures: 0,
-                    running: false,
-                    revoke: None,
-                })
-            }
-        }
-    }
-}
-
-impl KubeconfigSecrets {
-    /// Starts the renewals due whose clusters are engaged here (with sharding, the replica
-    /// that holds a cluster renews its token).
-    fn start_renewals<'a>(
-        &'a self,
-        fleet: &Fleet<ClusterName>,
-        api: &'a Api<Secret>,
-        known: &mut BTreeMap<String, Known>,
-        renewing: &mut FuturesUnordered<futures::future::BoxFuture<'a, Outcome>>,
-    ) {
-        let Some(settings) = self.renewal else {
-            return;
-        };
-        let now = std::time::SystemTime::now();
-        for (name, entry) in known.iter_mut() {
-            let engaged = entry.engaged;
-            let Some(renewal) = entry
-                .renewal
-                .as_mut()
-                .filter(|r| !r.running && r.due <= now)
-            else {
-                continue;
-            };
-            let secret = renewal.secret.clone();
-            let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
-            let current = engaged == Some(version_of(&data.map(|b| b.0.as_slice())));
-            let cluster = fleet.get(&ClusterName::from(name.clone()));
-            let (Some(cluster), true) = (cluster, current) else {
-                // Not engaged here with this Secret's token: looked at again in a minute.
-                renewal.due = now + std::time::Duration::from_secs(60);
-                continue;
-            };
-            let Ok(Some(plan)) = join_renewal::plan(&secret) else {
-                entry.renewal = None;
-                continue;
-            };
-            renewal.running = true;
-            let name = name.clone();
-            let key = self.key.clone();
-            renewing.push(Box::pin(async move {
-                let renewed = join_renewal::renew(
-                    api,
-                    &key,
-                    &secret,
-                    &plan,
-                    cluster.client().clone(),
-                    settings.valid_for,
-                )
-                .await;
-                Outcome::Renewed { name, renewed }
-            }));
-        }
-    }
-
-    /// Takes in how a renewal or a revocation ended; the revocation to run now, if the
-    /// renewed token is engaged already.
-    async fn renewal_done(
-        &self,
-        done: Outcome,
-        recorder: &Recorder,
-        fleet: &Fleet<ClusterName>,
-        known: &mut BTreeMap<String, Known>,
-    ) -> Option<futures::future::BoxFuture<'static, Outcome>> {
-        match done {
-            Outcome::Renewed { name, renewed } => {
-                let entry = known.get_mut(&name)?;
-                let engaged = entry.engaged;
-                let renewal = entry.renewal.as_mut()?;
-                renewal.running = false;
-                match renewed {
-                    Ok(renewed) => {
-                        let until = k8s_openapi::jiff::Timestamp::try_from(renewed.expires)
-                            .map(|t| t.to_string())
-                            .unwrap_or_default();
-                        tracing::info!(cluster = %name, until, "renewed the cluster's mcr join token");
-                        renewal.failures = 0;
-                        // Due again once the Secret with the new token is seen (unless it
-                        // was seen already, and its due time set from its end).
-                        if renewal
-                            .secret
-                            .annotations()
-                            .get(join_renewal::TOKEN_ANCHOR_ANNOTATION)
-                            != Some(&renewed.anchor)
-                        {
-                            renewal.due = std::time::SystemTime::now() + HOUR;
-                        }
-                        let version = renewed.version;
-                        renewal.revoke = Some((version, renewed.sa_namespace, renewed.old));
-                        // The Secret's new version may have been engaged before this ended.
-                        if engaged == Some(version)
-                            && let Some(cluster) = fleet.get(&ClusterName::from(name.clone()))
-                        {
-                            return revocation(entry, version, &cluster);
-                        }
-                    }
-                    Err(reason) => {
-                        renewal.failures += 1;
-                        renewal.due =
-                            std::time::SystemTime::now() + join_renewal::backoff(renewal.failures);
-                        tracing::warn!(cluster = %name, %reason, failures = renewal.failures, "could not renew the cluster's mcr join token; retrying");
-                        let event = kube_runtime::events::Event {
-                            type_: kube_runtime::events::EventType::Warning,
-                            reason: "TokenRenewalFailed".into(),
-                            note: Some(reason),
-                            action: "Renew".into(),
-                            secondary: None,
-                        };
-                        let reference = renewal.secret.object_ref(&());
-                        if let Err(error) = recorder.publish(&event, &reference).await {
-                            tracing::debug!(cluster = %name, error = %crate::client::Shown(&error), "could not record the failed renewal");
-                        }
-                    }
-                }
-            }
-            Outcome::Revoked { name, old, revoked } => match revoked {
-                Ok(()) => {
-                    tracing::info!(cluster = %name, anchor = %old, "revoked the cluster's replaced mcr join token")
-                }
-                Err(reason) => {
-                    tracing::warn!(cluster = %name, anchor = %old, %reason, "could not revoke the replaced mcr join token: delete its anchor Secret in the member")
-                }
-            },
-        }
-        None
-    }
 }
 
 /// The annotation `mcr join` writes: when the token in the kubeconfig ends (RFC 3339).
 pub const TOKEN_EXPIRES_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
+
+/// The longest the provider sleeps between looks at the renewals due.
+const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// When `secret`'s token ends, if `mcr join` said so.
 fn token_expiry(secret: &Secret) -> Option<std::time::SystemTime> {

@@ -46,8 +46,8 @@ pub use clusters::Clusters;
 #[cfg(feature = "file")]
 pub use file::{File, Naming};
 pub use join_renewal::{
-    JOINED_AS_LABEL, JoinRenewal, SERVICE_ACCOUNT_ANNOTATION, TOKEN_ANCHOR_ANNOTATION,
-    TOKEN_FOR_LABEL, TOKEN_RENEWAL_ANNOTATION, renewal_anchors,
+    JOINED_AS_LABEL, JoinRenewal, PREVIOUS_ANCHOR_ANNOTATION, SERVICE_ACCOUNT_ANNOTATION,
+    TOKEN_ANCHOR_ANNOTATION, TOKEN_FOR_LABEL, TOKEN_RENEWAL_ANNOTATION, renewal_anchors,
 };
 #[cfg(feature = "kind")]
 pub use kind::Kind;

@@ -52,7 +52,9 @@ fn seconds(query: Option<&str>) -> Result<u64, String> {
     };
     match value.parse::<u64>() {
         Ok(n) if (1..=MAX_SECONDS).contains(&n) => Ok(n),
-        _ => Err(format!("seconds must be a whole number from 1 to {MAX_SECONDS}\n")),
+        _ => Err(format!(
+            "seconds must be a whole number from 1 to {MAX_SECONDS}\n"
+        )),
     }
 }
 
@@ -138,7 +140,13 @@ mod tests {
         assert_eq!(seconds(Some("debug=1")), Ok(30));
         assert_eq!(seconds(Some("seconds=5")), Ok(5));
         assert_eq!(seconds(Some("a=b&seconds=300")), Ok(300));
-        for bad in ["seconds=0", "seconds=301", "seconds=-1", "seconds=x", "seconds="] {
+        for bad in [
+            "seconds=0",
+            "seconds=301",
+            "seconds=-1",
+            "seconds=x",
+            "seconds=",
+        ] {
             assert!(seconds(Some(bad)).is_err(), "{bad}");
         }
     }
