@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features -- -D warnings
-for features in "" kind file fuzzing; do
+for features in "" kind file fuzzing profiling; do
   echo "-- features: ${features:-none}"
   cargo clippy --all-targets --no-default-features ${features:+--features "$features"} -- -D warnings
 done

@@ -248,8 +248,29 @@ mod tests {
         })
         .await
         .unwrap();
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let scrape = || {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+            text
+        };
+        let read = |text: &str, name: &str| -> Option<f64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))?
+                .parse()
+                .ok()
+        };
+        // A worker adds its busy time to the runtime's figures when it parks or after a
+        // batch of tasks: until then the spin is not counted.
+        let mut text = scrape();
+        for _ in 0..200 {
+            if read(&text, "multicluster_runtime_tokio_busy_seconds_total")
+                .is_some_and(|b| b >= 0.05)
+            {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            text = scrape();
+        }
         let value = |name: &str| -> f64 {
             text.lines()
                 .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
