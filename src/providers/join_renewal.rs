@@ -10,7 +10,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, Resource as _, ResourceExt};
@@ -172,34 +172,43 @@ pub(crate) async fn renew(
     let anchor = make_anchor(&anchors, plan).await?;
     let uid = anchor.metadata.uid.clone();
     let written = async {
-        let request = TokenRequest {
-            spec: Some(TokenRequestSpec {
-                audiences: None,
-                expiration_seconds: Some(i64::try_from(valid_for.as_secs()).unwrap_or(i64::MAX)),
-                bound_object_ref: Some(BoundObjectReference {
-                    api_version: Some("v1".into()),
-                    kind: Some("Secret".into()),
-                    name: Some(plan.next.clone()),
-                    uid: uid.clone(),
-                }),
-            }),
-            ..Default::default()
-        };
-        let status = Api::<ServiceAccount>::namespaced(member, &plan.sa_namespace)
+        // As JSON: the Rust types' optional fields differ between Kubernetes versions.
+        let request: TokenRequest = serde_json::from_value(serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": valid_for.as_secs(),
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "name": plan.next,
+                    "uid": uid,
+                },
+            },
+        }))
+        .map_err(|_| "the token request could not be made".to_string())?;
+        let answer = Api::<ServiceAccount>::namespaced(member, &plan.sa_namespace)
             .create_token_request(&plan.sa_name, &PostParams::default(), &request)
             .await
-            .map_err(|e| format!("requesting a token for {}/{}: {}", plan.sa_namespace, plan.sa_name, Shown(&e)))?
-            .status
-            .ok_or("the member answered the token request without a token")?;
-        let (Some(token), Some(end)) = (status.token, status.expiration_timestamp) else {
+            .map_err(|e| format!("requesting a token for {}/{}: {}", plan.sa_namespace, plan.sa_name, Shown(&e)))?;
+        let status = serde_json::to_value(&answer)
+            .ok()
+            .and_then(|v| v.get("status").cloned())
+            .unwrap_or_default();
+        let (Some(token), Some(expires_text)) = (
+            status.get("token").and_then(|t| t.as_str()).map(str::to_string),
+            status
+                .get("expirationTimestamp")
+                .and_then(|t| t.as_str())
+                .map(str::to_string),
+        ) else {
             return Err(Unwritten(
                 "the member answered the token request without a token or its end".to_string(),
             ));
         };
-        let expires_text = serde_json::to_value(&end)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .ok_or("the member's token came without its end")?;
+        let end: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time =
+            serde_json::from_value(serde_json::Value::String(expires_text.clone()))
+                .map_err(|_| "the member's token came with an end that is not a time".to_string())?;
         let expires = SystemTime::UNIX_EPOCH
             + Duration::from_secs(u64::try_from(end.0.as_second()).unwrap_or(0));
         let kubeconfig = with_token(secret, key, &token)?;
