@@ -254,10 +254,24 @@ pub async fn https_get(
     path: &str,
     token: Option<&str>,
 ) -> (u16, String, Vec<u8>) {
+    let (status, body, certificate) = https_exchange(addr, path, token).await;
+    (
+        status,
+        String::from_utf8_lossy(&body).to_string(),
+        certificate,
+    )
+}
+
+/// `GET path` over TLS (any certificate), then the connection closed: the status, the body's
+/// bytes and the server's certificate.
+async fn https_exchange(
+    addr: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, Vec<u8>, Vec<u8>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let connector = any_certificate_tls();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut tls = connector
+    let mut tls = any_certificate_tls()
         .connect(
             rustls::pki_types::ServerName::try_from("localhost").unwrap(),
             tcp,
@@ -274,42 +288,6 @@ pub async fn https_get(
     let mut response = Vec::new();
     // A server closing without close_notify is fine here.
     let _ = tls.read_to_end(&mut response).await;
-    let response = String::from_utf8_lossy(&response).to_string();
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body, certificate)
-}
-
-/// As [`https_get`], the body as the bytes sent (a binary answer: a profile).
-pub async fn https_get_bytes(
-    addr: std::net::SocketAddr,
-    path: &str,
-    token: Option<&str>,
-) -> (u16, Vec<u8>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut tls = any_certificate_tls()
-        .connect(
-            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
-            tcp,
-        )
-        .await
-        .unwrap();
-    let authorization = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let request =
-        format!("GET {path} HTTP/1.1\r\nHost: probe\r\n{authorization}Connection: close\r\n\r\n");
-    tls.write_all(request.as_bytes()).await.unwrap();
-    let mut response = Vec::new();
-    let _ = tls.read_to_end(&mut response).await;
     let end = response
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -320,5 +298,16 @@ pub async fn https_get_bytes(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    (status, response.get(end + 4..).unwrap_or_default().to_vec())
+    let body = response.get(end + 4..).unwrap_or_default().to_vec();
+    (status, body, certificate)
+}
+
+/// As [`https_get`], the body as the bytes sent (a binary answer: a profile).
+pub async fn https_get_bytes(
+    addr: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, Vec<u8>) {
+    let (status, body, _) = https_exchange(addr, path, token).await;
+    (status, body)
 }
