@@ -15,10 +15,12 @@ use multicluster_runtime::providers::{
 use crate::kubeconfig::{self, Held};
 use crate::{FIELD_MANAGER, JOINED_AS};
 
-const TOKEN_ANCHOR: &str = "multicluster-runtime.sigs.k8s.io/token-anchor";
 const MEMBER_UID: &str = "multicluster-runtime.sigs.k8s.io/member-uid";
-const SERVICE_ACCOUNT: &str = "multicluster-runtime.sigs.k8s.io/service-account";
-const TOKEN_EXPIRES: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
+// The annotations the operator reads (and renews) are the library's.
+use multicluster_runtime::providers::{
+    SERVICE_ACCOUNT_ANNOTATION as SERVICE_ACCOUNT, TOKEN_ANCHOR_ANNOTATION as TOKEN_ANCHOR,
+    TOKEN_EXPIRES_ANNOTATION as TOKEN_EXPIRES,
+};
 
 pub enum Destination {
     Secret {

@@ -26,7 +26,7 @@ use kubeconfig::Held;
 /// The field manager of everything `mcr` applies.
 const FIELD_MANAGER: &str = "mcr-join";
 /// On every object `join` makes: the cluster name it was joined as.
-pub(crate) const JOINED_AS: &str = "multicluster-runtime.sigs.k8s.io/joined-as";
+pub(crate) use multicluster_runtime::providers::JOINED_AS_LABEL as JOINED_AS;
 
 #[derive(Parser)]
 #[command(

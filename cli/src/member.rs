@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use crate::{FIELD_MANAGER, JOINED_AS};
 
 /// On anchors: which destination's token they anchor (a hash of the destination).
-const TOKEN_FOR: &str = "multicluster-runtime.sigs.k8s.io/token-for";
+use multicluster_runtime::providers::TOKEN_FOR_LABEL as TOKEN_FOR;
 /// On the bindings of `--cluster-role` and `--role`, beside `JOINED_AS` (the manifests' own
 /// bindings carry `JOINED_AS` too, and are not `bind`'s to remove).
 const BINDING: &str = "multicluster-runtime.sigs.k8s.io/join-binding";

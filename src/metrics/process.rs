@@ -87,25 +87,32 @@ impl Figures {
     }
 }
 
-fn gauge(
+/// Encodes one value computed at scrape time under `name` (a counter's gets `_total`).
+fn emit(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    value: f64,
+    metric: impl EncodeMetric,
 ) -> Result<(), std::fmt::Error> {
-    let metric = ConstGauge::new(value);
     metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
 }
 
-fn counter(
-    encoder: &mut DescriptorEncoder,
+fn gauge(
+    e: &mut DescriptorEncoder,
     name: &str,
     help: &str,
     value: f64,
 ) -> Result<(), std::fmt::Error> {
-    // prometheus-client adds `_total` to a counter's name.
-    let metric = ConstCounter::new(value);
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+    emit(e, name, help, ConstGauge::new(value))
+}
+
+fn counter(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: f64,
+) -> Result<(), std::fmt::Error> {
+    emit(e, name, help, ConstCounter::new(value))
 }
 
 impl Collector for Process {
