@@ -24,7 +24,7 @@ use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use kube_runtime::watcher;
 use multicluster_runtime::providers::{
-    ClusterApi, Clusters, File, Kind, KubeconfigSecrets, Multi, Namespaces, Nop,
+    ArgoCdClusters, ClusterApi, Clusters, File, Kind, KubeconfigSecrets, Multi, Namespaces, Nop,
 };
 use multicluster_runtime::{
     Action, Builder, Cluster, ClusterId, ClusterName, Context, Manager, Provider,
@@ -617,6 +617,84 @@ async fn secrets() -> Result {
     demo.finish().await
 }
 
+/// `ArgoCdClusters`: the cluster Secrets Argo CD keeps in its namespace.
+async fn argocd() -> Result {
+    let env = env(3).await?;
+    let host = cluster(&env, 0)?.client()?;
+    create_namespace(&host, "argocd", &[]).await?;
+    let secrets: Api<Secret> = Api::namespaced(host.clone(), "argocd");
+    // As Argo CD's declarative setup writes them: `server`, and `config` as JSON.
+    let field = |kubeconfig: &str, key: &str| {
+        let prefix = format!("{key}: ");
+        kubeconfig
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
+            .unwrap_or_default()
+    };
+    let secret = |name: &str, server: &str, config: serde_json::Value| Secret {
+        metadata: object_meta(
+            name,
+            Some("argocd"),
+            &[(
+                multicluster_runtime::providers::ARGOCD_SECRET_TYPE_LABEL,
+                "cluster",
+            )],
+        ),
+        string_data: Some(BTreeMap::from([
+            ("name".to_string(), format!("{name}.example")),
+            ("server".to_string(), server.to_string()),
+            ("config".to_string(), config.to_string()),
+        ])),
+        ..Default::default()
+    };
+    let member = |i: usize| -> std::result::Result<
+        (String, serde_json::Value),
+        Box<dyn std::error::Error>,
+    > {
+        let c = cluster(&env, i)?;
+        let k = c.kubeconfig();
+        let config = serde_json::json!({ "tlsClientConfig": {
+            "caData": field(k, "certificate-authority-data"),
+            "certData": field(k, "client-certificate-data"),
+            "keyData": field(k, "client-key-data"),
+        }});
+        Ok((c.server().to_string(), config))
+    };
+    let (server, config) = member(1)?;
+    secrets
+        .create(&PostParams::default(), &secret("east", &server, config))
+        .await?;
+    let demo = Demo::start(Manager::new(ArgoCdClusters::new(host.clone(), "argocd")));
+    demo.fed("east", 3).await?;
+    println!("  a second cluster Secret while running, and one whose config runs a command:");
+    let (server, config) = member(2)?;
+    secrets
+        .create(&PostParams::default(), &secret("west", &server, config))
+        .await?;
+    let sneaky = serde_json::json!({ "execProviderConfig": { "command": "/bin/sh", "args": ["-c", "echo pwned"] } });
+    secrets
+        .create(&PostParams::default(), &secret("sneaky", &server, sneaky))
+        .await?;
+    demo.fed("west", 3).await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(host.clone(), "argocd");
+    wait_for_async("the refusal recorded", async || {
+        events.list(&Default::default()).await.is_ok_and(|l| {
+            l.items
+                .iter()
+                .any(|e| e.reason.as_deref() == Some("ClusterSecretRefused"))
+        })
+    })
+    .await?;
+    if demo.manager.cluster(&ClusterName::from("sneaky")).is_some() {
+        return Err("a config with a command was engaged".into());
+    }
+    println!("  sneaky refused (a Warning Event ClusterSecretRefused on the Secret); not engaged");
+    println!("  east's Secret deleted:");
+    secrets.delete("east", &DeleteParams::default()).await?;
+    demo.gone("east").await?;
+    demo.finish().await
+}
+
 async fn wait_for_async(what: &str, mut done: impl AsyncFnMut() -> bool) -> Result {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !done().await {
@@ -753,6 +831,7 @@ async fn main() -> Result {
         "multi",
         "file",
         "secrets",
+        "argocd",
         "cluster-api",
         "cluster-inventory",
         "kubefed",
@@ -772,6 +851,7 @@ async fn main() -> Result {
             "multi" => multi().await?,
             "file" => file().await?,
             "secrets" => secrets().await?,
+            "argocd" => argocd().await?,
             "cluster-api" => cluster_api().await?,
             "cluster-inventory" => cluster_inventory().await?,
             "kubefed" => kubefed().await?,

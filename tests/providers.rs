@@ -951,3 +951,312 @@ async fn a_secret_changed_while_its_plugin_hangs_never_has_two_plugins_running()
     run.await.unwrap();
     drop(dir);
 }
+
+/// The value of `key` in a kubeconfig's YAML (the first one).
+fn kubeconfig_field(kubeconfig: &str, key: &str) -> String {
+    let prefix = format!("{key}: ");
+    kubeconfig
+        .lines()
+        .find_map(|line| line.trim().strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no {key} in the kubeconfig"))
+        .to_string()
+}
+
+/// An Argo CD Secret of `kind` (`cluster`, `repository`) in its documented shape, with the
+/// keys Argo CD writes that the provider does not read.
+fn argo_secret(
+    name: &str,
+    kind: &str,
+    server: &str,
+    config: &str,
+) -> k8s_openapi::api::core::v1::Secret {
+    use std::collections::BTreeMap;
+    k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(BTreeMap::from([(
+                "argocd.argoproj.io/secret-type".to_string(),
+                kind.to_string(),
+            )])),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        string_data: Some(BTreeMap::from([
+            ("name".to_string(), format!("{name}.example")),
+            ("server".to_string(), server.to_string()),
+            ("config".to_string(), config.to_string()),
+            ("project".to_string(), "default".to_string()),
+            ("namespaces".to_string(), "zoo".to_string()),
+        ])),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn argo_cd_cluster_secrets_engage_follow_changes_and_refuse_commands_and_garbage() {
+    use k8s_openapi::api::core::v1::Secret;
+    use kube::api::{Patch, PatchParams};
+    use multicluster_runtime::providers::ArgoCdClusters;
+    use std::os::unix::fs::PermissionsExt;
+
+    let logs = Logs::capture();
+    let env = TestEnv::builder().clusters(3).start().await.unwrap();
+    let (host, c1, c2) = (
+        env.cluster(0).unwrap(),
+        env.cluster(1).unwrap(),
+        env.cluster(2).unwrap(),
+    );
+    fixture(&c1.client().unwrap()).await;
+    fixture(&c2.client().unwrap()).await;
+    let hc = host.client().unwrap();
+    create_namespace(&hc, "argocd").await;
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "argocd");
+    let pp = PostParams::default();
+
+    // east: the bearer token of a ServiceAccount, as `argocd cluster add` makes one.
+    let token = service_account_token(&c1, "argocd-manager").await;
+    let ca1 = kubeconfig_field(c1.kubeconfig(), "certificate-authority-data");
+    let east = serde_json::json!({
+        "bearerToken": token,
+        "tlsClientConfig": { "insecure": false, "caData": ca1 },
+    })
+    .to_string();
+    // west: a client certificate.
+    let kubeconfig2 = c2.kubeconfig();
+    let west = serde_json::json!({
+        "tlsClientConfig": {
+            "caData": kubeconfig_field(kubeconfig2, "certificate-authority-data"),
+            "certData": kubeconfig_field(kubeconfig2, "client-certificate-data"),
+            "keyData": kubeconfig_field(kubeconfig2, "client-key-data"),
+        },
+    })
+    .to_string();
+    let marker = tempfile::tempdir().unwrap().keep().join("exec-ran");
+    let hostile = [
+        (
+            "argo-exec",
+            serde_json::json!({ "execProviderConfig": {
+                "command": "/bin/sh",
+                "args": ["-c", format!("touch {}", marker.display())],
+                "apiVersion": "client.authentication.k8s.io/v1beta1",
+            }})
+            .to_string(),
+            "execProviderConfig",
+        ),
+        (
+            "argo-aws",
+            r#"{"awsAuthConfig": {"clusterName": "mcr-marker-aws", "roleARN": "arn:aws:iam::1:role/mcr-marker"}}"#.to_string(),
+            "awsAuthConfig",
+        ),
+        (
+            "argo-unparsable",
+            r#"{"bearerToken": "mcr-marker-json" "x"}"#.to_string(),
+            "line 1",
+        ),
+        (
+            "argo-typed",
+            r#"{"tlsClientConfig": {"insecure": "mcr-marker-type"}}"#.to_string(),
+            "wrong type",
+        ),
+        (
+            "argo-badca",
+            r#"{"bearerToken": "mcr-marker-token", "tlsClientConfig": {"caData": "mcr-marker-b64!"}}"#.to_string(),
+            "caData",
+        ),
+    ];
+    for (name, server, config) in [
+        ("east", c1.server(), east.as_str()),
+        ("west", c2.server(), west.as_str()),
+    ] {
+        secrets
+            .create(&pp, &argo_secret(name, "cluster", server, config))
+            .await
+            .unwrap();
+    }
+    // Argo CD's other Secrets carry the same label with other values: not clusters.
+    secrets
+        .create(&pp, &argo_secret("repo", "repository", c1.server(), &east))
+        .await
+        .unwrap();
+    for (name, config, _) in &hostile {
+        secrets
+            .create(&pp, &argo_secret(name, "cluster", c1.server(), config))
+            .await
+            .unwrap();
+    }
+    // Argo CD's own cluster, named as Argo CD names it, without credentials.
+    secrets
+        .create(
+            &pp,
+            &argo_secret(
+                "in-cluster",
+                "cluster",
+                "https://kubernetes.default.svc",
+                r#"{"tlsClientConfig": {"insecure": false}}"#,
+            ),
+        )
+        .await
+        .unwrap();
+
+    let manager = Arc::new(Manager::new(ArgoCdClusters::new(hc.clone(), "argocd")));
+    let seen = Arc::new(Seen::default());
+    Builder::<_, ConfigMap>::new(&manager, fixture_objects()).start(
+        feed_animals,
+        retry_soon,
+        seen.clone(),
+    );
+    let run = spawn_manager(&manager);
+    let (client1, client2) = (c1.client().unwrap(), c2.client().unwrap());
+    eventually(30, "east fed through its bearer token", async || {
+        is_fed(&client1, "zoo", "elephant").await
+    })
+    .await;
+    eventually(30, "west fed through its client certificate", async || {
+        is_fed(&client2, "zoo", "elephant").await
+    })
+    .await;
+    for (name, _, named) in &hostile {
+        eventually(30, &format!("{name} refused"), async || {
+            has_event(&hc, "argocd", "ClusterSecretRefused", name, named).await
+        })
+        .await;
+    }
+    eventually(30, "Argo CD's own cluster refused", async || {
+        has_event(
+            &hc,
+            "argocd",
+            "ClusterSecretRefused",
+            "in-cluster",
+            "never lent",
+        )
+        .await
+    })
+    .await;
+    // Sync point: every Secret was read (the refusals above came after the list).
+    assert_eq!(manager.fleet().ids(), [name("east"), name("west")]);
+    assert!(!marker.exists(), "the exec command must never run");
+    no_event_holds(&hc, "argocd", "mcr-marker").await;
+    no_event_holds(&hc, "argocd", &token).await;
+    assert_eq!(logs.lines(&["mcr-marker"]), Vec::<String>::new());
+    assert_eq!(logs.lines(&[&token]), Vec::<String>::new());
+
+    // A second provider takes one team's clusters only.
+    let team = serde_json::json!({ "metadata": { "labels": { "team": "a" } } });
+    secrets
+        .patch("west", &PatchParams::default(), &Patch::Merge(&team))
+        .await
+        .unwrap();
+    let team_a = Arc::new(Manager::new(
+        ArgoCdClusters::new(hc.clone(), "argocd").labels("team=a"),
+    ));
+    let team_run = spawn_manager(&team_a);
+    eventually(30, "team a's cluster engaged", async || {
+        team_a.cluster(&name("west")).is_some()
+    })
+    .await;
+    assert_eq!(
+        team_a.fleet().ids(),
+        [name("west")],
+        "one list, one cluster"
+    );
+    team_a.shutdown();
+    team_run.await.unwrap();
+
+    // New credentials in east's config: the cluster is replaced.
+    let rotated = c1.add_user("rotated", &["system:masters"]).unwrap();
+    let rotated_config = serde_json::json!({
+        "tlsClientConfig": {
+            "caData": ca1,
+            "certData": kubeconfig_field(rotated.kubeconfig(), "client-certificate-data"),
+            "keyData": kubeconfig_field(rotated.kubeconfig(), "client-key-data"),
+        },
+    })
+    .to_string();
+    secrets
+        .replace(
+            "east",
+            &pp,
+            &argo_secret("east", "cluster", c1.server(), &rotated_config),
+        )
+        .await
+        .unwrap();
+    let expected = rotated.config().auth_info.client_certificate_data;
+    eventually(30, "east replaced", async || {
+        manager.cluster(&name("east")).and_then(|c| {
+            c.config()
+                .map(|c| c.auth_info.client_certificate_data.clone())
+        }) == Some(expected.clone())
+    })
+    .await;
+
+    // A label that no longer selects it, and a deletion: disengaged.
+    let repository = serde_json::json!({ "metadata": { "labels": { "argocd.argoproj.io/secret-type": "repository" } } });
+    secrets
+        .patch("west", &PatchParams::default(), &Patch::Merge(&repository))
+        .await
+        .unwrap();
+    eventually(30, "west disengaged", async || {
+        manager.cluster(&name("west")).is_none()
+    })
+    .await;
+    secrets.delete("east", &Default::default()).await.unwrap();
+    eventually(30, "east disengaged", async || {
+        manager.cluster(&name("east")).is_none()
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+
+    // Where exec is allowed, the Secret's command gives the credential.
+    create_namespace(&hc, "argocd-trusted").await;
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("credential.sh");
+    let credential = serde_json::json!({
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "kind": "ExecCredential",
+        "status": { "token": token },
+    });
+    std::fs::write(
+        &plugin,
+        format!("#!/bin/sh\n[ \"$1\" = token ] && [ \"$MCR_WHO\" = argocd ] && cat <<'EOF'\n{credential}\nEOF\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let plugged = serde_json::json!({
+        "execProviderConfig": {
+            "command": plugin.display().to_string(),
+            "args": ["token"],
+            "env": { "MCR_WHO": "argocd" },
+            "apiVersion": "client.authentication.k8s.io/v1beta1",
+        },
+        "tlsClientConfig": { "caData": ca1 },
+    })
+    .to_string();
+    Api::<Secret>::namespaced(hc.clone(), "argocd-trusted")
+        .create(
+            &pp,
+            &argo_secret("plugged", "cluster", c1.server(), &plugged),
+        )
+        .await
+        .unwrap();
+    let trusted = Arc::new(Manager::new(
+        ArgoCdClusters::new(hc.clone(), "argocd-trusted").allow_exec(true),
+    ));
+    let trusted_run = spawn_manager(&trusted);
+    eventually(30, "the plugin's cluster engaged", async || {
+        trusted.cluster(&name("plugged")).is_some()
+    })
+    .await;
+    let cluster = trusted.cluster(&name("plugged")).unwrap();
+    let zoo: Api<ConfigMap> = Api::namespaced(cluster.client().clone(), "zoo");
+    assert!(
+        !zoo.list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty(),
+        "the plugin's token reads the member"
+    );
+    trusted.shutdown();
+    trusted_run.await.unwrap();
+}

@@ -652,9 +652,11 @@ impl Renewals {
             if !revoke && !renew_due {
                 continue;
             }
-            let data = entry.secret.data.as_ref().and_then(|d| d.get(&self.key));
-            let current =
-                engaged(name) == Some(super::kubeconfig::version_of(&data.map(|b| b.0.as_slice())));
+            let current = engaged(name)
+                == Some(super::secret_fleet::version(
+                    &entry.secret,
+                    &[self.key.as_str()],
+                ));
             let cluster = fleet.get(&crate::cluster::ClusterName::from(name.clone()));
             let (Some(cluster), true) = (cluster, current) else {
                 if revoke {

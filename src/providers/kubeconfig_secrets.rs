@@ -1,21 +1,13 @@
 //! [`KubeconfigSecrets`]: clusters from kubeconfigs stored in labelled Secrets of the host
 //! cluster.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::pin::pin;
-
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 use k8s_openapi::api::core::v1::Secret;
 use kube::config::Kubeconfig;
-use kube::{Api, Client, Resource, ResourceExt};
-use kube_runtime::WatchStreamExt;
-use kube_runtime::events::{Recorder, Reporter};
-use kube_runtime::watcher::{self, Event as WatchEvent};
+use kube::{Client, Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
-use super::join_renewal::{self, JoinRenewal};
-use super::kubeconfig::version_of;
+use super::join_renewal::JoinRenewal;
+use super::secret_fleet::{SecretClusters, SecretFleet};
 use crate::client::CredentialHolder;
 use crate::cluster::{Cluster, ClusterName};
 use crate::fleet::Fleet;
@@ -129,6 +121,16 @@ impl KubeconfigSecrets {
         self.renewal = Some(renewal);
         self
     }
+}
+
+impl SecretClusters for KubeconfigSecrets {
+    const WHAT: &'static str = "kubeconfig Secret";
+    const REFUSED: &'static str = "KubeconfigRefused";
+    const REPORTER: &'static str = "multicluster-runtime-kubeconfig-secrets";
+
+    fn keys(&self) -> Vec<&str> {
+        vec![self.key.as_str()]
+    }
 
     /// The cluster a Secret describes, or why it cannot be used.
     async fn cluster(&self, secret: &Secret) -> Result<Cluster<ClusterName>, String> {
@@ -147,20 +149,10 @@ impl KubeconfigSecrets {
         Ok(cluster.with_credential_holder(holder))
     }
 
-    async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {
-        tracing::warn!(cluster = %secret.name_any(), namespace = %self.namespace, error = %reason, "kubeconfig Secret refused");
-        super::record_refusal(
-            recorder,
-            &secret.object_ref(&()),
-            &secret.name_any(),
-            reason,
-        )
-        .await;
+    fn credential_end(&self, secret: &Secret) -> Option<std::time::SystemTime> {
+        token_expiry(secret)
     }
 }
-
-/// How many clients are built at once (each may run a credential plugin, for up to 30 s).
-const BUILDS_AT_ONCE: usize = 4;
 
 impl Provider for KubeconfigSecrets {
     type Id = ClusterName;
@@ -170,170 +162,20 @@ impl Provider for KubeconfigSecrets {
         fleet: Fleet<ClusterName>,
         shutdown: CancellationToken,
     ) -> Result<(), ProviderError> {
-        let api: Api<Secret> = Api::namespaced(self.host.clone(), &self.namespace);
-        let selector = watcher::Config::default().labels(&format!("{}=true", self.label));
-        let recorder = Recorder::new(
-            self.host.clone(),
-            Reporter::from("multicluster-runtime-kubeconfig-secrets"),
-        );
-        let mut events = pin!(watcher::watcher(api.clone(), selector).default_backoff());
-        // The Secrets of a listing in progress, to forget those that vanished meanwhile.
-        let mut listing: BTreeSet<String> = BTreeSet::new();
-        let mut known: BTreeMap<String, Known> = BTreeMap::new();
-        // Builds run a few at once; the rest wait their turn in arrival order.
-        let mut building = FuturesUnordered::new();
-        let mut inflight = super::InFlight::default();
-        let mut waiting: VecDeque<(u64, Secret)> = VecDeque::new();
-        // Renewals of `mcr join` tokens, and revocations of the tokens they replaced.
-        let mut renewals = self.renewal.map(|settings| {
-            join_renewal::Renewals::new(settings, api.clone(), self.key.clone(), recorder.clone())
-        });
-        let mut renewing = FuturesUnordered::new();
-        loop {
-            while building.len() < BUILDS_AT_ONCE
-                && let Some((version, secret)) = waiting.pop_front()
-            {
-                if known.get(&secret.name_any()).and_then(|k| k.wanted) == Some(version) {
-                    building.push(inflight.start(secret.name_any(), version, async move {
-                        let cluster = self.cluster(&secret).await;
-                        (version, secret, cluster)
-                    }));
-                }
-            }
-            let next_due = renewals
-                .as_ref()
-                .map_or(HOUR, join_renewal::Renewals::next_due);
-            let event = tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
-                () = tokio::time::sleep(next_due), if renewals.is_some() => {
-                    if let Some(renewals) = &mut renewals {
-                        let engaged = |name: &str| known.get(name).and_then(|k| k.engaged);
-                        renewing.extend(renewals.start(&fleet, engaged));
-                    }
-                    continue;
-                }
-                Some(done) = renewing.next(), if !renewing.is_empty() => {
-                    if let Some(renewals) = &mut renewals {
-                        renewals.done(done).await;
-                    }
-                    continue;
-                }
-                Some(built) = building.next(), if !building.is_empty() => {
-                    // Ended: superseded, or its Secret gone.
-                    let Ok((version, secret, cluster)) = built else {
-                        continue;
-                    };
-                    let name = secret.name_any();
-                    inflight.done(&name, version);
-                    // A newer version, or a deletion, came while this one was built.
-                    let Some(entry) = known.get_mut(&name).filter(|k| k.wanted == Some(version)) else {
-                        continue;
-                    };
-                    entry.wanted = None;
-                    match cluster {
-                        Ok(cluster) => match fleet.engage(cluster) {
-                            Ok(_) => {
-                                entry.refused = None;
-                                entry.engaged = Some(version);
-                                // Engaged with a renewed token: the one it replaced goes.
-                                if let Some(renewals) = &mut renewals {
-                                    renewals.engaged(&name);
-                                }
-                            }
-                            Err(error) => tracing::warn!(cluster = %name, %error, "could not engage"),
-                        },
-                        Err(reason) => {
-                            entry.refused = Some(version);
-                            self.refuse(&recorder, &secret, &reason).await;
-                        }
-                    }
-                    continue;
-                }
-                event = events.next() => event,
-            };
-            let secret = match event {
-                None => return Ok(()),
-                Some(Err(error)) => {
-                    tracing::warn!(namespace = %self.namespace, error = %crate::client::Shown(&error), "watching kubeconfig Secrets failed; retrying");
-                    continue;
-                }
-                Some(Ok(WatchEvent::Init)) => {
-                    listing.clear();
-                    continue;
-                }
-                Some(Ok(WatchEvent::InitDone)) => {
-                    // Secrets gone while the watch was away: forgotten, their clusters leave.
-                    known.retain(|name, _| {
-                        listing.contains(name) || {
-                            if let Some(renewals) = &mut renewals {
-                                renewals.forget(name);
-                            }
-                            inflight.cancel(name);
-                            fleet.disengage(&ClusterName::from(name.clone()));
-                            false
-                        }
-                    });
-                    continue;
-                }
-                Some(Ok(WatchEvent::Delete(secret))) => {
-                    // Deleted, or the label was removed (it left the selection).
-                    let name = secret.name_any();
-                    known.remove(&name);
-                    if let Some(renewals) = &mut renewals {
-                        renewals.forget(&name);
-                    }
-                    inflight.cancel(&name);
-                    fleet.disengage(&ClusterName::from(name));
-                    continue;
-                }
-                Some(Ok(WatchEvent::InitApply(secret))) => {
-                    listing.insert(secret.name_any());
-                    secret
-                }
-                Some(Ok(WatchEvent::Apply(secret))) => secret,
-            };
-            let name = secret.name_any();
-            let data = secret.data.as_ref().and_then(|d| d.get(&self.key));
-            let version = version_of(&data.map(|b| b.0.as_slice()));
-            let entry = known.entry(name).or_default();
-            let expires = token_expiry(&secret);
-            if let Some(renewals) = &mut renewals {
-                renewals.seen(&secret, expires);
-            }
-            // The end the Secret states may change alone (the kubeconfig did not).
-            if entry.engaged == Some(version)
-                && let Some(cluster) = fleet.get(&ClusterName::from(secret.name_any()))
-            {
-                cluster.restate_credential_end(expires);
-            }
-            // Unchanged (another field of the Secret changed, or a relist): nothing to do,
-            // and a refusal is not repeated.
-            if entry.settled(version) {
-                continue;
-            }
-            inflight.supersede(&secret.name_any(), version);
-            entry.wanted = Some(version);
-            waiting.push_back((version, secret));
+        SecretFleet {
+            host: &self.host,
+            namespace: &self.namespace,
+            selector: format!("{}=true", self.label),
+            source: self,
+            renewal: self.renewal.map(|r| (r, self.key.clone())),
         }
+        .run(fleet, shutdown)
+        .await
     }
-}
-
-/// What the provider knows of one Secret, by versions (hashes) of its kubeconfig.
-#[derive(Default)]
-struct Known {
-    /// The version its engaged cluster came from.
-    engaged: Option<u64>,
-    /// The version last refused (each version is refused, and reported, once).
-    refused: Option<u64>,
-    /// The version whose client is being built or waits to be.
-    wanted: Option<u64>,
 }
 
 /// The annotation `mcr join` writes: when the token in the kubeconfig ends (RFC 3339).
 pub const TOKEN_EXPIRES_ANNOTATION: &str = "multicluster-runtime.sigs.k8s.io/token-expires";
-
-/// The longest the provider sleeps between looks at the renewals due.
-const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// When `secret`'s token ends, if `mcr join` said so.
 fn token_expiry(secret: &Secret) -> Option<std::time::SystemTime> {
@@ -342,17 +184,6 @@ fn token_expiry(secret: &Secret) -> Option<std::time::SystemTime> {
         serde_json::from_value(serde_json::Value::String(text.clone())).ok()?;
     let seconds = u64::try_from(time.0.as_second()).ok()?;
     std::time::SystemTime::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(seconds))
-}
-
-impl Known {
-    /// Whether `version` needs nothing done: it is being built, or it is the one engaged
-    /// or the one refused.
-    fn settled(&self, version: u64) -> bool {
-        match self.wanted {
-            Some(wanted) => wanted == version,
-            None => self.engaged == Some(version) || self.refused == Some(version),
-        }
-    }
 }
 
 /// What a kubeconfig from a Secret may do beyond talking to its server.

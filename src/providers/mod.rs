@@ -8,6 +8,7 @@
 //! | [`Multi`] | those of its child providers, added and removed at run time | `<child>#<cluster>` | composing providers |
 //! | `File` (feature `file`) | every context of kubeconfig files, directories and globs; hot-reloaded | `<path>+<context>` | static fleets, GitOps-managed kubeconfigs |
 //! | [`KubeconfigSecrets`] | one per labelled Secret in a namespace of the host cluster | the Secret's name | fleets registered by writing Secrets; exec plugins and local files refused unless allowed |
+//! | [`ArgoCdClusters`] | one per Argo CD cluster Secret (`argocd.argoproj.io/secret-type=cluster`) in Argo CD's namespace of the host cluster | the Secret's name | fleets already kept in Argo CD; exec and AWS helpers refused unless allowed |
 //! | [`ClusterApi`] | one per ready Cluster API `Cluster` of a management cluster, from its `<name>-kubeconfig` Secret | `<namespace>/<name>` | fleets provisioned by Cluster API |
 //! | [`ClusterInventory`] | one per healthy Cluster Inventory API `ClusterProfile` of a hub, through the operator's access providers (KEP-5339 exec plugins) or labelled kubeconfig Secrets | `<namespace>/<name>` | fleets registered by a cluster manager (OCM, Fleet, ...) |
 //! | [`KubeFed`] | one per ready KubeFed `KubeFedCluster` of the KubeFed system namespace of a hub, with the token of its Secret | `<namespace>/<name>` | fleets joined to KubeFed |
@@ -16,6 +17,7 @@
 //! | [`ById`] | those of another provider that have a KEP-2149 id, optionally only one ClusterSet's | the cluster's own id (`cluster.clusterset.k8s.io`) | names that survive renames |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
+mod argocd;
 mod by_id;
 mod cluster_api;
 mod cluster_inventory;
@@ -32,8 +34,10 @@ mod kubefed;
 mod multi;
 mod namespace;
 mod nop;
+mod secret_fleet;
 mod single;
 
+pub use argocd::{ARGOCD_SECRET_TYPE_LABEL, ArgoCdClusters};
 pub use by_id::{ById, Identified};
 pub use cluster_api::ClusterApi;
 #[cfg(feature = "fuzzing")]
@@ -173,9 +177,20 @@ pub(crate) async fn record_refusal(
     cluster: &str,
     note: &str,
 ) {
+    record_refusal_as(recorder, reference, cluster, "KubeconfigRefused", note).await;
+}
+
+/// A Warning Event with `reason` on the object a cluster was refused from.
+pub(crate) async fn record_refusal_as(
+    recorder: &kube_runtime::events::Recorder,
+    reference: &k8s_openapi::api::core::v1::ObjectReference,
+    cluster: &str,
+    reason: &str,
+    note: &str,
+) {
     let event = kube_runtime::events::Event {
         type_: kube_runtime::events::EventType::Warning,
-        reason: "KubeconfigRefused".into(),
+        reason: reason.into(),
         note: Some(note.chars().take(1000).collect()),
         action: "Engage".into(),
         secondary: None,
