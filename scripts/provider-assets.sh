@@ -3,6 +3,7 @@
 # modules through the Go module proxy, and caches it:
 #   crds/cluster-api.yaml          Cluster API's Cluster CRD (sigs.k8s.io/cluster-api)
 #   crds/cluster-inventory-api.yaml  ClusterProfile CRD (sigs.k8s.io/cluster-inventory-api)
+#   crds/placement-decisions.yaml    PlacementDecision CRD (the same module)
 #   crds/kubefed.yaml              KubeFed's CRDs, KubeFedCluster among them (sigs.k8s.io/kubefed)
 #   bin/secretreader-plugin        the KEP-5339 reference exec plugins of cluster-inventory-api,
 #   bin/kubeconfig-secretreader-plugin   built with the machine's Go toolchain
@@ -28,6 +29,7 @@ log() { printf '[provider-assets %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 complete() {
   local dir=$1
   [ -s "$dir/crds/cluster-api.yaml" ] && [ -s "$dir/crds/cluster-inventory-api.yaml" ] &&
+    [ -s "$dir/crds/placement-decisions.yaml" ] &&
     [ -s "$dir/crds/kubefed.yaml" ] && [ -x "$dir/bin/secretreader-plugin" ] &&
     [ -x "$dir/bin/kubeconfig-secretreader-plugin" ]
 }
@@ -78,6 +80,8 @@ log "Cluster Inventory API $INVENTORY_VERSION"
 inventory=$(module_dir sigs.k8s.io/cluster-inventory-api "$INVENTORY_VERSION")
 cp "$inventory/config/crd/bases/multicluster.x-k8s.io_clusterprofiles.yaml" \
   "$WORK/out/crds/cluster-inventory-api.yaml"
+cp "$inventory/config/crd/bases/multicluster.x-k8s.io_placementdecisions.yaml" \
+  "$WORK/out/crds/placement-decisions.yaml"
 
 log "KubeFed $KUBEFED_VERSION"
 kubefed=$(module_dir sigs.k8s.io/kubefed "$KUBEFED_VERSION")

@@ -825,3 +825,151 @@ async fn profiles_are_reached_through_labelled_kubeconfig_secrets() {
     manager.shutdown();
     run.await.unwrap();
 }
+
+/// A PlacementDecision slice `name` for the workload `key`, selecting ClusterProfiles of the
+/// namespace `fleet`.
+fn decision(name: &str, key: &str, clusters: &[&str]) -> DynamicObject {
+    let resource = ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "PlacementDecision"),
+        "placementdecisions",
+    );
+    let mut object = DynamicObject::new(name, &resource).data(json!({
+        "decisions": clusters
+            .iter()
+            .map(|c| json!({ "clusterProfileRef": { "name": c, "namespace": "fleet" }, "reason": "test" }))
+            .collect::<Vec<_>>(),
+        "schedulerName": "test-scheduler",
+    }));
+    object.metadata.labels = Some(BTreeMap::from([(
+        multicluster_runtime::providers::PLACEMENT_KEY_LABEL.to_string(),
+        key.to_string(),
+    )]));
+    object
+}
+
+#[tokio::test]
+async fn placement_decisions_choose_the_clusters_and_a_move_between_slices_is_no_departure() {
+    use futures::StreamExt;
+    use multicluster_runtime::providers::{Clusters, Placed};
+    use multicluster_runtime::{Cluster, ClusterEvent};
+
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (hub, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = hub.client().unwrap();
+    let crd =
+        std::fs::read_to_string(format!("{}/crds/placement-decisions.yaml", assets())).unwrap();
+    hub.install_crds(&crd).await.unwrap();
+    create_namespace(&hc, "placement").await;
+    let resource = ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "PlacementDecision"),
+        "placementdecisions",
+    );
+    let decisions: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "placement", &resource);
+    let pp = PostParams::default();
+
+    // The inner provider's clusters, named as ClusterInventory names them.
+    let inner = Clusters::new();
+    for id in ["fleet/a", "fleet/b", "fleet/c"] {
+        inner
+            .add(Cluster::from_config(name(id), member.config()).unwrap())
+            .unwrap();
+    }
+    decisions
+        .create(&pp, &decision("app-0", "app", &["a"]))
+        .await
+        .unwrap();
+    decisions
+        .create(&pp, &decision("app-1", "app", &["b", "d"]))
+        .await
+        .unwrap();
+    // Another workload's decision: not this controller's.
+    decisions
+        .create(&pp, &decision("other-0", "other", &["c"]))
+        .await
+        .unwrap();
+
+    let placed = Placed::new(
+        inner.clone(),
+        hc.clone(),
+        "placement",
+        "multicluster.x-k8s.io/placement-key=app",
+    )
+    .hand_over(std::time::Duration::from_secs(8));
+    let manager = Arc::new(Manager::new(placed));
+    let run = spawn_manager(&manager);
+    eventually(30, "the decided clusters engaged", async || {
+        manager.fleet().ids() == [name("fleet/a"), name("fleet/b")]
+    })
+    .await;
+    let mut events = manager.fleet().events();
+
+    // d is decided before the inner provider has it: engaged when it comes.
+    inner
+        .add(Cluster::from_config(name("fleet/d"), member.config()).unwrap())
+        .unwrap();
+    eventually(30, "d engaged once the inner provider has it", async || {
+        manager.cluster(&name("fleet/d")).is_some()
+    })
+    .await;
+
+    // The scheduler moves a from slice 0 to slice 1 (two writes): a stays.
+    decisions
+        .replace("app-0", &pp, &{
+            let mut d = decision("app-0", "app", &[]);
+            d.metadata.resource_version = decisions
+                .get("app-0")
+                .await
+                .unwrap()
+                .metadata
+                .resource_version;
+            d
+        })
+        .await
+        .unwrap();
+    let mut moved = decisions.get("app-1").await.unwrap();
+    moved.data["decisions"] = decision("x", "app", &["b", "d", "a"]).data["decisions"].clone();
+    decisions.replace("app-1", &pp, &moved).await.unwrap();
+    // Then drops b: b leaves after the hand-over.
+    let mut dropped = decisions.get("app-1").await.unwrap();
+    dropped.data["decisions"] = decision("x", "app", &["d", "a"]).data["decisions"].clone();
+    decisions.replace("app-1", &pp, &dropped).await.unwrap();
+    let mut departed = Vec::new();
+    let waited = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Some(event) = events.next().await {
+            if let ClusterEvent::Departed { cluster, .. } = &event {
+                departed.push(cluster.id().clone());
+                if cluster.id() == &name("fleet/b") {
+                    break;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "b departed after its hand-over");
+    // Sync point: b's departure came after both writes that moved a.
+    assert_eq!(departed, [name("fleet/b")], "a never departed");
+    assert!(manager.cluster(&name("fleet/a")).is_some());
+    assert!(
+        manager.cluster(&name("fleet/c")).is_none(),
+        "another workload's cluster"
+    );
+
+    // The inner provider removes a decided cluster: it leaves at once.
+    assert!(inner.remove(&name("fleet/d")));
+    eventually(30, "d gone with its source", async || {
+        manager.cluster(&name("fleet/d")).is_none()
+    })
+    .await;
+    // The decision deleted: its clusters leave after the hand-over.
+    decisions
+        .delete("app-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "a gone with its decision", async || {
+        manager.fleet().is_empty()
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
+}

@@ -122,6 +122,7 @@ impl ArgoCdClusters {
 
 impl SecretClusters for ArgoCdClusters {
     const WHAT: &'static str = "Argo CD cluster Secret";
+    const REFUSED_LINE: &'static str = "Argo CD cluster Secret refused";
     const REFUSED: &'static str = "ClusterSecretRefused";
     const REPORTER: &'static str = "multicluster-runtime-argocd-clusters";
 

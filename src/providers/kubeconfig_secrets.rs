@@ -125,6 +125,7 @@ impl KubeconfigSecrets {
 
 impl SecretClusters for KubeconfigSecrets {
     const WHAT: &'static str = "kubeconfig Secret";
+    const REFUSED_LINE: &'static str = "kubeconfig Secret refused";
     const REFUSED: &'static str = "KubeconfigRefused";
     const REPORTER: &'static str = "multicluster-runtime-kubeconfig-secrets";
 

@@ -14,6 +14,7 @@
 //! | [`KubeFed`] | one per ready KubeFed `KubeFedCluster` of the KubeFed system namespace of a hub, with the token of its Secret | `<namespace>/<name>` | fleets joined to KubeFed |
 //! | [`Namespaces`] | every namespace of a host cluster (optionally those matching a label selector) | the namespace | local fleets, tenants as namespaces; one watch per kind for all namespaces, scoped clients |
 //! | [`Identified`] | those of another provider, with their KEP-2149 identity (`ClusterProperty`), optionally only one ClusterSet's | the other provider's | identity on each cluster |
+//! | [`Placed`] | those of another provider (named `<namespace>/<name>` after ClusterProfiles) that the PlacementDecisions of a hub namespace matching a label selector select | the other provider's | engaging the clusters a scheduler places a workload on |
 //! | [`ById`] | those of another provider that have a KEP-2149 id, optionally only one ClusterSet's | the cluster's own id (`cluster.clusterset.k8s.io`) | names that survive renames |
 //! | `Kind` (feature `kind`) | the local kind clusters, polled through the `kind` CLI | kind's names | development |
 
@@ -34,6 +35,7 @@ mod kubefed;
 mod multi;
 mod namespace;
 mod nop;
+mod placement;
 mod secret_fleet;
 mod single;
 
@@ -69,6 +71,7 @@ pub use multi::{DEFAULT_SEPARATOR, Multi, MultiError};
 pub(crate) use namespace::{ApiPath, Target, is_plain_path, with_namespace};
 pub use namespace::{ClusterScopedWrite, Namespaces, UnscopableRequest};
 pub use nop::Nop;
+pub use placement::{DECISION_KEY_LABEL, PLACEMENT_KEY_LABEL, Placed};
 pub use single::SingleProvider;
 
 /// The client configuration of `context` of `kubeconfig` (its current context if `None`);

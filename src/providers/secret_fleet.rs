@@ -26,6 +26,8 @@ use crate::provider::ProviderError;
 pub(crate) trait SecretClusters: Sync {
     /// The Secrets' kind, in log lines ("kubeconfig Secret").
     const WHAT: &'static str;
+    /// The log line of a refusal ("kubeconfig Secret refused").
+    const REFUSED_LINE: &'static str;
     /// The reason of the Warning Event on a refused Secret.
     const REFUSED: &'static str;
     /// The reporting component of the Events.
@@ -66,7 +68,7 @@ const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl<S: SecretClusters> SecretFleet<'_, S> {
     async fn refuse(&self, recorder: &Recorder, secret: &Secret, reason: &str) {
-        tracing::warn!(cluster = %secret.name_any(), namespace = %self.namespace, error = %reason, "{} refused", S::WHAT);
+        tracing::warn!(cluster = %secret.name_any(), namespace = %self.namespace, error = %reason, "{}", S::REFUSED_LINE);
         super::record_refusal_as(
             recorder,
             &secret.object_ref(&()),
@@ -283,18 +285,20 @@ mod tests {
 
     #[test]
     fn only_the_keys_a_cluster_is_made_from_are_kept() {
-        let mut secret = Secret::default();
-        secret.data = Some(
-            [
-                ("server", "s"),
-                ("config", "c"),
-                ("name", "n"),
-                ("other", "o"),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
-            .collect(),
-        );
+        let mut secret = Secret {
+            data: Some(
+                [
+                    ("server", "s"),
+                    ("config", "c"),
+                    ("name", "n"),
+                    ("other", "o"),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+            ),
+            ..Default::default()
+        };
         secret.metadata.managed_fields = Some(vec![Default::default()]);
         let trimmed = trim(secret.clone(), &["server", "config"]);
         let kept: Vec<_> = trimmed.data.as_ref().unwrap().keys().cloned().collect();
