@@ -1137,6 +1137,12 @@ async fn argo_cd_cluster_secrets_engage_follow_changes_and_refuse_commands_and_g
     assert!(!marker.exists(), "the exec command must never run");
     no_event_holds(&hc, "argocd", "mcr-marker").await;
     no_event_holds(&hc, "argocd", &token).await;
+    assert!(
+        !logs
+            .lines(&["Argo CD cluster Secret refused", "cluster=argo-exec "])
+            .is_empty(),
+        "the refusals are logged (the log capture works)"
+    );
     assert_eq!(logs.lines(&["mcr-marker"]), Vec::<String>::new());
     assert_eq!(logs.lines(&[&token]), Vec::<String>::new());
 
@@ -1154,11 +1160,24 @@ async fn argo_cd_cluster_secrets_engage_follow_changes_and_refuse_commands_and_g
         team_a.cluster(&name("west")).is_some()
     })
     .await;
+    // Sync point: a Secret of the team created now is built after every Secret of the first
+    // list (builds start in arrival order); east, had it been listed, would be there first.
+    let mut late = argo_secret("late", "cluster", c2.server(), &west);
+    late.metadata
+        .labels
+        .get_or_insert_default()
+        .insert("team".into(), "a".into());
+    secrets.create(&pp, &late).await.unwrap();
+    eventually(30, "team a's later cluster engaged", async || {
+        team_a.cluster(&name("late")).is_some()
+    })
+    .await;
     assert_eq!(
         team_a.fleet().ids(),
-        [name("west")],
-        "one list, one cluster"
+        [name("late"), name("west")],
+        "only team a's clusters"
     );
+    secrets.delete("late", &Default::default()).await.unwrap();
     team_a.shutdown();
     team_run.await.unwrap();
 

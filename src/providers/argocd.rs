@@ -22,15 +22,13 @@ pub const ARGOCD_SECRET_TYPE_LABEL: &str = "argocd.argoproj.io/secret-type";
 /// `namespaces`, `project`, `shard`, ...) are dropped as the Secret arrives.
 const KEYS: [&str; 2] = ["server", "config"];
 
-/// The address Argo CD means its own cluster by, reached with its own service account.
-const IN_CLUSTER: &str = "https://kubernetes.default.svc";
-
 /// One cluster per Argo CD cluster Secret (label `argocd.argoproj.io/secret-type=cluster`) in
 /// one namespace of the host cluster, usually `argocd`; the cluster is named after the Secret
 /// and reached at its `server` with the credentials of its `config` JSON, as Argo CD reads
 /// them: `bearerToken`, `username` and `password`, `tlsClientConfig` (`caData`, `certData`,
-/// `keyData`, `serverName`, `insecure`), `proxyUrl`, `execProviderConfig` and
-/// `awsAuthConfig`.
+/// `keyData`, `serverName`, `insecure`), `execProviderConfig` and `awsAuthConfig`, one
+/// credential in Argo CD's order (AWS, then a command, then a token or basic
+/// authentication), field names matched as Go matches them (case aside).
 ///
 /// Creating such a Secret engages its cluster; changing its `server` or `config` re-engages
 /// it; deleting the Secret, or a label that no longer selects it, disengages it. A further
@@ -43,9 +41,11 @@ const IN_CLUSTER: &str = "https://kubernetes.default.svc";
 ///   [`ArgoCdClusters::allow_exec`];
 /// - `awsAuthConfig` runs `aws eks get-token` with the Secret's cluster name, role and
 ///   profile, and is refused unless [`ArgoCdClusters::allow_aws`];
-/// - a Secret for Argo CD's own cluster (`https://kubernetes.default.svc` without
-///   credentials) is refused: Argo CD would lend it its service account, and the provider
-///   never lends the controller's identity to a Secret;
+/// - a Secret for Argo CD's own cluster (`https://kubernetes.default.svc` without a bearer
+///   token or basic credentials) is refused: Argo CD would lend it its service account, and
+///   the provider never lends the controller's identity to a Secret;
+/// - a `server` with user information and a `proxyUrl` are refused (the crate's clients do
+///   not go through proxies);
 /// - a refusal or a malformed Secret is logged and recorded as a Warning Event
 ///   (`ClusterSecretRefused`) on the Secret, in words that name a key or a field path and a
 ///   position, never a value; each content is reported once, and the other clusters are
@@ -90,7 +90,9 @@ impl ArgoCdClusters {
     /// `env in (prod)`).
     #[must_use]
     pub fn labels(mut self, selector: impl Into<String>) -> Self {
-        self.labels = Some(selector.into());
+        let selector: String = selector.into();
+        // A blank selector selects nothing more (and would make the watch's selector invalid).
+        self.labels = Some(selector.trim().to_string()).filter(|s| !s.is_empty());
         self
     }
 
@@ -236,39 +238,47 @@ pub(crate) fn kubeconfig_of(
     if !matches!(uri.scheme_str(), Some("https" | "http")) || uri.host().is_none() {
         return Err("data key \"server\": not an http(s) URL with a host".into());
     }
-    let config: ClusterConfig = serde_json::from_slice(config).map_err(|e| {
-        use serde_json::error::Category;
-        let what = match e.classify() {
-            Category::Syntax => "not valid JSON",
-            Category::Eof => "JSON that ends early",
-            Category::Data => "a value of the wrong type",
-            Category::Io => "unreadable",
-        };
-        format!(
-            "data key \"config\": {what} at line {} column {}",
-            e.line(),
-            e.column()
-        )
-    })?;
+    // User information would be shown wherever the server is (debug lines, metric labels).
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err("data key \"server\": a URL with user information".into());
+    }
+    let config = read_config(config)?;
     let tls = config.tls_client_config.unwrap_or_default();
-    let has_credentials = config.bearer_token.is_some()
-        || config.username.is_some()
-        || tls.cert_data.is_some()
-        || config.exec_provider_config.is_some()
-        || config.aws_auth_config.is_some();
-    if !has_credentials && server.trim_end_matches('/') == IN_CLUSTER {
-        return Err("data key \"server\": Argo CD's own cluster (kubernetes.default.svc without credentials) would be reached with the controller's identity, which is never lent to a Secret; add the host cluster with another provider".into());
+    // As Argo CD decides it: its own cluster, reached with its own service account.
+    let in_cluster = uri.scheme_str() == Some("https")
+        && uri.port_u16().is_none_or(|p| p == 443)
+        && uri.host().is_some_and(|h| {
+            let h = h.to_ascii_lowercase();
+            h == "kubernetes.default.svc" || h == "kubernetes.default.svc.cluster.local"
+        });
+    if in_cluster
+        && config.bearer_token.is_none()
+        && config.username.is_none()
+        && config.password.is_none()
+    {
+        return Err("data key \"server\": Argo CD's own cluster (kubernetes.default.svc without a bearer token or basic credentials) would be reached with the controller's identity, which is never lent to a Secret; add the host cluster with another provider".into());
+    }
+    if config.proxy_url.is_some() {
+        return Err("config.proxyUrl: the crate's clients do not go through proxies".into());
     }
 
     let mut cluster = serde_json::json!({ "server": server });
     let mut user = serde_json::Map::new();
-    // Go writes []byte as standard base64, as the kubeconfig's *-data fields are.
+    // Go writes []byte as standard base64, as the kubeconfig's *-data fields are; its
+    // decoder skips line breaks, so wrapped values are taken too.
     let base64 = |field: &str, value: &Option<String>| match value {
         None => Ok(None),
-        Some(value) => base64::engine::general_purpose::STANDARD
-            .decode(value.trim())
-            .map(|_| Some(value.trim().to_string()))
-            .map_err(|_| format!("config.tlsClientConfig.{field}: not base64")),
+        Some(value) => {
+            let value: String = value
+                .trim()
+                .chars()
+                .filter(|c| !matches!(c, '\r' | '\n'))
+                .collect();
+            base64::engine::general_purpose::STANDARD
+                .decode(&value)
+                .map(|_| Some(value))
+                .map_err(|_| format!("config.tlsClientConfig.{field}: not base64"))
+        }
     };
     if let Some(ca) = base64("caData", &tls.ca_data)? {
         cluster["certificate-authority-data"] = ca.into();
@@ -285,19 +295,14 @@ pub(crate) fn kubeconfig_of(
     if let Some(name) = tls.server_name {
         cluster["tls-server-name"] = name.into();
     }
-    if let Some(proxy) = config.proxy_url {
-        cluster["proxy-url"] = proxy.into();
-    }
-    if let Some(token) = config.bearer_token {
-        user.insert("token".into(), token.into());
-    }
-    if let Some(username) = config.username {
-        user.insert("username".into(), username.into());
-    }
-    if let Some(password) = config.password {
-        user.insert("password".into(), password.into());
-    }
-    if let Some(exec) = config.exec_provider_config {
+    // One credential, in Argo CD's order: AWS, then a command, then a token or basic
+    // authentication (never several, so the one Argo CD uses is the one used here).
+    if let Some(aws) = config.aws_auth_config {
+        if !allowed.aws {
+            return Err("config.awsAuthConfig: Argo CD cluster Secrets may not have the controller get AWS tokens (see the provider's allow_aws)".into());
+        }
+        user.insert("exec".into(), aws_exec(&aws)?);
+    } else if let Some(exec) = config.exec_provider_config {
         if !allowed.exec {
             return Err("config.execProviderConfig: Argo CD cluster Secrets may not run commands in the controller (see the provider's allow_exec)".into());
         }
@@ -321,11 +326,16 @@ pub(crate) fn kubeconfig_of(
                 "interactiveMode": "Never",
             }),
         );
-    } else if let Some(aws) = config.aws_auth_config {
-        if !allowed.aws {
-            return Err("config.awsAuthConfig: Argo CD cluster Secrets may not have the controller get AWS tokens (see the provider's allow_aws)".into());
+    } else {
+        if let Some(token) = config.bearer_token {
+            user.insert("token".into(), token.into());
         }
-        user.insert("exec".into(), aws_exec(&aws)?);
+        if let Some(username) = config.username {
+            user.insert("username".into(), username.into());
+        }
+        if let Some(password) = config.password {
+            user.insert("password".into(), password.into());
+        }
     }
     serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
@@ -336,6 +346,97 @@ pub(crate) fn kubeconfig_of(
         "current-context": "argocd",
     }))
     .map_err(|_| "config: does not make a kubeconfig".to_string())
+}
+
+/// The fields of `config` and of its parts, as Go's JSON decoder matches them: an exact
+/// name first, else one that differs in case only.
+const TOP: &[&str] = &[
+    "username",
+    "password",
+    "bearerToken",
+    "tlsClientConfig",
+    "awsAuthConfig",
+    "execProviderConfig",
+    "proxyUrl",
+    "disableCompression",
+];
+const TLS: &[&str] = &["insecure", "serverName", "certData", "keyData", "caData"];
+const AWS: &[&str] = &["clusterName", "roleARN", "profile"];
+const EXEC: &[&str] = &["command", "args", "env", "apiVersion", "installHint"];
+
+/// Renames the keys of `value` (an object) that match a name of `known` but for case.
+fn canonical_keys(value: &mut serde_json::Value, known: &[&str]) {
+    let Some(map) = value.as_object_mut() else {
+        return;
+    };
+    let renames: Vec<(String, &str)> = map
+        .keys()
+        .filter(|k| !known.contains(&k.as_str()))
+        .filter_map(|k| {
+            let name = known.iter().find(|n| n.eq_ignore_ascii_case(k))?;
+            Some((k.clone(), *name))
+        })
+        .collect();
+    for (from, to) in renames {
+        if let Some(v) = map.remove(&from)
+            && !map.contains_key(to)
+        {
+            map.insert(to.to_string(), v);
+        }
+    }
+}
+
+/// `config` read as Argo CD reads it; a problem is said by position or field path.
+fn read_config(config: &[u8]) -> Result<ClusterConfig, String> {
+    let mut value: serde_json::Value = serde_json::from_slice(config).map_err(|e| {
+        use serde_json::error::Category;
+        let what = match e.classify() {
+            Category::Syntax => "not valid JSON",
+            Category::Eof => "JSON that ends early",
+            Category::Data => "a value of the wrong type",
+            Category::Io => "unreadable",
+        };
+        format!(
+            "data key \"config\": {what} at line {} column {}",
+            e.line(),
+            e.column()
+        )
+    })?;
+    canonical_keys(&mut value, TOP);
+    for (field, known) in [
+        ("tlsClientConfig", TLS),
+        ("awsAuthConfig", AWS),
+        ("execProviderConfig", EXEC),
+    ] {
+        if let Some(part) = value.get_mut(field) {
+            canonical_keys(part, known);
+        }
+    }
+    if !value.is_object() {
+        return Err("data key \"config\": not a JSON object".into());
+    }
+    serde_json::from_value(value.clone()).map_err(|_| {
+        // Which field: each is tried alone (serde's own words would quote the value).
+        fn fits<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> bool {
+            serde_json::from_value::<Option<T>>(value.clone()).is_ok()
+        }
+        let wrong = TOP.iter().find(|field| {
+            let Some(v) = value.get(**field) else {
+                return false;
+            };
+            !match **field {
+                "tlsClientConfig" => fits::<TlsClientConfig>(v),
+                "awsAuthConfig" => fits::<AwsAuthConfig>(v),
+                "execProviderConfig" => fits::<ExecProviderConfig>(v),
+                "disableCompression" => true,
+                _ => fits::<String>(v),
+            }
+        });
+        match wrong {
+            Some(field) => format!("config.{field}: a value of the wrong type"),
+            None => "data key \"config\": a value of the wrong type".to_string(),
+        }
+    })
 }
 
 /// The `aws eks get-token` credential plugin for `aws`: each value checked to be what its
@@ -502,7 +603,7 @@ mod tests {
 
     #[test]
     fn malformed_secrets_are_reported_by_key_and_position_never_by_value() {
-        let cases: [(&[u8], &[u8], &str); 7] = [
+        let cases: [(&[u8], &[u8], &str); 11] = [
             (
                 SERVER,
                 br#"{"bearerToken": "mcr-marker" "x"}"#,
@@ -511,9 +612,25 @@ mod tests {
             (
                 SERVER,
                 br#"{"tlsClientConfig": "mcr-marker"}"#,
-                "wrong type at line 1",
+                "config.tlsClientConfig: a value of the wrong type",
             ),
             (SERVER, br#"{"bearerToken": "mcr-marker"#, "ends early"),
+            (
+                SERVER,
+                br#"{"bearerToken": 7, "tlsClientConfig": {"insecure": "mcr-marker"}}"#,
+                "config.bearerToken: a value",
+            ),
+            (SERVER, br#"["mcr-marker"]"#, "not a JSON object"),
+            (
+                SERVER,
+                br#"{"proxyUrl": "http://mcr-marker"}"#,
+                "proxyUrl: the crate's clients",
+            ),
+            (
+                b"https://admin:mcr-marker@127.0.0.1",
+                b"{}",
+                "user information",
+            ),
             (
                 SERVER,
                 br#"{"tlsClientConfig": {"caData": "mcr-marker!"}}"#,
@@ -559,5 +676,56 @@ mod tests {
             )
             .is_ok()
         );
+    }
+
+    #[test]
+    fn one_credential_is_used_in_argo_cds_order() {
+        use secrecy::ExposeSecret as _;
+        let both = br#"{"bearerToken": "t", "username": "u", "password": "p", "execProviderConfig": {"command": "c"}}"#;
+        let exec = Allowed {
+            exec: true,
+            aws: false,
+        };
+        let kubeconfig = kubeconfig_of(SERVER, both, exec).unwrap();
+        let used = user(&kubeconfig);
+        assert!(used.exec.is_some());
+        assert!(used.token.is_none() && used.username.is_none() && used.password.is_none());
+        // AWS comes before a command: allowed AWS is enough.
+        let aws_and_exec =
+            br#"{"awsAuthConfig": {"clusterName": "c"}, "execProviderConfig": {"command": "x"}}"#;
+        let aws = Allowed {
+            exec: false,
+            aws: true,
+        };
+        let kubeconfig = kubeconfig_of(SERVER, aws_and_exec, aws).unwrap();
+        assert_eq!(
+            user(&kubeconfig).exec.as_ref().unwrap().command.as_deref(),
+            Some("aws")
+        );
+        let plain = kubeconfig_of(SERVER, br#"{"bearerToken": "t"}"#, exec).unwrap();
+        assert_eq!(
+            user(&plain)
+                .token
+                .as_ref()
+                .map(|t| t.expose_secret().to_string()),
+            Some("t".to_string())
+        );
+    }
+
+    #[test]
+    fn fields_are_matched_as_go_matches_them_and_wrapped_base64_is_taken() {
+        let config = b"{\"BearerToken\": \"t\", \"TLSClientConfig\": {\"CAData\": \"Q0\\nFB\\r\\nQkM=\", \"Insecure\": true}}";
+        let kubeconfig = kubeconfig_of(SERVER, config, Allowed::default()).unwrap();
+        let cluster = kubeconfig.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(
+            cluster.certificate_authority_data.as_deref(),
+            Some("Q0FBQkM=")
+        );
+        assert_eq!(cluster.insecure_skip_tls_verify, Some(true));
+        assert!(user(&kubeconfig).token.is_some());
+        // A command spelled otherwise is a command still.
+        let exec = br#"{"ExecProviderConfig": {"Command": "/bin/mcr-marker"}}"#;
+        let error = kubeconfig_of(SERVER, exec, Allowed::default()).unwrap_err();
+        assert!(error.contains("execProviderConfig") && !error.contains("mcr-marker"));
     }
 }
