@@ -658,14 +658,23 @@ mod tests {
         for server in [
             "https://kubernetes.default.svc",
             "https://kubernetes.default.svc/",
+            "https://Kubernetes.Default.Svc:443",
+            "https://kubernetes.default.svc.cluster.local",
         ] {
-            let error = kubeconfig_of(
-                server.as_bytes(),
-                br#"{"tlsClientConfig": {"insecure": false}}"#,
-                Allowed::default(),
-            )
-            .unwrap_err();
-            assert!(error.contains("never lent"), "{error}");
+            for config in [
+                r#"{"tlsClientConfig": {"insecure": false}}"#,
+                // Argo CD takes its own service account here too, whatever else is set.
+                r#"{"tlsClientConfig": {"certData": "Q0VSVA==", "keyData": "S0VZ"}}"#,
+                r#"{"execProviderConfig": {"command": "x"}}"#,
+            ] {
+                let allowed = Allowed {
+                    exec: true,
+                    aws: true,
+                };
+                let error =
+                    kubeconfig_of(server.as_bytes(), config.as_bytes(), allowed).unwrap_err();
+                assert!(error.contains("never lent"), "{server} {config}: {error}");
+            }
         }
         // With credentials of its own, it is a cluster like any other.
         assert!(
