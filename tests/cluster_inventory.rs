@@ -826,14 +826,18 @@ async fn profiles_are_reached_through_labelled_kubeconfig_secrets() {
     run.await.unwrap();
 }
 
+/// The PlacementDecision kind.
+fn placement_decisions() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "PlacementDecision"),
+        "placementdecisions",
+    )
+}
+
 /// A PlacementDecision slice `name` for the workload `key`, selecting ClusterProfiles of the
 /// namespace `fleet`.
 fn decision(name: &str, key: &str, clusters: &[&str]) -> DynamicObject {
-    let resource = ApiResource::from_gvk_with_plural(
-        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "PlacementDecision"),
-        "placementdecisions",
-    );
-    let mut object = DynamicObject::new(name, &resource).data(json!({
+    let mut object = DynamicObject::new(name, &placement_decisions()).data(json!({
         "decisions": clusters
             .iter()
             .map(|c| json!({ "clusterProfileRef": { "name": c, "namespace": "fleet" }, "reason": "test" }))
@@ -860,11 +864,8 @@ async fn placement_decisions_choose_the_clusters_and_a_move_between_slices_is_no
         std::fs::read_to_string(format!("{}/crds/placement-decisions.yaml", assets())).unwrap();
     hub.install_crds(&crd).await.unwrap();
     create_namespace(&hc, "placement").await;
-    let resource = ApiResource::from_gvk_with_plural(
-        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha1", "PlacementDecision"),
-        "placementdecisions",
-    );
-    let decisions: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "placement", &resource);
+    let decisions: Api<DynamicObject> =
+        Api::namespaced_with(hc.clone(), "placement", &placement_decisions());
     let pp = PostParams::default();
 
     // The inner provider's clusters, named as ClusterInventory names them.

@@ -58,8 +58,7 @@ pub struct ArgoCdClusters {
     host: Client,
     namespace: String,
     labels: Option<String>,
-    exec: bool,
-    aws: bool,
+    allowed: Allowed,
 }
 
 impl std::fmt::Debug for ArgoCdClusters {
@@ -67,8 +66,8 @@ impl std::fmt::Debug for ArgoCdClusters {
         f.debug_struct("ArgoCdClusters")
             .field("namespace", &self.namespace)
             .field("labels", &self.labels)
-            .field("allow_exec", &self.exec)
-            .field("allow_aws", &self.aws)
+            .field("allow_exec", &self.allowed.exec)
+            .field("allow_aws", &self.allowed.aws)
             .finish_non_exhaustive()
     }
 }
@@ -81,8 +80,7 @@ impl ArgoCdClusters {
             host,
             namespace: namespace.into(),
             labels: None,
-            exec: false,
-            aws: false,
+            allowed: Allowed::default(),
         }
     }
 
@@ -100,7 +98,7 @@ impl ArgoCdClusters {
     /// writers you would also let run code in this controller.
     #[must_use]
     pub fn allow_exec(mut self, allow: bool) -> Self {
-        self.exec = allow;
+        self.allowed.exec = allow;
         self
     }
 
@@ -110,15 +108,8 @@ impl ArgoCdClusters {
     /// may. Argo CD runs its own `argocd-k8s-auth aws` for the same.
     #[must_use]
     pub fn allow_aws(mut self, allow: bool) -> Self {
-        self.aws = allow;
+        self.allowed.aws = allow;
         self
-    }
-
-    fn trust(&self) -> Allowed {
-        Allowed {
-            exec: self.exec,
-            aws: self.aws,
-        }
     }
 }
 
@@ -141,7 +132,7 @@ impl SecretClusters for ArgoCdClusters {
                 .map(|b| b.0.as_slice())
                 .ok_or_else(|| format!("no data key {key:?}"))
         };
-        let kubeconfig = kubeconfig_of(data("server")?, data("config")?, self.trust())?;
+        let kubeconfig = kubeconfig_of(data("server")?, data("config")?, self.allowed)?;
         let cluster =
             super::cluster_from_kubeconfig(ClusterName::from(secret.name_any()), kubeconfig, None)
                 .await?;
@@ -415,10 +406,10 @@ fn read_config(config: &[u8]) -> Result<ClusterConfig, String> {
     if !value.is_object() {
         return Err("data key \"config\": not a JSON object".into());
     }
-    serde_json::from_value(value.clone()).map_err(|_| {
+    ClusterConfig::deserialize(&value).map_err(|_| {
         // Which field: each is tried alone (serde's own words would quote the value).
         fn fits<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> bool {
-            serde_json::from_value::<Option<T>>(value.clone()).is_ok()
+            Option::<T>::deserialize(value).is_ok()
         }
         let wrong = TOP.iter().find(|field| {
             let Some(v) = value.get(**field) else {

@@ -151,9 +151,9 @@ impl<P: Provider<Id = ClusterName>> Provider for Placed<P> {
         // Selected now (by some slice), and those no slice selects, until their hand-over ends.
         let mut selected: BTreeSet<ClusterName> = BTreeSet::new();
         let mut leaving: BTreeMap<ClusterName, Instant> = BTreeMap::new();
+        // Engaging a cluster engaged already does nothing.
         let engage = |id: &ClusterName| {
             if let Some(cluster) = own.get(id)
-                && !fleet.get(id).is_some_and(|c| c.same_instance(&cluster))
                 && let Err(error) = fleet.engage(cluster)
             {
                 tracing::warn!(cluster = %id, %error, "could not engage");
