@@ -707,7 +707,7 @@ async fn send_h2(
     .map_err(unsent)?;
     let empty = body.is_empty();
     // An error here comes before the stream was opened: nothing was written.
-    let (response, mut stream) = send.send_request(head, empty).map_err(unsent)?;
+    let (response, stream) = send.send_request(head, empty).map_err(unsent)?;
     // Over the server's stream limit (lowered below the streams in use after this
     // connection was picked), h2 queues the stream until another ends; `ready` on the handle
     // that sent it resolves once it is open (at once if it is). Dropped unopened, nothing
@@ -719,18 +719,35 @@ async fn send_h2(
             "the request's stream did not open within the write timeout ({limit:?})"
         ))));
     }
-    if !empty {
-        // Buffered by h2 and sent as the stream's window allows.
-        if let Err(error) = stream.send_data(body, true) {
-            // The stream closed between its opening and its body (a GOAWAY above its id, a
-            // reset): why is what the response says, and decides whether it is sent again.
-            return match response.await {
-                Err(why) => Err(sent(why)),
-                Ok(_) => Err(sent(error)),
-            };
-        }
+    if empty {
+        return response.await.map_err(sent);
     }
-    response.await.map_err(sent)
+    send_body(stream, body, response).await
+}
+
+/// Sends the body of a request whose stream is open, then waits for the response's head.
+/// The stream may have closed before the body went: a GOAWAY above its id or a reset says
+/// why, and that decides whether the request is sent again. Or the server answered from the
+/// head alone (a 401 or a 413 needs no body) and then reset the stream with NO_ERROR, as Go's
+/// server does with a body it will not read (RFC 9113 section 8.1): its answer is the
+/// response.
+async fn send_body(
+    mut stream: h2::SendStream<Bytes>,
+    body: Bytes,
+    response: h2::client::ResponseFuture,
+) -> Result<Response<h2::RecvStream>, Failed> {
+    let sent = |error| Failed::H2 { error, sent: true };
+    // Buffered by h2 and sent as the stream's window allows.
+    match stream.send_data(body, true) {
+        Ok(()) => response.await.map_err(sent),
+        // Closed: what ended it has reached the response, which is ready.
+        Err(error) => match futures::FutureExt::now_or_never(response) {
+            Some(Ok(response)) => Ok(response),
+            Some(Err(why)) => Err(sent(why)),
+            // Open, and the body refused (too big for a frame): dropped, the stream is reset.
+            None => Err(sent(error)),
+        },
+    }
 }
 
 /// The service in every cluster's client stack that hands requests to its transport.
@@ -1027,6 +1044,50 @@ mod tests {
             assert_eq!(lines.next().await.unwrap().unwrap(), r#"{"c":3}"#);
             assert!(lines.next().await.is_none());
             assert!(dropped.load(Ordering::SeqCst));
+        }
+    }
+
+    /// CI of stop 55: a server may answer from a request's head (a 401 to an expired client
+    /// certificate) and reset the stream with NO_ERROR before the body went, as Go's server
+    /// does with a body it will not read. The answer is the response, not the failed body.
+    #[tokio::test]
+    async fn an_answer_before_the_body_went_is_the_response() {
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            let mut server = h2::server::handshake(server_io).await.unwrap();
+            let mut pings = server.ping_pong().unwrap();
+            let (_, mut respond) = server.accept().await.unwrap().unwrap();
+            let refused = http::Response::builder().status(401).body(()).unwrap();
+            respond.send_response(refused, true).unwrap();
+            // h2 drops what a reset stream has not written yet: the answer goes first (the
+            // client's pong comes after it has read it), as with Go.
+            let answered = tokio::spawn(async move {
+                pings.ping(h2::Ping::opaque()).await.unwrap();
+                respond.send_reset(h2::Reason::NO_ERROR);
+            });
+            // Accepting drives the connection.
+            tokio::select! {
+                _ = server.accept() => panic!("one request only"),
+                _ = answered => {}
+            }
+            futures::future::poll_fn(|cx| server.poll_closed(cx)).await.ok();
+        });
+        let (send, connection) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let mut send = send.ready().await.unwrap();
+        let head = http::Request::post("https://server/apis").body(()).unwrap();
+        let (response, mut stream) = send.send_request(head, false).unwrap();
+        // Sync point: the server's reset has reached the stream (its answer came before).
+        let reason = futures::future::poll_fn(|cx| stream.poll_reset(cx))
+            .await
+            .unwrap();
+        assert_eq!(reason, h2::Reason::NO_ERROR);
+        match super::send_body(stream, Bytes::from_static(b"{}"), response).await {
+            Ok(response) => assert_eq!(response.status(), 401),
+            Err(super::Failed::H2 { error, .. }) => panic!("failed: {error}"),
+            Err(super::Failed::TimedOut(error)) => panic!("timed out: {error}"),
         }
     }
 
