@@ -1070,7 +1070,9 @@ mod tests {
                 _ = server.accept() => panic!("one request only"),
                 _ = answered => {}
             }
-            futures::future::poll_fn(|cx| server.poll_closed(cx)).await.ok();
+            futures::future::poll_fn(|cx| server.poll_closed(cx))
+                .await
+                .ok();
         });
         let (send, connection) = h2::client::handshake(client_io).await.unwrap();
         tokio::spawn(async move {
