@@ -44,6 +44,7 @@ mod cache;
 mod client;
 mod cluster;
 mod controller;
+pub mod diagnostics;
 mod fleet;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]

@@ -149,6 +149,8 @@ impl<K> Subscribers<K> {
 /// One watch of one resource type and configuration in one engagement of a cluster, feeding a
 /// reflector store, field indexes and any number of subscribers (one per controller relation).
 pub(crate) struct SharedWatch<K: Watchable> {
+    /// When its last event came, and how often it failed.
+    activity: Activity,
     pub(crate) store: Store<K>,
     subscribers: Mutex<Subscribers<K>>,
     /// Field indexes over `store`, updated with it.
@@ -247,6 +249,7 @@ where
             faults,
             started: std::time::Instant::now(),
             reflector,
+            activity: Activity::default(),
         });
         for indexer in indexers {
             watch.add_indexer(indexer);
@@ -338,6 +341,11 @@ where
         self.started
     }
 
+    /// When its last event came, and how often it failed.
+    pub(crate) fn activity(&self) -> &Activity {
+        &self.activity
+    }
+
     /// Registers a field index (once per name) and fills it from the store. Runs the user's
     /// extractor: a panic fails the watch.
     pub(crate) fn add_indexer(&self, indexer: &Indexer) {
@@ -375,6 +383,7 @@ where
 
     /// The watch fails (it retries): `error` is shown until it works again.
     fn failing(&self, error: String) {
+        self.activity.failed();
         self.state.send_if_modified(|s| match s {
             WatchState::Listing { error: e } | WatchState::Synced { error: e } => {
                 *e = Some(error);
@@ -457,7 +466,10 @@ impl<K: Watchable> Feed<K> {
             return;
         }
         let event = match event {
-            Ok(event) => event,
+            Ok(event) => {
+                self.watch.activity.event();
+                event
+            }
             Err(error) => {
                 self.failing = true;
                 self.watch.failing(crate::client::redact::safe_text(error));
@@ -627,6 +639,7 @@ async fn run<K: Watchable>(
                 shared.failing(error);
             }
             Some(Ok(event)) => {
+                shared.activity.event();
                 // A watcher starts each listing attempt with Init: only a completed listing or
                 // a change shows it works again.
                 let progress =
@@ -790,6 +803,45 @@ fn index<K: Watchable>(shared: &SharedWatch<K>, update: impl FnOnce(&mut FieldIn
     let mut indexes = lock(&shared.indexes);
     if !indexes.is_empty() {
         update(&mut indexes);
+    }
+}
+
+/// When a watch's last event came and how many times it failed, for the diagnostics view
+/// (`Cluster::cache_status`): two atomics, written on each event.
+#[derive(Default)]
+pub(crate) struct Activity {
+    /// Milliseconds since the Unix epoch; 0 before the first event.
+    last_event: std::sync::atomic::AtomicU64,
+    failures: std::sync::atomic::AtomicU64,
+}
+
+impl Activity {
+    /// An event came (a listing's page, a change, a bookmark).
+    pub(crate) fn event(&self) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.last_event
+            .store(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// An attempt to list or watch failed.
+    pub(crate) fn failed(&self) {
+        self.failures
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When the last event came, if one has.
+    pub(crate) fn last_event(&self) -> Option<std::time::SystemTime> {
+        match self.last_event.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            ms => Some(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)),
+        }
+    }
+
+    /// How many attempts failed since the watch started.
+    pub(crate) fn failures(&self) -> u64 {
+        self.failures.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -110,6 +110,10 @@ pub struct CacheStatus {
     /// Whether its first listing has taken longer than the manager's
     /// [`cache_sync_timeout`](crate::Manager::cache_sync_timeout) so far.
     pub overdue: bool,
+    /// When its last event came (a listed object, a change, a bookmark), if one has.
+    pub last_event: Option<std::time::SystemTime>,
+    /// How many of its attempts to list or watch failed since it started.
+    pub failures: u64,
 }
 
 impl<C: ClusterId> Drop for Inner<C> {
@@ -679,6 +683,8 @@ impl<C: ClusterId> Cluster<C> {
                     error,
                     overdue: listing
                         && timeout.is_some_and(|timeout| watch.started().elapsed() >= timeout),
+                    last_event: watch.activity().last_event(),
+                    failures: watch.activity().failures(),
                 }
             })
             .collect();

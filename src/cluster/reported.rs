@@ -23,11 +23,16 @@ pub(crate) struct ReportedWatch {
     failing: AtomicBool,
     started: Instant,
     cluster: String,
+    activity: crate::cache::watch::Activity,
 }
 
 impl ReportedWatch {
     /// Follows one event of the watch: its first listing done, a failure, a success after one.
     pub(crate) fn observe<K>(&self, event: &Result<watcher::Event<K>, watcher::Error>) {
+        match event {
+            Ok(_) => self.activity.event(),
+            Err(_) => self.activity.failed(),
+        }
         match event {
             Ok(watcher::Event::InitDone) => {
                 *lock(&self.state) = WatchState::Synced { error: None };
@@ -86,6 +91,10 @@ impl ErasedWatch for ReportedWatch {
     fn started(&self) -> Instant {
         self.started
     }
+
+    fn activity(&self) -> &crate::cache::watch::Activity {
+        &self.activity
+    }
 }
 
 /// A [`ReportedWatch`] listed in an engagement's watches until dropped.
@@ -112,6 +121,7 @@ impl Report {
             state: Mutex::new(WatchState::Listing { error: None }),
             failing: AtomicBool::new(false),
             started: Instant::now(),
+            activity: Default::default(),
             cluster,
         });
         // Its own key: never taken for a shared watch of the kind, nor given its indexes.

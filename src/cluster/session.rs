@@ -238,6 +238,8 @@ pub(crate) trait ErasedWatch: Send + Sync {
     fn state(&self) -> WatchState;
     /// When it started.
     fn started(&self) -> std::time::Instant;
+    /// When its last event came, and how often it failed.
+    fn activity(&self) -> &crate::cache::watch::Activity;
 }
 
 impl<K: Watchable> ErasedWatch for SharedWatch<K> {
@@ -259,6 +261,10 @@ impl<K: Watchable> ErasedWatch for SharedWatch<K> {
 
     fn started(&self) -> std::time::Instant {
         SharedWatch::started(self)
+    }
+
+    fn activity(&self) -> &crate::cache::watch::Activity {
+        SharedWatch::activity(self)
     }
 }
 

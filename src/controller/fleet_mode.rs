@@ -70,6 +70,10 @@ struct Finished<C: ClusterId> {
     took: Option<std::time::Duration>,
     /// It returned after its deadline (the reconcile timeout) rather than being dropped.
     overran: bool,
+    /// It did not run, or did not run to its end.
+    dropped: bool,
+    /// Why it failed, for the diagnostics view (kept only while it is served).
+    failure: Option<String>,
 }
 
 impl<C: ClusterId> Finished<C> {
@@ -83,6 +87,8 @@ impl<C: ClusterId> Finished<C> {
             engagement_ended: true,
             took,
             overran: false,
+            dropped: true,
+            failure: None,
         }
     }
 }
@@ -184,6 +190,14 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
     // runtime), no request is taken from the queue until the tenure runs again or the
     // replica's work here is stopped.
     let mut tenure_changes = env.tenure.subscribe();
+    // While the diagnostics view is served: where it asks for the queues, and how each
+    // cluster's last reconcile ended.
+    let mut asks = env
+        .diagnostics
+        .as_ref()
+        .map(|d| d.register(spec.name.clone()));
+    let diagnosed = asks.is_some();
+    let mut last: HashMap<C, crate::diagnostics::LastReconcile> = HashMap::default();
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -228,7 +242,18 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 Some(()) => slots.reconcile_all(),
                 None => bulk = None,
             },
-            Some(Finished { request: req, action, reason, engagement_ended: ended, took, overran }) = running.next(), if !running.is_empty() => {
+            Some(answer) = recv_ask(&mut asks) => {
+                let _ = answer.send(slots.queues(&mut last));
+            }
+            Some(Finished { request: req, action, reason, engagement_ended: ended, took, overran, dropped, failure }) = running.next(), if !running.is_empty() => {
+                if diagnosed {
+                    last.insert(req.cluster.clone(), crate::diagnostics::LastReconcile {
+                        at: crate::diagnostics::timestamp(std::time::SystemTime::now()),
+                        object: super::ObjectField { namespace: req.namespace.as_deref(), name: &req.name }.to_string(),
+                        result: result_of(&reason, &action, dropped).into(),
+                        error: failure,
+                    });
+                }
                 if overran {
                     slots.queue.timed_out(&req.cluster);
                 }
@@ -246,7 +271,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             (req, reason) = slots.queue.next(), if may_start => {
                 if let Some((object, engagement)) = slots.object_for(&req, &reason) {
                     let timed = env.metrics.is_some();
-                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed));
+                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed, diagnosed));
                 }
             }
         }
@@ -274,6 +299,33 @@ struct Slots<K: Watchable, C: ClusterId> {
 }
 
 impl<K: Watchable, C: ClusterId> Slots<K, C> {
+    /// Each followed cluster's queue, for the diagnostics view; `last` forgets the clusters
+    /// no longer followed.
+    fn queues(
+        &self,
+        last: &mut HashMap<C, crate::diagnostics::LastReconcile>,
+    ) -> crate::diagnostics::Queues<C> {
+        last.retain(|id, _| self.slots.contains_key(id));
+        let mut depths = self.queue.depths();
+        self.slots
+            .iter()
+            .map(|(id, slot)| {
+                let depth = depths.remove(id).unwrap_or_default();
+                let view = crate::diagnostics::QueueView {
+                    controller: self.spec.name.to_string(),
+                    listed: matches!(slot.phase, Phase::Synced),
+                    normal: depth.normal,
+                    low: depth.low,
+                    scheduled: depth.scheduled,
+                    parked: slot.parked.len(),
+                    in_flight: depth.in_flight,
+                    last: last.get(id).cloned(),
+                };
+                (id.clone(), view)
+            })
+            .collect()
+    }
+
     /// Starts following `engagement` in `Syncing`, reading `reference` meanwhile. Returns
     /// whether it did (the filter may refuse the cluster, an id may come twice).
     fn engage(
@@ -526,6 +578,7 @@ fn start<K, C, S, F, Fut, E, P>(
     reconcile: &Arc<F>,
     error_policy: &Arc<P>,
     timed: bool,
+    diagnosed: bool,
 ) -> Reconciling<C>
 where
     K: Watchable,
@@ -586,6 +639,7 @@ where
             return Finished::cut_short(req, reason, None);
         }
         let began = (timed || observer.is_some()).then(std::time::Instant::now);
+        let observed = observer.is_some() || diagnosed;
         // A panic of the reconciler or its error policy ends this reconcile only: the
         // controller goes on with every other request and cluster.
         let counts = ctx.failure_counts();
@@ -599,7 +653,7 @@ where
             &req,
             counts,
             limit,
-            observer.is_some(),
+            observed,
             &version,
         ))
         .catch_unwind()
@@ -615,6 +669,17 @@ where
             })
         })
         .map(|(action, reason, failure)| {
+            let text = failure
+                .as_ref()
+                .filter(|_| diagnosed)
+                .map(|failure| match failure {
+                    super::Failure::Error(text) | super::Failure::Panic(text) => {
+                        crate::diagnostics::cut(text.clone())
+                    }
+                    super::Failure::Timeout(limit) => {
+                        format!("it did not return within its reconcile timeout ({limit:?})")
+                    }
+                });
             if let Some(observer) = &observer {
                 super::observe(
                     observer,
@@ -626,7 +691,7 @@ where
                     },
                 );
             }
-            (action, reason)
+            (action, reason, text)
         });
         let abandoned = async {
             tokio::select! {
@@ -641,7 +706,7 @@ where
         // Biased: a reconcile that is done is not made to wait on the token first.
         let ended = tokio::select! {
             biased;
-            (action, reason) = work => {
+            (action, reason, failure) = work => {
                 let took = began.map(|b| b.elapsed());
                 // Returned (not dropped) past its deadline: a timeout too, as
                 // controller-runtime counts one.
@@ -654,6 +719,8 @@ where
                     engagement_ended: token.is_cancelled(),
                     took,
                     overran,
+                    dropped: false,
+                    failure,
                 }
             }
             () = abandoned => {
@@ -739,7 +806,8 @@ where
                 error_policy(object.clone(), &error, ctx)
             };
             let action = counts.settle(req, failed_at.as_deref(), action, true);
-            let failure = observed.then(|| super::Failure::Error(error.to_string()));
+            let failure =
+                observed.then(|| super::Failure::Error(crate::client::Shown(&error).to_string()));
             (action, ReconcileReason::ErrorPolicy, failure)
         }
     }
@@ -749,6 +817,33 @@ async fn next_opt<T>(stream: &mut Option<BoxStream<'static, T>>) -> Option<T> {
     match stream {
         Some(stream) => stream.next().await,
         None => std::future::pending().await,
+    }
+}
+
+async fn recv_ask<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// How a reconcile ended, in the diagnostics view's words.
+fn result_of(reason: &ReconcileReason, action: &Action, dropped: bool) -> &'static str {
+    use crate::metrics::Outcome;
+    if dropped {
+        return "dropped";
+    }
+    match reason {
+        ReconcileReason::Panicked => "panic",
+        ReconcileReason::ErrorPolicy => "error",
+        ReconcileReason::TimedOut => "timeout",
+        _ => match action.outcome() {
+            Outcome::Success => "success",
+            Outcome::RequeueAfter => "requeue_after",
+            Outcome::Requeue => "requeue",
+            Outcome::Error => "error",
+            Outcome::Panic => "panic",
+        },
     }
 }
 

@@ -318,6 +318,32 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.len()
     }
+
+    /// Per cluster with any: its requests ready in each lane, and in flight (for the
+    /// diagnostics view; walks every request).
+    fn depths(&self) -> HashMap<C, Depth> {
+        let mut depths: HashMap<C, Depth> = HashMap::default();
+        for (req, (_, lane)) in &self.queued {
+            let depth = depths.entry(req.cluster.clone()).or_default();
+            match lane {
+                Lane::Normal => depth.normal += 1,
+                Lane::Low => depth.low += 1,
+            }
+        }
+        for (cluster, count) in &self.in_flight_per_cluster {
+            depths.entry(cluster.clone()).or_default().in_flight = *count;
+        }
+        depths
+    }
+}
+
+/// One cluster's requests in a fleet queue ([`FleetQueue::depths`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Depth {
+    pub(crate) normal: usize,
+    pub(crate) low: usize,
+    pub(crate) scheduled: usize,
+    pub(crate) in_flight: usize,
 }
 
 /// A scheduler message: equal (and hashed) by request only, so that kube-runtime's scheduler
@@ -642,6 +668,16 @@ impl<C: ClusterId> FleetQueue<C> {
     pub(crate) fn in_flight(&self) -> usize {
         self.ready.in_flight()
     }
+
+    /// Per cluster with any: its requests ready in each lane, waiting for a delay, and in
+    /// flight (for the diagnostics view; walks every request).
+    pub(crate) fn depths(&self) -> HashMap<C, Depth> {
+        let mut depths = self.ready.depths();
+        for req in &self.scheduled {
+            depths.entry(req.cluster.clone()).or_default().scheduled += 1;
+        }
+        depths
+    }
 }
 
 #[cfg(test)]
@@ -778,6 +814,33 @@ mod tests {
         q.push_low(req("a", "y"));
         q.push_low(req("a", "x"));
         assert_eq!(q.pop().unwrap().0, req("a", "x"));
+    }
+
+    /// The diagnostics view's depths: per cluster and lane, a request moved to the normal
+    /// lane counted there once, those in flight apart.
+    #[test]
+    fn depths_count_each_request_once_in_its_lane() {
+        let mut q = FairQueue::default();
+        for i in 0..3 {
+            q.push_low(req("a", &format!("l{i}")));
+        }
+        q.push_(req("a", "l1"));
+        q.push_(req("b", "x"));
+        q.push_(req("b", "y"));
+        let (taken, ()) = q.pop().unwrap();
+        let depths = q.depths();
+        let depth = |c: &str| {
+            depths
+                .get(&ClusterName::from(c))
+                .copied()
+                .unwrap_or_default()
+        };
+        let in_a = usize::from(taken.cluster == ClusterName::from("a"));
+        assert_eq!(depth("a").low, 2);
+        assert_eq!(depth("a").normal + depth("b").normal, 2);
+        assert_eq!(depth("a").in_flight, in_a);
+        assert_eq!(depth("b").in_flight, 1 - in_a);
+        assert_eq!(depth("a").scheduled + depth("b").scheduled, 0);
     }
 
     #[test]

@@ -71,6 +71,10 @@ pub struct Manager<P: Provider> {
     sharding: Option<crate::shard::Sharding>,
     /// What the sharding coordinator of the current run last saw.
     shard_status: Arc<Mutex<Option<crate::shard::ShardStatus>>>,
+    /// Where fleet controllers answer for their queues (the diagnostics view).
+    diagnostics: Arc<crate::diagnostics::Controllers<P::Id>>,
+    /// The endpoints serve the diagnostics view: controllers keep what it shows.
+    diagnosed: bool,
     metrics: Option<Metrics>,
     rate_limit: Option<crate::client::RateLimit>,
     /// Shared with every run's watches and controllers.
@@ -205,6 +209,8 @@ impl<P: Provider> Manager<P> {
             leader_election: None,
             sharding: None,
             shard_status: Arc::default(),
+            diagnostics: Arc::default(),
+            diagnosed: false,
             metrics: None,
             rate_limit: None,
             transforms: Arc::default(),
@@ -398,9 +404,15 @@ impl<P: Provider> Manager<P> {
     /// leading or not); see [`Endpoints`].
     #[must_use]
     pub fn serve(mut self, endpoints: Endpoints) -> Self {
+        self.diagnosed = true;
         self.register(Arc::new(crate::serve::EndpointsComponent {
             endpoints,
             served_at: self.served_at.clone(),
+            view: crate::serve::ViewSources {
+                shard: self.shard_status.clone(),
+                credential_lead: self.credential_lead.clone(),
+                leading: self.leading.subscribe(),
+            },
         }));
         self
     }
@@ -624,6 +636,7 @@ impl<P: Provider> Manager<P> {
                 (None, None) => crate::lease::leader::host_name(),
             }),
             tenure,
+            diagnostics: self.diagnosed.then(|| self.diagnostics.clone()),
         }
     }
 

@@ -155,6 +155,7 @@ mod tests {
             paged_lists: false,
             instance: Arc::from("test"),
             tenure: tenure.clone(),
+            diagnostics: None,
         };
         let started = Arc::new(AtomicUsize::new(0));
         let counted = started.clone();

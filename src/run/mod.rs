@@ -39,6 +39,9 @@ pub(crate) struct Env<C: ClusterId> {
     /// Until when this replica may start reconciles: its leader Lease's renew deadline for
     /// the leader's controllers, its fences' for a sharded manager's, unbounded otherwise.
     pub(crate) tenure: Arc<Tenure>,
+    /// Where fleet controllers answer for their queues, while the endpoints serve the
+    /// diagnostics view (`None`: no view, nothing kept for it).
+    pub(crate) diagnostics: Option<Arc<crate::diagnostics::Controllers<C>>>,
 }
 
 /// How long reconciles in flight at shutdown are awaited.
@@ -75,6 +78,7 @@ impl<C: ClusterId> Clone for Env<C> {
             paged_lists: self.paged_lists,
             instance: self.instance.clone(),
             tenure: self.tenure.clone(),
+            diagnostics: self.diagnostics.clone(),
         }
     }
 }

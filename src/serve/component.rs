@@ -21,6 +21,8 @@ pub(crate) struct EndpointsComponent {
     pub(crate) endpoints: Endpoints,
     /// Where they are served in the current run (`Manager::served_at`).
     pub(crate) served_at: Arc<Mutex<Option<SocketAddr>>>,
+    /// What the diagnostics view reads beyond the fleet.
+    pub(crate) view: super::ViewSources,
 }
 
 impl EndpointsComponent {
@@ -67,6 +69,7 @@ impl<C: ClusterId> Component<C> for EndpointsComponent {
                 .map_err(|error| Failure::Listen { addr, error })?;
             let mut endpoints = self.endpoints.clone();
             let served_at = self.served_at.clone();
+            let view = self.view.clone();
             let start: Start<C> = Box::new(move |starting: &mut Starting<C>| {
                 endpoints.readyz.extend(starting.ready.iter().cloned());
                 let addr = listener.local_addr().ok();
@@ -81,6 +84,9 @@ impl<C: ClusterId> Component<C> for EndpointsComponent {
                     endpoints,
                     authorizer,
                     stopping: env.shutdown.clone(),
+                    view,
+                    diagnostics: env.diagnostics.clone(),
+                    instance: env.instance.clone(),
                 });
                 let stop = CancellationToken::new();
                 let serving = super::serve(listener, tls, served, stop.clone());

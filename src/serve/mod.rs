@@ -8,6 +8,7 @@ mod component;
 mod profile;
 pub(crate) mod slots;
 mod tls;
+mod view;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -34,6 +35,7 @@ use slots::{Lease, Slots};
 pub(crate) use auth::{AuthVerdict, Authorizer};
 pub(crate) use component::EndpointsComponent;
 pub(crate) use tls::{Certificates, TlsSource};
+pub(crate) use view::ViewSources;
 
 /// A named check of `/healthz` or `/readyz`: `Err` says why it fails.
 pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
@@ -265,6 +267,12 @@ pub(crate) struct Served<C: ClusterId> {
     pub(crate) authorizer: Option<Arc<Authorizer>>,
     /// Cancelled once the manager is stopping.
     pub(crate) stopping: CancellationToken,
+    /// What the diagnostics view reads beyond the fleet.
+    pub(crate) view: ViewSources,
+    /// Where fleet controllers answer for their queues.
+    pub(crate) diagnostics: Option<Arc<crate::diagnostics::Controllers<C>>>,
+    /// Who this replica is.
+    pub(crate) instance: Arc<str>,
 }
 
 /// Serves on `listener` until `stop`, over TLS with `tls` (plain if `None`); connections open
@@ -354,11 +362,13 @@ fn text(
     response
 }
 
-/// The bearer token of a request, if it has one.
+/// The bearer token of a request, if it has one: in `Authorization`, else in
+/// [`FORWARDED_AUTHORIZATION`](crate::diagnostics::FORWARDED_AUTHORIZATION).
 fn bearer(req: &Request<Incoming>) -> Option<&str> {
-    let value = req
-        .headers()
-        .get(hyper::header::AUTHORIZATION)?
+    let headers = req.headers();
+    let value = headers
+        .get(hyper::header::AUTHORIZATION)
+        .or_else(|| headers.get(crate::diagnostics::FORWARDED_AUTHORIZATION))?
         .to_str()
         .ok()?;
     let (scheme, token) = value.split_once(' ')?;
@@ -422,7 +432,7 @@ async fn answer<C: ClusterId>(
     if let Some(handler) = served.endpoints.handlers.get(&path).cloned()
         && !matches!(
             path.as_str(),
-            "/metrics" | "/healthz" | "/livez" | "/readyz"
+            "/metrics" | "/healthz" | "/livez" | "/readyz" | crate::diagnostics::PATH
         )
     {
         let verb = req.method().as_str().to_ascii_lowercase();
@@ -507,6 +517,22 @@ async fn answer<C: ClusterId>(
                 body.push_str(&detail);
             }
             text(status, body, PLAIN)
+        }
+        crate::diagnostics::PATH => {
+            if let Err(refused) =
+                allowed(served, lease, &req, crate::diagnostics::PATH, "get").await
+            {
+                return refused;
+            }
+            let view = view::take(served).await;
+            match serde_json::to_string_pretty(&view) {
+                Ok(body) => text(StatusCode::OK, body, "application/json"),
+                Err(_) => text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "could not encode the view\n",
+                    PLAIN,
+                ),
+            }
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n", PLAIN),
     }

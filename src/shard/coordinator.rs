@@ -43,6 +43,33 @@ pub struct ShardStatus {
     pub held: usize,
     /// How many of those it is handing over.
     pub handing_off: usize,
+    /// The live peers with their weights' bits, for the owner of each cluster (the
+    /// diagnostics view).
+    pub(crate) live: Vec<(String, u64)>,
+    /// The clusters whose fences it holds, and whether each is being handed over.
+    pub(crate) holding: std::collections::BTreeMap<String, bool>,
+}
+
+impl ShardStatus {
+    /// The live peer the assignment gives each of `clusters` to, as this replica sees the
+    /// peers.
+    pub(crate) fn owners<'a>(
+        &self,
+        clusters: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<Option<String>> {
+        let live: Vec<Peer> = self
+            .live
+            .iter()
+            .map(|(id, weight)| Peer {
+                id: id.clone(),
+                weight: f64::from_bits(*weight),
+            })
+            .collect();
+        clusters
+            .into_iter()
+            .map(|cluster| owner(&live, cluster).map(|p| p.id.clone()))
+            .collect()
+    }
 }
 
 /// A fence this replica holds.
@@ -707,7 +734,8 @@ impl<C: ClusterId> Coordinator<C> {
 
     fn publish(&self) {
         let now = Instant::now();
-        let peers: Vec<String> = self.live(now).into_iter().map(|p| p.id).collect();
+        let live = self.live(now);
+        let peers: Vec<String> = live.iter().map(|p| p.id.clone()).collect();
         let handing_off = self.held.values().filter(|h| h.handing_off).count();
         if let Some(m) = &self.metrics {
             m.owned
@@ -719,6 +747,15 @@ impl<C: ClusterId> Coordinator<C> {
             discovered: self.fleet.discovered_ids().len(),
             held: self.held.len(),
             handing_off,
+            live: live
+                .into_iter()
+                .map(|p| (p.id, p.weight.to_bits()))
+                .collect(),
+            holding: self
+                .held
+                .iter()
+                .map(|(id, h)| (id.to_string(), h.handing_off))
+                .collect(),
         });
     }
 
