@@ -6,10 +6,12 @@
 //! it: a labelled Secret on the host for `KubeconfigSecrets`, or a file for `File`.
 //! `mcr unjoin` removes exactly what `join` made. Running `join` again converges on what it is
 //! told and issues a new token (rotation); the book's operations chapter has the details.
+//! `mcr status` shows what a running fleet's replicas see (their diagnostics view).
 
 mod destination;
 mod kubeconfig;
 mod member;
+mod status;
 mod webhooks;
 
 use std::path::PathBuf;
@@ -32,7 +34,7 @@ pub(crate) use multicluster_runtime::providers::JOINED_AS_LABEL as JOINED_AS;
 #[command(
     name = "mcr",
     version,
-    about = "Join member clusters to a multicluster-runtime fleet"
+    about = "Join member clusters to a multicluster-runtime fleet, and see what its replicas see"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -46,6 +48,10 @@ enum Command {
     Join(Join),
     /// Remove what `join` made, in the member and on the host (or the file).
     Unjoin(Unjoin),
+    /// Show what a running fleet's replicas see (their diagnostics view): per cluster and
+    /// kind, watches, queues, last reconcile, shard owner, credential; what is wrong, and
+    /// where the replicas disagree.
+    Status(status::Status),
 }
 
 #[derive(Args)]
@@ -288,6 +294,7 @@ fn main() -> ExitCode {
         match Cli::parse().command {
             Command::Join(join) => run_join(join).await,
             Command::Unjoin(unjoin) => run_unjoin(unjoin).await,
+            Command::Status(status) => status::run(status).await,
         }
     });
     match result {

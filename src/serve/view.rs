@@ -123,7 +123,12 @@ pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> FleetView {
         leading: served.view.leading.borrow().is_some(),
         shard: shard.map(|s| ShardView {
             identity: s.identity.clone(),
-            peers: s.peers.clone(),
+            // In one order, to compare with other replicas' (each sees itself last).
+            peers: {
+                let mut peers = s.peers.clone();
+                peers.sort();
+                peers
+            },
             discovered: s.discovered,
             held: s.holding.clone(),
         }),
