@@ -269,3 +269,279 @@ async fn a_forbidden_kind_and_a_killed_apiserver_show_in_the_view_and_in_mcr_sta
     manager.shutdown();
     run.await.unwrap();
 }
+
+/// An address of this machine the API server may proxy to: not loopback (it refuses to
+/// proxy there), found by the route to a documentation address (nothing is sent).
+fn pod_address() -> std::net::IpAddr {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    socket.connect("203.0.113.1:9").expect(
+        "this test needs a route off loopback (the API server proxies to no loopback address)",
+    );
+    let address = socket.local_addr().unwrap().ip();
+    assert!(
+        !address.is_loopback() && !address.is_unspecified(),
+        "this test needs a non-loopback address, found {address}"
+    );
+    address
+}
+
+/// A pod of the Deployment `op` in `default`, as the kubelet would report it: running at
+/// `address`, its container port `https` at `port`.
+async fn replica_pod(admin: &kube::Client, name: &str, address: std::net::IpAddr, port: u16) {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {"app": "op"}},
+        "spec": {
+            "serviceAccountName": "op",
+            "automountServiceAccountToken": false,
+            "containers": [{
+                "name": "operator",
+                "image": "operator:test",
+                "ports": [{"name": "https", "containerPort": port}],
+            }],
+        },
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let status = serde_json::json!({
+        "status": {
+            "phase": "Running",
+            "podIP": address.to_string(),
+            "podIPs": [{"ip": address.to_string()}],
+        }
+    });
+    pods.patch_status(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&status),
+    )
+    .await
+    .unwrap();
+}
+
+/// The Deployment `op` in `default`, selecting `app=op` (its pods are made by the test: no
+/// controller manager runs).
+async fn deployment(admin: &kube::Client) {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let deployment: Deployment = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "op"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "op"}},
+            "template": {
+                "metadata": {"labels": {"app": "op"}},
+                "spec": {"containers": [{"name": "operator", "image": "operator:test"}]},
+            },
+        },
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
+}
+
+/// The ids of the sharded fleet: eight names of one member cluster.
+const SHARDED: usize = 8;
+
+/// A sharded replica `id` of the fleet, serving its endpoints on `address`; its reconciles
+/// wait while `hold` says so (replica `a`'s only), and each start is counted in `started`.
+fn sharded_replica(
+    id: &'static str,
+    host: &kube::Client,
+    member: &multicluster_runtime_testenv::TestCluster,
+    address: std::net::IpAddr,
+    hold: tokio::sync::watch::Receiver<bool>,
+    started: Arc<std::sync::atomic::AtomicUsize>,
+) -> Arc<Manager<multicluster_runtime::providers::Clusters<ClusterName>>> {
+    use multicluster_runtime::{LeaseTiming, Sharding};
+    let provider = multicluster_runtime::providers::Clusters::<ClusterName>::new();
+    for i in 0..SHARDED {
+        provider
+            .add(
+                multicluster_runtime::Cluster::from_config(name(&format!("s{i}")), member.config())
+                    .unwrap(),
+            )
+            .unwrap();
+    }
+    let timing = LeaseTiming::default()
+        .lease_duration(std::time::Duration::from_secs(6))
+        .renew_deadline(std::time::Duration::from_secs(4))
+        .retry_period(std::time::Duration::from_secs(1));
+    let sharding = Sharding::new(host.clone(), "default", "status")
+        .identity(id)
+        .timing(timing)
+        .handoff_timeout(std::time::Duration::from_secs(120));
+    let endpoints = multicluster_runtime::Endpoints::new(std::net::SocketAddr::new(address, 0))
+        .authorize_with(host.clone());
+    let manager = Arc::new(Manager::new(provider).sharding(sharding).serve(endpoints));
+    Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("status=seen"))
+        .named("held")
+        .start(
+            move |_, _: Context<ClusterName, ()>| {
+                let mut hold = hold.clone();
+                let started = started.clone();
+                async move {
+                    started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = hold.wait_for(|held| !held).await;
+                    Ok::<_, kube::Error>(Action::await_change())
+                }
+            },
+            |_, _: &kube::Error, _: &Context<ClusterName, ()>| Action::await_change(),
+            Arc::new(()),
+        );
+    manager
+}
+
+/// Issue 48 part 4: a shard hand-over shows in both replicas' views and in `mcr status
+/// --deployment`, which reads every replica through the API server's proxy with a token for
+/// the pods' own ServiceAccount: the replica handing clusters over names their new owner
+/// while its reconciles there hold them, then the new owner holds them, and the replicas
+/// agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_hand_over_shows_in_both_views_and_in_mcr_status_through_the_proxy() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let address = pod_address();
+    let binary = mcr_binary();
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (host, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let admin = host.client().unwrap();
+    // The pods' ServiceAccount may read the view.
+    let token = account_token(&admin, "op").await;
+    grant_urls(&admin, "op", &["/debug/fleet"]).await;
+    config_map(&member.client().unwrap(), "held").await;
+
+    // Replica a alone: it takes every cluster, and its reconciles hold there.
+    let (hold, held) = tokio::sync::watch::channel(true);
+    let started_a = Arc::new(AtomicUsize::new(0));
+    let a = sharded_replica("a", &admin, &member, address, held, started_a.clone());
+    let run_a = spawn_manager(&a);
+    eventually(60, "a reconciling in every cluster", async || {
+        started_a.load(Ordering::SeqCst) == SHARDED
+    })
+    .await;
+    let addr_a = a.served_at().unwrap();
+    let view_a = view_at(addr_a, &token).await;
+    assert_eq!(
+        view_a.shard.as_ref().unwrap().held.len(),
+        SHARDED,
+        "{view_a:#?}"
+    );
+    assert!(
+        view_a
+            .clusters
+            .iter()
+            .all(|c| c.queues.iter().any(|q| q.in_flight == 1)),
+        "{view_a:#?}"
+    );
+
+    // Replica b joins: a hands its share over, waiting for the reconciles there.
+    let (_never, unheld) = tokio::sync::watch::channel(false);
+    let b = sharded_replica(
+        "b",
+        &admin,
+        &member,
+        address,
+        unheld,
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let run_b = spawn_manager(&b);
+    eventually(60, "b serving", async || b.served_at().is_some()).await;
+    let addr_b = b.served_at().unwrap();
+    let mut handing: Vec<String> = Vec::new();
+    eventually(60, "a handing clusters over to b", async || {
+        let view = view_at(addr_a, &token).await;
+        handing = view
+            .clusters
+            .iter()
+            .filter(|c| {
+                c.shard.as_ref().is_some_and(|s| {
+                    s.handing_off && s.held_here && s.owner.as_deref() == Some("b")
+                })
+            })
+            .map(|c| c.name.clone())
+            .collect();
+        let peers = view
+            .shard
+            .as_ref()
+            .map(|s| s.peers.clone())
+            .unwrap_or_default();
+        !handing.is_empty() && peers == ["a", "b"]
+    })
+    .await;
+    let view_b = view_at(addr_b, &token).await;
+    let shard_b = view_b.shard.clone().unwrap();
+    assert_eq!(shard_b.peers, ["a", "b"], "{view_b:#?}");
+    assert!(
+        handing.iter().all(|c| !shard_b.held.contains_key(c)),
+        "{view_b:#?}"
+    );
+
+    // `mcr status` over both pods, through the API server's proxy.
+    deployment(&admin).await;
+    replica_pod(&admin, "op-a", address, addr_a.port()).await;
+    replica_pod(&admin, "op-b", address, addr_b.port()).await;
+    let status = |binary: std::path::PathBuf| {
+        let kubeconfig = host.kubeconfig_path().to_path_buf();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                mcr(
+                    &binary,
+                    &[
+                        "status",
+                        "--deployment",
+                        "default/op",
+                        "--kubeconfig",
+                        kubeconfig.to_str().unwrap(),
+                    ],
+                )
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let shown = status(binary.clone()).await;
+    assert!(
+        shown.contains("replica a at ") && shown.contains("replica b at "),
+        "{shown}"
+    );
+    for cluster in &handing {
+        assert!(
+            shown
+                .lines()
+                .any(|l| l.starts_with(&format!("{cluster} ")) && l.contains("b (handing over)")),
+            "{shown}"
+        );
+        assert!(
+            shown.contains(&format!("cluster {cluster}: being handed over to b")),
+            "{shown}"
+        );
+    }
+
+    // The reconciles end: b takes what it owns, and the replicas agree.
+    hold.send(false).unwrap();
+    eventually(60, "b holding what a handed over", async || {
+        let view = view_at(addr_b, &token).await;
+        let held = view.shard.map(|s| s.held).unwrap_or_default();
+        handing.iter().all(|c| held.get(c) == Some(&false))
+    })
+    .await;
+    eventually(60, "the replicas agreeing in mcr status", async || {
+        let shown = status(binary.clone()).await;
+        shown.contains("the 2 replicas agree") && !shown.contains("handing over")
+    })
+    .await;
+    let view_a = view_at(addr_a, &token).await;
+    assert!(
+        handing
+            .iter()
+            .all(|c| !view_a.shard.as_ref().unwrap().held.contains_key(c)),
+        "{view_a:#?}"
+    );
+
+    b.shutdown();
+    a.shutdown();
+    run_b.await.unwrap();
+    run_a.await.unwrap();
+}

@@ -396,6 +396,12 @@ fn render(views: &Views) -> String {
                 None => "-".into(),
             };
             let engaged = if cluster.engaged { "yes" } else { "no" };
+            // A cluster no longer engaged (being handed over) has no watches or queues here.
+            let (watches, queue) = if cluster.engaged {
+                (watches, queue)
+            } else {
+                ("-".into(), "-".into())
+            };
             rows.push([
                 cluster.name.clone(),
                 cluster.role.clone(),

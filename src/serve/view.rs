@@ -51,11 +51,20 @@ pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> FleetView {
         .chain(served.fleet.clusters())
         .collect();
     let names: Vec<String> = clusters.iter().map(|c| c.id().to_string()).collect();
+    let engaged = names.len();
+    // Clusters whose fence this replica holds and that are no longer engaged: being handed
+    // over (their work is waited for before the fence is released).
+    let leaving: Vec<String> = shard
+        .iter()
+        .flat_map(|s| s.holding.keys())
+        .filter(|id| !names.contains(id))
+        .cloned()
+        .collect();
     let owners = shard
         .as_ref()
-        .map(|s| s.owners(names.iter().map(String::as_str)));
+        .map(|s| s.owners(names.iter().chain(&leaving).map(String::as_str)));
     let now = SystemTime::now();
-    let clusters = clusters
+    let mut clusters: Vec<ClusterView> = clusters
         .iter()
         .zip(names)
         .enumerate()
@@ -116,6 +125,23 @@ pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> FleetView {
             }
         })
         .collect();
+    if let Some(s) = &shard {
+        for (i, name) in leaving.into_iter().enumerate() {
+            let handing_off = s.holding.get(&name).copied().unwrap_or(false);
+            clusters.push(ClusterView {
+                shard: Some(ClusterShard {
+                    owner: owners
+                        .as_ref()
+                        .and_then(|o| o.get(engaged + i).cloned().flatten()),
+                    held_here: true,
+                    handing_off,
+                }),
+                name,
+                role: "cluster".into(),
+                ..Default::default()
+            });
+        }
+    }
     FleetView {
         replica: served.instance.to_string(),
         at: timestamp(now),
