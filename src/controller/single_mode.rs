@@ -745,7 +745,7 @@ where
             }
             let failure = request
                 .is_some()
-                .then(|| super::Failure::Error(error.to_string()));
+                .then(|| super::Failure::Error(crate::client::Shown(error).to_string()));
             (action, failure, *took)
         }
         Failure::Panicked(message, took) => (
