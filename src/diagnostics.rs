@@ -438,9 +438,12 @@ pub(crate) type Queues<C> = Vec<(C, QueueView)>;
 /// The question a controller's loop answers.
 pub(crate) type Ask<C> = oneshot::Sender<Queues<C>>;
 
+/// A controller's name, and where its loop takes questions.
+type Registered<C> = (Arc<str>, mpsc::Sender<Ask<C>>);
+
 /// The fleet controllers that answer for their queues, for the view.
 pub(crate) struct Controllers<C: ClusterId> {
-    registered: Mutex<Vec<(Arc<str>, mpsc::Sender<Ask<C>>)>>,
+    registered: Mutex<Vec<Registered<C>>>,
 }
 
 impl<C: ClusterId> Default for Controllers<C> {
@@ -465,7 +468,7 @@ impl<C: ClusterId> Controllers<C> {
     /// Asks every controller for its queues; each that does not answer within
     /// [`ANSWER_TIMEOUT`] is named so.
     pub(crate) async fn ask(&self) -> Vec<(Arc<str>, Option<Queues<C>>)> {
-        let registered: Vec<(Arc<str>, mpsc::Sender<Ask<C>>)> = {
+        let registered: Vec<Registered<C>> = {
             let mut registered = lock(&self.registered);
             registered.retain(|(_, tx)| !tx.is_closed());
             registered.clone()

@@ -835,7 +835,7 @@ mod tests {
                 .copied()
                 .unwrap_or_default()
         };
-        let in_a = usize::from(taken.cluster == ClusterName::from("a"));
+        let in_a = usize::from(taken.cluster == "a");
         assert_eq!(depth("a").low, 2);
         assert_eq!(depth("a").normal + depth("b").normal, 2);
         assert_eq!(depth("a").in_flight, in_a);
