@@ -227,7 +227,12 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                     slots.engage(engagement, None, HashMap::default());
                 }
                 FleetEvent::Replaced { old, new } => slots.replace(old, new),
-                FleetEvent::Disengaged(engagement) => slots.disengage(&engagement),
+                FleetEvent::Disengaged(engagement) => {
+                    if !last.is_empty() {
+                        last.remove(engagement.id());
+                    }
+                    slots.disengage(&engagement);
+                }
                 FleetEvent::Departed(_) => {}
             },
             Some((id, epoch, outcome)) = slots.syncs.next(), if !slots.syncs.is_empty() => {
