@@ -1,8 +1,8 @@
 //! The diagnostics view of a running replica: per cluster and per kind, what its watches,
 //! queues, shard and credentials are doing now, as JSON at
-//! [`Endpoints`](crate::Endpoints)' `/debug/fleet`, and rendered by `mcr status`.
+//! [`Endpoints`](crate::Endpoints)' `/debug/mcr/fleet`, and rendered by `mcr status`.
 //!
-//! [`FleetView`] is the document; [`FleetView::problems`] says what is wrong in the words of
+//! [`ReplicaView`] is the document; [`ReplicaView::problems`] says what is wrong in the words of
 //! the troubleshooting chapter, and [`disagreements`] what two or more replicas' views
 //! contradict (who owns a cluster, who holds its fence, who the peers are).
 //!
@@ -21,7 +21,7 @@ use crate::cluster::ClusterId;
 use crate::util::sync::lock;
 
 /// The path the endpoints serve the view at.
-pub const PATH: &str = "/debug/fleet";
+pub const PATH: &str = "/debug/mcr/fleet";
 
 /// A header the endpoints take a bearer token from when `Authorization` has none: the API
 /// server's proxy keeps `Authorization` for itself, so `mcr status` sends the endpoints'
@@ -37,7 +37,7 @@ const MAX_ERROR: usize = 400;
 /// One replica's view of its fleet, as of `at`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
-pub struct FleetView {
+pub struct ReplicaView {
     /// The replica: its sharding or leader election identity, else its host name (a pod's
     /// name).
     pub replica: String,
@@ -49,7 +49,8 @@ pub struct FleetView {
     pub leading: bool,
     /// Its side of sharding, if the manager is sharded.
     pub shard: Option<ShardView>,
-    /// The local cluster (if any) first, then every engaged cluster.
+    /// The local cluster (if any) first, then every engaged cluster, then (sharded) every
+    /// cluster this replica still holds while handing it over.
     pub clusters: Vec<ClusterView>,
     /// The controllers asked for their queues.
     pub controllers: Vec<ControllerView>,
@@ -75,8 +76,8 @@ pub struct ShardView {
 pub struct ClusterView {
     /// Its id.
     pub name: String,
-    /// `host` for the cluster whose caches decide readiness, `local` for the local cluster
-    /// otherwise, `cluster` for the fleet's.
+    /// `host` for the cluster whose caches decide readiness (the local cluster, if there is
+    /// one), `cluster` for the fleet's.
     pub role: String,
     /// Engaged now.
     pub engaged: bool,
@@ -167,7 +168,9 @@ pub struct LastReconcile {
     pub at: String,
     /// The object (`namespace/name`).
     pub object: String,
-    /// `success`, `requeue_after`, `requeue`, `error`, `panic` or `timeout`.
+    /// `success`, `requeue_after`, `requeue` (after the object's backoff), `error`, `panic`,
+    /// `timeout`, or `dropped` (it did not run to its end: its cluster left, or the tenure
+    /// lapsed).
     pub result: String,
     /// Why it failed, if it did (cut to 400 characters).
     pub error: Option<String>,
@@ -227,7 +230,7 @@ fn section_of(error: &str) -> &'static str {
     }
 }
 
-impl FleetView {
+impl ReplicaView {
     /// What is wrong, cluster by cluster, then with the replica.
     pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
@@ -353,7 +356,7 @@ fn in_words(seconds: i64) -> String {
 
 /// What the views of several replicas of one group contradict: the peers they see, a cluster
 /// whose fence two hold, a cluster each gives to a different owner.
-pub fn disagreements(views: &[FleetView]) -> Vec<String> {
+pub fn disagreements(views: &[ReplicaView]) -> Vec<String> {
     let mut found = Vec::new();
     let sharded: Vec<(&str, &ShardView)> = views
         .iter()
@@ -492,8 +495,8 @@ impl<C: ClusterId> Controllers<C> {
 mod tests {
     use super::*;
 
-    fn view(replica: &str, peers: &[&str], held: &[&str], owners: &[(&str, &str)]) -> FleetView {
-        FleetView {
+    fn view(replica: &str, peers: &[&str], held: &[&str], owners: &[(&str, &str)]) -> ReplicaView {
+        ReplicaView {
             replica: replica.into(),
             shard: Some(ShardView {
                 identity: replica.into(),
@@ -544,7 +547,7 @@ mod tests {
             error: error.map(str::to_string),
             ..Default::default()
         };
-        let view = FleetView {
+        let view = ReplicaView {
             clusters: vec![ClusterView {
                 name: "east".into(),
                 watches: vec![

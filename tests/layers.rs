@@ -23,7 +23,7 @@ const FLOORS: &[&[&str]] = &[
     &["client"],
     &["cache"],
     &["cluster"],
-    &["fleet", "lease"],
+    &["fleet", "lease", "diagnostics"],
     &["run", "provider"],
     &["ownership", "bootstrap"],
     &["controller", "providers"],

@@ -1,4 +1,4 @@
-//! The diagnostics view (`/debug/fleet`) and `mcr status` against real control planes: a
+//! The diagnostics view (`/debug/mcr/fleet`) and `mcr status` against real control planes: a
 //! forbidden kind, a killed API server and a shard hand-over each show in the view and in
 //! `mcr status`, in the troubleshooting chapter's words; the view needs an authorized token,
 //! given directly or through the API server's proxy.
@@ -10,13 +10,13 @@ use std::sync::Arc;
 use common::*;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::{Api, ObjectMeta, PostParams};
-use multicluster_runtime::diagnostics::{FleetView, sections};
+use multicluster_runtime::diagnostics::{ReplicaView, sections};
 use multicluster_runtime::{Action, Builder, ClusterName, Context, Manager, watcher};
 use multicluster_runtime_testenv::TestEnv;
 
 /// The view at `addr` with `token`.
-async fn view_at(addr: std::net::SocketAddr, token: &str) -> FleetView {
-    let (status, body, _) = https_get(addr, "/debug/fleet", Some(token)).await;
+async fn view_at(addr: std::net::SocketAddr, token: &str) -> ReplicaView {
+    let (status, body, _) = https_get(addr, "/debug/mcr/fleet", Some(token)).await;
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
 }
@@ -101,7 +101,7 @@ async fn a_forbidden_kind_and_a_killed_apiserver_show_in_the_view_and_in_mcr_sta
     );
     let admin = host.client().unwrap();
     let reader = account_token(&admin, "reader").await;
-    grant_urls(&admin, "reader", &["/debug/fleet"]).await;
+    grant_urls(&admin, "reader", &["/debug/mcr/fleet"]).await;
     let nobody = account_token(&admin, "nobody").await;
     // east: a user who may read ConfigMaps, not Secrets.
     let limited = east.add_user("limited", &[]).unwrap();
@@ -133,11 +133,14 @@ async fn a_forbidden_kind_and_a_killed_apiserver_show_in_the_view_and_in_mcr_sta
     let run = spawn_manager(&manager);
     eventually(30, "serving", async || manager.served_at().is_some()).await;
     let addr = manager.served_at().unwrap();
-    assert_eq!(https_get(addr, "/debug/fleet", None).await.0, 401);
-    assert_eq!(https_get(addr, "/debug/fleet", Some(&nobody)).await.0, 403);
+    assert_eq!(https_get(addr, "/debug/mcr/fleet", None).await.0, 401);
+    assert_eq!(
+        https_get(addr, "/debug/mcr/fleet", Some(&nobody)).await.0,
+        403
+    );
 
     // Both clusters' ConfigMaps reconciled; east's Secrets forbidden.
-    let cluster = |view: &FleetView, name: &str| {
+    let cluster = |view: &ReplicaView, name: &str| {
         view.clusters
             .iter()
             .find(|c| c.name == name)
@@ -212,17 +215,31 @@ async fn a_forbidden_kind_and_a_killed_apiserver_show_in_the_view_and_in_mcr_sta
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, &reader).unwrap();
     let url = format!("https://{addr}");
-    let shown = mcr(
-        &binary,
-        &[
-            "status",
-            "--url",
-            &url,
-            "--token-file",
-            token_file.to_str().unwrap(),
-            "--insecure-skip-tls-verify",
-        ],
-    );
+    let (shown, refused) = {
+        let (binary, url, token_file) = (binary.clone(), url.clone(), token_file.clone());
+        // Off the runtime's workers: the replica's endpoints run on them.
+        tokio::task::spawn_blocking(move || {
+            let shown = mcr(
+                &binary,
+                &[
+                    "status",
+                    "--url",
+                    &url,
+                    "--token-file",
+                    token_file.to_str().unwrap(),
+                    "--insecure-skip-tls-verify",
+                ],
+            );
+            // Without a token: refused, and told what to give.
+            let refused = mcr_refused(
+                &binary,
+                &["status", "--url", &url, "--insecure-skip-tls-verify"],
+            );
+            (shown, refused)
+        })
+        .await
+        .unwrap()
+    };
     let lines: Vec<&str> = shown.lines().collect();
     assert!(
         lines
@@ -255,11 +272,6 @@ async fn a_forbidden_kind_and_a_killed_apiserver_show_in_the_view_and_in_mcr_sta
                     sections::UNREACHABLE
                 ))),
         "{shown}"
-    );
-    // Without a token: refused, and told what to give.
-    let refused = mcr_refused(
-        &binary,
-        &["status", "--url", &url, "--insecure-skip-tls-verify"],
     );
     assert!(
         refused.contains("401") && refused.contains("--token-file"),
@@ -378,6 +390,8 @@ fn sharded_replica(
     let manager = Arc::new(Manager::new(provider).sharding(sharding).serve(endpoints));
     Builder::<_, ConfigMap>::new(&manager, watcher::Config::default().labels("status=seen"))
         .named("held")
+        // A reconcile of a cluster handed over runs on until released (not the default 10 s).
+        .disengage_grace(std::time::Duration::from_secs(600))
         .start(
             move |_, _: Context<ClusterName, ()>| {
                 let mut hold = hold.clone();
@@ -407,9 +421,10 @@ async fn a_shard_hand_over_shows_in_both_views_and_in_mcr_status_through_the_pro
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
     let (host, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
     let admin = host.client().unwrap();
-    // The pods' ServiceAccount may read the view.
-    let token = account_token(&admin, "op").await;
-    grant_urls(&admin, "op", &["/debug/fleet"]).await;
+    // A ServiceAccount that may read the view, and the pods' own (which may not).
+    let token = account_token(&admin, "reader").await;
+    grant_urls(&admin, "reader", &["/debug/mcr/fleet"]).await;
+    account_token(&admin, "op").await;
     config_map(&member.client().unwrap(), "held").await;
 
     // Replica a alone: it takes every cluster, and its reconciles hold there.
@@ -422,19 +437,20 @@ async fn a_shard_hand_over_shows_in_both_views_and_in_mcr_status_through_the_pro
     })
     .await;
     let addr_a = a.served_at().unwrap();
-    let view_a = view_at(addr_a, &token).await;
-    assert_eq!(
-        view_a.shard.as_ref().unwrap().held.len(),
-        SHARDED,
-        "{view_a:#?}"
-    );
-    assert!(
-        view_a
-            .clusters
-            .iter()
-            .all(|c| c.queues.iter().any(|q| q.in_flight == 1)),
-        "{view_a:#?}"
-    );
+    eventually(
+        30,
+        "a's view: every fence held, a reconcile running in each",
+        async || {
+            let view = view_at(addr_a, &token).await;
+            view.shard.as_ref().is_some_and(|s| s.held.len() == SHARDED)
+                && view.clusters.len() == SHARDED
+                && view
+                    .clusters
+                    .iter()
+                    .all(|c| c.queues.iter().any(|q| q.in_flight == 1))
+        },
+    )
+    .await;
 
     // Replica b joins: a hands its share over, waiting for the reconciles there.
     let (_never, unheld) = tokio::sync::watch::channel(false);
@@ -470,13 +486,17 @@ async fn a_shard_hand_over_shows_in_both_views_and_in_mcr_status_through_the_pro
         !handing.is_empty() && peers == ["a", "b"]
     })
     .await;
-    let view_b = view_at(addr_b, &token).await;
-    let shard_b = view_b.shard.clone().unwrap();
-    assert_eq!(shard_b.peers, ["a", "b"], "{view_b:#?}");
-    assert!(
-        handing.iter().all(|c| !shard_b.held.contains_key(c)),
-        "{view_b:#?}"
-    );
+    eventually(
+        30,
+        "b's view: both peers, none of what a hands over held",
+        async || {
+            let view = view_at(addr_b, &token).await;
+            view.shard.as_ref().is_some_and(|s| {
+                s.peers == ["a", "b"] && handing.iter().all(|c| !s.held.contains_key(c))
+            })
+        },
+    )
+    .await;
 
     // `mcr status` over both pods, through the API server's proxy.
     deployment(&admin).await;
@@ -492,6 +512,8 @@ async fn a_shard_hand_over_shows_in_both_views_and_in_mcr_status_through_the_pro
                         "status",
                         "--deployment",
                         "default/op",
+                        "--service-account",
+                        "default/reader",
                         "--kubeconfig",
                         kubeconfig.to_str().unwrap(),
                     ],

@@ -11,7 +11,9 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{Api, ListParams, PostParams};
-use multicluster_runtime::diagnostics::{FORWARDED_AUTHORIZATION, FleetView, PATH, disagreements};
+use multicluster_runtime::diagnostics::{
+    FORWARDED_AUTHORIZATION, PATH, ReplicaView, disagreements,
+};
 
 /// How long a token `status` requests lasts.
 const TOKEN_SECONDS: i64 = 600;
@@ -43,11 +45,12 @@ pub(crate) struct Status {
     #[arg(long)]
     context: Option<String>,
     /// A file with the bearer token the endpoints check (`get` on the non-resource URL
-    /// /debug/fleet). Your kubeconfig's credentials are never sent to a replica.
+    /// /debug/mcr/fleet). Your kubeconfig's credentials are never sent to a replica.
     #[arg(long, conflicts_with = "service_account")]
     token_file: Option<PathBuf>,
-    /// Request a 10-minute token for this ServiceAccount, `NAMESPACE/NAME`, and send that.
-    /// With --deployment and no token given: the replicas' own ServiceAccount.
+    /// Request a 10-minute token for this ServiceAccount, `NAMESPACE/NAME`, and send that:
+    /// one that may read the view and nothing else (never the operator's own, which holds
+    /// the fleet's credentials).
     #[arg(long)]
     service_account: Option<String>,
     /// With --url: the CA bundle (PEM) the endpoints' certificate is checked with.
@@ -72,7 +75,8 @@ pub(crate) async fn run(status: Status) -> Result<()> {
         bail!("no replica answered: {}", why.join("; "));
     }
     if status.json {
-        let fetched: Vec<&FleetView> = views.iter().filter_map(|(_, v)| v.as_ref().ok()).collect();
+        let fetched: Vec<&ReplicaView> =
+            views.iter().filter_map(|(_, v)| v.as_ref().ok()).collect();
         println!("{}", serde_json::to_string_pretty(&fetched)?);
     } else {
         print!("{}", render(&views));
@@ -81,7 +85,7 @@ pub(crate) async fn run(status: Status) -> Result<()> {
 }
 
 /// Each replica asked (its name or URL) and its view, or why there is none.
-type Views = Vec<(String, Result<FleetView>)>;
+type Views = Vec<(String, Result<ReplicaView>)>;
 
 async fn client(status: &Status) -> Result<kube::Client> {
     let kubeconfig = crate::read_kubeconfig(status.kubeconfig.as_ref())?;
@@ -157,7 +161,7 @@ async fn views(status: &Status) -> Result<Views> {
 }
 
 /// The view of the endpoints at `url`.
-async fn direct(status: &Status, url: &str, token: Option<&str>) -> Result<FleetView> {
+async fn direct(status: &Status, url: &str, token: Option<&str>) -> Result<ReplicaView> {
     let mut config = kube::Config::new(
         url.parse()
             .with_context(|| format!("{url:?} is not a URL"))?,
@@ -206,7 +210,7 @@ fn refusal(error: &kube::Error) -> String {
             "401 Unauthorized: the endpoints took no token (give --token-file or --service-account)".into()
         }
         kube::Error::Api(status) if status.code == 403 => {
-            "403 Forbidden: the token's user may not get /debug/fleet (a ClusterRole with nonResourceURLs [\"/debug/fleet\"], verbs [\"get\"])".into()
+            "403 Forbidden: the token's user may not get /debug/mcr/fleet (a ClusterRole with nonResourceURLs [\"/debug/mcr/fleet\"], verbs [\"get\"])".into()
         }
         kube::Error::Api(status) if status.code == 404 => {
             "404 Not Found: no diagnostics view there (an older release, or not the endpoints' port)".into()
@@ -265,16 +269,10 @@ async fn through_proxy(
     if running.is_empty() {
         bail!("no running pod of {namespace}/{name}");
     }
-    let token = match given {
-        Some(token) => token,
-        None => {
-            let account = running[0]
-                .spec
-                .as_ref()
-                .and_then(|s| s.service_account_name.clone())
-                .unwrap_or_else(|| "default".into());
-            service_account_token(client, namespace, &account).await?
-        }
+    let Some(token) = given else {
+        bail!(
+            "give the token the replicas check: --token-file, or --service-account for a ServiceAccount that may read the view"
+        );
     };
     let scheme = if status.plain_http { "http" } else { "https" };
     let mut views = Vec::new();
@@ -292,7 +290,7 @@ async fn through_proxy(
                 .request_text(request)
                 .await
                 .map_err(|e| anyhow::anyhow!("{}", refusal(&e)))?;
-            serde_json::from_str::<FleetView>(&text)
+            serde_json::from_str::<ReplicaView>(&text)
                 .context("the replica's answer is not a diagnostics view")
         }
         .await;
@@ -434,7 +432,7 @@ fn render(views: &Views) -> String {
         }
         out.push('\n');
     }
-    let fetched: Vec<FleetView> = views
+    let fetched: Vec<ReplicaView> = views
         .iter()
         .filter_map(|(_, v)| v.as_ref().ok().cloned())
         .collect();

@@ -467,7 +467,9 @@ impl<K: Watchable> Feed<K> {
         }
         let event = match event {
             Ok(event) => {
-                self.watch.activity.event();
+                if !matches!(event, Event::Init) {
+                    self.watch.activity.event();
+                }
                 event
             }
             Err(error) => {
@@ -639,7 +641,9 @@ async fn run<K: Watchable>(
                 shared.failing(error);
             }
             Some(Ok(event)) => {
-                shared.activity.event();
+                if !matches!(event, Event::Init) {
+                    shared.activity.event();
+                }
                 // A watcher starts each listing attempt with Init: only a completed listing or
                 // a change shows it works again.
                 let progress =
@@ -816,7 +820,8 @@ pub(crate) struct Activity {
 }
 
 impl Activity {
-    /// An event came (a listing's page, a change, a bookmark).
+    /// An event came: a listed object, the listing's end, a change (not the start of a
+    /// listing attempt, which a watch failing and retrying makes too).
     pub(crate) fn event(&self) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -110,7 +110,7 @@ pub struct CacheStatus {
     /// Whether its first listing has taken longer than the manager's
     /// [`cache_sync_timeout`](crate::Manager::cache_sync_timeout) so far.
     pub overdue: bool,
-    /// When its last event came (a listed object, a change, a bookmark), if one has.
+    /// When its last event came (a listed object, the listing's end, a change), if one has.
     pub last_event: Option<std::time::SystemTime>,
     /// How many of its attempts to list or watch failed since it started.
     pub failures: u64,

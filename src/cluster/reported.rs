@@ -30,6 +30,7 @@ impl ReportedWatch {
     /// Follows one event of the watch: its first listing done, a failure, a success after one.
     pub(crate) fn observe<K>(&self, event: &Result<watcher::Event<K>, watcher::Error>) {
         match event {
+            Ok(watcher::Event::Init) => {}
             Ok(_) => self.activity.event(),
             Err(_) => self.activity.failed(),
         }

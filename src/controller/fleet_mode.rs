@@ -228,10 +228,11 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 }
                 FleetEvent::Replaced { old, new } => slots.replace(old, new),
                 FleetEvent::Disengaged(engagement) => {
-                    if !last.is_empty() {
+                    slots.disengage(&engagement);
+                    // A late event of an older engagement leaves the current one's entry.
+                    if !last.is_empty() && !slots.slots.contains_key(engagement.id()) {
                         last.remove(engagement.id());
                     }
-                    slots.disengage(&engagement);
                 }
                 FleetEvent::Departed(_) => {}
             },
@@ -251,7 +252,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 let _ = answer.send(slots.queues(&mut last));
             }
             Some(Finished { request: req, action, reason, engagement_ended: ended, took, overran, dropped, failure }) = running.next(), if !running.is_empty() => {
-                if diagnosed {
+                if diagnosed && slots.slots.contains_key(&req.cluster) {
                     last.insert(req.cluster.clone(), crate::diagnostics::LastReconcile {
                         at: crate::diagnostics::timestamp(std::time::SystemTime::now()),
                         object: super::ObjectField { namespace: req.namespace.as_deref(), name: &req.name }.to_string(),
@@ -282,6 +283,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         }
     }
 
+    // No more answers for the view: a controller draining is not waited on.
+    drop(asks);
     // Graceful shutdown: take no new work; let reconciles in flight finish, within bounds.
     tracing::debug!(controller = %spec.name, in_flight = running.len(), "controller shutting down");
     let drain = async { while running.next().await.is_some() {} };
@@ -842,6 +845,7 @@ fn result_of(reason: &ReconcileReason, action: &Action, dropped: bool) -> &'stat
         ReconcileReason::Panicked => "panic",
         ReconcileReason::ErrorPolicy => "error",
         ReconcileReason::TimedOut => "timeout",
+        ReconcileReason::Backoff => "requeue",
         _ => match action.outcome() {
             Outcome::Success => "success",
             Outcome::RequeueAfter => "requeue_after",

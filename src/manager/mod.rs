@@ -400,8 +400,8 @@ impl<P: Provider> Manager<P> {
         self
     }
 
-    /// Serves `/metrics`, `/healthz` and `/readyz` while the manager runs (on every replica,
-    /// leading or not); see [`Endpoints`].
+    /// Serves `/metrics`, `/healthz`, `/readyz` and the diagnostics view while the manager
+    /// runs (on every replica, leading or not); see [`Endpoints`].
     #[must_use]
     pub fn serve(mut self, endpoints: Endpoints) -> Self {
         self.diagnosed = true;
@@ -409,7 +409,7 @@ impl<P: Provider> Manager<P> {
             endpoints,
             served_at: self.served_at.clone(),
             view: crate::serve::ViewSources {
-                shard: self.shard_status.clone(),
+                shard: shard_source(self.shard_status.clone()),
                 credential_lead: self.credential_lead.clone(),
                 leading: self.leading.subscribe(),
             },
@@ -1156,4 +1156,25 @@ mod tests {
         manager.run().await.unwrap();
         assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     }
+}
+
+/// The diagnostics view's reading of the sharding coordinator's last status: this replica's
+/// side and the owner of each cluster named.
+fn shard_source(
+    status: Arc<Mutex<Option<crate::shard::ShardStatus>>>,
+) -> crate::serve::ShardSource {
+    Arc::new(move |names: &[&str]| {
+        let status = lock(&status);
+        let status = status.as_ref()?;
+        let mut peers = status.peers.clone();
+        // In one order, to compare with other replicas' (each sees itself last).
+        peers.sort();
+        let view = crate::diagnostics::ShardView {
+            identity: status.identity.clone(),
+            peers,
+            discovered: status.discovered,
+            held: status.holding.clone(),
+        };
+        Some((view, status.owners(names.iter().copied())))
+    })
 }

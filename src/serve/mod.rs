@@ -35,7 +35,7 @@ use slots::{Lease, Slots};
 pub(crate) use auth::{AuthVerdict, Authorizer};
 pub(crate) use component::EndpointsComponent;
 pub(crate) use tls::{Certificates, TlsSource};
-pub(crate) use view::ViewSources;
+pub(crate) use view::{ShardSource, ViewSources};
 
 /// A named check of `/healthz` or `/readyz`: `Err` says why it fails.
 pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
@@ -89,6 +89,7 @@ const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// | `/healthz`, `/livez` | `200 ok` while the manager runs and every check of [`Endpoints::healthz_check`] passes (`500` naming the failing checks otherwise): the answer comes from its runtime, so a wedged runtime fails the probe by not answering | anyone |
 /// | `/readyz` | `200 ok` once the manager runs, its host cluster's watches have listed (and none fails) and every check of [`Endpoints::readyz_check`] passes; `503` before, and once it is stopping. Member clusters do not count: one cluster of a large fleet still listing, or failing, must not take the replica out of its Service. With [`Endpoints::strict`], every engaged cluster must have listed and none be failing | anyone |
 /// | `/readyz?verbose`, `/healthz?verbose` | the same status, with the checks and a line per cluster (its watches, whether they listed, why not) | as `/metrics` (Kubernetes' default roles let everyone `get` `/readyz` itself) |
+/// | `/debug/mcr/fleet` | the diagnostics view as JSON ([`crate::diagnostics`]) | a token the host authorizes for `get` on that path; through the API server's proxy, in [`FORWARDED_AUTHORIZATION`](crate::diagnostics::FORWARDED_AUTHORIZATION) |
 /// | a path of [`Endpoints::handler`] | yours | as `/metrics`, for the request's verb on that path |
 ///
 /// By default the server speaks HTTPS with a certificate it makes itself (or from
@@ -362,13 +363,19 @@ fn text(
     response
 }
 
-/// The bearer token of a request, if it has one: in `Authorization`, else in
+/// The bearer token of a request, if it has one: in `Authorization`, else (for the
+/// diagnostics view only, which `mcr status` reads through the API server's proxy) in
 /// [`FORWARDED_AUTHORIZATION`](crate::diagnostics::FORWARDED_AUTHORIZATION).
 fn bearer(req: &Request<Incoming>) -> Option<&str> {
     let headers = req.headers();
+    let forwarded = || {
+        (req.uri().path() == crate::diagnostics::PATH)
+            .then(|| headers.get(crate::diagnostics::FORWARDED_AUTHORIZATION))
+            .flatten()
+    };
     let value = headers
         .get(hyper::header::AUTHORIZATION)
-        .or_else(|| headers.get(crate::diagnostics::FORWARDED_AUTHORIZATION))?
+        .or_else(forwarded)?
         .to_str()
         .ok()?;
     let (scheme, token) = value.split_once(' ')?;

@@ -1,6 +1,6 @@
 //! The diagnostics view ([`crate::diagnostics`]) as one replica takes it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -9,16 +9,22 @@ use tokio_util::sync::CancellationToken;
 use super::Served;
 use crate::cluster::{Cluster, ClusterId};
 use crate::diagnostics::{
-    ClusterShard, ClusterView, ControllerView, CredentialView, FleetView, QueueView, ShardView,
+    ClusterShard, ClusterView, ControllerView, CredentialView, QueueView, ReplicaView, ShardView,
     WatchView, timestamp,
 };
 use crate::util::sync::lock;
 
+/// This replica's side of sharding as the coordinator last saw it, and the owner of each of
+/// the clusters named (in their order); given by the manager (sharding stands above the
+/// endpoints). `None` when the manager is not sharded or the coordinator has not run yet.
+pub(crate) type ShardSource =
+    Arc<dyn Fn(&[&str]) -> Option<(ShardView, Vec<Option<String>>)> + Send + Sync>;
+
 /// What the view reads beyond the fleet: the manager's shared state.
 #[derive(Clone)]
 pub(crate) struct ViewSources {
-    /// What the sharding coordinator last saw.
-    pub(crate) shard: Arc<Mutex<Option<crate::shard::ShardStatus>>>,
+    /// The shard's side.
+    pub(crate) shard: ShardSource,
     /// How long before a credential ends it is warned about.
     pub(crate) credential_lead: Arc<Mutex<Duration>>,
     /// Set while controllers run (the replica leads, or no election).
@@ -26,7 +32,7 @@ pub(crate) struct ViewSources {
 }
 
 /// The view, now.
-pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> FleetView {
+pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> ReplicaView {
     let answers = match &served.diagnostics {
         Some(controllers) => controllers.ask().await,
         None => Vec::new(),
@@ -42,46 +48,32 @@ pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> FleetView {
             queues.entry(id).or_default().push(queue);
         }
     }
-    let shard = lock(&served.view.shard).clone();
     let lead = *lock(&served.view.credential_lead);
-    let clusters: Vec<Cluster<C>> = served
-        .local
-        .iter()
-        .cloned()
-        .chain(served.fleet.clusters())
-        .collect();
-    let names: Vec<String> = clusters.iter().map(|c| c.id().to_string()).collect();
-    let engaged = names.len();
-    // Clusters whose fence this replica holds and that are no longer engaged: being handed
-    // over (their work is waited for before the fence is released).
+    let local = served.local.clone();
+    let members = served.fleet.clusters();
+    let names: Vec<String> = members.iter().map(|c| c.id().to_string()).collect();
+    let shard = (served.view.shard)(&names.iter().map(String::as_str).collect::<Vec<_>>());
+    // Clusters whose fence this replica holds, no longer engaged, being handed over (their
+    // work is waited for before the fence is released).
+    let engaged: HashSet<&str> = names.iter().map(String::as_str).collect();
     let leaving: Vec<String> = shard
         .iter()
-        .flat_map(|s| s.holding.keys())
-        .filter(|id| !names.contains(id))
-        .cloned()
+        .flat_map(|(s, _)| &s.held)
+        .filter(|(id, handing_off)| **handing_off && !engaged.contains(id.as_str()))
+        .map(|(id, _)| id.clone())
         .collect();
-    let owners = shard
-        .as_ref()
-        .map(|s| s.owners(names.iter().chain(&leaving).map(String::as_str)));
+    let leaving_owners =
+        (served.view.shard)(&leaving.iter().map(String::as_str).collect::<Vec<_>>())
+            .map(|(_, owners)| owners)
+            .unwrap_or_default();
     let now = SystemTime::now();
-    let mut clusters: Vec<ClusterView> = clusters
-        .iter()
-        .zip(names)
-        .enumerate()
-        .map(|(i, (cluster, name))| {
+    let view_of =
+        |cluster: &Cluster<C>, sharded: Option<ClusterShard>, mut queues: Vec<QueueView>| {
+            queues.sort_by(|a, b| a.controller.cmp(&b.controller));
             let is_host = served
                 .host
                 .as_ref()
                 .is_some_and(|h| h.same_instance(cluster));
-            let is_local = served
-                .local
-                .as_ref()
-                .is_some_and(|l| l.same_instance(cluster));
-            let role = match (is_host, is_local) {
-                (true, _) => "host",
-                (false, true) => "local",
-                (false, false) => "cluster",
-            };
             let watches = cluster
                 .cache_status()
                 .into_iter()
@@ -107,57 +99,51 @@ pub(crate) async fn take<C: ClusterId>(served: &Served<C>) -> FleetView {
                     warned: expiry.remaining() <= lead,
                 }
             });
-            let cluster_shard = shard.as_ref().map(|s| ClusterShard {
-                owner: owners.as_ref().and_then(|o| o[i].clone()),
-                held_here: s.holding.contains_key(&name),
-                handing_off: s.holding.get(&name).copied().unwrap_or(false),
-            });
-            let mut cluster_queues = queues.remove(cluster.id()).unwrap_or_default();
-            cluster_queues.sort_by(|a, b| a.controller.cmp(&b.controller));
             ClusterView {
-                name,
-                role: role.into(),
+                name: cluster.id().to_string(),
+                role: if is_host { "host" } else { "cluster" }.into(),
                 engaged: cluster.is_engaged(),
                 watches,
                 credential,
-                shard: cluster_shard,
-                queues: cluster_queues,
+                shard: sharded,
+                queues,
             }
-        })
-        .collect();
-    if let Some(s) = &shard {
-        for (i, name) in leaving.into_iter().enumerate() {
-            let handing_off = s.holding.get(&name).copied().unwrap_or(false);
-            clusters.push(ClusterView {
-                shard: Some(ClusterShard {
-                    owner: owners
-                        .as_ref()
-                        .and_then(|o| o.get(engaged + i).cloned().flatten()),
-                    held_here: true,
-                    handing_off,
-                }),
-                name,
-                role: "cluster".into(),
-                ..Default::default()
-            });
-        }
+        };
+    let mut clusters: Vec<ClusterView> = Vec::with_capacity(members.len() + 1 + leaving.len());
+    // The local cluster is never sharded.
+    if let Some(l) = &local {
+        clusters.push(view_of(l, None, queues.remove(l.id()).unwrap_or_default()));
     }
-    FleetView {
+    for (i, cluster) in members.iter().enumerate() {
+        let sharded = shard.as_ref().map(|(s, owners)| {
+            let name = &names[i];
+            ClusterShard {
+                owner: owners.get(i).cloned().flatten(),
+                held_here: s.held.contains_key(name),
+                handing_off: s.held.get(name).copied().unwrap_or(false),
+            }
+        });
+        let mine = queues.remove(cluster.id()).unwrap_or_default();
+        clusters.push(view_of(cluster, sharded, mine));
+    }
+    for (i, name) in leaving.into_iter().enumerate() {
+        clusters.push(ClusterView {
+            name,
+            role: "cluster".into(),
+            shard: Some(ClusterShard {
+                owner: leaving_owners.get(i).cloned().flatten(),
+                held_here: true,
+                handing_off: true,
+            }),
+            ..Default::default()
+        });
+    }
+    ReplicaView {
         replica: served.instance.to_string(),
         at: timestamp(now),
         stopping: served.stopping.is_cancelled(),
         leading: served.view.leading.borrow().is_some(),
-        shard: shard.map(|s| ShardView {
-            identity: s.identity.clone(),
-            // In one order, to compare with other replicas' (each sees itself last).
-            peers: {
-                let mut peers = s.peers.clone();
-                peers.sort();
-                peers
-            },
-            discovered: s.discovered,
-            held: s.holding.clone(),
-        }),
+        shard: shard.map(|(s, _)| s),
         clusters,
         controllers,
     }

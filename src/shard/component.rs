@@ -45,6 +45,7 @@ impl<C: ClusterId> Component<C> for ShardingComponent {
                     starting.env.metrics.as_ref(),
                     status,
                     term.tenure.clone(),
+                    starting.env.diagnostics.is_some(),
                 );
                 let stop = CancellationToken::new();
                 let shutdown = starting.env.shutdown.clone();

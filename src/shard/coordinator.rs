@@ -105,6 +105,8 @@ pub(crate) struct Coordinator<C: ClusterId> {
     /// holds are good until the renew deadline from then (the others' clocks start no
     /// earlier than that write).
     announced: Option<Instant>,
+    /// The diagnostics view is served: the status names each cluster held.
+    detailed: bool,
     /// Past the first round.
     started: bool,
     /// Rounds in a row without a view of the group's Leases: a replica that cannot see the
@@ -134,6 +136,7 @@ impl<C: ClusterId> Coordinator<C> {
         metrics: Option<&crate::metrics::Metrics>,
         status: Arc<Mutex<Option<ShardStatus>>>,
         tenure: Arc<Tenure>,
+        detailed: bool,
     ) -> Self {
         let leases: Api<Lease> = Api::namespaced(config.client.clone(), &config.namespace);
         let me = announcement(&config);
@@ -150,7 +153,10 @@ impl<C: ClusterId> Coordinator<C> {
             )),
             leases,
         };
-        Self::with_host(config, fleet, metrics, status, tenure, Arc::new(host))
+        let mut coordinator =
+            Self::with_host(config, fleet, metrics, status, tenure, Arc::new(host));
+        coordinator.detailed = detailed;
+        coordinator
     }
 
     /// A coordinator whose host is `host`.
@@ -183,6 +189,7 @@ impl<C: ClusterId> Coordinator<C> {
             status,
             tenure,
             draining: CancellationToken::new(),
+            detailed: false,
         }
     }
 
@@ -751,11 +758,15 @@ impl<C: ClusterId> Coordinator<C> {
                 .into_iter()
                 .map(|p| (p.id, p.weight.to_bits()))
                 .collect(),
-            holding: self
-                .held
-                .iter()
-                .map(|(id, h)| (id.to_string(), h.handing_off))
-                .collect(),
+            // Per cluster only for the diagnostics view (a string per held cluster and round).
+            holding: if self.detailed {
+                self.held
+                    .iter()
+                    .map(|(id, h)| (id.to_string(), h.handing_off))
+                    .collect()
+            } else {
+                std::collections::BTreeMap::new()
+            },
         });
     }
 
