@@ -782,6 +782,27 @@ impl<P: Provider> Drop for Manager<P> {
     }
 }
 
+/// The diagnostics view's reading of the sharding coordinator's last status: this replica's
+/// side and the owner of each cluster named.
+fn shard_source(
+    status: Arc<Mutex<Option<crate::shard::ShardStatus>>>,
+) -> crate::serve::ShardSource {
+    Arc::new(move |names: &[&str]| {
+        let status = lock(&status);
+        let status = status.as_ref()?;
+        let mut peers = status.peers.clone();
+        // In one order, to compare with other replicas' (each sees itself last).
+        peers.sort();
+        let view = crate::diagnostics::ShardView {
+            identity: status.identity.clone(),
+            peers,
+            discovered: status.discovered,
+            held: status.holding.clone(),
+        };
+        Some((view, status.owners(names.iter().copied())))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1156,25 +1177,4 @@ mod tests {
         manager.run().await.unwrap();
         assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     }
-}
-
-/// The diagnostics view's reading of the sharding coordinator's last status: this replica's
-/// side and the owner of each cluster named.
-fn shard_source(
-    status: Arc<Mutex<Option<crate::shard::ShardStatus>>>,
-) -> crate::serve::ShardSource {
-    Arc::new(move |names: &[&str]| {
-        let status = lock(&status);
-        let status = status.as_ref()?;
-        let mut peers = status.peers.clone();
-        // In one order, to compare with other replicas' (each sees itself last).
-        peers.sort();
-        let view = crate::diagnostics::ShardView {
-            identity: status.identity.clone(),
-            peers,
-            discovered: status.discovered,
-            held: status.holding.clone(),
-        };
-        Some((view, status.owners(names.iter().copied())))
-    })
 }
