@@ -344,8 +344,9 @@ impl ReplicaView {
     }
 }
 
-/// Seconds as the largest whole unit: `3d`, `5h`, `12m`, `40s`.
-fn in_words(seconds: i64) -> String {
+/// Seconds as their largest whole unit: `3d`, `5h`, `12m`, `40s` (what is left of a
+/// credential, in `problems` and `mcr status`).
+pub fn in_words(seconds: i64) -> String {
     match seconds {
         s if s >= 86_400 => format!("{}d", s / 86_400),
         s if s >= 3_600 => format!("{}h", s / 3_600),

@@ -12,7 +12,7 @@ use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{Api, ListParams, PostParams};
 use multicluster_runtime::diagnostics::{
-    FORWARDED_AUTHORIZATION, PATH, ReplicaView, disagreements,
+    FORWARDED_AUTHORIZATION, PATH, ReplicaView, disagreements, in_words,
 };
 
 /// How long a token `status` requests lasts.
@@ -390,7 +390,7 @@ fn render(views: &Views) -> String {
             };
             let credential = match &cluster.credential {
                 Some(c) if c.remaining_seconds <= 0 => format!("{} ended", c.source),
-                Some(c) => format!("{} {}", c.source, short(c.remaining_seconds)),
+                Some(c) => format!("{} {}", c.source, in_words(c.remaining_seconds)),
                 None => "-".into(),
             };
             let engaged = if cluster.engaged { "yes" } else { "no" };
@@ -448,16 +448,6 @@ fn render(views: &Views) -> String {
         }
     }
     out
-}
-
-/// Seconds as their largest whole unit.
-fn short(seconds: i64) -> String {
-    match seconds {
-        s if s >= 86_400 => format!("{}d", s / 86_400),
-        s if s >= 3_600 => format!("{}h", s / 3_600),
-        s if s >= 60 => format!("{}m", s / 60),
-        s => format!("{s}s"),
-    }
 }
 
 /// Rows in columns two spaces apart.
