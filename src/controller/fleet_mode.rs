@@ -197,7 +197,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         .as_ref()
         .map(|d| d.register(spec.name.clone()));
     let diagnosed = asks.is_some();
-    let mut last: HashMap<C, crate::diagnostics::LastReconcile> = HashMap::default();
+    let mut last: HashMap<C, Last<C>> = HashMap::default();
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -253,11 +253,11 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             }
             Some(Finished { request: req, action, reason, engagement_ended: ended, took, overran, dropped, failure }) = running.next(), if !running.is_empty() => {
                 if diagnosed && slots.slots.contains_key(&req.cluster) {
-                    last.insert(req.cluster.clone(), crate::diagnostics::LastReconcile {
-                        at: crate::diagnostics::timestamp(std::time::SystemTime::now()),
-                        object: super::ObjectField { namespace: req.namespace.as_deref(), name: &req.name }.to_string(),
-                        result: result_of(&reason, &action, dropped).into(),
-                        error: failure,
+                    last.insert(req.cluster.clone(), Last {
+                        at: std::time::SystemTime::now(),
+                        request: req.clone(),
+                        result: result_of(&reason, &action, dropped),
+                        failure,
                     });
                 }
                 if overran {
@@ -309,10 +309,7 @@ struct Slots<K: Watchable, C: ClusterId> {
 impl<K: Watchable, C: ClusterId> Slots<K, C> {
     /// Each followed cluster's queue, for the diagnostics view; `last` forgets the clusters
     /// no longer followed.
-    fn queues(
-        &self,
-        last: &mut HashMap<C, crate::diagnostics::LastReconcile>,
-    ) -> crate::diagnostics::Queues<C> {
+    fn queues(&self, last: &mut HashMap<C, Last<C>>) -> crate::diagnostics::Queues<C> {
         last.retain(|id, _| self.slots.contains_key(id));
         let mut depths = self.queue.depths();
         self.slots
@@ -327,7 +324,7 @@ impl<K: Watchable, C: ClusterId> Slots<K, C> {
                     scheduled: depth.scheduled,
                     parked: slot.parked.len(),
                     in_flight: depth.in_flight,
-                    last: last.get(id).cloned(),
+                    last: last.get(id).map(Last::view),
                 };
                 (id.clone(), view)
             })
@@ -835,24 +832,46 @@ async fn recv_ask<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     }
 }
 
-/// How a reconcile ended, in the diagnostics view's words.
+/// How a reconcile ended, in the diagnostics view's words (the metrics' outcome, a timeout
+/// and a reconcile cut short told apart).
 fn result_of(reason: &ReconcileReason, action: &Action, dropped: bool) -> &'static str {
     use crate::metrics::Outcome;
     if dropped {
         return "dropped";
     }
-    match reason {
-        ReconcileReason::Panicked => "panic",
-        ReconcileReason::ErrorPolicy => "error",
-        ReconcileReason::TimedOut => "timeout",
-        ReconcileReason::Backoff => "requeue",
-        _ => match action.outcome() {
-            Outcome::Success => "success",
-            Outcome::RequeueAfter => "requeue_after",
-            Outcome::Requeue => "requeue",
-            Outcome::Error => "error",
-            Outcome::Panic => "panic",
-        },
+    if *reason == ReconcileReason::TimedOut {
+        return "timeout";
+    }
+    match super::queue::outcome_of(reason, action) {
+        Outcome::Success => "success",
+        Outcome::RequeueAfter => "requeue_after",
+        Outcome::Requeue => "requeue",
+        Outcome::Error => "error",
+        Outcome::Panic => "panic",
+    }
+}
+
+/// How a cluster's last reconcile ended, as the loop keeps it: formatted only when the view
+/// asks.
+struct Last<C: ClusterId> {
+    at: std::time::SystemTime,
+    request: Request<C>,
+    result: &'static str,
+    failure: Option<String>,
+}
+
+impl<C: ClusterId> Last<C> {
+    fn view(&self) -> crate::diagnostics::LastReconcile {
+        crate::diagnostics::LastReconcile {
+            at: crate::diagnostics::timestamp(self.at),
+            object: super::ObjectField {
+                namespace: self.request.namespace.as_deref(),
+                name: &self.request.name,
+            }
+            .to_string(),
+            result: self.result.into(),
+            error: self.failure.clone(),
+        }
     }
 }
 

@@ -337,6 +337,16 @@ impl<C: ClusterId, R> FairQueue<C, R> {
     }
 }
 
+/// How a reconcile ended, from what it asks for next and why: a timeout counts as an error.
+pub(crate) fn outcome_of(reason: &ReconcileReason, action: &Action) -> Outcome {
+    match reason {
+        ReconcileReason::Panicked => Outcome::Panic,
+        ReconcileReason::ErrorPolicy | ReconcileReason::TimedOut => Outcome::Error,
+        ReconcileReason::Backoff => Outcome::Requeue,
+        _ => action.outcome(),
+    }
+}
+
 /// One cluster's requests in a fleet queue ([`FleetQueue::depths`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Depth {
@@ -583,16 +593,10 @@ impl<C: ClusterId> FleetQueue<C> {
         if let Some(took) = took
             && let Some(series) = self.series(&req.cluster)
         {
-            let outcome = match reason {
-                ReconcileReason::Panicked => Outcome::Panic,
-                ReconcileReason::ErrorPolicy => Outcome::Error,
-                ReconcileReason::TimedOut => {
-                    series.timed_out();
-                    Outcome::Error
-                }
-                ReconcileReason::Backoff => Outcome::Requeue,
-                _ => action.outcome(),
-            };
+            if reason == ReconcileReason::TimedOut {
+                series.timed_out();
+            }
+            let outcome = outcome_of(&reason, &action);
             let retried = matches!(outcome, Outcome::Error | Outcome::Panic | Outcome::Requeue)
                 && action.requeue_after().is_some();
             series.ended(outcome, began, took, retried);
