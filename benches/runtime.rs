@@ -5,6 +5,7 @@
 //! cargo bench --bench runtime -- callgrind [--fleet] [--runs N]   # zero cost of single-cluster mode
 //! cargo bench --bench runtime -- callgrind --concurrency [--runs N] # single mode at 4 and 64 at once
 //! cargo bench --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
+//! cargo bench --bench runtime --features opentelemetry -- callgrind --tracing [--runs N] # fleet with metrics, OpenTelemetry layer off and on
 //! cargo bench --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
 //! cargo bench --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
 //! ```
@@ -87,6 +88,9 @@ fn main() {
                 // `--fleet` adds fleet mode, to compare its instructions across commits.
                 let modes: &[&str] = if args.iter().any(|a| a == "--metrics") {
                     &["fleet", "fleet-metrics"]
+                } else if args.iter().any(|a| a == "--tracing") {
+                    // The layer off and on, metrics on in both (its exemplars are part of it).
+                    &["fleet-metrics", "fleet-traced"]
                 } else if args.iter().any(|a| a == "--concurrency") {
                     // Single mode's backlog: kube-runtime's runner polls every running
                     // reconcile on each wake-up, so its cost grows with how many run at once.
@@ -247,10 +251,51 @@ fn callgrind(kubeconfig: &str, modes: &[&'static str], runs: usize) {
             ratio(limited, "single");
         }
     }
-    if modes.contains(&"fleet-metrics") {
+    if modes.contains(&"fleet-metrics") && modes.contains(&"fleet") {
         print!("fleet-metrics / fleet:");
         ratio("fleet-metrics", "fleet");
     }
+    if modes.contains(&"fleet-traced") {
+        print!("fleet-traced / fleet-metrics:");
+        ratio("fleet-traced", "fleet-metrics");
+    }
+}
+
+/// `fleet-traced`: the OpenTelemetry layer exporting every span (OTLP/HTTP, in batches) to a
+/// collector in this process that answers 200 to each export; the guard is kept to the end.
+#[cfg(feature = "opentelemetry")]
+async fn traced() -> multicluster_runtime::telemetry::TracingGuard {
+    use tracing_subscriber::prelude::*;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("collector");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |request: hyper::Request<hyper::body::Incoming>| async move {
+                        use http_body_util::BodyExt;
+                        let _ = request.into_body().collect().await;
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::new()),
+                        ))
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let (layer, guard) = multicluster_runtime::telemetry::Tracing::otlp()
+        .endpoint(format!("http://{address}"))
+        .install()
+        .expect("tracing");
+    tracing_subscriber::registry()
+        .with(layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO))
+        .init();
+    guard
 }
 
 /// Counts reconciles and ends the process at `OBJECTS`.
@@ -321,13 +366,24 @@ async fn child(mode: &str, kubeconfig: &str) {
                 .run(count, never, Arc::new(Counter::default()))
                 .await
         }
-        "fleet" | "fleet-metrics" => {
+        "fleet" | "fleet-metrics" | "fleet-traced" => {
+            #[cfg(feature = "opentelemetry")]
+            let _tracing = if mode == "fleet-traced" {
+                Some(traced().await)
+            } else {
+                None
+            };
+            #[cfg(not(feature = "opentelemetry"))]
+            assert!(
+                mode != "fleet-traced",
+                "fleet-traced needs --features opentelemetry"
+            );
             let clusters = Clusters::new();
             clusters
                 .add(Cluster::new(ClusterName::from("only"), client))
                 .expect("add");
             let mut registry = prometheus_client::registry::Registry::default();
-            let manager = if mode == "fleet-metrics" {
+            let manager = if mode != "fleet" {
                 Manager::new(clusters).metrics(multicluster_runtime::Metrics::new(&mut registry))
             } else {
                 Manager::new(clusters)

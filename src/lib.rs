@@ -58,6 +58,7 @@ pub mod providers;
 mod run;
 mod serve;
 pub mod shard;
+pub mod telemetry;
 mod util;
 pub mod webhook;
 

@@ -128,6 +128,8 @@ pub(crate) struct ClientState {
     requests: Mutex<Option<Requests>>,
     /// The check of native owner references (`owners.rs`).
     pub(crate) owners: crate::client::owners::OwnerCheck,
+    /// The id of the cluster the client is of, as its spans name it.
+    pub(crate) cluster: std::sync::OnceLock<Arc<str>>,
 }
 
 impl fmt::Debug for ClientState {
@@ -302,6 +304,7 @@ where
 
     fn call(&mut self, request: Request<Body>) -> Guarded<S::Future, B> {
         self.granted = false;
+        let (request, span) = spanned(&self.state, request);
         let method = request.method().clone();
         if let Some(pending) = self.state.owners.needs_check(&request) {
             // Sent after the check through a clone made ready then: the ready service stays
@@ -318,6 +321,7 @@ where
                     future: tower::ServiceExt::oneshot(service, request),
                     method,
                     state,
+                    span,
                 }
                 .await
             }));
@@ -326,8 +330,35 @@ where
             method,
             future: self.inner.call(request),
             state: self.state.clone(),
+            span,
         })
     }
+}
+
+/// A span for `request` if it is made inside one (a reconcile's: the caches' lists and watches
+/// are not), and with the feature `opentelemetry` its W3C `traceparent`.
+fn spanned(state: &ClientState, request: Request<Body>) -> (Request<Body>, tracing::Span) {
+    if tracing::Span::current().is_none() {
+        return (request, tracing::Span::none());
+    }
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %request.method(),
+        otel.kind = "client",
+        cluster = state.cluster.get().map(|c| &**c).unwrap_or_default(),
+        http.request.method = %request.method(),
+        url.path = request.uri().path(),
+        http.response.status_code = tracing::field::Empty,
+    );
+    #[cfg(feature = "opentelemetry")]
+    let request = {
+        let mut request = request;
+        if let Some(value) = crate::telemetry::traceparent(&span) {
+            request.headers_mut().insert("traceparent", value);
+        }
+        request
+    };
+    (request, span)
 }
 
 /// A request on its way: sent at once, or after its owner references were checked.
@@ -359,6 +390,8 @@ pub(crate) struct Counted<F> {
     future: F,
     method: Method,
     state: Arc<ClientState>,
+    /// The request's span (none unless it was made inside a span).
+    span: tracing::Span,
 }
 
 impl<F, B, E> Future for Counted<F>
@@ -370,11 +403,17 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let result = ready!(this.future.poll(cx));
+        let result = {
+            let _entered = this.span.enter();
+            ready!(this.future.poll(cx))
+        };
         let code = match &result {
             Ok(response) => response.status().as_u16(),
             Err(_) => 0,
         };
+        if !this.span.is_none() {
+            this.span.record("http.response.status_code", code);
+        }
         this.state.count(code, this.method);
         // Outermost on every client's stack: whatever authentication layer is underneath
         // (kube's, or ours), its errors leave without the plugin's command line and output.
@@ -458,6 +497,50 @@ mod tests {
                 Ok::<_, std::io::Error>(Response::new(Body::empty()))
             }));
         assert!(tower_service::Service::poll_ready(&mut fourth, &mut cx).is_ready());
+    }
+
+    /// A request made inside a span is spanned, and carries the W3C `traceparent` of its
+    /// own span (a child of the caller's); one made outside any span carries none.
+    #[cfg(feature = "opentelemetry")]
+    #[test]
+    fn a_request_inside_a_span_carries_the_traceparent_of_its_span() {
+        use opentelemetry::trace::TracerProvider as _;
+        use tracing_subscriber::layer::SubscriberExt;
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, || {
+            let state = ClientState::default();
+            let _ = state.cluster.set("member-a".into());
+            let request = || {
+                Request::builder()
+                    .uri("/api/v1/namespaces")
+                    .body(Body::empty())
+            };
+            let (outside, span) = spanned(&state, request().unwrap());
+            assert!(span.is_none());
+            assert!(outside.headers().get("traceparent").is_none());
+
+            let reconcile = tracing::info_span!("reconcile");
+            let (inside, span) = reconcile.in_scope(|| spanned(&state, request().unwrap()));
+            let header = inside.headers()["traceparent"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            assert_eq!(
+                crate::telemetry::traceparent(&span)
+                    .unwrap()
+                    .to_str()
+                    .unwrap(),
+                header,
+                "the request's own span"
+            );
+            let caller = crate::telemetry::traceparent(&reconcile).unwrap();
+            let caller: Vec<&str> = caller.to_str().unwrap().split('-').collect();
+            let sent: Vec<&str> = header.split('-').collect();
+            assert_eq!(sent[1], caller[1], "the caller's trace");
+            assert_ne!(sent[2], caller[2], "a span of its own");
+        });
     }
 
     #[test]

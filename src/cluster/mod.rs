@@ -300,6 +300,10 @@ impl<C: ClusterId> Cluster<C> {
             identity: Mutex::new(None),
             credential_holder: Mutex::new(None),
         });
+        let _ = inner
+            .client_state
+            .cluster
+            .set(ClusterField(&inner.id).to_string().into());
         // The owner reference check reads through the cluster's own client; a weak handle,
         // since the client's layer holds the check.
         let weak = Arc::downgrade(&inner);

@@ -74,6 +74,8 @@ struct Finished<C: ClusterId> {
     dropped: bool,
     /// Why it failed, for the diagnostics view (kept only while it is served).
     failure: Option<String>,
+    /// The trace it ran in, for its duration's exemplar.
+    mark: crate::telemetry::TraceMark,
 }
 
 impl<C: ClusterId> Finished<C> {
@@ -89,6 +91,7 @@ impl<C: ClusterId> Finished<C> {
             overran: false,
             dropped: true,
             failure: None,
+            mark: crate::telemetry::TraceMark::default(),
         }
     }
 }
@@ -198,6 +201,8 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         .map(|d| d.register(spec.name.clone()));
     let diagnosed = asks.is_some();
     let mut last: HashMap<C, Last<C>> = HashMap::default();
+    // While a subscriber takes the runtime's spans: the spans of each request waiting.
+    let mut origins: HashMap<Request<C>, Origin> = HashMap::default();
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -229,6 +234,9 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 FleetEvent::Replaced { old, new } => slots.replace(old, new),
                 FleetEvent::Disengaged(engagement) => {
                     slots.disengage(&engagement);
+                    if !origins.is_empty() && !slots.slots.contains_key(engagement.id()) {
+                        origins.retain(|request, _| request.cluster != *engagement.id());
+                    }
                     // A late event of an older engagement leaves the current one's entry.
                     if !last.is_empty() && !slots.slots.contains_key(engagement.id()) {
                         last.remove(engagement.id());
@@ -242,6 +250,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 }
             }
             Some((req, reason)) = slots.triggers.next(), if !slots.triggers.is_empty() => {
+                traced(&spec.name, &slots.queue, &mut origins, &req, &reason);
                 slots.queue.trigger(req, reason);
             }
             bulk_item = next_opt(&mut bulk) => match bulk_item {
@@ -251,7 +260,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
             Some(answer) = recv_ask(&mut asks) => {
                 let _ = answer.send(slots.queues(&mut last));
             }
-            Some(Finished { request: req, action, reason, engagement_ended: ended, took, overran, dropped, failure }) = running.next(), if !running.is_empty() => {
+            Some(Finished { request: req, action, reason, engagement_ended: ended, took, overran, dropped, failure, mark }) = running.next(), if !running.is_empty() => {
                 if diagnosed && slots.slots.contains_key(&req.cluster) {
                     last.insert(req.cluster.clone(), Last {
                         at: std::time::SystemTime::now(),
@@ -268,16 +277,17 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 // short: it runs again if the id is still followed, on the new engagement.
                 let rerun = ended && slots.slots.contains_key(&req.cluster);
                 if rerun {
-                    slots.queue.finish(req.clone(), action, reason.clone(), took);
+                    slots.queue.finish_marked(req.clone(), action, reason.clone(), took, mark);
                     slots.queue.trigger(req, reason);
                 } else {
-                    slots.queue.finish(req, action, reason, took);
+                    slots.queue.finish_marked(req, action, reason, took, mark);
                 }
             }
             (req, reason) = slots.queue.next(), if may_start => {
+                let origin = if origins.is_empty() { None } else { origins.remove(&req) };
                 if let Some((object, engagement)) = slots.object_for(&req, &reason) {
                     let timed = env.metrics.is_some();
-                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed, diagnosed));
+                    running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed, diagnosed, origin));
                 }
             }
         }
@@ -570,6 +580,63 @@ fn resyncs<K: Watchable, C: ClusterId>(
         .boxed()
 }
 
+/// The spans of a request waiting in the queue: the watch event (or other source) that asked
+/// for it, and its wait. The wait ends (its span closes) when the request is taken; the
+/// reconcile is the event's child beside it.
+struct Origin {
+    event: tracing::Span,
+    /// Held (open) while the request waits.
+    _waiting: tracing::Span,
+}
+
+/// The spans of a request asked for by a watch event (or another source), if a subscriber
+/// takes them: `watch_event`, and its child `queue`, kept in `origins` until the request is
+/// taken from the queue. A request already waiting keeps the spans it came with.
+fn traced<C: ClusterId>(
+    controller: &str,
+    queue: &FleetQueue<C>,
+    origins: &mut HashMap<Request<C>, Origin>,
+    req: &Request<C>,
+    reason: &ReconcileReason,
+) {
+    if !origins.is_empty() && origins.contains_key(req) {
+        return;
+    }
+    // Its fields are not even formatted unless a subscriber takes it.
+    let event = tracing::info_span!(
+        parent: None,
+        "watch_event",
+        controller = %controller,
+        cluster = %crate::cluster::ClusterField(&req.cluster),
+        object = %super::ObjectField {
+            namespace: req.namespace.as_deref(),
+            name: &req.name,
+        },
+        reason = %reason,
+    );
+    if event.is_disabled() {
+        return;
+    }
+    let lane = match queue.lane_of(reason) {
+        super::queue::Lane::Normal => "normal",
+        super::queue::Lane::Low => "low",
+    };
+    let waiting = tracing::info_span!(
+        parent: &event,
+        "queue",
+        controller = %controller,
+        cluster = %crate::cluster::ClusterField(&req.cluster),
+        lane,
+    );
+    origins.insert(
+        req.clone(),
+        Origin {
+            event,
+            _waiting: waiting,
+        },
+    );
+}
+
 /// The reconcile of `req` as a future yielding what to do next. If its cluster's engagement
 /// ends, it has the grace period to return before it is dropped.
 #[allow(clippy::too_many_arguments)]
@@ -584,6 +651,7 @@ fn start<K, C, S, F, Fut, E, P>(
     error_policy: &Arc<P>,
     timed: bool,
     diagnosed: bool,
+    origin: Option<Origin>,
 ) -> Reconciling<C>
 where
     K: Watchable,
@@ -617,7 +685,11 @@ where
     )
     .with_failures(failures)
     .with_deadline(deadline);
+    // A child of the watch event that asked for it (its wait in the queue ends here), or a
+    // trace of its own (never a child of whatever span the manager was started in).
+    let parent = origin.map(|origin| origin.event);
     let span = tracing::info_span!(
+        parent: parent.as_ref().and_then(tracing::Span::id),
         "reconcile",
         controller = %spec.name,
         cluster = %crate::cluster::ClusterField(&req.cluster),
@@ -726,6 +798,11 @@ where
                     overran,
                     dropped: false,
                     failure,
+                    mark: if timed {
+                        crate::telemetry::TraceMark::of(&tracing::Span::current())
+                    } else {
+                        crate::telemetry::TraceMark::default()
+                    },
                 }
             }
             () = abandoned => {

@@ -27,6 +27,7 @@ use super::ReconcileReason;
 use crate::cluster::ClusterId;
 use crate::controller::{Action, Request};
 use crate::metrics::{Metrics, Outcome, Series};
+use crate::telemetry::TraceMark;
 
 /// After this many requests of the normal lane in a row while listed ones wait, one of the
 /// low lane is served: live changes go first, but a steady stream of them cannot starve a
@@ -522,14 +523,19 @@ impl<C: ClusterId> FleetQueue<C> {
         self.engaged.contains(cluster)
     }
 
+    /// The lane a request queued for `reason` waits in.
+    pub(crate) fn lane_of(&self, reason: &ReconcileReason) -> Lane {
+        if self.lanes {
+            Lane::of(reason)
+        } else {
+            Lane::Normal
+        }
+    }
+
     /// Asks for `req` to be reconciled now (after the debounce), in the low lane if
     /// `reason` says it is no news.
     pub(crate) fn trigger(&mut self, req: Request<C>, reason: ReconcileReason) {
-        let lane = if self.lanes {
-            Lane::of(&reason)
-        } else {
-            Lane::Normal
-        };
+        let lane = self.lane_of(&reason);
         if self.debounce.is_zero() && !self.scheduled.contains(&req) {
             self.due(req, reason, lane);
         } else {
@@ -575,6 +581,19 @@ impl<C: ClusterId> FleetQueue<C> {
         reason: ReconcileReason,
         took: Option<Duration>,
     ) {
+        self.finish_marked(req, action, reason, took, TraceMark::default());
+    }
+
+    /// [`FleetQueue::finish`], with the trace the reconcile ran in (an exemplar of its
+    /// duration).
+    pub(crate) fn finish_marked(
+        &mut self,
+        req: Request<C>,
+        action: Action,
+        reason: ReconcileReason,
+        took: Option<Duration>,
+        mark: TraceMark,
+    ) {
         if let Some(m) = &self.metrics {
             m.active.dec();
         }
@@ -599,7 +618,7 @@ impl<C: ClusterId> FleetQueue<C> {
             let outcome = outcome_of(&reason, &action);
             let retried = matches!(outcome, Outcome::Error | Outcome::Panic | Outcome::Requeue)
                 && action.requeue_after().is_some();
-            series.ended(outcome, began, took, retried);
+            series.ended(outcome, began, took, retried, mark);
         }
         if requeued {
             self.queued(&req.cluster);

@@ -674,7 +674,8 @@ where
                 {
                     active.0.series.timed_out();
                 }
-                active.0.series.reconciled(outcome, took);
+                let mark = crate::telemetry::TraceMark::of(&tracing::Span::current());
+                active.0.series.reconciled(outcome, took, mark);
             }
             match result {
                 Ok(action) => {

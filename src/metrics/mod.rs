@@ -16,6 +16,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::telemetry::TraceMark;
+
 mod process;
 
 /// The `cluster` label, added to controller-runtime's label sets: absent when `None` (without
@@ -310,6 +312,44 @@ const OUTCOMES: [Outcome; 4] = [
     Outcome::Requeue,
 ];
 
+/// The reconcile histogram: with the feature `opentelemetry`, each bucket keeps the trace id
+/// of its last sampled reconcile as an exemplar.
+#[cfg(feature = "opentelemetry")]
+type ReconcileHistogram = prometheus_client::metrics::exemplar::HistogramWithExemplars<TraceLabel>;
+#[cfg(not(feature = "opentelemetry"))]
+type ReconcileHistogram = Histogram;
+
+/// An exemplar's label: the trace a reconcile ran in.
+#[cfg(feature = "opentelemetry")]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TraceLabel {
+    trace_id: String,
+}
+
+#[cfg(feature = "opentelemetry")]
+fn reconcile_histogram() -> ReconcileHistogram {
+    ReconcileHistogram::new(exponential_buckets(0.005, 2.0, 15))
+}
+
+#[cfg(not(feature = "opentelemetry"))]
+fn reconcile_histogram() -> ReconcileHistogram {
+    duration_histogram()
+}
+
+/// Observes a reconcile's duration, with its trace as the exemplar when there is one.
+#[cfg(feature = "opentelemetry")]
+fn observe_reconcile(histogram: &ReconcileHistogram, took: Duration, mark: TraceMark) {
+    let label = mark.trace_id().map(|trace_id| TraceLabel { trace_id });
+    let at = label.as_ref().map(|_| std::time::SystemTime::now());
+    histogram.observe(took.as_secs_f64(), label, at);
+}
+
+#[cfg(not(feature = "opentelemetry"))]
+#[inline(always)]
+fn observe_reconcile(histogram: &ReconcileHistogram, took: Duration, _mark: TraceMark) {
+    histogram.observe(took.as_secs_f64());
+}
+
 fn duration_histogram() -> Histogram {
     // 5 ms to about 82 s, doubling (controller-runtime's reconcile buckets span the same).
     Histogram::new(exponential_buckets(0.005, 2.0, 15))
@@ -395,7 +435,7 @@ struct Inner {
     terminal_errors: Family<With<ControllerLabels>, Counter>,
     reconcile_timeouts: Family<With<ControllerLabels>, Counter>,
     reconcile_panics: Family<With<ControllerLabels>, Counter>,
-    reconcile_time: Family<With<ControllerLabels>, Histogram, fn() -> Histogram>,
+    reconcile_time: Family<With<ControllerLabels>, ReconcileHistogram, fn() -> ReconcileHistogram>,
     max_concurrent: Family<ControllerLabels, Gauge>,
     active_workers: Family<ControllerLabels, Gauge>,
     depth: Family<With<DepthLabels>, Gauge>,
@@ -462,7 +502,7 @@ impl Metrics {
             terminal_errors: Family::default(),
             reconcile_timeouts: Family::default(),
             reconcile_panics: Family::default(),
-            reconcile_time: Family::new_with_constructor(duration_histogram),
+            reconcile_time: Family::new_with_constructor(reconcile_histogram),
             max_concurrent: Family::default(),
             active_workers: Family::default(),
             depth: Family::default(),
@@ -994,7 +1034,7 @@ pub(crate) struct Series {
     terminal: Counter,
     timeouts: Counter,
     panics: Counter,
-    time: Histogram,
+    time: ReconcileHistogram,
     pub(crate) depth: Gauge,
     pub(crate) adds: Counter,
     queue_duration: Histogram,
@@ -1020,8 +1060,9 @@ impl Series {
         began: Option<Instant>,
         took: Duration,
         retried: bool,
+        mark: TraceMark,
     ) {
-        self.reconciled(outcome, took);
+        self.reconciled(outcome, took, mark);
         if retried {
             self.retries.inc();
         } else if outcome == Outcome::Error {
@@ -1035,7 +1076,7 @@ impl Series {
 
     /// A reconcile ended after `took`: the reconcile series only (all there is in
     /// single-cluster mode, whose queue is kube-runtime's).
-    pub(crate) fn reconciled(&self, outcome: Outcome, took: Duration) {
+    pub(crate) fn reconciled(&self, outcome: Outcome, took: Duration, mark: TraceMark) {
         // A panic is an error with a counter of its own, as controller-runtime counts it.
         let counted = if outcome == Outcome::Panic {
             self.panics.inc();
@@ -1047,7 +1088,7 @@ impl Series {
         if counted == Outcome::Error {
             self.errors.inc();
         }
-        self.time.observe(took.as_secs_f64());
+        observe_reconcile(&self.time, took, mark);
     }
 
     /// The error policy did not retry an error (its action awaits a change).
@@ -1128,7 +1169,11 @@ mod tests {
             for i in 0..CLUSTERS {
                 let cluster = format!("cluster-{i:05}");
                 let series = metrics.series(&controller, &cluster, true);
-                series.reconciled(Outcome::Success, Duration::from_millis(3));
+                series.reconciled(
+                    Outcome::Success,
+                    Duration::from_millis(3),
+                    TraceMark::default(),
+                );
                 let requests: Vec<Counter> = [
                     (200, http::Method::GET),
                     (404, http::Method::GET),
