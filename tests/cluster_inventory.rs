@@ -826,6 +826,191 @@ async fn profiles_are_reached_through_labelled_kubeconfig_secrets() {
     run.await.unwrap();
 }
 
+/// Sets the profile's KEP-2149 properties: its member id, and its cluster set if given.
+async fn set_member(profiles: &Api<DynamicObject>, name: &str, id: &str, set: Option<&str>) {
+    let mut properties = vec![json!({"name": "cluster.clusterset.k8s.io", "value": id})];
+    if let Some(set) = set {
+        properties.push(json!({"name": "clusterset.k8s.io", "value": set}));
+    }
+    profiles
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"properties": properties}})),
+        )
+        .await
+        .unwrap();
+}
+
+/// Two cluster managers each write a profile for one member: one cluster is engaged, the
+/// earliest created profile's; the other profile is told why, and takes over when the first
+/// stops being healthy or goes. A profile of the same id in another cluster set is another
+/// member; one whose id changes stands on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (hub, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = hub.client().unwrap();
+    let crd =
+        std::fs::read_to_string(format!("{}/crds/cluster-inventory-api.yaml", assets())).unwrap();
+    hub.install_crds(&crd).await.unwrap();
+    create_namespace(&hc, "fleet").await;
+    let profiles: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "fleet", &profiles());
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "fleet");
+    let pp = PostParams::default();
+    // Created a second apart, in this order (creation times have seconds; on a tie the
+    // first by name would win).
+    for name in ["first", "second", "elsewhere", "alone"] {
+        profiles.create(&pp, &profile(name)).await.unwrap();
+        secrets
+            .create(
+                &pp,
+                &labelled_secret(
+                    &format!("{name}-kubeconfig"),
+                    name,
+                    "mcr",
+                    member.kubeconfig(),
+                ),
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    }
+    for (name, set) in [
+        ("first", Some("set-1")),
+        ("second", Some("set-1")),
+        ("elsewhere", Some("set-2")),
+        ("alone", None),
+    ] {
+        set_member(&profiles, name, "member-1", set).await;
+        set_status(&profiles, name, true, json!([])).await;
+    }
+
+    let manager = Arc::new(Manager::new(ClusterInventory::with_secrets(
+        hc.clone(),
+        "mcr",
+        ProfileNamespaces::Only("fleet".into()),
+    )));
+    let run = spawn_manager(&manager);
+    // Sync point: second's Event says it was weighed after first.
+    eventually(30, "a DuplicateMember Event on second", async || {
+        has_event(&hc, "fleet", "DuplicateMember", "second", "fleet/first").await
+    })
+    .await;
+    eventually(30, "first, elsewhere and alone engaged", async || {
+        manager.fleet().ids()
+            == [
+                name("fleet/alone"),
+                name("fleet/elsewhere"),
+                name("fleet/first"),
+            ]
+    })
+    .await;
+    assert!(manager.cluster(&name("fleet/second")).is_none());
+
+    // first stops being healthy: second is engaged, first paused.
+    set_status(&profiles, "first", false, json!([])).await;
+    eventually(30, "second engaged for the member", async || {
+        manager.fleet().ids()
+            == [
+                name("fleet/alone"),
+                name("fleet/elsewhere"),
+                name("fleet/second"),
+            ]
+    })
+    .await;
+    // Healthy again: first (created earlier) is the member's again, second paused.
+    set_status(&profiles, "first", true, json!([])).await;
+    eventually(30, "first engaged again, second paused", async || {
+        manager.fleet().ids()
+            == [
+                name("fleet/alone"),
+                name("fleet/elsewhere"),
+                name("fleet/first"),
+            ]
+    })
+    .await;
+
+    // first is deleted: second takes over.
+    profiles
+        .delete("first", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(30, "second engaged once first is gone", async || {
+        manager.fleet().ids()
+            == [
+                name("fleet/alone"),
+                name("fleet/elsewhere"),
+                name("fleet/second"),
+            ]
+    })
+    .await;
+
+    // elsewhere joins set-1 (as second's member): it was created after second, so it is
+    // paused; given an id of its own, it is engaged again.
+    set_member(&profiles, "elsewhere", "member-1", Some("set-1")).await;
+    eventually(30, "elsewhere paused as second's duplicate", async || {
+        manager.fleet().ids() == [name("fleet/alone"), name("fleet/second")]
+    })
+    .await;
+    set_member(&profiles, "elsewhere", "member-2", Some("set-1")).await;
+    eventually(30, "elsewhere engaged with an id of its own", async || {
+        manager.fleet().ids()
+            == [
+                name("fleet/alone"),
+                name("fleet/elsewhere"),
+                name("fleet/second"),
+            ]
+    })
+    .await;
+
+    manager.shutdown();
+    run.await.unwrap();
+}
+
+/// Without de-duplication, each profile is a cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_one_per_member_off_each_profile_of_a_member_is_a_cluster() {
+    let env = TestEnv::builder().clusters(2).start().await.unwrap();
+    let (hub, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
+    let hc = hub.client().unwrap();
+    let crd =
+        std::fs::read_to_string(format!("{}/crds/cluster-inventory-api.yaml", assets())).unwrap();
+    hub.install_crds(&crd).await.unwrap();
+    create_namespace(&hc, "fleet").await;
+    let profiles: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "fleet", &profiles());
+    let secrets: Api<Secret> = Api::namespaced(hc.clone(), "fleet");
+    let pp = PostParams::default();
+    for name in ["first", "second"] {
+        profiles.create(&pp, &profile(name)).await.unwrap();
+        secrets
+            .create(
+                &pp,
+                &labelled_secret(
+                    &format!("{name}-kubeconfig"),
+                    name,
+                    "mcr",
+                    member.kubeconfig(),
+                ),
+            )
+            .await
+            .unwrap();
+        set_member(&profiles, name, "member-1", None).await;
+        set_status(&profiles, name, true, json!([])).await;
+    }
+    let manager = Arc::new(Manager::new(
+        ClusterInventory::with_secrets(hc.clone(), "mcr", ProfileNamespaces::Only("fleet".into()))
+            .one_per_member(false),
+    ));
+    let run = spawn_manager(&manager);
+    eventually(30, "both profiles engaged", async || {
+        manager.fleet().ids() == [name("fleet/first"), name("fleet/second")]
+    })
+    .await;
+    manager.shutdown();
+    run.await.unwrap();
+}
+
 /// The PlacementDecision kind.
 fn placement_decisions() -> ApiResource {
     ApiResource::from_gvk_with_plural(

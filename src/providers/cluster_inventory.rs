@@ -29,6 +29,11 @@ pub const CONSUMER_LABEL: &str = "x-k8s.io/cluster-inventory-consumer";
 pub const PROFILE_LABEL: &str = "x-k8s.io/cluster-profile";
 /// The data key of a kubeconfig Secret.
 pub const SECRET_KEY: &str = "Config";
+/// The property (KEP-2149) of a profile's status that names its member cluster, unique within
+/// its cluster set.
+pub const CLUSTER_ID_PROPERTY: &str = "cluster.clusterset.k8s.io";
+/// The property (KEP-2149) of a profile's status that names its member's cluster set.
+pub const CLUSTER_SET_PROPERTY: &str = "clusterset.k8s.io";
 /// The cluster extension with arguments a profile adds to the plugin's (a list of strings).
 pub const ARGS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/additional-args";
 /// The cluster extension with environment variables a profile adds (a map of strings).
@@ -54,6 +59,14 @@ pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/add
 ///   and `x-k8s.io/cluster-profile=<profile>`, data key `Config`, read under the rules of
 ///   [`KubeconfigSecrets`](super::KubeconfigSecrets) (no exec plugins or local files unless
 ///   allowed). The Secrets are watched.
+///
+/// One member cluster, one engagement: profiles whose status gives the same member id (the
+/// property `cluster.clusterset.k8s.io`, within the cluster set of `clusterset.k8s.io` when
+/// there is one), as two cluster managers each writing one for the same cluster do, engage
+/// only the earliest created of those that are healthy (then the first by namespace and
+/// name). The others get a Warning Event (`DuplicateMember`) naming that profile, and are
+/// paused if they were engaged; when that profile is deleted or stops being healthy, the next
+/// is engaged. [`ClusterInventory::one_per_member`] turns this off.
 ///
 /// When what the cluster is built from changes (the profile's access data, the Secret), the
 /// cluster is replaced. A profile whose cluster cannot be built (no access provider the
@@ -90,6 +103,8 @@ enum Access {
 #[derive(Clone, Debug)]
 struct Kind {
     access: Access,
+    /// Profiles sharing a member id engage one cluster.
+    one_per_member: bool,
 }
 
 /// Where a [`ClusterInventory`] reads `ClusterProfile`s. Whoever may write a profile's
@@ -144,7 +159,10 @@ impl ClusterInventory {
                 },
                 ..Scope::default()
             },
-            kind: Arc::new(Kind { access }),
+            kind: Arc::new(Kind {
+                access,
+                one_per_member: true,
+            }),
         }
     }
 
@@ -156,6 +174,14 @@ impl ClusterInventory {
         if let Access::Secrets { trust, .. } = &mut Arc::make_mut(&mut self.kind).access {
             trust.exec = allow;
         }
+        self
+    }
+
+    /// Whether profiles that give the same member id engage one cluster (the earliest
+    /// created), as by default; with `false`, each profile is a cluster of its own.
+    #[must_use]
+    pub fn one_per_member(mut self, one: bool) -> Self {
+        Arc::make_mut(&mut self.kind).one_per_member = one;
         self
     }
 
@@ -798,6 +824,24 @@ impl HubKind for Kind {
         condition_true(object, HEALTHY_CONDITION)
     }
 
+    fn member_id(&self, object: &DynamicObject) -> Option<String> {
+        if !self.one_per_member {
+            return None;
+        }
+        let properties = field(object, &["status", "properties"])?.as_array()?;
+        let property = |name: &str| {
+            properties
+                .iter()
+                .find(|p| p.get("name").and_then(|n| n.as_str()) == Some(name))
+                .and_then(|p| p.get("value")?.as_str())
+                .filter(|value| !value.is_empty())
+        };
+        let id = property(CLUSTER_ID_PROPERTY)?;
+        // The set's length first: no two (set, id) pairs make one key.
+        let set = property(CLUSTER_SET_PROPERTY).unwrap_or_default();
+        Some(format!("{}:{set}{id}", set.len()))
+    }
+
     fn secrets(&self) -> Option<watcher::Config> {
         match &self.access {
             Access::Providers(_) => None,
@@ -892,6 +936,50 @@ mod tests {
         DynamicObject::new("east", &resource)
             .within("fleet")
             .data(json!({ "spec": {"clusterManager": {"name": "test"}}, "status": status }))
+    }
+
+    #[test]
+    fn a_member_id_is_the_cluster_id_within_its_set() {
+        let kind = |one_per_member| Kind {
+            access: Access::Secrets {
+                consumer: "mcr".into(),
+                trust: Trust::default(),
+            },
+            one_per_member,
+        };
+        let with = |properties: &[(&str, &str)]| {
+            let properties: Vec<_> = properties
+                .iter()
+                .map(|(name, value)| json!({"name": name, "value": value}))
+                .collect();
+            profile(json!({ "properties": properties }))
+        };
+        let id = |properties: &[(&str, &str)]| kind(true).member_id(&with(properties));
+        assert_eq!(id(&[]), None);
+        assert_eq!(
+            id(&[(CLUSTER_SET_PROPERTY, "set")]),
+            None,
+            "a set without an id"
+        );
+        assert_eq!(id(&[(CLUSTER_ID_PROPERTY, "")]), None, "an empty id");
+        assert_eq!(
+            id(&[(CLUSTER_ID_PROPERTY, "c"), ("other", "x")]),
+            id(&[(CLUSTER_ID_PROPERTY, "c")])
+        );
+        assert_ne!(
+            id(&[(CLUSTER_ID_PROPERTY, "c"), (CLUSTER_SET_PROPERTY, "ab")]),
+            id(&[(CLUSTER_ID_PROPERTY, "bc"), (CLUSTER_SET_PROPERTY, "a")]),
+            "no two (set, id) pairs share a key"
+        );
+        assert_ne!(
+            id(&[(CLUSTER_ID_PROPERTY, "c"), (CLUSTER_SET_PROPERTY, "one")]),
+            id(&[(CLUSTER_ID_PROPERTY, "c"), (CLUSTER_SET_PROPERTY, "two")])
+        );
+        assert_eq!(
+            kind(false).member_id(&with(&[(CLUSTER_ID_PROPERTY, "c")])),
+            None,
+            "one_per_member(false)"
+        );
     }
 
     fn exec_of(kubeconfig: &Kubeconfig) -> &ExecConfig {
@@ -1085,6 +1173,7 @@ mod tests {
         .unwrap();
         let kind = Kind {
             access: Access::Providers(providers),
+            one_per_member: true,
         };
         let profile = profile(json!({
             "accessProviders": [{"name": "a", "cluster": {"server": "https://a"}}],

@@ -34,6 +34,10 @@ const DISCOVERY_RETRY: Duration = Duration::from_secs(10);
 /// How many clients are built at once (each may run a credential plugin, for up to 30 s).
 const BUILDS_AT_ONCE: usize = 4;
 
+/// The reason of the Warning Event on an object not engaged because another one describes the
+/// same member cluster.
+pub(crate) const DUPLICATE_MEMBER: &str = "DuplicateMember";
+
 /// Which hub objects: a namespace (all if `None`), a label selector, a readiness override;
 /// and whether a cluster whose credentials Secret went away stays engaged.
 #[derive(Clone, Default)]
@@ -93,6 +97,12 @@ pub(crate) trait HubKind: Send + Sync + 'static {
 
     /// The Secret (namespace, name) `object` takes its credentials from.
     fn named_secret(&self, _object: &DynamicObject) -> Option<(String, String)> {
+        None
+    }
+
+    /// The member cluster `object` describes, if the kind says: of live objects sharing one,
+    /// only the earliest created is engaged (see [`State::refile`]).
+    fn member_id(&self, _object: &DynamicObject) -> Option<String> {
         None
     }
 
@@ -262,6 +272,8 @@ struct Known {
     /// The recipe version whose build failed, how many times in a row, and whether its
     /// retry is due.
     failed: Option<Failed>,
+    /// The member id it is filed under in [`State::members`].
+    member: Option<String>,
 }
 
 struct Failed {
@@ -294,6 +306,8 @@ pub(crate) struct State {
     /// With [`HubKind::ONLY_NAMED`]: the watched Secrets no object names, of which nothing
     /// is kept (read when an object comes to name one).
     unread: BTreeSet<(String, String)>,
+    /// The keys of the objects of each member id ([`HubKind::member_id`]).
+    members: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl State {
@@ -310,6 +324,46 @@ impl State {
             self.secrets.by_key.keys().map(|(_, n)| n.clone()).collect(),
             self.unread.iter().map(|(_, n)| n.clone()).collect(),
         )
+    }
+
+    /// After the objects of `keys` changed: files each under its member id now, and returns
+    /// `keys` with every other key that shares a member id with one of them, before or after
+    /// the change (which of them is engaged may have changed).
+    pub(crate) fn refile<K: HubKind>(&mut self, keys: Vec<String>, kind: &K) -> Vec<String> {
+        let mut peers = BTreeSet::new();
+        for key in &keys {
+            let Some(known) = self.objects.get_mut(key) else {
+                continue;
+            };
+            let now = known.object.as_ref().and_then(|o| kind.member_id(o));
+            let before = std::mem::replace(&mut known.member, now.clone());
+            if before != now {
+                if let Some(id) = &before
+                    && let Some(filed) = self.members.get_mut(id)
+                {
+                    filed.remove(key);
+                    if filed.is_empty() {
+                        self.members.remove(id);
+                    }
+                }
+                if let Some(id) = &now {
+                    self.members
+                        .entry(id.clone())
+                        .or_default()
+                        .insert(key.clone());
+                }
+            }
+            for id in before.iter().chain(now.iter()) {
+                peers.extend(self.members.get(id).into_iter().flatten().cloned());
+            }
+        }
+        if peers.is_empty() {
+            return keys;
+        }
+        for key in &keys {
+            peers.remove(key);
+        }
+        keys.into_iter().chain(peers).collect()
     }
 
     /// The Secrets the objects name.
@@ -367,6 +421,9 @@ enum Step<R> {
     Pause,
     Build(u64, R),
     Report(String),
+    /// Not engaged: another object describes the same member cluster (paused if it was
+    /// engaged); why.
+    Duplicate(String, bool),
     /// Pause, the credentials having been revoked, and report why.
     Revoke(String),
 }
@@ -433,10 +490,35 @@ impl<K: HubKind> Engine<K> {
         }
     }
 
+    /// Whether `object` is live: present, not being deleted, ready.
+    fn is_live(&self, object: Option<&DynamicObject>) -> bool {
+        object.is_some_and(|o| o.meta().deletion_timestamp.is_none() && self.is_ready(o))
+    }
+
+    /// The object that stands for the member cluster `key`'s object describes, if another
+    /// does: of the live objects filed under its member id, the earliest created (then the
+    /// first by key). Every replica and every restart picks the same one.
+    fn member_holder(&self, state: &State, key: &str) -> Option<String> {
+        let id = state.objects.get(key)?.member.as_ref()?;
+        let holder = state
+            .members
+            .get(id)?
+            .iter()
+            .filter_map(|k| Some((k, state.objects.get(k)?.object.as_ref()?)))
+            .filter(|(_, o)| self.is_live(Some(o)))
+            .min_by(|(a, x), (b, y)| {
+                let created = |o: &DynamicObject| o.meta().creation_timestamp.clone().map(|t| t.0);
+                created(x).cmp(&created(y)).then_with(|| a.cmp(b))
+            })
+            .map(|(k, _)| k.clone())?;
+        (holder != key).then_some(holder)
+    }
+
     fn step(&self, state: &mut State, key: &str) -> Step<K::Recipe> {
         if !state.secrets_listed {
             return Step::Nothing;
         }
+        let holder = self.member_holder(state, key);
         let Some(known) = state.objects.get_mut(key) else {
             return Step::Nothing;
         };
@@ -457,6 +539,21 @@ impl<K: HubKind> Engine<K> {
                 (Some(_), false) => Step::Nothing,
             };
         };
+        if let Some(holder) = holder {
+            known.wanted = None;
+            known.failed = None;
+            let problem = format!(
+                "it describes the same member cluster as {} {holder}, created earlier: only that one is engaged",
+                K::WHAT
+            );
+            let fingerprint = version_of(&problem);
+            let paused = known.engaged.take().is_some();
+            if !paused && known.reported == Some(fingerprint) {
+                return Step::Nothing;
+            }
+            known.reported = Some(fingerprint);
+            return Step::Duplicate(problem, paused);
+        }
         match self.kind.recipe(object, &state.secrets) {
             Ok((version, recipe)) => {
                 if known.engaged == Some(version) {
@@ -510,9 +607,34 @@ impl<K: HubKind> Engine<K> {
         resource: &ApiResource,
         problem: &str,
     ) {
+        self.report_as(
+            recorder,
+            object,
+            resource,
+            super::KUBECONFIG_REFUSED,
+            problem,
+        )
+        .await;
+    }
+
+    async fn report_as(
+        &self,
+        recorder: &Recorder,
+        object: &DynamicObject,
+        resource: &ApiResource,
+        reason: &str,
+        problem: &str,
+    ) {
         let key = key_of(object);
         tracing::warn!(cluster = %key, error = %problem, "{} not engaged", K::WHAT);
-        super::record_refusal(recorder, &object.object_ref(resource), &key, problem).await;
+        super::record_refusal_as(
+            recorder,
+            &object.object_ref(resource),
+            &key,
+            reason,
+            problem,
+        )
+        .await;
     }
 
     /// Waits until the hub serves the kind (looking again every 10 s); `None` at shutdown.
@@ -748,7 +870,7 @@ impl<K: HubKind> Engine<K> {
                 event = objects.next() => match event {
                     None => return Ok(()),
                     Some(event) => match Self::object_event(&mut state, event) {
-                        Some(keys) => keys,
+                        Some(keys) => state.refile(keys, self.kind.as_ref()),
                         None => continue,
                     },
                 },
@@ -784,6 +906,22 @@ impl<K: HubKind> Engine<K> {
                             self.report(&recorder, &object, &resource, &problem).await;
                         }
                     }
+                    Step::Duplicate(problem, paused) => {
+                        if paused {
+                            fleet.pause(&ClusterName::from(key.clone()));
+                        }
+                        if let Some(object) = state.objects.get(&key).and_then(|k| k.object.clone())
+                        {
+                            self.report_as(
+                                &recorder,
+                                &object,
+                                &resource,
+                                DUPLICATE_MEMBER,
+                                &problem,
+                            )
+                            .await;
+                        }
+                    }
                     Step::Revoke(problem) => {
                         fleet.pause(&ClusterName::from(key.clone()));
                         let problem = format!("{problem}; paused (its credentials were removed)");
@@ -798,7 +936,8 @@ impl<K: HubKind> Engine<K> {
                     Some(version) => inflight.supersede(&key, version),
                     None => inflight.cancel(&key),
                 }
-                // Forget objects that are gone and hold nothing.
+                // Forget objects that are gone and hold nothing (refiled without an object, so
+                // filed under no member id).
                 if state.objects.get(&key).is_some_and(|k| {
                     k.object.is_none() && k.engaged.is_none() && k.wanted.is_none()
                 }) {

@@ -172,18 +172,11 @@ impl<K: Ord> InFlight<K> {
     }
 }
 
-/// Records why `cluster` was not engaged as a Warning Event (`KubeconfigRefused`) on the
-/// object that describes it; `note` must hold nothing of the kubeconfig.
-pub(crate) async fn record_refusal(
-    recorder: &kube_runtime::events::Recorder,
-    reference: &k8s_openapi::api::core::v1::ObjectReference,
-    cluster: &str,
-    note: &str,
-) {
-    record_refusal_as(recorder, reference, cluster, "KubeconfigRefused", note).await;
-}
+/// The reason of the Warning Event on an object whose cluster could not be built.
+pub(crate) const KUBECONFIG_REFUSED: &str = "KubeconfigRefused";
 
-/// A Warning Event with `reason` on the object a cluster was refused from.
+/// Records why `cluster` was not engaged as a Warning Event with `reason` on the object that
+/// describes it; `note` must hold nothing of the kubeconfig.
 pub(crate) async fn record_refusal_as(
     recorder: &kube_runtime::events::Recorder,
     reference: &k8s_openapi::api::core::v1::ObjectReference,
