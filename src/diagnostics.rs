@@ -428,12 +428,8 @@ pub(crate) fn timestamp(at: SystemTime) -> String {
 }
 
 /// An error text for the view, cut to [`MAX_ERROR`] characters (the logs have it whole).
-pub(crate) fn cut(mut text: String) -> String {
-    if let Some((cut, _)) = text.char_indices().nth(MAX_ERROR) {
-        text.truncate(cut);
-        text.push('…');
-    }
-    text
+pub(crate) fn cut(text: String) -> String {
+    crate::util::cut(text, MAX_ERROR)
 }
 
 /// A controller's queues of each cluster, as its loop answers.

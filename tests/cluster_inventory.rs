@@ -826,42 +826,65 @@ async fn profiles_are_reached_through_labelled_kubeconfig_secrets() {
     run.await.unwrap();
 }
 
-/// Sets the profile's KEP-2149 properties: its member id, and its cluster set if given.
-async fn set_member(profiles: &Api<DynamicObject>, name: &str, id: &str, set: Option<&str>) {
-    let mut properties = vec![json!({"name": "cluster.clusterset.k8s.io", "value": id})];
-    if let Some(set) = set {
-        properties.push(json!({"name": "clusterset.k8s.io", "value": set}));
-    }
+/// The ClusterProfile kind at the proposed `v1alpha2` (tests/crds/clusterprofile-v1alpha2.yaml).
+fn profiles_v1alpha2() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("multicluster.x-k8s.io", "v1alpha2", "ClusterProfile"),
+        "clusterprofiles",
+    )
+}
+
+/// Labels the profile with its member id.
+async fn set_member(profiles: &Api<DynamicObject>, name: &str, id: &str) {
     profiles
-        .patch_status(
+        .patch(
             name,
             &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"properties": properties}})),
+            &Patch::Merge(
+                json!({"metadata": {"labels": {"multicluster.x-k8s.io/inventory-member-id": id}}}),
+            ),
         )
         .await
         .unwrap();
 }
 
-/// Two cluster managers each write a profile for one member: one cluster is engaged, the
-/// earliest created profile's; the other profile is told why, and takes over when the first
-/// stops being healthy or goes. A profile of the same id in another cluster set is another
-/// member; one whose id changes stands on its own.
+/// On a hub that serves ClusterProfile only at `v1alpha2`, profiles are read there; two
+/// cluster managers each write a profile for one member: one cluster is engaged, the earliest
+/// created profile's; the other profile is told why, and takes over when the first stops
+/// being healthy or goes. A profile of another member id stands on its own, and one whose id
+/// changes to a taken one stands aside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() {
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
     let (hub, member) = (env.cluster(0).unwrap(), env.cluster(1).unwrap());
     let hc = hub.client().unwrap();
-    let crd =
-        std::fs::read_to_string(format!("{}/crds/cluster-inventory-api.yaml", assets())).unwrap();
+    let crd = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/crds/clusterprofile-v1alpha2.yaml"
+    ))
+    .unwrap();
     hub.install_crds(&crd).await.unwrap();
     create_namespace(&hc, "fleet").await;
-    let profiles: Api<DynamicObject> = Api::namespaced_with(hc.clone(), "fleet", &profiles());
+    let profiles: Api<DynamicObject> =
+        Api::namespaced_with(hc.clone(), "fleet", &profiles_v1alpha2());
     let secrets: Api<Secret> = Api::namespaced(hc.clone(), "fleet");
     let pp = PostParams::default();
     // Created a second apart, in this order (creation times have seconds; on a tie the
     // first by name would win).
-    for name in ["first", "second", "elsewhere", "alone"] {
-        profiles.create(&pp, &profile(name)).await.unwrap();
+    for (name, id) in [
+        ("first", "member-1"),
+        ("second", "member-1"),
+        ("other", "member-2"),
+        ("unlabelled", ""),
+    ] {
+        let object = DynamicObject::new(name, &profiles_v1alpha2())
+            .within("fleet")
+            .data(json!({"spec": {"clusterManager": {"name": format!("manager-of-{name}")}}}));
+        profiles.create(&pp, &object).await.unwrap();
+        if !id.is_empty() {
+            set_member(&profiles, name, id).await;
+        }
+        set_status(&profiles, name, true, json!([])).await;
         secrets
             .create(
                 &pp,
@@ -876,15 +899,6 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
             .unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     }
-    for (name, set) in [
-        ("first", Some("set-1")),
-        ("second", Some("set-1")),
-        ("elsewhere", Some("set-2")),
-        ("alone", None),
-    ] {
-        set_member(&profiles, name, "member-1", set).await;
-        set_status(&profiles, name, true, json!([])).await;
-    }
 
     let manager = Arc::new(Manager::new(ClusterInventory::with_secrets(
         hc.clone(),
@@ -897,13 +911,12 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
         has_event(&hc, "fleet", "DuplicateMember", "second", "fleet/first").await
     })
     .await;
-    eventually(30, "first, elsewhere and alone engaged", async || {
-        manager.fleet().ids()
-            == [
-                name("fleet/alone"),
-                name("fleet/elsewhere"),
-                name("fleet/first"),
-            ]
+    let engaged = |names: &[&str]| {
+        let names: Vec<_> = names.iter().map(|n| name(&format!("fleet/{n}"))).collect();
+        manager.fleet().ids() == names
+    };
+    eventually(30, "first, other and unlabelled engaged", async || {
+        engaged(&["first", "other", "unlabelled"])
     })
     .await;
     assert!(manager.cluster(&name("fleet/second")).is_none());
@@ -911,23 +924,13 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
     // first stops being healthy: second is engaged, first paused.
     set_status(&profiles, "first", false, json!([])).await;
     eventually(30, "second engaged for the member", async || {
-        manager.fleet().ids()
-            == [
-                name("fleet/alone"),
-                name("fleet/elsewhere"),
-                name("fleet/second"),
-            ]
+        engaged(&["other", "second", "unlabelled"])
     })
     .await;
     // Healthy again: first (created earlier) is the member's again, second paused.
     set_status(&profiles, "first", true, json!([])).await;
     eventually(30, "first engaged again, second paused", async || {
-        manager.fleet().ids()
-            == [
-                name("fleet/alone"),
-                name("fleet/elsewhere"),
-                name("fleet/first"),
-            ]
+        engaged(&["first", "other", "unlabelled"])
     })
     .await;
 
@@ -937,30 +940,20 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
         .await
         .unwrap();
     eventually(30, "second engaged once first is gone", async || {
-        manager.fleet().ids()
-            == [
-                name("fleet/alone"),
-                name("fleet/elsewhere"),
-                name("fleet/second"),
-            ]
+        engaged(&["other", "second", "unlabelled"])
     })
     .await;
 
-    // elsewhere joins set-1 (as second's member): it was created after second, so it is
-    // paused; given an id of its own, it is engaged again.
-    set_member(&profiles, "elsewhere", "member-1", Some("set-1")).await;
-    eventually(30, "elsewhere paused as second's duplicate", async || {
-        manager.fleet().ids() == [name("fleet/alone"), name("fleet/second")]
+    // other takes member-1's id: created after second, it is paused; given its own id back,
+    // it is engaged again.
+    set_member(&profiles, "other", "member-1").await;
+    eventually(30, "other paused as second's duplicate", async || {
+        engaged(&["second", "unlabelled"])
     })
     .await;
-    set_member(&profiles, "elsewhere", "member-2", Some("set-1")).await;
-    eventually(30, "elsewhere engaged with an id of its own", async || {
-        manager.fleet().ids()
-            == [
-                name("fleet/alone"),
-                name("fleet/elsewhere"),
-                name("fleet/second"),
-            ]
+    set_member(&profiles, "other", "member-2").await;
+    eventually(30, "other engaged with an id of its own", async || {
+        engaged(&["other", "second", "unlabelled"])
     })
     .await;
 
@@ -968,7 +961,7 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
     run.await.unwrap();
 }
 
-/// Without de-duplication, each profile is a cluster.
+/// Without de-duplication, each profile is a cluster (on a `v1alpha1` hub).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_one_per_member_off_each_profile_of_a_member_is_a_cluster() {
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
@@ -995,7 +988,7 @@ async fn with_one_per_member_off_each_profile_of_a_member_is_a_cluster() {
             )
             .await
             .unwrap();
-        set_member(&profiles, name, "member-1", None).await;
+        set_member(&profiles, name, "member-1").await;
         set_status(&profiles, name, true, json!([])).await;
     }
     let manager = Arc::new(Manager::new(

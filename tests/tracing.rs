@@ -149,7 +149,9 @@ fn change_trace(spans: &[Span]) -> Option<Vec<Span>> {
                 .filter(|s| attribute(s, "http.request.method") == Some("PATCH"))
                 .filter_map(|s| attribute(s, "cluster"))
                 .collect();
-            reconciled && written.len() == 2
+            // The event's span ends last (the reconcile holds it open): all of it is here.
+            let started = trace.iter().any(|s| s.name == "watch_event");
+            reconciled && started && written.len() == 2
         })
         .map(|trace| trace.into_iter().cloned().collect())
 }
@@ -274,10 +276,6 @@ async fn one_hub_change_is_one_trace_from_its_watch_event_to_the_writes_into_two
     assert_eq!(queue[0].parent_span_id, event.span_id);
     assert_eq!(attribute(queue[0], "lane"), Some("normal"));
     assert_eq!(attribute(queue[0], "cluster"), Some("hub"));
-    assert!(
-        queue[0].end_time_unix_nano >= queue[0].start_time_unix_nano,
-        "the wait has an end"
-    );
     let reconciles = by_name("reconcile");
     assert_eq!(reconciles.len(), 1);
     let reconcile = reconciles[0];

@@ -128,8 +128,9 @@ pub(crate) struct ClientState {
     requests: Mutex<Option<Requests>>,
     /// The check of native owner references (`owners.rs`).
     pub(crate) owners: crate::client::owners::OwnerCheck,
-    /// The id of the cluster the client is of, as its spans name it.
-    pub(crate) cluster: std::sync::OnceLock<Arc<str>>,
+    /// The id of the cluster the client is of, as its spans name it (the latest name of a
+    /// renamed cluster, which shares the client).
+    cluster: Mutex<Option<Arc<str>>>,
 }
 
 impl fmt::Debug for ClientState {
@@ -179,6 +180,17 @@ impl ClientState {
             Limit::Inherited(bucket) | Limit::Own(Some(bucket)) => bucket.reserve(),
             Limit::Unset | Limit::Own(None) => Duration::ZERO,
         }
+    }
+
+    /// Names the client's cluster in its spans.
+    pub(crate) fn name(&self, cluster: &str) {
+        *lock(&self.cluster) = Some(cluster.into());
+    }
+
+    /// The name the client's spans give its cluster.
+    #[cfg(test)]
+    pub(crate) fn named(&self) -> Option<Arc<str>> {
+        lock(&self.cluster).clone()
     }
 
     /// Counts requests into `metrics` under `cluster`, whose API server is `host` (until
@@ -341,11 +353,12 @@ fn spanned(state: &ClientState, request: Request<Body>) -> (Request<Body>, traci
     if tracing::Span::current().is_none() {
         return (request, tracing::Span::none());
     }
+    let cluster = lock(&state.cluster).clone();
     let span = tracing::info_span!(
         "request",
         otel.name = %request.method(),
         otel.kind = "client",
-        cluster = state.cluster.get().map(|c| &**c).unwrap_or_default(),
+        cluster = cluster.as_deref().unwrap_or_default(),
         http.request.method = %request.method(),
         url.path = request.uri().path(),
         http.response.status_code = tracing::field::Empty,
@@ -511,7 +524,7 @@ mod tests {
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
         tracing::subscriber::with_default(subscriber, || {
             let state = ClientState::default();
-            let _ = state.cluster.set("member-a".into());
+            state.name("member-a");
             let request = || {
                 Request::builder()
                     .uri("/api/v1/namespaces")

@@ -300,16 +300,15 @@ impl<C: ClusterId> Cluster<C> {
             identity: Mutex::new(None),
             credential_holder: Mutex::new(None),
         });
-        let _ = inner
-            .client_state
-            .cluster
-            .set(ClusterField(&inner.id).to_string().into());
+        // A renamed cluster shares its client: its spans and checks name the latest name.
+        let named = ClusterField(&inner.id).to_string();
+        inner.client_state.name(&named);
         // The owner reference check reads through the cluster's own client; a weak handle,
         // since the client's layer holds the check.
         let weak = Arc::downgrade(&inner);
         crate::client::owners::OwnerCheck::attach(
             &inner.client_state,
-            &ClusterField(&inner.id).to_string(),
+            &named,
             Box::new(move || weak.upgrade().map(|inner| Cluster { inner }.client())),
         );
         Self { inner }
@@ -1036,5 +1035,32 @@ impl<C: ClusterId> WeakCluster<C> {
     /// The cluster, if anything still holds it.
     pub fn upgrade(&self) -> Option<Cluster<C>> {
         self.inner.upgrade().map(|inner| Cluster { inner })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A renamed cluster shares its client: the client's spans name the cluster by its
+    /// latest name (the one the fleet and the reconcile spans use).
+    #[tokio::test]
+    async fn a_renamed_clusters_requests_are_named_after_it() {
+        let client = Client::new(
+            tower::service_fn(|_: http::Request<kube::client::Body>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::empty()))
+            }),
+            "default",
+        );
+        let inner = Cluster::new(ClusterName::from("member-a"), client);
+        assert_eq!(
+            inner.inner.client_state.named().as_deref(),
+            Some("member-a")
+        );
+        let _outer = inner.renamed(ClusterName::from("prefix/member-a"));
+        assert_eq!(
+            inner.inner.client_state.named().as_deref(),
+            Some("prefix/member-a")
+        );
     }
 }

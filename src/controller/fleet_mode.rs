@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::context::ReconcileShared;
-use super::queue::FleetQueue;
+use super::queue::{FleetQueue, Origin};
 use super::relations::{Baseline, seen_before};
 use super::{ReconcileReason, Spec, Trigger};
 use crate::cache::Watchable;
@@ -201,8 +201,6 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
         .map(|d| d.register(spec.name.clone()));
     let diagnosed = asks.is_some();
     let mut last: HashMap<C, Last<C>> = HashMap::default();
-    // While a subscriber takes the runtime's spans: the spans of each request waiting.
-    let mut origins: HashMap<Request<C>, Origin> = HashMap::default();
 
     if spec.engage_local
         && let Some(local) = &env.local
@@ -234,9 +232,6 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 FleetEvent::Replaced { old, new } => slots.replace(old, new),
                 FleetEvent::Disengaged(engagement) => {
                     slots.disengage(&engagement);
-                    if !origins.is_empty() && !slots.slots.contains_key(engagement.id()) {
-                        origins.retain(|request, _| request.cluster != *engagement.id());
-                    }
                     // A late event of an older engagement leaves the current one's entry.
                     if !last.is_empty() && !slots.slots.contains_key(engagement.id()) {
                         last.remove(engagement.id());
@@ -250,7 +245,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 }
             }
             Some((req, reason)) = slots.triggers.next(), if !slots.triggers.is_empty() => {
-                traced(&spec.name, &slots.queue, &mut origins, &req, &reason);
+                slots.queue.trace(&req, &reason, |lane| traced(&spec.name, &req, &reason, lane));
                 slots.queue.trigger(req, reason);
             }
             bulk_item = next_opt(&mut bulk) => match bulk_item {
@@ -284,7 +279,7 @@ pub(crate) async fn run<K, C, S, F, Fut, E, P>(
                 }
             }
             (req, reason) = slots.queue.next(), if may_start => {
-                let origin = if origins.is_empty() { None } else { origins.remove(&req) };
+                let origin = slots.queue.take_origin(&req);
                 if let Some((object, engagement)) = slots.object_for(&req, &reason) {
                     let timed = env.metrics.is_some();
                     running.push(start(&spec, req, reason, object, engagement, &shared, &reconcile, &error_policy, timed, diagnosed, origin));
@@ -580,28 +575,14 @@ fn resyncs<K: Watchable, C: ClusterId>(
         .boxed()
 }
 
-/// The spans of a request waiting in the queue: the watch event (or other source) that asked
-/// for it, and its wait. The wait ends (its span closes) when the request is taken; the
-/// reconcile is the event's child beside it.
-struct Origin {
-    event: tracing::Span,
-    /// Held (open) while the request waits.
-    _waiting: tracing::Span,
-}
-
-/// The spans of a request asked for by a watch event (or another source), if a subscriber
-/// takes them: `watch_event`, and its child `queue`, kept in `origins` until the request is
-/// taken from the queue. A request already waiting keeps the spans it came with.
+/// The spans of a request a live change asked for, if a subscriber takes them:
+/// `watch_event`, and its child `queue`, the wait in `lane`.
 fn traced<C: ClusterId>(
     controller: &str,
-    queue: &FleetQueue<C>,
-    origins: &mut HashMap<Request<C>, Origin>,
     req: &Request<C>,
     reason: &ReconcileReason,
-) {
-    if !origins.is_empty() && origins.contains_key(req) {
-        return;
-    }
+    lane: super::queue::Lane,
+) -> Option<Origin> {
     // Its fields are not even formatted unless a subscriber takes it.
     let event = tracing::info_span!(
         parent: None,
@@ -615,26 +596,19 @@ fn traced<C: ClusterId>(
         reason = %reason,
     );
     if event.is_disabled() {
-        return;
+        return None;
     }
-    let lane = match queue.lane_of(reason) {
-        super::queue::Lane::Normal => "normal",
-        super::queue::Lane::Low => "low",
-    };
     let waiting = tracing::info_span!(
         parent: &event,
         "queue",
         controller = %controller,
         cluster = %crate::cluster::ClusterField(&req.cluster),
-        lane,
+        lane = lane.as_str(),
     );
-    origins.insert(
-        req.clone(),
-        Origin {
-            event,
-            _waiting: waiting,
-        },
-    );
+    Some(Origin {
+        event,
+        _waiting: waiting,
+    })
 }
 
 /// The reconcile of `req` as a future yielding what to do next. If its cluster's engagement

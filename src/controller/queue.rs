@@ -43,6 +43,14 @@ pub(crate) enum Lane {
 }
 
 impl Lane {
+    /// Its name in spans and the diagnostics view.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Normal => "normal",
+            Self::Low => "low",
+        }
+    }
+
     /// The lane for requests queued for `reason`.
     pub(crate) fn of(reason: &ReconcileReason) -> Self {
         if reason.is_low() {
@@ -404,6 +412,17 @@ pub(crate) struct FleetQueue<C: ClusterId> {
     /// Whether listed requests go to the low lane (else every request is normal).
     lanes: bool,
     metrics: Option<QueueMetrics<C>>,
+    /// The spans of requests waiting, while a subscriber takes them: kept exactly as long as
+    /// their request is (dropped with it, taken with it).
+    origins: HashMap<Request<C>, Origin>,
+}
+
+/// The spans of a request waiting: the watch event (or other source) that asked for it, and
+/// its wait, which ends (its span closes) when the request is taken or dropped.
+pub(crate) struct Origin {
+    pub(crate) event: tracing::Span,
+    /// Held (open) while the request waits.
+    pub(crate) _waiting: tracing::Span,
 }
 
 /// The Prometheus series a fleet queue keeps up to date.
@@ -450,6 +469,7 @@ impl<C: ClusterId> FleetQueue<C> {
             concurrency,
             lanes: true,
             metrics: None,
+            origins: HashMap::default(),
         }
     }
 
@@ -488,6 +508,10 @@ impl<C: ClusterId> FleetQueue<C> {
     /// series are removed.
     pub(crate) fn disengage(&mut self, cluster: &C) {
         self.engaged.remove(cluster);
+        if !self.origins.is_empty() {
+            self.origins
+                .retain(|request, _| request.cluster != *cluster);
+        }
         let dropped = self.ready.remove_cluster(cluster);
         if let Some(m) = &mut self.metrics
             && let Some(series) = m.series.remove(cluster)
@@ -515,6 +539,40 @@ impl<C: ClusterId> FleetQueue<C> {
             series.adds.inc();
             series.depth.inc();
         }
+    }
+
+    /// Keeps the spans `origin` makes (given the lane) for `req`, about to be triggered for
+    /// `reason`: only for a live change (listed objects and resyncs come in bulk, and are no
+    /// news), of an engaged cluster, and not already waiting with spans of its own.
+    pub(crate) fn trace(
+        &mut self,
+        req: &Request<C>,
+        reason: &ReconcileReason,
+        origin: impl FnOnce(Lane) -> Option<Origin>,
+    ) {
+        if reason.is_low()
+            || !self.engaged.contains(&req.cluster)
+            || (!self.origins.is_empty() && self.origins.contains_key(req))
+        {
+            return;
+        }
+        if let Some(origin) = origin(self.lane_of(reason)) {
+            self.origins.insert(req.clone(), origin);
+        }
+    }
+
+    /// The spans of `req`, just taken from the queue (its wait ends when they are dropped).
+    pub(crate) fn take_origin(&mut self, req: &Request<C>) -> Option<Origin> {
+        if self.origins.is_empty() {
+            return None;
+        }
+        self.origins.remove(req)
+    }
+
+    /// How many requests have spans kept.
+    #[cfg(test)]
+    pub(crate) fn origins(&self) -> usize {
+        self.origins.len()
     }
 
     /// Whether `cluster` is engaged.
@@ -552,6 +610,9 @@ impl<C: ClusterId> FleetQueue<C> {
             }
         } else {
             tracing::debug!(request = %req, "dropping a request for a cluster that is not engaged");
+            if !self.origins.is_empty() {
+                self.origins.remove(&req);
+            }
         }
     }
 
@@ -1210,6 +1271,43 @@ mod tests {
             let (r, why) = q.next().await;
             q.finish(r, Action::requeue(Duration::MAX), why, None);
             assert_eq!(next_within(&mut q, 24 * 3600).await, None);
+        }
+
+        /// The spans of a request live as long as it does: none for a listing, a cluster not
+        /// engaged or a request already waiting with its own; taken with it; dropped with a
+        /// cluster that leaves.
+        #[tokio::test(start_paused = true)]
+        async fn a_requests_spans_live_as_long_as_it_does() {
+            let origin = |_: Lane| {
+                Some(Origin {
+                    event: tracing::Span::none(),
+                    _waiting: tracing::Span::none(),
+                })
+            };
+            let mut q = queue(0, &["a", "b"]);
+            q.trace(&req("a", "listed"), &ReconcileReason::Listed, origin);
+            q.trace(&req("c", "elsewhere"), &ObjectChanged, origin);
+            assert_eq!(
+                q.origins(),
+                0,
+                "no spans for a listing or a cluster not engaged"
+            );
+            q.trace(&req("a", "x"), &ObjectChanged, origin);
+            q.trigger(req("a", "x"), ObjectChanged);
+            let mut asked = 0;
+            q.trace(&req("a", "x"), &ObjectChanged, |_| {
+                asked += 1;
+                None
+            });
+            assert_eq!(asked, 0, "a request waiting keeps the spans it came with");
+            let (taken, _) = q.next().await;
+            assert!(q.take_origin(&taken).is_some());
+            assert_eq!(q.origins(), 0, "taken with the request");
+            q.trace(&req("b", "y"), &ObjectChanged, origin);
+            q.trigger(req("b", "y"), ObjectChanged);
+            assert_eq!(q.origins(), 1);
+            q.disengage(&name("b"));
+            assert_eq!(q.origins(), 0, "dropped with its cluster");
         }
     }
 }

@@ -328,7 +328,7 @@ struct TraceLabel {
 
 #[cfg(feature = "opentelemetry")]
 fn reconcile_histogram() -> ReconcileHistogram {
-    ReconcileHistogram::new(exponential_buckets(0.005, 2.0, 15))
+    ReconcileHistogram::new(duration_buckets())
 }
 
 #[cfg(not(feature = "opentelemetry"))]
@@ -350,9 +350,13 @@ fn observe_reconcile(histogram: &ReconcileHistogram, took: Duration, _mark: Trac
     histogram.observe(took.as_secs_f64());
 }
 
+/// 5 ms to about 82 s, doubling (controller-runtime's reconcile buckets span the same).
+fn duration_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.005, 2.0, 15)
+}
+
 fn duration_histogram() -> Histogram {
-    // 5 ms to about 82 s, doubling (controller-runtime's reconcile buckets span the same).
-    Histogram::new(exponential_buckets(0.005, 2.0, 15))
+    Histogram::new(duration_buckets())
 }
 
 /// Prometheus metrics of a [`Manager`](crate::Manager) and its controllers, registered into

@@ -29,18 +29,16 @@ pub const CONSUMER_LABEL: &str = "x-k8s.io/cluster-inventory-consumer";
 pub const PROFILE_LABEL: &str = "x-k8s.io/cluster-profile";
 /// The data key of a kubeconfig Secret.
 pub const SECRET_KEY: &str = "Config";
-/// The property (KEP-2149) of a profile's status that names its member cluster, unique within
-/// its cluster set.
-pub const CLUSTER_ID_PROPERTY: &str = "cluster.clusterset.k8s.io";
-/// The property (KEP-2149) of a profile's status that names its member's cluster set.
-pub const CLUSTER_SET_PROPERTY: &str = "clusterset.k8s.io";
+/// The label that ties together the profiles of one member cluster (written by the cluster
+/// managers, coordinated on a hub by its administrator).
+pub const MEMBER_ID_LABEL: &str = "multicluster.x-k8s.io/inventory-member-id";
 /// The cluster extension with arguments a profile adds to the plugin's (a list of strings).
 pub const ARGS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/additional-args";
 /// The cluster extension with environment variables a profile adds (a map of strings).
 pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/additional-envs";
 
-/// One cluster per `ClusterProfile` (`multicluster.x-k8s.io/v1alpha1`) of the hub `host`
-/// reaches, named `<namespace>/<name>`.
+/// One cluster per `ClusterProfile` of the hub `host` reaches, named `<namespace>/<name>`;
+/// read at `multicluster.x-k8s.io/v1alpha2` where the hub serves it, else at `v1alpha1`.
 ///
 /// A profile is engaged once its condition `ControlPlaneHealthy` is `True`
 /// ([`ClusterInventory::ready`] replaces the rule), disengaged for good when it is deleted
@@ -60,13 +58,13 @@ pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/add
 ///   [`KubeconfigSecrets`](super::KubeconfigSecrets) (no exec plugins or local files unless
 ///   allowed). The Secrets are watched.
 ///
-/// One member cluster, one engagement: profiles whose status gives the same member id (the
-/// property `cluster.clusterset.k8s.io`, within the cluster set of `clusterset.k8s.io` when
-/// there is one), as two cluster managers each writing one for the same cluster do, engage
-/// only the earliest created of those that are healthy (then the first by namespace and
-/// name). The others get a Warning Event (`DuplicateMember`) naming that profile, and are
-/// paused if they were engaged; when that profile is deleted or stops being healthy, the next
-/// is engaged. [`ClusterInventory::one_per_member`] turns this off.
+/// One member cluster, one engagement: profiles with the same member id (the label
+/// `multicluster.x-k8s.io/inventory-member-id`), as two cluster managers each writing one for
+/// the same cluster have, engage only the earliest created of those that are healthy (then
+/// the first by namespace and name). The others get a Warning Event (`DuplicateMember`)
+/// naming that profile, and are paused if they were engaged; when that profile is deleted or
+/// stops being healthy, the next is engaged. [`ClusterInventory::one_per_member`] turns this
+/// off.
 ///
 /// When what the cluster is built from changes (the profile's access data, the Secret), the
 /// cluster is replaced. A profile whose cluster cannot be built (no access provider the
@@ -816,7 +814,8 @@ impl HubKind for Kind {
 
     const GROUP: &'static str = GROUP;
     const KIND: &'static str = "ClusterProfile";
-    const VERSIONS: &'static [&'static str] = &["v1alpha1"];
+    // The proposed v1alpha2 where the hub serves it: the fields read are the same.
+    const VERSIONS: &'static [&'static str] = &["v1alpha2", "v1alpha1"];
     const WHAT: &'static str = "ClusterProfile";
     const REPORTER: &'static str = "multicluster-runtime-cluster-inventory";
 
@@ -828,18 +827,11 @@ impl HubKind for Kind {
         if !self.one_per_member {
             return None;
         }
-        let properties = field(object, &["status", "properties"])?.as_array()?;
-        let property = |name: &str| {
-            properties
-                .iter()
-                .find(|p| p.get("name").and_then(|n| n.as_str()) == Some(name))
-                .and_then(|p| p.get("value")?.as_str())
-                .filter(|value| !value.is_empty())
-        };
-        let id = property(CLUSTER_ID_PROPERTY)?;
-        // The set's length first: no two (set, id) pairs make one key.
-        let set = property(CLUSTER_SET_PROPERTY).unwrap_or_default();
-        Some(format!("{}:{set}{id}", set.len()))
+        object
+            .labels()
+            .get(MEMBER_ID_LABEL)
+            .filter(|id| !id.is_empty())
+            .cloned()
     }
 
     fn secrets(&self) -> Option<watcher::Config> {
@@ -939,7 +931,7 @@ mod tests {
     }
 
     #[test]
-    fn a_member_id_is_the_cluster_id_within_its_set() {
+    fn a_member_id_is_the_label_of_the_profile() {
         let kind = |one_per_member| Kind {
             access: Access::Secrets {
                 consumer: "mcr".into(),
@@ -947,36 +939,27 @@ mod tests {
             },
             one_per_member,
         };
-        let with = |properties: &[(&str, &str)]| {
-            let properties: Vec<_> = properties
-                .iter()
-                .map(|(name, value)| json!({"name": name, "value": value}))
-                .collect();
-            profile(json!({ "properties": properties }))
+        let labelled = |value: Option<&str>| {
+            let mut object = profile(json!({}));
+            if let Some(value) = value {
+                object
+                    .labels_mut()
+                    .insert(MEMBER_ID_LABEL.into(), value.into());
+            }
+            object
         };
-        let id = |properties: &[(&str, &str)]| kind(true).member_id(&with(properties));
-        assert_eq!(id(&[]), None);
         assert_eq!(
-            id(&[(CLUSTER_SET_PROPERTY, "set")]),
+            kind(true).member_id(&labelled(Some("m-1"))).as_deref(),
+            Some("m-1")
+        );
+        assert_eq!(
+            kind(true).member_id(&labelled(Some(""))),
             None,
-            "a set without an id"
+            "an empty id"
         );
-        assert_eq!(id(&[(CLUSTER_ID_PROPERTY, "")]), None, "an empty id");
+        assert_eq!(kind(true).member_id(&labelled(None)), None);
         assert_eq!(
-            id(&[(CLUSTER_ID_PROPERTY, "c"), ("other", "x")]),
-            id(&[(CLUSTER_ID_PROPERTY, "c")])
-        );
-        assert_ne!(
-            id(&[(CLUSTER_ID_PROPERTY, "c"), (CLUSTER_SET_PROPERTY, "ab")]),
-            id(&[(CLUSTER_ID_PROPERTY, "bc"), (CLUSTER_SET_PROPERTY, "a")]),
-            "no two (set, id) pairs share a key"
-        );
-        assert_ne!(
-            id(&[(CLUSTER_ID_PROPERTY, "c"), (CLUSTER_SET_PROPERTY, "one")]),
-            id(&[(CLUSTER_ID_PROPERTY, "c"), (CLUSTER_SET_PROPERTY, "two")])
-        );
-        assert_eq!(
-            kind(false).member_id(&with(&[(CLUSTER_ID_PROPERTY, "c")])),
+            kind(false).member_id(&labelled(Some("m-1"))),
             None,
             "one_per_member(false)"
         );

@@ -8,3 +8,13 @@ pub(crate) mod panic;
 pub(crate) mod sync;
 pub(crate) mod task;
 pub(crate) mod tls;
+
+/// `text` cut to `max` characters, with `…` where it was cut (an error shown where a whole one
+/// does not belong; the logs have it whole).
+pub(crate) fn cut(mut text: String, max: usize) -> String {
+    if let Some((at, _)) = text.char_indices().nth(max) {
+        text.truncate(at);
+        text.push('…');
+    }
+    text
+}
