@@ -5,7 +5,7 @@
 //! cargo bench --bench runtime -- callgrind [--fleet] [--runs N]   # zero cost of single-cluster mode
 //! cargo bench --bench runtime -- callgrind --concurrency [--runs N] # single mode at 4 and 64 at once
 //! cargo bench --bench runtime -- throughput [--runs N] [--metrics]   # fleet vs single vs kube-runtime; fleet with/without metrics
-//! cargo bench --bench runtime --features opentelemetry -- callgrind --tracing [--runs N] # fleet with metrics, OpenTelemetry layer off and on
+//! cargo bench --bench runtime --features opentelemetry -- callgrind --tracing [--runs N] # fleet with metrics, OpenTelemetry layer off, on, on at 1 %
 //! cargo bench --bench runtime -- scale        # engage latency, RSS, 1,000 clusters
 //! cargo bench --bench runtime -- namespaces   # 1,000 namespaces as clusters, 100 Nodes
 //! ```
@@ -89,8 +89,9 @@ fn main() {
                 let modes: &[&str] = if args.iter().any(|a| a == "--metrics") {
                     &["fleet", "fleet-metrics"]
                 } else if args.iter().any(|a| a == "--tracing") {
-                    // The layer off and on, metrics on in both (its exemplars are part of it).
-                    &["fleet-metrics", "fleet-traced"]
+                    // The layer off, on with every trace sampled and with 1 in 100, metrics on
+                    // in all (its exemplars are part of it).
+                    &["fleet-metrics", "fleet-traced", "fleet-sampled"]
                 } else if args.iter().any(|a| a == "--concurrency") {
                     // Single mode's backlog: kube-runtime's runner polls every running
                     // reconcile on each wake-up, so its cost grows with how many run at once.
@@ -255,16 +256,19 @@ fn callgrind(kubeconfig: &str, modes: &[&'static str], runs: usize) {
         print!("fleet-metrics / fleet:");
         ratio("fleet-metrics", "fleet");
     }
-    if modes.contains(&"fleet-traced") {
-        print!("fleet-traced / fleet-metrics:");
-        ratio("fleet-traced", "fleet-metrics");
+    for traced in ["fleet-traced", "fleet-sampled"] {
+        if modes.contains(&traced) {
+            print!("{traced} / fleet-metrics:");
+            ratio(traced, "fleet-metrics");
+        }
     }
 }
 
 /// `fleet-traced`: the OpenTelemetry layer exporting every span (OTLP/HTTP, in batches) to a
-/// collector in this process that answers 200 to each export; the guard is kept to the end.
+/// collector in this process that answers 200 to each export; `fleet-sampled`: 1 trace in 100.
+/// The guard is kept to the end.
 #[cfg(feature = "opentelemetry")]
-async fn traced() -> multicluster_runtime::telemetry::TracingGuard {
+async fn traced(ratio: f64) -> multicluster_runtime::telemetry::TracingGuard {
     use tracing_subscriber::prelude::*;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -290,6 +294,7 @@ async fn traced() -> multicluster_runtime::telemetry::TracingGuard {
     });
     let (layer, guard) = multicluster_runtime::telemetry::Tracing::otlp()
         .endpoint(format!("http://{address}"))
+        .sample_ratio(ratio)
         .install()
         .expect("tracing");
     tracing_subscriber::registry()
@@ -366,17 +371,17 @@ async fn child(mode: &str, kubeconfig: &str) {
                 .run(count, never, Arc::new(Counter::default()))
                 .await
         }
-        "fleet" | "fleet-metrics" | "fleet-traced" => {
+        "fleet" | "fleet-metrics" | "fleet-traced" | "fleet-sampled" => {
             #[cfg(feature = "opentelemetry")]
-            let _tracing = if mode == "fleet-traced" {
-                Some(traced().await)
-            } else {
-                None
+            let _tracing = match mode {
+                "fleet-traced" => Some(traced(1.0).await),
+                "fleet-sampled" => Some(traced(0.01).await),
+                _ => None,
             };
             #[cfg(not(feature = "opentelemetry"))]
             assert!(
-                mode != "fleet-traced",
-                "fleet-traced needs --features opentelemetry"
+                !mode.ends_with("-traced") && !mode.ends_with("-sampled"),
+                "{mode} needs --features opentelemetry"
             );
             let clusters = Clusters::new();
             clusters
