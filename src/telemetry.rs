@@ -256,13 +256,7 @@ mod otlp {
         /// flushes at shutdown. Call it on the tokio runtime the exports are to be sent from.
         pub fn install<S>(
             self,
-        ) -> Result<
-            (
-                impl tracing_subscriber::Layer<S> + use<S>,
-                TracingGuard,
-            ),
-            TracingError,
-        >
+        ) -> Result<(impl tracing_subscriber::Layer<S> + use<S>, TracingGuard), TracingError>
         where
             S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
         {

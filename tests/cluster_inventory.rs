@@ -849,10 +849,10 @@ async fn set_member(profiles: &Api<DynamicObject>, name: &str, id: &str) {
 }
 
 /// On a hub that serves ClusterProfile only at `v1alpha2`, profiles are read there; two
-/// cluster managers each write a profile for one member: one cluster is engaged, the earliest
-/// created profile's; the other profile is told why, and takes over when the first stops
-/// being healthy or goes. A profile of another member id stands on its own, and one whose id
-/// changes to a taken one stands aside.
+/// cluster managers each write a profile for one member: one cluster is engaged, that of the
+/// earliest created profile whose cluster can be built; the other profile is told why, and
+/// takes over when the first stops being healthy or goes. A profile of another member id
+/// stands on its own, and one whose id changes to a taken one stands aside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() {
     let env = TestEnv::builder().clusters(2).start().await.unwrap();
@@ -885,18 +885,21 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
             set_member(&profiles, name, id).await;
         }
         set_status(&profiles, name, true, json!([])).await;
-        secrets
-            .create(
-                &pp,
-                &labelled_secret(
-                    &format!("{name}-kubeconfig"),
-                    name,
-                    "mcr",
-                    member.kubeconfig(),
-                ),
-            )
-            .await
-            .unwrap();
+        // first's Secret comes later: until then its cluster cannot be built.
+        if name != "first" {
+            secrets
+                .create(
+                    &pp,
+                    &labelled_secret(
+                        &format!("{name}-kubeconfig"),
+                        name,
+                        "mcr",
+                        member.kubeconfig(),
+                    ),
+                )
+                .await
+                .unwrap();
+        }
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     }
 
@@ -906,20 +909,41 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
         ProfileNamespaces::Only("fleet".into()),
     )));
     let run = spawn_manager(&manager);
-    // Sync point: second's Event says it was weighed after first.
-    eventually(30, "a DuplicateMember Event on second", async || {
-        has_event(&hc, "fleet", "DuplicateMember", "second", "fleet/first").await
-    })
-    .await;
     let engaged = |names: &[&str]| {
         let names: Vec<_> = names.iter().map(|n| name(&format!("fleet/{n}"))).collect();
         manager.fleet().ids() == names
     };
+    // first cannot be built (no Secret): second, the next, is the member's.
+    eventually(30, "first refused for its missing Secret", async || {
+        has_event(&hc, "fleet", "KubeconfigRefused", "first", "no Secret").await
+    })
+    .await;
+    eventually(30, "second, other and unlabelled engaged", async || {
+        engaged(&["other", "second", "unlabelled"])
+    })
+    .await;
+
+    // first's Secret comes: first is engaged, then second steps aside (paused).
+    secrets
+        .create(
+            &pp,
+            &labelled_secret("first-kubeconfig", "first", "mcr", member.kubeconfig()),
+        )
+        .await
+        .unwrap();
+    eventually(30, "a DuplicateMember Event on second", async || {
+        has_event(&hc, "fleet", "DuplicateMember", "second", "fleet/first").await
+    })
+    .await;
     eventually(30, "first, other and unlabelled engaged", async || {
         engaged(&["first", "other", "unlabelled"])
     })
     .await;
     assert!(manager.cluster(&name("fleet/second")).is_none());
+    assert!(
+        manager.fleet().paused(&name("fleet/second")).is_some(),
+        "second is paused"
+    );
 
     // first stops being healthy: second is engaged, first paused.
     set_status(&profiles, "first", false, json!([])).await;

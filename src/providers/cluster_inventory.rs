@@ -60,11 +60,13 @@ pub const ENVS_EXTENSION: &str = "clusterprofiles.multicluster.x-k8s.io/exec/add
 ///
 /// One member cluster, one engagement: profiles with the same member id (the label
 /// `multicluster.x-k8s.io/inventory-member-id`), as two cluster managers each writing one for
-/// the same cluster have, engage only the earliest created of those that are healthy (then
-/// the first by namespace and name). The others get a Warning Event (`DuplicateMember`)
-/// naming that profile, and are paused if they were engaged; when that profile is deleted or
-/// stops being healthy, the next is engaged. [`ClusterInventory::one_per_member`] turns this
-/// off.
+/// the same cluster have, engage only the earliest created (then the first by namespace and
+/// name) of those that are healthy and whose cluster can be built from what the hub holds.
+/// The others get a Warning Event (`DuplicateMember`) and are not engaged; one engaged before
+/// is paused once that profile's cluster is engaged. When that profile is deleted, stops
+/// being healthy or loses its credentials, the next is engaged.
+/// [`ClusterInventory::one_per_member`] turns this off. `v1alpha2` has no
+/// `status.credentialProviders`: there, only `status.accessProviders` is read.
 ///
 /// When what the cluster is built from changes (the profile's access data, the Secret), the
 /// cluster is replaced. A profile whose cluster cannot be built (no access provider the

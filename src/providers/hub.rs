@@ -495,9 +495,20 @@ impl<K: HubKind> Engine<K> {
         object.is_some_and(|o| o.meta().deletion_timestamp.is_none() && self.is_ready(o))
     }
 
+    /// Whether an object with this recipe may stand for its member: its cluster can be built
+    /// from what the hub holds, or its credentials were revoked and are kept.
+    fn may_hold(&self, recipe: &Result<(u64, K::Recipe), NoRecipe>) -> bool {
+        match recipe {
+            Ok(_) => true,
+            Err(NoRecipe::Revoked(_)) => self.scope.keep_revoked,
+            Err(NoRecipe::Unusable(_)) => false,
+        }
+    }
+
     /// The object that stands for the member cluster `key`'s object describes, if another
-    /// does: of the live objects filed under its member id, the earliest created (then the
-    /// first by key). Every replica and every restart picks the same one.
+    /// does: of the objects filed under its member id that are live and whose cluster can be
+    /// built from what the hub holds (a recipe), the earliest created, then the first by key.
+    /// It depends on the hub's objects alone, so every replica picks the same one.
     fn member_holder(&self, state: &State, key: &str) -> Option<String> {
         let id = state.objects.get(key)?.member.as_ref()?;
         let holder = state
@@ -506,6 +517,7 @@ impl<K: HubKind> Engine<K> {
             .iter()
             .filter_map(|k| Some((k, state.objects.get(k)?.object.as_ref()?)))
             .filter(|(_, o)| self.is_live(Some(o)))
+            .filter(|(_, o)| self.may_hold(&self.kind.recipe(o, &state.secrets)))
             .min_by(|(a, x), (b, y)| {
                 let created = |o: &DynamicObject| o.meta().creation_timestamp.clone().map(|t| t.0);
                 created(x).cmp(&created(y)).then_with(|| a.cmp(b))
@@ -518,7 +530,19 @@ impl<K: HubKind> Engine<K> {
         if !state.secrets_listed {
             return Step::Nothing;
         }
+        // While the objects are being listed, one with a member id waits for the listing's
+        // end (which steps every object): an older object of its id may come later in it.
+        if state.listing_objects.is_some()
+            && state.objects.get(key).is_some_and(|k| k.member.is_some())
+        {
+            return Step::Nothing;
+        }
         let holder = self.member_holder(state, key);
+        // The holder's own cluster, once engaged, takes over: until then an engaged one stays.
+        let holder_engaged = holder
+            .as_ref()
+            .and_then(|h| state.objects.get(h))
+            .is_some_and(|h| h.engaged.is_some());
         let Some(known) = state.objects.get_mut(key) else {
             return Step::Nothing;
         };
@@ -539,12 +563,26 @@ impl<K: HubKind> Engine<K> {
                 (Some(_), false) => Step::Nothing,
             };
         };
-        if let Some(holder) = holder {
+        let recipe = self.kind.recipe(object, &state.secrets);
+        // Only an object that could stand for its member stands aside for another; one that
+        // could not says why (below).
+        if let Some(holder) = holder.filter(|_| self.may_hold(&recipe)) {
+            if known.engaged.is_some() && !holder_engaged {
+                return Step::Nothing;
+            }
             known.wanted = None;
             known.failed = None;
+            // Another namespace's object is not named (a tenant reading Events of its own
+            // namespace would learn of it).
+            let other = if holder.split_once('/').map(|(ns, _)| ns)
+                == key.split_once('/').map(|(ns, _)| ns)
+            {
+                format!("{} {holder}", K::WHAT)
+            } else {
+                format!("a {} of another namespace", K::WHAT)
+            };
             let problem = format!(
-                "it describes the same member cluster as {} {holder}, created earlier: only that one is engaged",
-                K::WHAT
+                "{other} has the same member id and comes first (created earlier, or first by name): only that one is engaged"
             );
             let fingerprint = version_of(&problem);
             let paused = known.engaged.take().is_some();
@@ -554,7 +592,7 @@ impl<K: HubKind> Engine<K> {
             known.reported = Some(fingerprint);
             return Step::Duplicate(problem, paused);
         }
-        match self.kind.recipe(object, &state.secrets) {
+        match recipe {
             Ok((version, recipe)) => {
                 if known.engaged == Some(version) {
                     // Back to what is engaged: a build of something else in flight is
@@ -835,8 +873,18 @@ impl<K: HubKind> Engine<K> {
                                 known.engaged = Some(version);
                                 known.reported = None;
                                 known.failed = None;
+                                // Its member's other object, engaged until now, steps aside.
+                                let peers = state.refile(vec![key], self.kind.as_ref());
+                                if peers.len() > 1 {
+                                    peers
+                                } else {
+                                    continue;
+                                }
                             }
-                            Err(error) => tracing::warn!(cluster = %key, %error, "could not engage"),
+                            Err(error) => {
+                                tracing::warn!(cluster = %key, %error, "could not engage");
+                                continue;
+                            }
                         },
                         Err(reason) => {
                             let attempts = match &known.failed {
@@ -856,9 +904,9 @@ impl<K: HubKind> Engine<K> {
                                     self.report(&recorder, &object, &resource, &reason).await;
                                 }
                             }
+                            continue;
                         }
                     }
-                    continue;
                 }
                 Some((key, version)) = retries.next(), if !retries.is_empty() => {
                     match state.objects.get_mut(&key).and_then(|k| k.failed.as_mut()) {
@@ -876,8 +924,9 @@ impl<K: HubKind> Engine<K> {
                 },
                 event = secrets.next() => match event {
                     None => return Ok(()),
+                    // Which object of a member id comes first depends on its credentials too.
                     Some(event) => match self.secret_event(&mut state, event) {
-                        Some(keys) => keys,
+                        Some(keys) => state.refile(keys, self.kind.as_ref()),
                         None => continue,
                     },
                 },

@@ -45,6 +45,9 @@ fn placement_decisions() -> ApiResource {
 /// no cluster is engaged that was not engaged before: the decorator never widens the fleet
 /// on a failure.
 ///
+/// Over a [`ClusterInventory`](super::ClusterInventory) that engages one profile per member
+/// id, a decision naming a profile that is not its member's engages nothing for that member.
+///
 /// Trust: whoever can write PlacementDecisions in that namespace chooses which of the inner
 /// provider's clusters this controller works on, and nothing else (a reference outside the
 /// inner provider's clusters engages nothing).
