@@ -834,6 +834,15 @@ fn profiles_v1alpha2() -> ApiResource {
     )
 }
 
+/// Creates the kubeconfig Secret of consumer `mcr` for `profile`: `<profile>-kubeconfig`.
+async fn kubeconfig_for(secrets: &Api<Secret>, profile: &str, kubeconfig: &str) {
+    let secret = labelled_secret(&format!("{profile}-kubeconfig"), profile, "mcr", kubeconfig);
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+}
+
 /// Labels the profile with its member id.
 async fn set_member(profiles: &Api<DynamicObject>, name: &str, id: &str) {
     profiles
@@ -887,18 +896,7 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
         set_status(&profiles, name, true, json!([])).await;
         // first's Secret comes later: until then its cluster cannot be built.
         if name != "first" {
-            secrets
-                .create(
-                    &pp,
-                    &labelled_secret(
-                        &format!("{name}-kubeconfig"),
-                        name,
-                        "mcr",
-                        member.kubeconfig(),
-                    ),
-                )
-                .await
-                .unwrap();
+            kubeconfig_for(&secrets, name, member.kubeconfig()).await;
         }
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     }
@@ -924,13 +922,7 @@ async fn profiles_of_one_member_id_engage_one_cluster_and_the_next_takes_over() 
     .await;
 
     // first's Secret comes: first is engaged, then second steps aside (paused).
-    secrets
-        .create(
-            &pp,
-            &labelled_secret("first-kubeconfig", "first", "mcr", member.kubeconfig()),
-        )
-        .await
-        .unwrap();
+    kubeconfig_for(&secrets, "first", member.kubeconfig()).await;
     eventually(30, "a DuplicateMember Event on second", async || {
         has_event(&hc, "fleet", "DuplicateMember", "second", "fleet/first").await
     })
@@ -1000,18 +992,7 @@ async fn with_one_per_member_off_each_profile_of_a_member_is_a_cluster() {
     let pp = PostParams::default();
     for name in ["first", "second"] {
         profiles.create(&pp, &profile(name)).await.unwrap();
-        secrets
-            .create(
-                &pp,
-                &labelled_secret(
-                    &format!("{name}-kubeconfig"),
-                    name,
-                    "mcr",
-                    member.kubeconfig(),
-                ),
-            )
-            .await
-            .unwrap();
+        kubeconfig_for(&secrets, name, member.kubeconfig()).await;
         set_member(&profiles, name, "member-1").await;
         set_status(&profiles, name, true, json!([])).await;
     }
