@@ -610,9 +610,6 @@ impl<C: ClusterId> FleetQueue<C> {
             }
         } else {
             tracing::debug!(request = %req, "dropping a request for a cluster that is not engaged");
-            if !self.origins.is_empty() {
-                self.origins.remove(&req);
-            }
         }
     }
 

@@ -126,7 +126,7 @@ impl KubeconfigSecrets {
 impl SecretClusters for KubeconfigSecrets {
     const WHAT: &'static str = "kubeconfig Secret";
     const REFUSED_LINE: &'static str = "kubeconfig Secret refused";
-    const REFUSED: &'static str = "KubeconfigRefused";
+    const REFUSED: &'static str = super::KUBECONFIG_REFUSED;
     const REPORTER: &'static str = "multicluster-runtime-kubeconfig-secrets";
 
     fn keys(&self) -> Vec<&str> {
